@@ -1,0 +1,320 @@
+"""Modules that own TT cores and rank gates as trainable parameters.
+
+``TTMatrix`` holds one TT-parameterised matrix M (cores + gates) and knows how to multiply and index it without
+building it. ``TTLinear`` and ``TTEmbedding`` are drop-in replacements for ``nn.Linear`` / ``nn.Embedding`` that
+use a ``TTMatrix``; a tied embedding and output head share one ``TTMatrix`` instance.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from . import decompose, ops
+from .layout import TTFormat, TTLayout
+from .shapes import auto_num_modes, capped_ranks, choose_modes, feasible_ranks, order_for_chain
+
+
+class TTMatrix(nn.Module):
+    """A matrix M (rows × cols) stored as TT or TTM cores with one gate vector per internal bond.
+
+    Ranks are read from the cores, so shrinking a bond is just replacing three parameters. Loading a state dict
+    whose cores have other ranks (a pruned checkpoint) adopts the checkpoint's shapes.
+    """
+
+    def __init__(self, layout: TTLayout, cores: Sequence[Tensor], gates: Sequence[Tensor] | None = None):
+        super().__init__()
+        expected = layout.core_shapes
+        if [tuple(c.shape) for c in cores] != expected:
+            raise ValueError(f"core shapes {[tuple(c.shape) for c in cores]} do not match layout {expected}")
+        self.format = layout.format
+        self.rows, self.cols = layout.rows, layout.cols
+        self.row_modes, self.col_modes = layout.row_modes, layout.col_modes
+        self.cores = nn.ParameterList([nn.Parameter(c.detach().clone()) for c in cores])
+        if gates is None:
+            gates = [torch.ones(r, dtype=cores[0].dtype, device=cores[0].device) for r in layout.internal_ranks]
+        self.gates = nn.ParameterList([nn.Parameter(g.detach().clone()) for g in gates])
+
+    # -- construction --------------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_matrix(
+        cls,
+        matrix: Tensor,
+        *,
+        format: TTFormat,
+        row_modes: Sequence[int],
+        col_modes: Sequence[int],
+        max_rank: int | None = None,
+        rank_ratio: float | None = None,
+        rel_tol: float | None = None,
+    ) -> "TTMatrix":
+        """TT-SVD (or TTM-SVD) of a dense matrix, truncated by max_rank / rank_ratio / rel_tol."""
+        row_modes, col_modes = tuple(row_modes), tuple(col_modes)
+        dims = _chain_dims(format, row_modes, col_modes)
+        caps = capped_ranks(dims, max_rank, rank_ratio)
+        split = decompose.matrix_to_tt if format is TTFormat.TT else decompose.matrix_to_ttm
+        cores = split(matrix, row_modes, col_modes, caps, rel_tol)
+        ranks = (1,) + tuple(c.shape[-1] for c in cores)
+        layout = TTLayout(format, matrix.shape[0], matrix.shape[1], row_modes, col_modes, ranks)
+        return cls(layout, cores)
+
+    @classmethod
+    def random(
+        cls,
+        rows: int,
+        cols: int,
+        *,
+        format: TTFormat,
+        row_modes: Sequence[int],
+        col_modes: Sequence[int],
+        max_rank: int | None = None,
+        rank_ratio: float | None = None,
+        std: float,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+        generator: torch.Generator | None = None,
+    ) -> "TTMatrix":
+        """Random cores whose reconstructed entries have standard deviation ``std`` (the dense init's)."""
+        row_modes, col_modes = tuple(row_modes), tuple(col_modes)
+        ranks = capped_ranks(_chain_dims(format, row_modes, col_modes), max_rank, rank_ratio)
+        layout = TTLayout(format, rows, cols, row_modes, col_modes, ranks)
+        cores = decompose.random_tt_cores(layout.core_shapes, std, dtype=dtype, device=device, generator=generator)
+        return cls(layout, cores)
+
+    # -- metadata ------------------------------------------------------------------------------------------------
+
+    @property
+    def layout(self) -> TTLayout:
+        ranks = (1,) + tuple(core.shape[-1] for core in self.cores)
+        return TTLayout(self.format, self.rows, self.cols, self.row_modes, self.col_modes, ranks)
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return self.layout.ranks
+
+    @property
+    def full_ranks(self) -> tuple[int, ...]:
+        return feasible_ranks(_chain_dims(self.format, self.row_modes, self.col_modes))
+
+    def extra_repr(self) -> str:
+        layout = self.layout
+        return (f"format={layout.format.value}, modes={layout.describe_modes()}, ranks={layout.ranks}, "
+                f"params={layout.num_params}, compression={layout.compression:.1f}x")
+
+    # -- math ----------------------------------------------------------------------------------------------------
+
+    def gated_cores(self) -> list[Tensor]:
+        return ops.gate_cores(list(self.cores), list(self.gates), self.layout)
+
+    def dense(self) -> Tensor:
+        """M itself (rows × cols). Builds the full matrix: for checks, not for the hot path."""
+        return ops.to_dense(self.gated_cores(), self.layout)
+
+    def matmul(self, x: Tensor) -> Tensor:
+        return ops.matmul(x, self.gated_cores(), self.layout)
+
+    def matmul_t(self, x: Tensor) -> Tensor:
+        return ops.matmul_t(x, self.gated_cores(), self.layout)
+
+    def take_rows(self, index: Tensor) -> Tensor:
+        return ops.take_rows(index, self.gated_cores(), self.layout)
+
+    # -- checkpoints ---------------------------------------------------------------------------------------------
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # A pruned checkpoint has smaller ranks: adopt its shapes before the children copy the values in.
+        for group_name, group in (("cores", self.cores), ("gates", self.gates)):
+            for k, param in enumerate(group):
+                saved = state_dict.get(f"{prefix}{group_name}.{k}")
+                if saved is not None and saved.shape != param.shape:
+                    group[k] = nn.Parameter(torch.empty(saved.shape, dtype=param.dtype, device=param.device),
+                                            requires_grad=param.requires_grad)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
+def _chain_dims(format: TTFormat, row_modes: tuple[int, ...], col_modes: tuple[int, ...]) -> tuple[int, ...]:
+    if format is TTFormat.TT:
+        return row_modes + col_modes
+    return tuple(a * b for a, b in zip(row_modes, col_modes))
+
+
+class TTLinear(nn.Module):
+    """y = x W^T + b with W stored as a TTMatrix; the dense bias is kept as is.
+
+    Normally M = W^T (rows = in_features, cols = out_features: input modes then output modes, CoMERA's layout).
+    A tied output head reuses an embedding's M = E, where W = M; then ``transposed=True``.
+    """
+
+    def __init__(self, tt: TTMatrix, bias: Tensor | None = None, *, transposed: bool = False):
+        super().__init__()
+        self.tt = tt
+        self.transposed = transposed
+        self.bias = nn.Parameter(bias.detach().clone()) if bias is not None else None
+
+    @property
+    def in_features(self) -> int:
+        return self.tt.cols if self.transposed else self.tt.rows
+
+    @property
+    def out_features(self) -> int:
+        return self.tt.rows if self.transposed else self.tt.cols
+
+    @property
+    def weight(self) -> Tensor:
+        """The dense (out × in) weight, rebuilt on each access — for code that insists on reading it."""
+        dense = self.tt.dense()
+        return dense if self.transposed else dense.t()
+
+    @classmethod
+    def from_dense(cls, linear: nn.Linear, **options) -> "TTLinear":
+        """Convert an ``nn.Linear``; ``options`` are those of ``make_tt_matrix`` (max_rank, init, format, ...)."""
+        options.setdefault("format", TTFormat.TT)
+        tt = make_tt_matrix(linear.weight.detach().t(), kind="linear", **options)
+        return cls(tt, linear.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.tt.matmul_t(x) if self.transposed else self.tt.matmul(x)
+        return y + self.bias if self.bias is not None else y
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class TTEmbedding(nn.Module):
+    """An embedding table E (num_embeddings × embedding_dim) stored as a TTMatrix; lookups never build E.
+
+    Matches ``nn.Embedding`` for any index shape, including ``padding_idx``: that row is returned from a constant
+    buffer and receives no gradient, as in ``nn.Embedding``. ``max_norm`` (which rewrites rows in place),
+    ``scale_grad_by_freq`` and ``sparse`` have no TT equivalent and are refused.
+    """
+
+    def __init__(self, tt: TTMatrix, padding_idx: int | None = None, padding_row: Tensor | None = None):
+        super().__init__()
+        self.tt = tt
+        if padding_idx is not None and padding_idx < 0:
+            padding_idx += tt.rows
+        self.padding_idx = padding_idx
+        if padding_idx is not None:
+            row = padding_row if padding_row is not None else torch.zeros(tt.cols)
+            self.register_buffer("padding_row", row.detach().clone().to(tt.cores[0].dtype))
+        else:
+            self.padding_row = None
+
+    @property
+    def num_embeddings(self) -> int:
+        return self.tt.rows
+
+    @property
+    def embedding_dim(self) -> int:
+        return self.tt.cols
+
+    @property
+    def weight(self) -> Tensor:
+        """The dense table, rebuilt on each access — for code that insists on reading it."""
+        dense = self.tt.dense()
+        if self.padding_idx is not None:
+            dense = dense.index_copy(0, torch.tensor([self.padding_idx], device=dense.device),
+                                     self.padding_row.to(dense.dtype)[None])
+        return dense
+
+    @staticmethod
+    def check_supported(embedding: nn.Embedding) -> str | None:
+        """Why an nn.Embedding cannot become a TTEmbedding, or None."""
+        if embedding.max_norm is not None:
+            return "max_norm renormalises rows in place, which a TT table cannot do; set max_norm=None"
+        if embedding.scale_grad_by_freq:
+            return "scale_grad_by_freq is not supported; set scale_grad_by_freq=False"
+        if embedding.sparse:
+            return "sparse gradients are not supported; set sparse=False"
+        return None
+
+    @classmethod
+    def from_dense(cls, embedding: nn.Embedding, **options) -> "TTEmbedding":
+        """Convert an ``nn.Embedding``; ``options`` are those of ``make_tt_matrix`` (TTM format by default)."""
+        reason = cls.check_supported(embedding)
+        if reason is not None:
+            raise ValueError(f"cannot tensorize {embedding}: {reason}")
+        options.setdefault("format", TTFormat.TTM)
+        tt = make_tt_matrix(embedding.weight.detach(), kind="embedding", **options)
+        pad = embedding.padding_idx
+        return cls(tt, pad, embedding.weight.detach()[pad] if pad is not None else None)
+
+    def forward(self, index: Tensor) -> Tensor:
+        if not torch.compiler.is_compiling() and index.numel() > 0:
+            low, high = int(index.min()), int(index.max())
+            if low < 0 or high >= self.num_embeddings:
+                raise IndexError(f"index out of range in TTEmbedding: indices span [{low}, {high}], "
+                                 f"table has {self.num_embeddings} rows")
+        out = self.tt.take_rows(index)
+        if self.padding_idx is not None:
+            out = torch.where((index == self.padding_idx)[..., None], self.padding_row.to(out.dtype), out)
+        return out
+
+    def extra_repr(self) -> str:
+        pad = f", padding_idx={self.padding_idx}" if self.padding_idx is not None else ""
+        return f"{self.num_embeddings}, {self.embedding_dim}{pad}"
+
+
+def default_init_std(kind: str, fan_in: int) -> float:
+    """Std of PyTorch's default init: nn.Linear's kaiming_uniform(a=√5) is U(±1/√fan_in); nn.Embedding is N(0, 1)."""
+    if kind == "embedding":
+        return 1.0
+    return 1.0 / math.sqrt(3.0 * fan_in)
+
+
+def choose_layout_modes(
+    rows: int, cols: int, format: TTFormat, num_modes: int | None = None, max_pad_fraction: float = 0.25
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Row and column modes for a (rows × cols) matrix.
+
+    TT: each side gets its own number of modes (``num_modes`` or about one per factor of 10), largest modes at the
+    chain's ends. TTM: both sides need the same number of modes, chosen from the geometric mean of the two sizes.
+    """
+    if format is TTFormat.TT:
+        d_rows = num_modes or auto_num_modes(rows)
+        d_cols = num_modes or auto_num_modes(cols)
+        row_modes = order_for_chain(choose_modes(rows, d_rows, max_pad_fraction=max_pad_fraction), largest_first=True)
+        col_modes = order_for_chain(choose_modes(cols, d_cols, max_pad_fraction=max_pad_fraction), largest_first=False)
+        return row_modes, col_modes
+    d = num_modes or auto_num_modes(math.isqrt(rows * cols))
+    return (choose_modes(rows, d, max_pad_fraction=max_pad_fraction),
+            choose_modes(cols, d, max_pad_fraction=max_pad_fraction))
+
+
+def make_tt_matrix(
+    matrix: Tensor,
+    *,
+    kind: str,
+    format: TTFormat = TTFormat.TT,
+    init: str = "svd",
+    max_rank: int | None = None,
+    rank_ratio: float | None = None,
+    rel_tol: float | None = None,
+    num_modes: int | None = None,
+    row_modes: Sequence[int] | None = None,
+    col_modes: Sequence[int] | None = None,
+    max_pad_fraction: float = 0.25,
+    generator: torch.Generator | None = None,
+) -> TTMatrix:
+    """A TTMatrix for ``matrix`` (M, rows × cols): TT-SVD of it (``init="svd"``) or random cores of the same
+    shape whose entries have the variance of PyTorch's default init for ``kind`` ("linear" or "embedding")."""
+    if not matrix.is_floating_point():
+        raise TypeError(f"only floating-point weights can be tensorized, got dtype {matrix.dtype}")
+    format = TTFormat(format)
+    rows, cols = matrix.shape
+    auto_rows, auto_cols = choose_layout_modes(rows, cols, format, num_modes, max_pad_fraction)
+    row_modes = tuple(row_modes) if row_modes is not None else auto_rows
+    col_modes = tuple(col_modes) if col_modes is not None else auto_cols
+    if init == "svd":
+        return TTMatrix.from_matrix(matrix, format=format, row_modes=row_modes, col_modes=col_modes,
+                                    max_rank=max_rank, rank_ratio=rank_ratio, rel_tol=rel_tol)
+    if init == "random":
+        fan_in = cols if kind == "embedding" else rows
+        return TTMatrix.random(rows, cols, format=format, row_modes=row_modes, col_modes=col_modes,
+                               max_rank=max_rank, rank_ratio=rank_ratio, std=default_init_std(kind, fan_in),
+                               dtype=matrix.dtype, device=matrix.device, generator=generator)
+    raise ValueError(f"init must be 'svd' or 'random', got {init!r}")

@@ -1,0 +1,173 @@
+"""Contractions of TT matrices with activations, written once for eager tensors and FX proxies.
+
+Each function takes the cores (gates already folded in, see ``gate_cores``) and a static ``TTLayout``. They read no
+shape from the cores, branch on no tensor value and only call reshape / mm / bmm / permute / embedding / pad, so the
+graph pass can trace them with ``torch.fx.Proxy`` objects and emit explicit pairwise contractions into a graph.
+
+Plans used here (the planner issue generalises them):
+* TT ``x @ M``: merge row-side cores into L (rows × r), column-side cores into R (r × cols), then (x·L)·R —
+  CoMERA's merged plan; batch-dependent cost 2·b·r·(rows + cols) instead of 2·b·rows·cols.
+* TTM ``x @ M``: contract the activation with one core at a time.
+* Row lookups (embeddings): TT gathers rows of L then multiplies by R; TTM pre-contracts the two halves of the chain
+  into small tables (CoMERA's trick), gathers one slice of each per token and does one batched GEMM over the rank.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .layout import TTFormat, TTLayout
+
+
+def gate_cores(cores: Sequence[Tensor], gates: Sequence[Tensor], layout: TTLayout) -> list[Tensor]:
+    """Fold the gate of each internal bond into the core on its left (never a separate full-size pass)."""
+    shape = (1,) * (layout.core_ndim - 1) + (-1,)
+    return [core * gate.reshape(shape) for core, gate in zip(cores[:-1], gates)] + [cores[-1]]
+
+
+# ---------------------------------------------------------------------------------------------- TT (3-way cores)
+
+
+def tt_row_factor(cores: Sequence[Tensor], layout: TTLayout) -> Tensor:
+    """L = G_1 ··· G_d merged over the row modes: (padded_rows × r_d)."""
+    ranks, modes = layout.ranks, layout.row_modes
+    acc = cores[0].reshape(modes[0], ranks[1])
+    for k in range(1, len(modes)):
+        acc = (acc @ cores[k].reshape(ranks[k], modes[k] * ranks[k + 1])).reshape(-1, ranks[k + 1])
+    return acc
+
+
+def tt_col_factor(cores: Sequence[Tensor], layout: TTLayout) -> Tensor:
+    """R = G_{d+1} ··· G_{d+e} merged over the column modes: (r_d × padded_cols)."""
+    ranks, modes = layout.ranks, layout.col_modes
+    first = len(layout.row_modes)
+    last = layout.n_cores - 1
+    acc = cores[last].reshape(ranks[last], modes[-1])
+    for k in range(last - 1, first - 1, -1):
+        acc = (cores[k].reshape(ranks[k] * modes[k - first], ranks[k + 1]) @ acc).reshape(ranks[k], -1)
+    return acc
+
+
+def _trim_rows(t: Tensor, n: int, padded: int) -> Tensor:
+    return t[:n] if n != padded else t
+
+
+def _trim_cols(t: Tensor, n: int, padded: int) -> Tensor:
+    return t[..., :n] if n != padded else t
+
+
+def tt_factors(cores: Sequence[Tensor], layout: TTLayout) -> tuple[Tensor, Tensor]:
+    """(L, R) with padding sliced away: M = L @ R, L (rows × r), R (r × cols)."""
+    left = _trim_rows(tt_row_factor(cores, layout), layout.rows, layout.padded_rows)
+    right = _trim_cols(tt_col_factor(cores, layout), layout.cols, layout.padded_cols)
+    return left, right
+
+
+# --------------------------------------------------------------------------------------------- TTM (4-way cores)
+
+
+def ttm_merge(cores: Sequence[Tensor], row_modes: Sequence[int], col_modes: Sequence[int],
+              ranks: Sequence[int]) -> Tensor:
+    """Contract consecutive TTM cores into one (r_first, A, B, r_last) block, A/B row-major over the modes."""
+    acc = cores[0]
+    big_a, big_b = row_modes[0], col_modes[0]
+    for k in range(1, len(cores)):
+        a, b, r_next = row_modes[k], col_modes[k], ranks[k + 1]
+        acc = (acc.reshape(-1, ranks[k]) @ cores[k].reshape(ranks[k], -1))
+        acc = acc.reshape(ranks[0], big_a, big_b, a, b, r_next).permute(0, 1, 3, 2, 4, 5)
+        big_a, big_b = big_a * a, big_b * b
+        acc = acc.reshape(ranks[0], big_a, big_b, r_next)
+    return acc
+
+
+def _ttm_apply(x2: Tensor, cores: Sequence[Tensor], in_modes: Sequence[int], out_modes: Sequence[int],
+               ranks: Sequence[int], transpose: bool) -> Tensor:
+    """Contract x2 (N × prod in_modes) with the chain one core at a time -> (N × prod out_modes)."""
+    rest = math.prod(in_modes)
+    state = x2.reshape(-1, rest, 1, 1)  # (N, remaining input modes, output modes so far, bond)
+    done = 1
+    for k, core in enumerate(cores):
+        a, b, r, r_next = in_modes[k], out_modes[k], ranks[k], ranks[k + 1]
+        rest //= a
+        # (N, a, rest, done, r) -> (N, rest, done, a, r): the contracted pair (a, r) last.
+        state = state.reshape(-1, a, rest, done, r).permute(0, 2, 3, 1, 4).reshape(-1, a * r)
+        if transpose:  # core is (r, out, in, r'): contract its "in" axis, i.e. the matrix's column modes
+            mat = core.permute(2, 0, 1, 3).reshape(a * r, b * r_next)
+        else:
+            mat = core.permute(1, 0, 2, 3).reshape(a * r, b * r_next)
+        done *= b
+        state = (state @ mat).reshape(-1, rest, done, r_next)
+    return state.reshape(-1, done)
+
+
+# ----------------------------------------------------------------------------------------------- public entries
+
+
+def matmul(x: Tensor, cores: Sequence[Tensor], layout: TTLayout) -> Tensor:
+    """x @ M for x of shape (..., rows) -> (..., cols)."""
+    x2 = x.reshape(-1, layout.rows)
+    if layout.format is TTFormat.TT:
+        left, right = tt_factors(cores, layout)
+        out = (x2 @ left) @ right
+    else:
+        if layout.padded_rows != layout.rows:
+            x2 = F.pad(x2, (0, layout.padded_rows - layout.rows))
+        out = _ttm_apply(x2, cores, layout.row_modes, layout.col_modes, layout.ranks, transpose=False)
+        out = _trim_cols(out, layout.cols, layout.padded_cols)
+    return out.reshape(x.shape[:-1] + (layout.cols,))
+
+
+def matmul_t(x: Tensor, cores: Sequence[Tensor], layout: TTLayout) -> Tensor:
+    """x @ M^T for x of shape (..., cols) -> (..., rows); a tied output head uses this."""
+    x2 = x.reshape(-1, layout.cols)
+    if layout.format is TTFormat.TT:
+        left, right = tt_factors(cores, layout)
+        out = (x2 @ right.t()) @ left.t()
+    else:
+        if layout.padded_cols != layout.cols:
+            x2 = F.pad(x2, (0, layout.padded_cols - layout.cols))
+        out = _ttm_apply(x2, cores, layout.col_modes, layout.row_modes, layout.ranks, transpose=True)
+        out = _trim_cols(out, layout.rows, layout.padded_rows)
+    return out.reshape(x.shape[:-1] + (layout.rows,))
+
+
+def take_rows(index: Tensor, cores: Sequence[Tensor], layout: TTLayout) -> Tensor:
+    """M[index] for an integer index tensor of any shape -> (*index.shape, cols), never building M.
+
+    Indices are not range-checked here (that needs a device sync); callers check eagerly.
+    """
+    if layout.format is TTFormat.TT:
+        left, right = tt_factors(cores, layout)
+        return F.embedding(index, left) @ right
+    d = len(layout.row_modes)
+    ranks, rows_m, cols_m = layout.ranks, layout.row_modes, layout.col_modes
+    if d == 1:
+        table = cores[0].reshape(layout.padded_rows, layout.padded_cols)
+        return _trim_cols(F.embedding(index, table), layout.cols, layout.padded_cols)
+    h = (d + 1) // 2
+    a_left, b_left = math.prod(rows_m[:h]), math.prod(cols_m[:h])
+    a_right, b_right = math.prod(rows_m[h:]), math.prod(cols_m[h:])
+    r = ranks[h]
+    left = ttm_merge(cores[:h], rows_m[:h], cols_m[:h], ranks[: h + 1]).reshape(a_left, b_left * r)
+    right = ttm_merge(cores[h:], rows_m[h:], cols_m[h:], ranks[h:])  # (r, A_R, B_R, 1)
+    right = right.reshape(r, a_right, b_right).permute(1, 0, 2).reshape(a_right, r * b_right)
+    flat = index.reshape(-1)
+    picked_left = F.embedding(torch.div(flat, a_right, rounding_mode="floor"), left).reshape(-1, b_left, r)
+    picked_right = F.embedding(torch.remainder(flat, a_right), right).reshape(-1, r, b_right)
+    out = torch.bmm(picked_left, picked_right).reshape(index.shape + (b_left * b_right,))
+    return _trim_cols(out, layout.cols, layout.padded_cols)
+
+
+def to_dense(cores: Sequence[Tensor], layout: TTLayout) -> Tensor:
+    """The (rows × cols) matrix; for checks and for code that insists on a dense weight."""
+    if layout.format is TTFormat.TT:
+        left, right = tt_factors(cores, layout)
+        return left @ right
+    full = ttm_merge(cores, layout.row_modes, layout.col_modes, layout.ranks)
+    full = full.reshape(layout.padded_rows, layout.padded_cols)
+    return _trim_cols(_trim_rows(full, layout.rows, layout.padded_rows), layout.cols, layout.padded_cols)
