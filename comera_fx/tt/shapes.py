@@ -126,7 +126,8 @@ def capped_ranks(dims: tuple[int, ...], max_rank: int | None, rank_ratio: float 
     for k in range(1, len(ranks) - 1):
         r = ranks[k]
         if rank_ratio is not None:
-            r = max(1, math.ceil(rank_ratio * r))
+            # Clamped like max_rank: a ratio above 1 must not ask for more than the chain can use.
+            r = min(r, max(1, math.ceil(rank_ratio * r)))
         if max_rank is not None:
             r = min(r, max_rank)
         ranks[k] = r

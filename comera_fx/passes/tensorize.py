@@ -1,0 +1,405 @@
+"""Rewrite large linear-like and embedding ops into TT form.
+
+Two entry points, one decision procedure:
+
+* ``tensorize_(model, config)`` — in place, before the optimizer is built (torchao/PEFT style): parameters must
+  exist before compilation so the optimizer, ``state_dict``, DDP and ``.to()`` see them. Modules whose forward is
+  known (``nn.Linear``, ``nn.Embedding``, transformers' ``Conv1D``) are swapped for ``TTLinear`` / ``TTEmbedding``;
+  any other holder of a converted parameter reads a reconstructed dense weight through a property, so eager code
+  stays correct. A tied parameter becomes one ``TTMatrix`` shared by all of its users.
+* ``tensorize(gm, config)`` — a ``GraphModule -> GraphModule`` pass for custom compilers: registers the cores and
+  gates on the GraphModule and replaces each op by the explicit TT contraction subgraph.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, fx, nn
+
+from ..config import TensorizeConfig
+from ..tt import ops
+from ..tt.layers import TTEmbedding, TTLinear, TTMatrix, make_tt_matrix
+from .find import Candidate, FindResult, UseKind, find_in_graph, find_in_model
+
+FilterFn = Callable[[nn.Module, str], bool]
+
+
+@dataclass
+class LayerDecision:
+    """What happened to one candidate parameter, and why."""
+
+    fqn: str
+    aliases: tuple[str, ...]
+    kind: str
+    shape: tuple[int, ...]
+    uses: tuple[str, ...]
+    converted: bool = False
+    reason: str | None = None  # why it was skipped
+    notes: list[str] = field(default_factory=list)
+    ranks: tuple[int, ...] = ()
+    params: int = 0
+
+    @property
+    def dense_params(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass
+class TensorizeSummary:
+    """Returned by ``tensorize_``: every candidate with its decision, and how the model was read."""
+
+    layers: list[LayerDecision]
+    method: str
+    fallback_reason: str | None = None
+
+    @property
+    def converted(self) -> list[LayerDecision]:
+        return [d for d in self.layers if d.converted]
+
+    @property
+    def skipped(self) -> list[LayerDecision]:
+        return [d for d in self.layers if not d.converted]
+
+    def __str__(self) -> str:
+        lines = [f"comera_fx.tensorize_: {len(self.converted)} of {len(self.layers)} candidate parameters converted "
+                 f"(found by {self.method}{'; ' + self.fallback_reason if self.fallback_reason else ''})"]
+        for d in self.layers:
+            uses = ", ".join(d.uses)
+            if d.converted:
+                lines.append(f"  converted {d.fqn} {d.shape} [{uses}]: ranks {d.ranks}, "
+                             f"{d.dense_params:,} -> {d.params:,} params ({d.dense_params / d.params:.1f}x)")
+            else:
+                lines.append(f"  skipped   {d.fqn} {d.shape} [{uses}]: {d.reason}")
+            lines.extend(f"            note: {n}" for n in d.notes)
+        if not self.converted:
+            lines.append("  nothing converted: the model is unchanged")
+        return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------- decisions
+
+
+def skip_reason(cand: Candidate, config: TensorizeConfig) -> str | None:
+    """Why a candidate must stay dense (independent of the model's modules), or None."""
+    if not cand.dtype.is_floating_point:
+        return f"weight dtype {cand.dtype} is not floating point; only float weights can be tensorized"
+    if cand.unsupported_uses:
+        ops_used = sorted({u.target for u in cand.unsupported_uses})
+        return f"also used by {ops_used}, which comera_fx cannot contract in TT form"
+    if not config.is_large(cand.shape):
+        return (f"below the size threshold (needs >= {config.min_numel} elements and both dims >= "
+                f"{config.min_dim}; set TensorizeConfig.min_numel / min_dim to include it)")
+    if any(config.is_skipped(name) for name in cand.aliases):
+        return "excluded by TensorizeConfig.skip / overrides"
+    return None
+
+
+def stores_transpose(cand: Candidate) -> bool:
+    """True when the TT matrix M is Pᵀ (P read by ``linear``: rows of M are then the input features)."""
+    return cand.kind == "linear" and any(u.kind is UseKind.LINEAR for u in cand.uses)
+
+
+def build_tt(param: Tensor, cand: Candidate, config: TensorizeConfig, index: int) -> tuple[TTMatrix, list[str]]:
+    """The TTMatrix for one candidate plus notes for the summary (clamped ranks, padding)."""
+    settings = config.settings_for(cand.fqn)
+    matrix = param.detach().t() if stores_transpose(cand) else param.detach()
+    generator = None
+    if config.seed is not None:
+        generator = torch.Generator(device=param.device).manual_seed(config.seed + index)
+    tt = make_tt_matrix(matrix, kind=cand.kind, generator=generator, **settings.tt_options(cand.kind))
+    notes = []
+    full = max(tt.full_ranks)
+    if settings.max_rank is not None and settings.max_rank > full:
+        notes.append(f"max_rank {settings.max_rank} exceeds this layer's largest feasible rank {full}; "
+                     f"clamped to the full ranks {tt.full_ranks}")
+    layout = tt.layout
+    if layout.padded_rows != layout.rows or layout.padded_cols != layout.cols:
+        notes.append(f"padded: {layout.describe_modes()} (padding is sliced away)")
+    return tt, notes
+
+
+# --------------------------------------------------------------------------------------- model-level rewrite
+
+
+def _owner(model: nn.Module, fqn: str) -> tuple[nn.Module, str, str]:
+    module_path, _, attr = fqn.rpartition(".")
+    return model.get_submodule(module_path), module_path, attr
+
+
+def _is_plain(module: nn.Module, base: type[nn.Module]) -> bool:
+    """An instance of ``base`` (or a subclass) whose forward is ``base.forward`` — safe to swap."""
+    return isinstance(module, base) and type(module).forward is base.forward
+
+
+def _is_hf_conv1d(module: nn.Module) -> bool:
+    return type(module).__name__ == "Conv1D" and type(module).__module__.startswith("transformers")
+
+
+def _holder_problem(module: nn.Module, attr: str) -> str | None:
+    if attr == "weight" and isinstance(module, nn.Embedding):
+        return TTEmbedding.check_supported(module)
+    return None
+
+
+def tensorize_(
+    model: nn.Module,
+    config: TensorizeConfig | None = None,
+    *,
+    example_inputs=None,
+    filter_fn: FilterFn | None = None,
+) -> TensorizeSummary:
+    """Convert a model's large linear-like and embedding weights to TT form, in place.
+
+    Args:
+        model: any ``nn.Module``; build the optimizer afterwards (the cores are new parameters).
+        config: a ``TensorizeConfig`` (default: max_rank 32, TT-SVD of the current weights).
+        example_inputs: a tensor, tuple of positional inputs or dict of keyword inputs. With them the model is
+            captured with Dynamo, which finds functional uses (``F.linear`` on raw parameters, ``addmm``) and tied
+            weights; without them only module types are scanned (the summary says so).
+        filter_fn: ``filter_fn(module, module_fqn) -> bool``; a parameter is converted only if it accepts every
+            module holding it.
+
+    Returns a ``TensorizeSummary``. Nothing is modified if any conversion fails.
+    """
+    config = config or TensorizeConfig()
+    result: FindResult = find_in_model(model, example_inputs)
+    decisions, plans = [], []
+    for cand in result.candidates:
+        decision = LayerDecision(cand.fqn, cand.aliases, cand.kind, cand.shape,
+                                 tuple(sorted({u.kind.value for u in cand.uses})))
+        decisions.append(decision)
+        decision.reason = skip_reason(cand, config)
+        holders = [_owner(model, alias) for alias in cand.aliases]
+        if decision.reason is None and filter_fn is not None:
+            rejected = [path or "<root>" for module, path, _ in holders if not filter_fn(module, path)]
+            if rejected:
+                decision.reason = f"filter_fn rejected {rejected}"
+        if decision.reason is None:
+            problems = [p for module, _, attr in holders if (p := _holder_problem(module, attr))]
+            decision.reason = problems[0] if problems else None
+        if decision.reason is None:
+            plans.append((cand, decision, holders))
+
+    # Build every TT matrix before touching the model, so an error leaves it unchanged.
+    built = []
+    params = {fqn: p for fqn, (p, _) in _parameter_objects(model).items()}
+    for index, (cand, decision, holders) in enumerate(plans):
+        try:
+            tt, notes = build_tt(params[cand.fqn], cand, config, index)
+        except (ValueError, TypeError) as exc:
+            raise type(exc)(f"cannot tensorize {cand.fqn} {cand.shape}: {exc}") from exc
+        built.append((cand, decision, holders, tt, notes))
+
+    for cand, decision, holders, tt, notes in built:
+        transposed_m = stores_transpose(cand)
+        for module, path, attr in holders:
+            _replace_holder(model, module, path, attr, tt, cand.kind, transposed_m)
+        decision.converted = True
+        decision.notes.extend(notes)
+        decision.ranks = tt.ranks
+        decision.params = tt.layout.num_params
+    return TensorizeSummary(decisions, result.method, result.fallback_reason)
+
+
+def _parameter_objects(model: nn.Module) -> dict[str, tuple[nn.Parameter, None]]:
+    return {name: (p, None) for name, p in model.named_parameters()}
+
+
+def _replace_holder(model: nn.Module, module: nn.Module, path: str, attr: str, tt: TTMatrix, kind: str,
+                    transposed_m: bool) -> None:
+    """Swap a known module for its TT twin, or give any other module a reconstructing property."""
+    if attr == "weight" and _is_plain(module, nn.Embedding):
+        pad = module.padding_idx
+        row = module.weight.detach()[pad] if pad is not None else None
+        new: nn.Module = TTEmbedding(tt, pad, row)
+    elif attr == "weight" and _is_plain(module, nn.Linear):
+        # M = Wᵀ for a linear-first parameter; a tied head reads the embedding's M = W.
+        new = TTLinear(tt, module.bias, transposed=not transposed_m)
+    elif attr == "weight" and _is_hf_conv1d(module) and not transposed_m and kind == "linear":
+        new = TTLinear(tt, module.bias, transposed=False)  # Conv1D: y = x W + b, W = M
+    else:
+        attach_tt_property(module, attr, tt, transposed=transposed_m)
+        return
+    new.train(module.training)
+    if path:
+        parent_path, _, child = path.rpartition(".")
+        setattr(model.get_submodule(parent_path), child, new)
+    else:
+        raise ValueError("tensorize_ cannot replace the root module itself; wrap it in a parent module")
+
+
+def attach_tt_property(module: nn.Module, attr: str, tt: TTMatrix, *, transposed: bool) -> None:
+    """Replace parameter ``module.<attr>`` by a TT matrix read through a property (like torch parametrize).
+
+    The module's class is swapped for a subclass whose ``<attr>`` property rebuilds the dense weight
+    (M, or Mᵀ when ``transposed``); the TT matrix is registered as submodule ``<attr>_tt`` so optimizers,
+    ``state_dict`` and ``.to()`` see its cores and gates.
+    """
+    del module._parameters[attr]
+    module.add_module(f"{attr}_tt", tt)
+    cls = type(module)
+    if not getattr(cls, "_comera_fx_tt_class", False):
+        cls = type(f"TT{cls.__name__}", (cls,), {"_comera_fx_tt_class": True, "__module__": cls.__module__})
+        module.__class__ = cls
+    setattr(cls, attr, property(_make_dense_getter(attr, transposed)))
+
+
+def _make_dense_getter(attr: str, transposed: bool):
+    def dense_weight(self) -> Tensor:
+        m = self._modules[f"{attr}_tt"].dense()
+        return m.t() if transposed else m
+
+    dense_weight.__doc__ = f"Dense `{attr}` rebuilt from its TT cores (comera_fx)."
+    return dense_weight
+
+
+# ------------------------------------------------------------------------------------------ graph-level pass
+
+
+def _emit(graph: fx.Graph, fn: Callable, *args):
+    """Trace ``fn`` on FX proxies of ``args`` into ``graph`` at the current insertion point; returns its node(s).
+
+    The TT contraction code in ``tt/ops.py`` is written once; run on proxies it emits the same pairwise
+    reshape / mm / bmm steps that it runs eagerly.
+    """
+    tracer = fx.proxy.GraphAppendingTracer(graph)
+
+    def wrap(a):
+        if isinstance(a, fx.Node):
+            return fx.Proxy(a, tracer)
+        if isinstance(a, list):
+            return [wrap(x) for x in a]
+        return a
+
+    out = fn(*[wrap(a) for a in args])
+    return [p.node for p in out] if isinstance(out, list) else out.node
+
+
+def _normalize_modules(gm: fx.GraphModule) -> None:
+    """Turn ``call_module`` on plain nn.Linear / nn.Embedding (symbolic_trace leaves them) into functional calls
+    on ``get_attr`` weights, so one rewrite handles every graph flavour."""
+    for node in list(gm.graph.nodes):
+        if node.op != "call_module":
+            continue
+        module = gm.get_submodule(node.target)
+        if _is_plain(module, nn.Linear):
+            with gm.graph.inserting_before(node):
+                w = gm.graph.get_attr(f"{node.target}.weight")
+                b = gm.graph.get_attr(f"{node.target}.bias") if module.bias is not None else None
+                new = gm.graph.call_function(F.linear, (node.args[0], w, b))
+        elif _is_plain(module, nn.Embedding) and TTEmbedding.check_supported(module) is None:
+            with gm.graph.inserting_before(node):
+                w = gm.graph.get_attr(f"{node.target}.weight")
+                new = gm.graph.call_function(F.embedding, (node.args[0], w, module.padding_idx))
+        else:
+            continue
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
+
+
+def _embedding_padding_idx(node: fx.Node) -> int | None:
+    if node.target is F.embedding:
+        pad = node.args[2] if len(node.args) > 2 else node.kwargs.get("padding_idx")
+        other = list(node.args[3:]) + [node.kwargs.get(k) for k in ("max_norm", "scale_grad_by_freq", "sparse")]
+    else:  # torch.embedding / aten.embedding(weight, indices, padding_idx=-1, scale_grad_by_freq, sparse)
+        pad = node.args[2] if len(node.args) > 2 else node.kwargs.get("padding_idx", -1)
+        pad = None if pad == -1 else pad
+        other = list(node.args[3:])
+    if any(o not in (None, False, 2.0) for o in other):
+        raise ValueError(f"{node.name}: max_norm / scale_grad_by_freq / sparse embeddings cannot be tensorized")
+    return pad
+
+
+def tensorize(gm: fx.GraphModule, config: TensorizeConfig | None = None) -> fx.GraphModule:
+    """Graph pass: replace every large linear-like / embedding op on a ``get_attr`` parameter by TT contractions.
+
+    Works on GraphModules from ``symbolic_trace``, ``torch.export(...).module()`` or ``make_fx``. The cores and
+    gates are registered on ``gm`` (submodule ``comera_tt_<param>``), the ops become explicit reshape / mm / bmm
+    nodes, unused dense parameters are deleted, and the graph is linted and recompiled. The summary of what was
+    converted is left in ``gm.meta["comera_fx"]``.
+    """
+    config = config or TensorizeConfig()
+    _normalize_modules(gm)
+    result = find_in_graph(gm)
+    decisions, built = [], []
+    for index, cand in enumerate(result.candidates):
+        decision = LayerDecision(cand.fqn, cand.aliases, cand.kind, cand.shape,
+                                 tuple(sorted({u.kind.value for u in cand.uses})))
+        decisions.append(decision)
+        decision.reason = skip_reason(cand, config)
+        if decision.reason is None:
+            tt, notes = build_tt(gm.get_parameter(cand.fqn), cand, config, index)
+            built.append((cand, decision, tt, notes))
+
+    graph = gm.graph
+    nodes_by_name = {n.name: n for n in graph.nodes}
+    for cand, decision, tt, notes in built:
+        module_name = "comera_tt_" + cand.fqn.replace(".", "_")
+        gm.add_submodule(module_name, tt)
+        layout = tt.layout
+        use_nodes = [nodes_by_name[use.node] for use in cand.uses]
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        with graph.inserting_before(min(use_nodes, key=order.__getitem__)):
+            # Gates are folded into the cores once, shared by every use (a tied embedding and head).
+            cores = [graph.get_attr(f"{module_name}.cores.{k}") for k in range(layout.n_cores)]
+            gates = [graph.get_attr(f"{module_name}.gates.{k}") for k in range(layout.n_cores - 1)]
+            gated = _emit(graph, lambda c, g: ops.gate_cores(c, g, layout), cores, gates)
+        for use, node in zip(cand.uses, use_nodes):
+            with graph.inserting_before(node):
+                new = _emit_use(gm, graph, node, use.kind, gated, layout, module_name, cand)
+            node.replace_all_uses_with(new)
+            graph.erase_node(node)
+        decision.converted = True
+        decision.notes.extend(notes)
+        decision.ranks, decision.params = tt.ranks, layout.num_params
+    _delete_converted_parameters(gm, {alias for cand, *_ in built for alias in cand.aliases})
+    graph.lint()
+    gm.recompile()
+    gm.meta["comera_fx"] = TensorizeSummary(decisions, result.method)
+    return gm
+
+
+def _emit_use(gm, graph, node, kind, cores, layout, module_name, cand):
+    """Emit the TT contraction replacing one op, reading the gated ``cores`` nodes."""
+    if kind is UseKind.EMBEDDING:
+        weight_first = node.target is not F.embedding
+        index = node.args[1] if weight_first else node.args[0]
+        out = _emit(graph, lambda i, c: ops.take_rows(i, c, layout), index, cores)
+        pad = _embedding_padding_idx(node)
+        if pad is not None:
+            pad = pad + layout.rows if pad < 0 else pad
+            row_name = f"{module_name}_padding_row_{pad}"
+            if not hasattr(gm, row_name):
+                gm.register_buffer(row_name, gm.get_parameter(cand.fqn).detach()[pad].clone())
+            row = graph.get_attr(row_name)
+            out = _emit(graph, lambda i, o, r: torch.where((i == pad)[..., None], r, o), index, out, row)
+        return out
+    x = node.args[1] if kind is UseKind.MATMUL and node.target in (torch.addmm, torch.ops.aten.addmm.default) \
+        else node.args[0]
+    if kind is UseKind.LINEAR and not stores_transpose(cand):  # tied head on an embedding's M = W
+        out = _emit(graph, lambda a, c: ops.matmul_t(a, c, layout), x, cores)
+    else:
+        out = _emit(graph, lambda a, c: ops.matmul(a, c, layout), x, cores)
+    bias = None
+    if kind is UseKind.LINEAR:
+        bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+    elif node.target in (torch.addmm, torch.ops.aten.addmm.default):
+        bias = node.args[0]
+    if bias is not None:
+        out = graph.call_function(torch.add, (out, bias))
+    return out
+
+
+def _delete_converted_parameters(gm: fx.GraphModule, converted: set[str]) -> None:
+    """Erase the ``get_attr`` nodes of converted weights and delete those dense parameters from ``gm``."""
+    for node in list(gm.graph.nodes):
+        if node.op == "get_attr" and node.target in converted and not node.users:
+            gm.graph.erase_node(node)
+    for name in converted:
+        owner, _, attr = _owner(gm, name)
+        del owner._parameters[attr]

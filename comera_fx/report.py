@@ -1,0 +1,113 @@
+"""Per-layer report of a tensorized model: formats, modes (with padding), ranks, parameters, compression.
+
+Data first (``Report.layers``, ``Report.to_dict()``), formatting second (``str(report)``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from torch import nn
+
+from .tt.layers import TTMatrix
+
+# A gate entry at or below this magnitude counts as dead (CoMERA's code uses 1e-2).
+DEFAULT_GATE_THRESHOLD = 1e-2
+
+
+@dataclass(frozen=True)
+class LayerRow:
+    fqn: str
+    used_by: tuple[str, ...]
+    format: str
+    modes: str
+    ranks: tuple[int, ...]
+    live_ranks: tuple[int, ...]
+    params: int
+    dense_params: int
+
+    @property
+    def compression(self) -> float:
+        return self.dense_params / max(self.params, 1)
+
+
+@dataclass(frozen=True)
+class Report:
+    layers: tuple[LayerRow, ...]
+    model_params: int
+
+    @property
+    def tt_params(self) -> int:
+        return sum(r.params for r in self.layers)
+
+    @property
+    def dense_params(self) -> int:
+        return sum(r.dense_params for r in self.layers)
+
+    @property
+    def dense_model_params(self) -> int:
+        """What the model would hold with every TT layer dense again."""
+        return self.model_params - self.tt_params + self.dense_params
+
+    def to_dict(self) -> dict:
+        return {
+            "layers": [dict(asdict(r), compression=r.compression) for r in self.layers],
+            "total": {"tt_params": self.tt_params, "dense_params": self.dense_params,
+                      "compression": self.dense_params / max(self.tt_params, 1),
+                      "model_params": self.model_params, "dense_model_params": self.dense_model_params},
+        }
+
+    def __str__(self) -> str:
+        header = ("layer", "format", "modes (rows | cols)", "ranks", "params", "dense", "ratio")
+        rows = [(r.fqn + (f" (tied: {', '.join(r.used_by[1:])})" if len(r.used_by) > 1 else ""), r.format, r.modes, _ranks_text(r), f"{r.params:,}", f"{r.dense_params:,}",
+                 f"{r.compression:.1f}x") for r in self.layers]
+        ratio = self.dense_params / max(self.tt_params, 1)
+        rows.append(("total (TT layers)", "", "", "", f"{self.tt_params:,}", f"{self.dense_params:,}",
+                     f"{ratio:.1f}x"))
+        rows.append(("whole model", "", "", "", f"{self.model_params:,}", f"{self.dense_model_params:,}",
+                     f"{self.dense_model_params / max(self.model_params, 1):.1f}x"))
+        widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
+        lines = ["  ".join(str(cell).ljust(w) for cell, w in zip(header, widths))]
+        lines.append("  ".join("-" * w for w in widths))
+        lines += ["  ".join(str(cell).ljust(w) for cell, w in zip(row, widths)) for row in rows]
+        if not self.layers:
+            lines.append("(no TT layers: run comera_fx.tensorize_(model, ...) first)")
+        return "\n".join(lines)
+
+
+def _ranks_text(row: LayerRow) -> str:
+    inner = ",".join(map(str, row.ranks[1:-1]))
+    if row.live_ranks != row.ranks:
+        return f"{inner} (live {','.join(map(str, row.live_ranks[1:-1]))})"
+    return inner
+
+
+def _layer_name(tt_path: str) -> str:
+    """'fc.tt' -> 'fc' (a TT module's matrix); 'attn.weight_tt' -> 'attn.weight' (a functional parameter)."""
+    if tt_path.startswith("comera_tt_"):  # registered by passes.tensorize on a GraphModule
+        return tt_path[len("comera_tt_"):]
+    if tt_path.endswith(".tt") or tt_path == "tt":
+        return tt_path[:-3] or "<root>"
+    return tt_path[:-3] if tt_path.endswith("_tt") else tt_path
+
+
+def report(model: nn.Module, *, gate_threshold: float = DEFAULT_GATE_THRESHOLD) -> Report:
+    """Report every TT matrix in ``model`` once (a tied matrix lists all modules using it).
+
+    ``live_ranks`` counts gate entries above ``gate_threshold``; ``ranks`` are the stored core sizes.
+    """
+    users: dict[int, list[str]] = {}
+    matrices: dict[int, tuple[str, TTMatrix]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        if isinstance(module, TTMatrix):
+            matrices.setdefault(id(module), (_layer_name(name), module))
+            users.setdefault(id(module), []).append(_layer_name(name))
+    rows = []
+    for key, (name, tt) in matrices.items():
+        layout = tt.layout
+        live = (1,) + tuple(int((g.detach().abs() > gate_threshold).sum()) for g in tt.gates) + (1,)
+        params = sum(p.numel() for p in tt.parameters())
+        rows.append(LayerRow(name, tuple(users[key]), layout.format.value, layout.describe_modes(), layout.ranks,
+                             live, params, layout.dense_params))
+    model_params = sum(p.numel() for p in model.parameters())
+    return Report(tuple(rows), model_params)

@@ -1,0 +1,1 @@
+"""Runtime pieces used during training (rank-adaptive optimizer hook, kernels)."""
