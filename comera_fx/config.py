@@ -48,8 +48,11 @@ def _check_int(owner: str, name: str, value: Any, low: int) -> None:
 def _check_optional_float(owner: str, name: str, value: Any, low: float, high: float, *, open_low: bool) -> None:
     if value is None:
         return
-    bad_low = value <= low if open_low else value < low
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or bad_low or value > high:
+    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    # Check the type before comparing (a string would raise TypeError); NaN fails every comparison, so test
+    # that the value is inside the range rather than outside it.
+    inside = is_number and (low < value if open_low else low <= value) and value <= high
+    if not inside:
         bracket = "(" if open_low else "["
         raise ValueError(f"{owner}.{name} must be a float in {bracket}{low}, {high}] or None; got {value!r}")
 

@@ -27,7 +27,7 @@ def tt_tensor(cores, gates=None):
         operands += [core.detach().to(torch.float64), [BOND + k, DIM + k, BOND + k + 1]]
         if gates is not None and k < n - 1:
             operands += [gates[k].detach().to(torch.float64), [BOND + k + 1]]
-    out = oe.contract(*operands, [BOND] + [DIM + k for k in range(n)] + [BOND + n])
+    out = oe.contract(*operands, [BOND] + [DIM + k for k in range(n)] + [BOND + n], optimize="greedy")
     return out.reshape(out.shape[1:-1])
 
 
@@ -39,7 +39,8 @@ def ttm_matrix(cores, gates=None):
         operands += [core.detach().to(torch.float64), [BOND + k, DIM + k, COL + k, BOND + k + 1]]
         if gates is not None and k < n - 1:
             operands += [gates[k].detach().to(torch.float64), [BOND + k + 1]]
-    out = oe.contract(*operands, [BOND] + [DIM + k for k in range(n)] + [COL + k for k in range(n)] + [BOND + n])
+    labels = [BOND] + [DIM + k for k in range(n)] + [COL + k for k in range(n)] + [BOND + n]
+    out = oe.contract(*operands, labels, optimize="greedy")
     rows = math.prod(c.shape[1] for c in cores)
     return out.reshape(rows, -1)
 
@@ -64,7 +65,7 @@ MODE_VALUES = (1, 2, 3, 4, 5, 7)
 
 
 @st.composite
-def mode_tuples(draw, d, budget=64):
+def mode_tuples(draw, d, budget=48):
     """d modes (1s and primes included) whose product stays within budget, to keep the SVDs small."""
     modes, left = [], budget
     for _ in range(d):
@@ -168,7 +169,7 @@ def test_full_rank_with_prime_and_unit_modes():
 def structured_tensors(draw):
     """A low-rank TT tensor plus noise of random size, so truncation removes a decaying spectrum."""
     n = draw(st.integers(2, 5))
-    dims = draw(mode_tuples(n, budget=400))
+    dims = draw(mode_tuples(n, budget=256))
     seed = draw(st.integers(0, 2**31 - 1))
     g = torch.Generator().manual_seed(seed)
     low_rank = draw(st.integers(1, 3))
@@ -237,11 +238,13 @@ def test_truncated_matrix_decomposition_obeys_bound(fmt, data):
 
 
 def test_rel_tol_zero_is_exact_and_large_rel_tol_gives_rank_one():
+    # The tolerance is split over the ndim - 1 truncations, so rel_tol = sqrt(ndim - 1) allows discarding
+    # everything but rank 1 at every step.
     g = torch.Generator().manual_seed(1)
     tensor = torch.randn(3, 4, 5, 2, generator=g, dtype=torch.float64)
     cores = decompose.tt_svd(tensor, rel_tol=0.0)
     assert torch.linalg.norm(tt_tensor(cores) - tensor) <= 1e-12 * torch.linalg.norm(tensor)
-    cores = decompose.tt_svd(tensor, rel_tol=1.0)
+    cores = decompose.tt_svd(tensor, rel_tol=math.sqrt(3))
     assert [c.shape[-1] for c in cores[:-1]] == [1, 1, 1]
 
 

@@ -161,9 +161,16 @@ def capture_graphs(model: nn.Module, example_inputs) -> list[tuple[fx.GraphModul
 
     args, kwargs = _split_inputs(example_inputs)
     compiled = torch.compile(model, backend=record, dynamic=False)
-    with torch.no_grad():
+    with torch._dynamo.config.patch(**_CAPTURE_DYNAMO_CONFIG), torch.no_grad():
         compiled(*args, **kwargs)
     return graphs
+
+
+# Every capture uses a new backend, so each one compiles the model's frames afresh. Past Dynamo's recompile limit
+# (8 per frame) a frame silently runs eagerly and nothing is recorded: the 9th model of one class would appear to
+# have no candidates. Lift the limits while capturing, and make a limit that is still hit an error (-> fallback).
+_CAPTURE_DYNAMO_CONFIG = dict(recompile_limit=2**20, accumulated_recompile_limit=2**20,
+                              fail_on_recompile_limit_hit=True)
 
 
 def _split_inputs(example_inputs) -> tuple[tuple, dict]:
@@ -188,8 +195,9 @@ def find_in_model(model: nn.Module, example_inputs=None) -> FindResult:
         graphs = capture_graphs(model, example_inputs)
     except Exception as exc:  # capture is best effort; the scan below still finds the common layers
         reason = f"graph capture failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
-        warnings.warn(f"comera_fx: {reason}; falling back to a module-type scan", stacklevel=3)
-        return _module_scan(model, params, reason)
+        return _fallback_scan(model, params, reason)
+    if not graphs:  # Dynamo gave up on every frame and ran the model eagerly: the graphs saw nothing
+        return _fallback_scan(model, params, "graph capture recorded no graph (Dynamo ran the model eagerly)")
     fqn_of_id = {id(p): fqn for fqn, (p, _) in params.items()}
     found: dict[str, Candidate] = {}
     for gm, inputs in graphs:
@@ -214,6 +222,11 @@ def find_in_graph(gm: fx.GraphModule) -> FindResult:
 
 def _in_model_order(found: dict[str, Candidate], params) -> list[Candidate]:
     return [found[fqn] for fqn in params if fqn in found]
+
+
+def _fallback_scan(model: nn.Module, params, reason: str) -> FindResult:
+    warnings.warn(f"comera_fx: {reason}; falling back to a module-type scan", stacklevel=4)
+    return _module_scan(model, params, reason)
 
 
 def _module_scan(model: nn.Module, params, reason: str) -> FindResult:

@@ -381,7 +381,9 @@ def _emit_use(gm, graph, node, kind, cores, layout, module_name, cand):
         return out
     x = node.args[1] if kind is UseKind.MATMUL and node.target in (torch.addmm, torch.ops.aten.addmm.default) \
         else node.args[0]
-    if kind is UseKind.LINEAR and not stores_transpose(cand):  # tied head on an embedding's M = W
+    # LINEAR computes x Pᵀ and MATMUL x P; M is Pᵀ or P (stores_transpose). When they differ, contract with Mᵀ:
+    # a tied head on an embedding's M = P, or a square P read both by linear and by matmul.
+    if (kind is UseKind.LINEAR) != stores_transpose(cand):
         out = _emit(graph, lambda a, c: ops.matmul_t(a, c, layout), x, cores)
     else:
         out = _emit(graph, lambda a, c: ops.matmul(a, c, layout), x, cores)

@@ -97,13 +97,20 @@ class TTMatrix(nn.Module):
         return self.layout.ranks
 
     @property
+    def is_zero(self) -> bool:
+        """True when a bond has rank 0 (rank adaptation removed all its slices): M is exactly zero, and the
+        contraction code, which needs ranks >= 1, is bypassed."""
+        return any(core.numel() == 0 for core in self.cores)
+
+    @property
     def full_ranks(self) -> tuple[int, ...]:
         return feasible_ranks(_chain_dims(self.format, self.row_modes, self.col_modes))
 
     def extra_repr(self) -> str:
         layout = self.layout
         return (f"format={layout.format.value}, modes={layout.describe_modes()}, ranks={layout.ranks}, "
-                f"params={layout.num_params}, compression={layout.compression:.1f}x")
+                f"params={layout.num_params}, "
+                f"compression={f'{layout.compression:.1f}x' if layout.num_params else 'zero matrix'}")
 
     # -- math ----------------------------------------------------------------------------------------------------
 
@@ -112,15 +119,23 @@ class TTMatrix(nn.Module):
 
     def dense(self) -> Tensor:
         """M itself (rows × cols). Builds the full matrix: for checks, not for the hot path."""
+        if self.is_zero:
+            return self.cores[0].new_zeros(self.rows, self.cols)
         return ops.to_dense(self.gated_cores(), self.layout)
 
     def matmul(self, x: Tensor) -> Tensor:
+        if self.is_zero:
+            return _zero_product(x, self.cols)
         return ops.matmul(x, self.gated_cores(), self.layout)
 
     def matmul_t(self, x: Tensor) -> Tensor:
+        if self.is_zero:
+            return _zero_product(x, self.rows)
         return ops.matmul_t(x, self.gated_cores(), self.layout)
 
     def take_rows(self, index: Tensor) -> Tensor:
+        if self.is_zero:
+            return self.cores[0].new_zeros(tuple(index.shape) + (self.cols,))
         return ops.take_rows(index, self.gated_cores(), self.layout)
 
     # -- checkpoints ---------------------------------------------------------------------------------------------
@@ -134,6 +149,11 @@ class TTMatrix(nn.Module):
                     group[k] = nn.Parameter(torch.empty(saved.shape, dtype=param.dtype, device=param.device),
                                             requires_grad=param.requires_grad)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
+def _zero_product(x: Tensor, n_out: int) -> Tensor:
+    """x @ 0 with the shape and dtype of the real product, still connected to x (which gets a zero gradient)."""
+    return x[..., :0] @ x.new_zeros(0, n_out)
 
 
 def _chain_dims(format: TTFormat, row_modes: tuple[int, ...], col_modes: tuple[int, ...]) -> tuple[int, ...]:
@@ -200,7 +220,7 @@ class TTEmbedding(nn.Module):
         self.padding_idx = padding_idx
         if padding_idx is not None:
             row = padding_row if padding_row is not None else torch.zeros(tt.cols)
-            self.register_buffer("padding_row", row.detach().clone().to(tt.cores[0].dtype))
+            self.register_buffer("padding_row", row.detach().clone().to(tt.cores[0].device, tt.cores[0].dtype))
         else:
             self.padding_row = None
 
@@ -306,7 +326,8 @@ def make_tt_matrix(
         raise TypeError(f"only floating-point weights can be tensorized, got dtype {matrix.dtype}")
     format = TTFormat(format)
     rows, cols = matrix.shape
-    auto_rows, auto_cols = choose_layout_modes(rows, cols, format, num_modes, max_pad_fraction)
+    if row_modes is None or col_modes is None:  # explicit modes must not depend on an automatic choice existing
+        auto_rows, auto_cols = choose_layout_modes(rows, cols, format, num_modes, max_pad_fraction)
     row_modes = tuple(row_modes) if row_modes is not None else auto_rows
     col_modes = tuple(col_modes) if col_modes is not None else auto_cols
     if init == "svd":

@@ -7,7 +7,9 @@ graph pass can trace them with ``torch.fx.Proxy`` objects and emit explicit pair
 Plans used here (the planner issue generalises them):
 * TT ``x @ M``: merge row-side cores into L (rows × r), column-side cores into R (r × cols), then (x·L)·R —
   CoMERA's merged plan; batch-dependent cost 2·b·r·(rows + cols) instead of 2·b·rows·cols.
-* TTM ``x @ M``: contract the activation with one core at a time.
+* TTM ``x @ M``: contract the activation with one core at a time, unless that costs a token more FLOPs than a
+  dense matmul or an intermediate far larger than its input + output (high ranks, a TTM output head); then M is
+  built once per call.
 * Row lookups (embeddings): TT gathers rows of L then multiplies by R; TTM pre-contracts the two halves of the chain
   into small tables (CoMERA's trick), gathers one slice of each per token and does one batched GEMM over the rank.
 """
@@ -108,12 +110,39 @@ def _ttm_apply(x2: Tensor, cores: Sequence[Tensor], in_modes: Sequence[int], out
 # ----------------------------------------------------------------------------------------------- public entries
 
 
+def ttm_chain_cost_per_token(in_modes: Sequence[int], out_modes: Sequence[int],
+                             ranks: Sequence[int]) -> tuple[int, int]:
+    """(FLOPs, largest intermediate in elements) per token of the core-by-core TTM contraction."""
+    rest, done, flops, peak = math.prod(in_modes), 1, 0, 0
+    for a, b, r, r_next in zip(in_modes, out_modes, ranks[:-1], ranks[1:]):
+        rest //= a
+        flops += 2 * rest * done * (a * r) * (b * r_next)
+        done *= b
+        peak = max(peak, rest * done * r_next)
+    return flops, peak
+
+
+# A core-by-core intermediate larger than this many times a token's input + output counts as too big.
+_TTM_PEAK_FACTOR = 4
+
+
+def _ttm_prefers_dense(layout: TTLayout, transpose: bool) -> bool:
+    """Core by core, each token's work and intermediates grow with the ranks; where they exceed a dense matmul's
+    (high ranks, or a TTM output head), building M once per call is cheaper. The planner replaces this rule."""
+    modes = (layout.col_modes, layout.row_modes) if transpose else (layout.row_modes, layout.col_modes)
+    flops, peak = ttm_chain_cost_per_token(*modes, layout.ranks)
+    dense_flops = 2 * layout.padded_rows * layout.padded_cols
+    return flops >= dense_flops or peak > _TTM_PEAK_FACTOR * (layout.padded_rows + layout.padded_cols)
+
+
 def matmul(x: Tensor, cores: Sequence[Tensor], layout: TTLayout) -> Tensor:
     """x @ M for x of shape (..., rows) -> (..., cols)."""
     x2 = x.reshape(-1, layout.rows)
     if layout.format is TTFormat.TT:
         left, right = tt_factors(cores, layout)
         out = (x2 @ left) @ right
+    elif _ttm_prefers_dense(layout, transpose=False):
+        out = x2 @ to_dense(cores, layout)
     else:
         if layout.padded_rows != layout.rows:
             x2 = F.pad(x2, (0, layout.padded_rows - layout.rows))
@@ -128,6 +157,8 @@ def matmul_t(x: Tensor, cores: Sequence[Tensor], layout: TTLayout) -> Tensor:
     if layout.format is TTFormat.TT:
         left, right = tt_factors(cores, layout)
         out = (x2 @ right.t()) @ left.t()
+    elif _ttm_prefers_dense(layout, transpose=True):
+        out = x2 @ to_dense(cores, layout).t()
     else:
         if layout.padded_cols != layout.cols:
             x2 = F.pad(x2, (0, layout.padded_cols - layout.cols))

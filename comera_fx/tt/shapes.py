@@ -12,8 +12,9 @@ import functools
 import math
 
 # A factorisation is "good" when its largest mode is at most this factor above the perfectly balanced mode
-# n ** (1/d). 1.5 accepts CoMERA's hand-picked modes (768 = 12·8·8, 3072 = 12·16·16) and rejects 30522 = 2·3·5087.
-BALANCE_TOLERANCE = 1.5
+# n ** (1/d). 2.0 accepts powers of two (1024 = 16·8·8) and CoMERA's modes (768 = 12·8·8) and rejects
+# sizes with a large prime factor (30522 = 2·3·5087, 50257 = 29·1733).
+BALANCE_TOLERANCE = 2.0
 # Modes this small are always acceptable: a TT core with a mode of 8 is cheap whatever the balance.
 SMALL_MODE = 8
 MAX_AUTO_MODES = 6

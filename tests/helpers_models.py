@@ -1,0 +1,149 @@
+"""Small hand-written models shared by the finder / tensorize / graph-pass / report tests, and comparison helpers."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from comera_fx import TTMatrix
+
+
+def rel_err(actual: Tensor, expected: Tensor) -> float:
+    return float((actual - expected).norm() / expected.norm())
+
+
+def num_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def tt_param_count(tt: TTMatrix) -> int:
+    """Cores + gates counted from the module's own parameters."""
+    return sum(p.numel() for p in tt.parameters())
+
+
+class MLP(nn.Module):
+    """Two nn.Linear layers; the output size 100 = 2²·5² is factored without padding, 97 would be padded."""
+
+    def __init__(self, d_in: int = 128, hidden: int = 256, d_out: int = 100):
+        super().__init__()
+        self.fc1 = nn.Linear(d_in, hidden)
+        self.fc2 = nn.Linear(hidden, d_out)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+class FunctionalLinear(nn.Module):
+    """F.linear on raw nn.Parameters: no nn.Linear module anywhere."""
+
+    def __init__(self):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(256, 128) / 11)
+        self.b1 = nn.Parameter(torch.randn(256) / 10)
+        self.w2 = nn.Parameter(torch.randn(96, 256) / 16)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(torch.tanh(F.linear(x, self.w1, self.b1)), self.w2)
+
+
+class MatmulModel(nn.Module):
+    """Parameters read as the right operand of addmm / matmul / @ / Tensor.matmul / mm (y = x P)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w_addmm = nn.Parameter(torch.randn(128, 192) / 11)
+        self.b_addmm = nn.Parameter(torch.randn(192) / 10)
+        self.w_matmul = nn.Parameter(torch.randn(192, 128) / 14)
+        self.w_at = nn.Parameter(torch.randn(128, 128) / 11)
+        self.w_method = nn.Parameter(torch.randn(128, 128) / 11)
+        self.w_mm = nn.Parameter(torch.randn(128, 128) / 11)
+
+    def forward(self, x: Tensor) -> Tensor:  # x: (batch, 128)
+        h = torch.addmm(self.b_addmm, x, self.w_addmm)
+        h = torch.matmul(torch.tanh(h), self.w_matmul)
+        h = h @ self.w_at
+        h = h.matmul(self.w_method)
+        return torch.mm(h, self.w_mm)
+
+
+class TiedLM(nn.Module):
+    """Embedding and output head sharing one weight (vocab × dim)."""
+
+    def __init__(self, vocab: int = 300, dim: int = 128, padding_idx: int | None = None):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim, padding_idx=padding_idx)
+        self.fc = nn.Linear(dim, dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.head(torch.tanh(self.fc(self.emb(ids))))
+
+
+class Mixed(nn.Module):
+    """Everything at once: padded tied embedding + head, nn.Linear, F.linear on a raw parameter, addmm / @ / matmul."""
+
+    def __init__(self, vocab: int = 300, dim: int = 128, padding_idx: int | None = 0):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim, padding_idx=padding_idx)
+        self.fc = nn.Linear(dim, 256)
+        self.w = nn.Parameter(torch.randn(dim, 256) / 16)
+        self.w2 = nn.Parameter(torch.randn(dim, dim) / 11)
+        self.b2 = nn.Parameter(torch.randn(dim) / 10)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids: Tensor) -> Tensor:
+        h = self.emb(ids)
+        h = F.linear(torch.tanh(self.fc(h)), self.w)
+        a = torch.addmm(self.b2, h.reshape(-1, h.shape[-1]), self.w2).reshape(h.shape)
+        return self.head(torch.tanh(a + h @ self.w2 + torch.matmul(h, self.w2)))
+
+
+class Tiny(nn.Module):
+    """Nothing large."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.emb = nn.Embedding(10, 8)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.fc(self.emb(ids))
+
+
+class Unsupported(nn.Module):
+    """``scale`` is multiplied elementwise and ``left`` is the LEFT matmul operand: neither is linear-like."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(128, 128)
+        self.scale = nn.Parameter(torch.randn(128, 128))
+        self.left = nn.Parameter(torch.randn(128, 128) / 11)
+
+    def forward(self, x: Tensor) -> Tensor:  # x: (128, 128)
+        return self.left @ (self.fc(x) * self.scale)
+
+
+class EmbeddingModel(nn.Module):
+    def __init__(self, embedding: nn.Embedding, d_out: int = 64):
+        super().__init__()
+        self.emb = embedding
+        self.out = nn.Linear(embedding.embedding_dim, d_out)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.out(self.emb(ids))
+
+
+class LinearAndMatmul(nn.Module):
+    """Square weights read both as ``linear`` (x Wᵀ) and as the right operand of ``@`` (x W)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(128, 128)
+        self.w = nn.Parameter(torch.randn(128, 128) / 11)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.fc(x) + x @ self.fc.weight)
+        return h @ self.w + F.linear(h, self.w)
