@@ -4,19 +4,24 @@ Public API::
 
     comera_fx.tensorize_(model, config, example_inputs=...)   # in place, before building the optimizer
     comera_fx.report(model)                                   # per-layer table / dict
+    comera_fx.plan(layer, batch=4096)                         # the contraction order chosen per batch interval
     comera_fx.passes.tensorize(gm, config)                    # GraphModule -> GraphModule for custom compilers
+    comera_fx.RankAdaptive(model, optimizer, target_ratio=0.2) # rank adaptation through optimizer hooks
 """
 
 from . import passes
 from .config import Init, LayerSettings, TensorizeConfig
 from .passes.tensorize import TensorizeSummary, tensorize_
 from .report import Report, report
+from .runtime import RankAdaptive, param_groups
 from .tt import TTEmbedding, TTFormat, TTLinear, TTMatrix
+from .tt.plan import plan
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Init",
+    "RankAdaptive",
     "LayerSettings",
     "Report",
     "TTEmbedding",
@@ -25,6 +30,8 @@ __all__ = [
     "TTMatrix",
     "TensorizeConfig",
     "TensorizeSummary",
+    "param_groups",
+    "plan",
     "passes",
     "report",
     "tensorize_",

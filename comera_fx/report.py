@@ -5,11 +5,12 @@ Data first (``Report.layers``, ``Report.to_dict()``), formatting second (``str(r
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 from torch import nn
 
-from .tt.layers import TTMatrix
+from .tt.layers import TTLinear, TTMatrix, planned_envelope
 
 # A gate entry at or below this magnitude counts as dead (CoMERA's code uses 1e-2).
 DEFAULT_GATE_THRESHOLD = 1e-2
@@ -25,16 +26,19 @@ class LayerRow:
     live_ranks: tuple[int, ...]
     params: int
     dense_params: int
+    plan: str | None = None  # the contraction order at the report's batch size (None: not asked, or a lookup)
 
     @property
     def compression(self) -> float:
-        return self.dense_params / max(self.params, 1)
+        """Dense / TT parameters; infinite for a matrix that rank adaptation removed entirely."""
+        return self.dense_params / self.params if self.params else math.inf
 
 
 @dataclass(frozen=True)
 class Report:
     layers: tuple[LayerRow, ...]
     model_params: int
+    batch: int | None = None
 
     @property
     def tt_params(self) -> int:
@@ -60,7 +64,7 @@ class Report:
     def __str__(self) -> str:
         header = ("layer", "format", "modes (rows | cols)", "ranks", "params", "dense", "ratio")
         rows = [(r.fqn + (f" (tied: {', '.join(r.used_by[1:])})" if len(r.used_by) > 1 else ""), r.format, r.modes, _ranks_text(r), f"{r.params:,}", f"{r.dense_params:,}",
-                 f"{r.compression:.1f}x") for r in self.layers]
+                 f"{r.compression:.1f}x" if r.params else "removed") for r in self.layers]
         ratio = self.dense_params / max(self.tt_params, 1)
         rows.append(("total (TT layers)", "", "", "", f"{self.tt_params:,}", f"{self.dense_params:,}",
                      f"{ratio:.1f}x"))
@@ -72,6 +76,9 @@ class Report:
         lines += ["  ".join(str(cell).ljust(w) for cell, w in zip(row, widths)) for row in rows]
         if not self.layers:
             lines.append("(no TT layers: run comera_fx.tensorize_(model, ...) first)")
+        if self.batch is not None:
+            lines.append(f"\ncontraction order at {self.batch} tokens (comera_fx.plan):")
+            lines += [f"  {r.fqn}: {r.plan or 'row lookup (not planned)'}" for r in self.layers]
         return "\n".join(lines)
 
 
@@ -91,10 +98,20 @@ def _layer_name(tt_path: str) -> str:
     return tt_path[:-3] if tt_path.endswith("_tt") else tt_path
 
 
-def report(model: nn.Module, *, gate_threshold: float = DEFAULT_GATE_THRESHOLD) -> Report:
+def _product_op(model: nn.Module, tt: TTMatrix) -> str | None:
+    """Which product the model runs with ``tt``: that of the first TTLinear using it, else None (lookups only)."""
+    for module in model.modules():
+        if isinstance(module, TTLinear) and module.tt is tt:
+            return "matmul_t" if module.transposed else "matmul"
+    return None
+
+
+def report(model: nn.Module, *, batch: int | None = None,
+           gate_threshold: float = DEFAULT_GATE_THRESHOLD) -> Report:
     """Report every TT matrix in ``model`` once (a tied matrix lists all modules using it).
 
-    ``live_ranks`` counts gate entries above ``gate_threshold``; ``ranks`` are the stored core sizes.
+    ``live_ranks`` counts gate entries above ``gate_threshold``; ``ranks`` are the stored core sizes. With
+    ``batch`` (tokens per call), each layer also shows the contraction order the planner chooses there.
     """
     users: dict[int, list[str]] = {}
     matrices: dict[int, tuple[str, TTMatrix]] = {}
@@ -107,7 +124,9 @@ def report(model: nn.Module, *, gate_threshold: float = DEFAULT_GATE_THRESHOLD) 
         layout = tt.layout
         live = (1,) + tuple(int((g.detach().abs() > gate_threshold).sum()) for g in tt.gates) + (1,)
         params = sum(p.numel() for p in tt.parameters())
+        op = _product_op(model, tt) if batch is not None and not tt.is_zero else None
+        chosen = str(planned_envelope(layout, op).choose(batch)) if op is not None else None
         rows.append(LayerRow(name, tuple(users[key]), layout.format.value, layout.describe_modes(), layout.ranks,
-                             live, params, layout.dense_params))
+                             live, params, layout.dense_params, chosen))
     model_params = sum(p.numel() for p in model.parameters())
-    return Report(tuple(rows), model_params)
+    return Report(tuple(rows), model_params, batch)

@@ -135,7 +135,7 @@ def test_to_dict(models):
     assert set(data["total"]) == {"tt_params", "dense_params", "compression", "model_params", "dense_model_params"}
     assert len(data["layers"]) == len(LAYERS)
     for layer in data["layers"]:
-        assert set(layer) == {"fqn", "used_by", "format", "modes", "ranks", "live_ranks", "params", "dense_params",
+        assert set(layer) == {"fqn", "used_by", "format", "modes", "ranks", "live_ranks", "params", "dense_params", "plan",
                               "compression"}
         assert layer["compression"] == pytest.approx(layer["dense_params"] / layer["params"])
     total = data["total"]

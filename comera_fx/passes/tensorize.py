@@ -23,7 +23,8 @@ from torch import Tensor, fx, nn
 
 from ..config import TensorizeConfig
 from ..tt import ops
-from ..tt.layers import TTEmbedding, TTLinear, TTMatrix, make_tt_matrix
+from ..tt import plan as planner
+from ..tt.layers import TTEmbedding, TTLinear, TTMatrix, choose_plan, make_tt_matrix, planned_envelope
 from .find import Candidate, FindResult, UseKind, find_in_graph, find_in_model
 
 FilterFn = Callable[[nn.Module, str], bool]
@@ -302,6 +303,19 @@ def _normalize_modules(gm: fx.GraphModule) -> None:
         gm.graph.erase_node(node)
 
 
+def _static_batch(x: fx.Node, features: int) -> int | float:
+    """Tokens reaching the op when the graph knows them (export / make_fx shape metadata), else infinity.
+
+    A graph is emitted for one plan. Without concrete sizes (symbolic_trace, dynamic shapes) the planner's
+    large-batch plan is taken: the regime training runs in, where the order matters most.
+    """
+    value = x.meta.get("val") if isinstance(x, fx.Node) else None
+    shape = getattr(value, "shape", None)
+    if shape is None or not all(isinstance(s, int) for s in shape):
+        return math.inf
+    return math.prod(shape) // features
+
+
 def _embedding_padding_idx(node: fx.Node) -> int | None:
     if node.target is F.embedding:
         pad = node.args[2] if len(node.args) > 2 else node.kwargs.get("padding_idx")
@@ -383,10 +397,9 @@ def _emit_use(gm, graph, node, kind, cores, layout, module_name, cand):
         else node.args[0]
     # LINEAR computes x Pᵀ and MATMUL x P; M is Pᵀ or P (stores_transpose). When they differ, contract with Mᵀ:
     # a tied head on an embedding's M = P, or a square P read both by linear and by matmul.
-    if (kind is UseKind.LINEAR) != stores_transpose(cand):
-        out = _emit(graph, lambda a, c: ops.matmul_t(a, c, layout), x, cores)
-    else:
-        out = _emit(graph, lambda a, c: ops.matmul(a, c, layout), x, cores)
+    op = "matmul_t" if (kind is UseKind.LINEAR) != stores_transpose(cand) else "matmul"
+    chosen = choose_plan(planned_envelope(layout, op), _static_batch(x, layout.rows if op == "matmul" else layout.cols))
+    out = _emit(graph, lambda a, c: planner.execute(chosen, a, c, layout), x, cores)
     bias = None
     if kind is UseKind.LINEAR:
         bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from . import decompose, ops
+from . import plan as planner
 from .layout import TTFormat, TTLayout
 from .shapes import auto_num_modes, capped_ranks, choose_modes, feasible_ranks, order_for_chain
 
@@ -124,14 +125,35 @@ class TTMatrix(nn.Module):
         return ops.to_dense(self.gated_cores(), self.layout)
 
     def matmul(self, x: Tensor) -> Tensor:
+        """x @ M in the order the planner chose for this batch size (see ``comera_fx.plan``)."""
         if self.is_zero:
             return _zero_product(x, self.cols)
-        return ops.matmul(x, self.gated_cores(), self.layout)
+        return self._planned_product(x, "matmul")
 
     def matmul_t(self, x: Tensor) -> Tensor:
+        """x @ Mᵀ (a tied output head), planned like ``matmul``."""
         if self.is_zero:
             return _zero_product(x, self.rows)
-        return ops.matmul_t(x, self.gated_cores(), self.layout)
+        return self._planned_product(x, "matmul_t")
+
+    def prepare_plans(self) -> None:
+        """Plan both products for the current ranks now. Call before ``torch.compile`` if the module has not run
+        eagerly since its ranks last changed: a compiled graph reads plans, it does not make them."""
+        for op in planner.OPS:
+            planned_envelope(self.layout, op)
+
+    def _planned_product(self, x: Tensor, op: str) -> Tensor:
+        layout = self.layout
+        cores = self.gated_cores()
+        if torch.compiler.is_compiling():
+            envelope = _ENVELOPES.get((layout, op))
+        else:
+            envelope = planned_envelope(layout, op)
+        if envelope is None:  # compiled before any plan was made: CoMERA's fixed order
+            fixed = ops.matmul if op == "matmul" else ops.matmul_t
+            return fixed(x, cores, layout)
+        batch = x.numel() // (layout.rows if op == "matmul" else layout.cols)
+        return planner.execute(choose_plan(envelope, batch), x, cores, layout)
 
     def take_rows(self, index: Tensor) -> Tensor:
         if self.is_zero:
@@ -154,6 +176,32 @@ class TTMatrix(nn.Module):
 def _zero_product(x: Tensor, n_out: int) -> Tensor:
     """x @ 0 with the shape and dtype of the real product, still connected to x (which gets a zero gradient)."""
     return x[..., :0] @ x.new_zeros(0, n_out)
+
+
+# Plans per (layout, op), shared by every TTMatrix of that layout. Planning runs a subset DP and sympy, which a
+# compiled graph must not trace; eager calls (or ``prepare_plans``) fill this, compiled code only reads it.
+_ENVELOPES: dict[tuple[TTLayout, str], "planner.PlanEnvelope"] = {}
+
+
+def planned_envelope(layout: TTLayout, op: str) -> "planner.PlanEnvelope":
+    """The planner's envelope for ``x @ M`` / ``x @ Mᵀ`` of this layout, made once and cached."""
+    key = (layout, op)
+    envelope = _ENVELOPES.get(key)
+    if envelope is None:
+        envelope = planner.plan(layout, op=op)
+        for piece in envelope.pieces:
+            piece.plan.program  # compile each plan's instructions now, outside any traced region
+        _ENVELOPES[key] = envelope
+    return envelope
+
+
+def choose_plan(envelope: "planner.PlanEnvelope", batch) -> "planner.Plan":
+    """The envelope's plan for ``batch`` using comparisons only: under ``torch.compile(dynamic=True)`` each one is
+    a guard at a breakpoint, so there is one graph per planner interval, not per batch size."""
+    for piece in envelope.pieces[:-1]:
+        if piece.last is not None and batch <= piece.last:
+            return piece.plan
+    return envelope.pieces[-1].plan
 
 
 def _chain_dims(format: TTFormat, row_modes: tuple[int, ...], col_modes: tuple[int, ...]) -> tuple[int, ...]:

@@ -83,7 +83,8 @@ class TTLayout:
 
     @property
     def compression(self) -> float:
-        return self.dense_params / self.num_params
+        """Dense / TT parameters; infinite once rank adaptation removed the whole matrix."""
+        return self.dense_params / self.num_params if self.num_params else math.inf
 
     def with_ranks(self, ranks: tuple[int, ...]) -> "TTLayout":
         return TTLayout(self.format, self.rows, self.cols, self.row_modes, self.col_modes, tuple(ranks))

@@ -1,0 +1,939 @@
+"""The contraction planner: which pairwise order to multiply an activation with a TT matrix, for every batch size.
+
+``x @ M`` with M in TT or TTM form is a small tensor network: the activation x (a batch index ``b`` plus one index
+per input mode), the cores (mode indices and bonds) and the output (``b`` plus the output modes). Every index other
+than ``b`` joins exactly two places (two tensors, or a tensor and the output), so every pairwise contraction is one
+GEMM and nothing else. The planner
+
+1. builds that network from a ``TTLayout`` (``build_network``; padded sizes, gates folded into the cores),
+2. searches all contraction trees exactly — dynamic programming over subsets of tensors, outer products included,
+   so it is never worse than opt_einsum's ``optimal`` — under a cost model that counts the forward *and* the
+   backward that autograd runs for a pairwise tree (``CostModel``),
+3. returns the lower envelope over the batch size: which tree is cheapest on which interval of ``b``, with exact
+   breakpoints (``plan``, ``PlanEnvelope``),
+4. runs a chosen tree with reshape / permute / mm only, reading every size from the layout (``execute``), so the
+   same code runs eagerly and on ``torch.fx`` proxies.
+
+Why an envelope and not one plan: every intermediate either carries the batch index (it contains x) or not, so
+every cost is linear in b, ``c0 + c1·b``. Merging cores first (CoMERA's (x·L)·R) pays a b-independent price to make
+the b-dependent part small; at small b, pushing x through the cores one at a time wins. Keeping, per subset of
+tensors, the lower envelope of its candidate sub-plans (a handful of lines) instead of a single best makes the
+subset DP exact for every b at once. The DP runs on integer pairs; sympy only builds the final expressions.
+
+Pure: the planning half reads no tensor and never imports ``torch.fx``; only ``execute`` uses torch.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+from functools import cached_property, lru_cache
+from typing import Union
+
+import sympy
+import torch
+import torch.nn.functional as F
+
+from . import ops
+from .layout import TTFormat, TTLayout
+
+__all__ = [
+    "BATCH",
+    "DEFAULT_ALPHA",
+    "DEFAULT_BETA",
+    "OPS",
+    "CostModel",
+    "CostTerms",
+    "EnvelopePiece",
+    "Plan",
+    "PlanEnvelope",
+    "Step",
+    "TTNetwork",
+    "Tree",
+    "build_network",
+    "execute",
+    "plan",
+    "search",
+]
+
+# Calibrated by benchmarks/calibrate_plan_cost.py on 2026-11-30 (`--repeat 10 --rounds 6`, 2 threads, torch
+# 2.13.0+cpu, fp32): best square GEMM 69.2 GFLOP/s, best large-copy bandwidth 11.67 GB/s, so moving one byte takes
+# as long as about 5.9 FLOPs. The machine was shared (load 4-5 on 2 cores): runs gave alpha 4.7 to 8.5; CoMERA's
+# plans and breakpoints barely move over that range (docs/planner.md).
+DEFAULT_ALPHA = 5.9
+# Not a time: bytes kept alive for backward cost memory, and their write / re-read is already in the traffic term.
+# One FLOP per saved byte is a tie-breaker that prefers the plan keeping fewer activations when times are close
+# (1 GiB of saved activations weighs ~1 GFLOP, i.e. ~15 ms on the machine above).
+DEFAULT_BETA = 1.0
+
+OPS = ("matmul", "matmul_t")
+
+#: The batch size (all leading dimensions of x flattened) in cost expressions.
+BATCH = sympy.Symbol("b", integer=True, positive=True)
+
+_B = 0  # id of the batch index in every network
+X = 0  # id of the activation among the network's tensors
+
+#: A contraction tree: a tensor id (leaf) or a pair of subtrees.
+Tree = Union[int, tuple["Tree", "Tree"]]
+#: A cost linear in the batch: (c0, c1) means c0 + c1·b (ints, or Fractions once weighted).
+Linear = tuple
+
+
+# ------------------------------------------------------------------------------------------------------ network
+
+
+@dataclass(frozen=True)
+class TTNetwork:
+    """The tensor network of ``x @ M`` (op "matmul") or ``x @ Mᵀ`` ("matmul_t") for one layout.
+
+    Index 0 is the batch ``b`` (its ``sizes`` entry is a placeholder 1). Tensor 0 is x, tensor k is core k; each
+    tensor lists its indices in storage order (row-major), with the boundary bonds of size 1 left out. ``output``
+    lists the result's indices in storage order: b, then the output modes.
+    """
+
+    layout: TTLayout
+    op: str
+    index_names: tuple[str, ...]
+    sizes: tuple[int, ...]
+    tensor_names: tuple[str, ...]
+    tensor_indices: tuple[tuple[int, ...], ...]
+    output: tuple[int, ...]
+
+    @property
+    def n_tensors(self) -> int:
+        return len(self.tensor_names)
+
+    @property
+    def in_modes(self) -> tuple[int, ...]:
+        return self.layout.row_modes if self.op == "matmul" else self.layout.col_modes
+
+    @property
+    def out_modes(self) -> tuple[int, ...]:
+        return self.layout.col_modes if self.op == "matmul" else self.layout.row_modes
+
+    def open_indices(self, mask: int) -> frozenset[int]:
+        """Indices of the intermediate made of the tensors in ``mask``: those with exactly one end inside."""
+        seen: set[int] = set()
+        for t in _bits(mask):
+            seen ^= set(self.tensor_indices[t])
+        return frozenset(seen)
+
+    def size(self, indices: Iterable[int]) -> int:
+        """Product of the sizes of ``indices``, the batch left out (it is carried as a flag)."""
+        return math.prod(self.sizes[i] for i in indices if i != _B)
+
+
+def build_network(layout: TTLayout, op: str = "matmul") -> TTNetwork:
+    """The network of ``x @ M`` / ``x @ Mᵀ`` on the padded layout (ops.py pads x and trims the result around it)."""
+    if op not in OPS:
+        raise ValueError(f"op must be one of {OPS}, got {op!r}")
+    names, sizes = ["b"], [1]
+
+    def new_index(name: str, size: int) -> int:
+        names.append(name)
+        sizes.append(size)
+        return len(names) - 1
+
+    rows = [new_index(f"i{k + 1}", m) for k, m in enumerate(layout.row_modes)]
+    cols = [new_index(f"j{k + 1}", m) for k, m in enumerate(layout.col_modes)]
+    n = layout.n_cores
+    bonds = [None] + [new_index(f"r{k}", layout.ranks[k]) for k in range(1, n)] + [None]
+    if layout.format is TTFormat.TT:
+        modes = [[i] for i in rows + cols]
+    else:
+        modes = [[i, j] for i, j in zip(rows, cols)]
+    cores = [tuple(i for i in [bonds[k], *modes[k], bonds[k + 1]] if i is not None) for k in range(n)]
+    x_side, out_side = (rows, cols) if op == "matmul" else (cols, rows)
+    return TTNetwork(
+        layout=layout,
+        op=op,
+        index_names=tuple(names),
+        sizes=tuple(sizes),
+        tensor_names=("x",) + tuple(f"G{k + 1}" for k in range(n)),
+        tensor_indices=((_B, *x_side),) + tuple(cores),
+        output=(_B, *out_side),
+    )
+
+
+def _bits(mask: int) -> list[int]:
+    return [i for i in range(mask.bit_length()) if mask >> i & 1]
+
+
+# --------------------------------------------------------------------------------------------------- cost model
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Cost of a plan = FLOPs + alpha · bytes moved + beta · bytes saved for backward.
+
+    * FLOPs: 2·M·K·N per pairwise GEMM; with ``backward``, each operand that needs a gradient adds one GEMM of the
+      same size (dA = dC·Bᵀ, dB = Aᵀ·dC), as autograd runs the pairwise tree. Cores always need one; x only when
+      ``x_requires_grad``.
+    * bytes moved: each GEMM reads both operands and writes its result (``itemsize`` bytes per element); alpha is
+      FLOPs per byte (``DEFAULT_ALPHA``, measured by benchmarks/calibrate_plan_cost.py).
+    * bytes saved: the batch-dependent operands autograd keeps alive until backward (the activations); beta is a
+      memory-pressure weight in FLOPs per byte (``DEFAULT_BETA``).
+    Unmodelled: the copies a permute makes, launch overheads, cache effects (small GEMMs run below peak).
+    """
+
+    alpha: float | Fraction = DEFAULT_ALPHA
+    beta: float | Fraction = DEFAULT_BETA
+    itemsize: int = 4
+    backward: bool = True
+    x_requires_grad: bool = True
+
+    def __post_init__(self) -> None:
+        _as_fraction(self.alpha, "alpha")
+        _as_fraction(self.beta, "beta")
+        if isinstance(self.itemsize, bool) or not isinstance(self.itemsize, int) or self.itemsize <= 0:
+            raise ValueError(f"itemsize must be a positive int (bytes per element), got {self.itemsize!r}")
+
+    @property
+    def weights(self) -> tuple[Fraction, Fraction]:
+        """(alpha, beta) as exact fractions: a float is read as the decimal it prints as (5.5 -> 11/2)."""
+        return _as_fraction(self.alpha, "alpha"), _as_fraction(self.beta, "beta")
+
+    def describe(self) -> str:
+        alpha, beta = self.weights
+        what = "forward + backward" if self.backward else "forward only"
+        return (f"cost = FLOPs + {_num(alpha)}·bytes moved + {_num(beta)}·bytes saved "
+                f"({what}, {self.itemsize}-byte elements)")
+
+
+def _as_fraction(value, name: str) -> Fraction:
+    """A finite value >= 0 as an exact Fraction; floats through their shortest repr so 5.9 means 59/10."""
+    try:
+        frac = Fraction(value) if isinstance(value, (int, Fraction)) else Fraction(str(value))
+    except (ValueError, TypeError, ZeroDivisionError):
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}") from None
+    if isinstance(value, bool) or frac < 0:
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+    return frac
+
+
+@dataclass(frozen=True)
+class CostTerms:
+    """Raw counts of a plan, each a pair (c0, c1) meaning c0 + c1·b; weigh them with ``CostModel``."""
+
+    flops_forward: Linear = (0, 0)
+    flops_backward: Linear = (0, 0)
+    bytes_forward: Linear = (0, 0)
+    bytes_backward: Linear = (0, 0)
+    bytes_saved: Linear = (0, 0)
+
+    def __add__(self, other: "CostTerms") -> "CostTerms":
+        return CostTerms(*[(a[0] + b[0], a[1] + b[1]) for a, b in zip(self._pairs(), other._pairs())])
+
+    def _pairs(self) -> tuple[Linear, ...]:
+        return (self.flops_forward, self.flops_backward, self.bytes_forward, self.bytes_backward, self.bytes_saved)
+
+    @property
+    def flops(self) -> Linear:
+        """Forward + backward FLOPs."""
+        return _add(self.flops_forward, self.flops_backward)
+
+    def weighted(self, model: CostModel) -> tuple[Fraction, Fraction]:
+        alpha, beta = model.weights
+        moved = _add(self.bytes_forward, self.bytes_backward)
+        return tuple(Fraction(f) + alpha * m + beta * s for f, m, s in zip(self.flops, moved, self.bytes_saved))
+
+
+def _add(a: Linear, b: Linear) -> Linear:
+    return (a[0] + b[0], a[1] + b[1])
+
+
+def _step_terms(left: int, right: int, sizes: Sequence[int], model: CostModel) -> CostTerms:
+    """Counts of one pairwise contraction C = A·B of the subsets ``left`` (A) and ``right`` (B).
+
+    ``sizes[mask]`` is the element count of an intermediate per batch element. Every index joins two places, so
+    |A|·|B|·|C| = (M·K·N)² and the GEMM's FLOPs are 2·sqrt(|A|·|B|·|C|) — b included when A or B holds x.
+    """
+    sa, sb, sc = sizes[left], sizes[right], sizes[left | right]
+    flops = 2 * math.isqrt(sa * sb * sc)
+    batched = (left | right) & 1
+    a_batched, b_batched = left & 1, right & 1
+
+    def per(n: int, has_b: int) -> Linear:
+        return (0, n) if has_b else (n, 0)
+
+    moved = _add(_add(per(sa, a_batched), per(sb, b_batched)), per(sc, batched))
+    step_flops = per(flops, batched)
+    if not model.backward:
+        return CostTerms(flops_forward=step_flops, bytes_forward=_scale(moved, model.itemsize))
+    grad_a = left != 1 << X or model.x_requires_grad
+    grad_b = right != 1 << X or model.x_requires_grad
+    grads = grad_a + grad_b
+    saved = (0, 0)
+    if grad_b and a_batched:  # dB = Aᵀ·dC keeps A alive
+        saved = _add(saved, per(sa, 1))
+    if grad_a and b_batched:
+        saved = _add(saved, per(sb, 1))
+    return CostTerms(
+        flops_forward=step_flops,
+        flops_backward=_scale(step_flops, grads),
+        bytes_forward=_scale(moved, model.itemsize),
+        bytes_backward=_scale(moved, grads * model.itemsize),
+        bytes_saved=_scale(saved, model.itemsize),
+    )
+
+
+def _scale(a: Linear, k: int) -> Linear:
+    return (a[0] * k, a[1] * k)
+
+
+@lru_cache(maxsize=64)
+def _subset_sizes(net: TTNetwork) -> tuple[int, ...]:
+    """Element count per batch element of the intermediate of every subset of tensors (bitmask -> int).
+
+    Built incrementally: adding tensor t to a subset multiplies by |t| and divides by the squared size of the
+    indices they share (those become internal).
+    """
+    masks = [sum(1 << i for i in idx if i != _B) for idx in net.tensor_indices]
+    own = [net.size(idx) for idx in net.tensor_indices]
+    n = net.n_tensors
+    open_masks, sizes = [0] * (1 << n), [1] * (1 << n)
+    for subset in range(1, 1 << n):
+        low = subset & -subset
+        t, prev = low.bit_length() - 1, subset ^ low
+        open_masks[subset] = open_masks[prev] ^ masks[t]
+        shared = math.prod(net.sizes[i] for i in _bits(open_masks[prev] & masks[t]))
+        sizes[subset] = sizes[prev] * own[t] // (shared * shared)
+    return tuple(sizes)
+
+
+# ----------------------------------------------------------------------------------------------------- envelope
+
+
+def _crosses_before(l1: Linear, l2: Linear, l3: Linear) -> bool:
+    """For slopes l1 > l2 > l3: does l2 stop being best (meets l3) no earlier than it starts (meets l1)?
+
+    Compares (c0_2 - c0_1)/(c1_1 - c1_2) < (c0_3 - c0_2)/(c1_2 - c1_3) by cross-multiplication, exactly.
+    """
+    return (l2[0] - l1[0]) * (l2[1] - l3[1]) < (l3[0] - l2[0]) * (l1[1] - l2[1])
+
+
+def _crossing(l1: Linear, l2: Linear) -> Fraction:
+    """Where line l1 (steeper) meets l2."""
+    return Fraction(l2[0] - l1[0], l1[1] - l2[1])
+
+
+def _lower_envelope(lines: list, lo: int, hi: int | None) -> list:
+    """The lines (tuples starting with c0, c1) that are minimal somewhere in [lo, hi], ordered from lo to hi.
+
+    A line that only touches the envelope at a single point is dropped: another line is as good there. Ties keep
+    the line listed first, so the result is deterministic.
+    """
+    hull: list = []
+    for line in sorted(lines, key=lambda l: (-l[1], l[0])):  # stable: ties keep input order
+        if hull and hull[-1][1] == line[1]:
+            continue  # same slope, larger or equal intercept
+        while len(hull) >= 2 and not _crosses_before(hull[-2], hull[-1], line):
+            hull.pop()
+        hull.append(line)
+    start = 0
+    while start + 1 < len(hull) and _crossing(hull[start], hull[start + 1]) <= lo:
+        start += 1
+    end = len(hull)
+    if hi is not None:
+        while end - 1 > start and _crossing(hull[end - 2], hull[end - 1]) >= hi:
+            end -= 1
+    return hull[start:end]
+
+
+# ------------------------------------------------------------------------------------------------------- search
+
+
+def search(net: TTNetwork, model: CostModel, lo: int = 1, hi: int | None = None) -> tuple[tuple[Tree, Linear], ...]:
+    """Exact search: the trees on the lower envelope of the weighted cost over b in [lo, hi], ordered by b.
+
+    Returns (tree, (c0, c1)) pairs with exact Fraction costs. Cached per (network, model, bounds).
+    """
+    _check_bounds(lo, hi)
+    return _search(net, model, lo, hi)
+
+
+@dataclass(frozen=True)
+class _Ceiling:
+    """An upper bound U(b) on the optimal cost (the envelope of a few known trees), scaled to integers.
+
+    Anything whose cost exceeds U at every b in [lo, hi] cannot be part of an optimal tree (all step costs are
+    positive), so the search drops it. ``points`` are (p, q, U(p/q)·q): the bounds and U's vertices between them,
+    where a convex difference line - U takes its minimum; ``tail`` is U's last line when hi is unbounded.
+    """
+
+    points: tuple[tuple[int, int, int], ...]
+    tail: Linear | None
+
+    def above(self, c0: int, c1: int) -> bool:
+        """Is the line c0 + c1·b strictly above U on the whole range?"""
+        if self.tail is not None and c1 < self.tail[1]:
+            return False
+        return all(c0 * q + c1 * p > value for p, q, value in self.points)
+
+
+def _ceiling(lines: list[Linear], lo: int, hi: int | None) -> _Ceiling:
+    hull = _lower_envelope(lines, lo, hi)
+    where = [Fraction(lo)] + [_crossing(l1, l2) for l1, l2 in zip(hull, hull[1:])]
+    where += [Fraction(hi)] if hi is not None else []
+    points = []
+    for t in where:
+        value = min(Fraction(c0) + c1 * t for c0, c1 in hull)
+        points.append((t.numerator, t.denominator, int(value * t.denominator)))
+    return _Ceiling(tuple(points), None if hi is not None else hull[-1][:2])
+
+
+def _reference_trees(net: TTNetwork) -> list[Tree]:
+    """Trees whose costs bound the search from above: x through the chain from either end, and x times the
+    merged chain split at every bond (CoMERA's (x·L)·R, the dense x·M and everything between)."""
+    n = net.n_tensors - 1
+
+    def chain(ids: Sequence[int]) -> Tree:
+        node: Tree = ids[0]
+        for t in ids[1:]:
+            node = (node, t)
+        return node
+
+    cores = list(range(1, n + 1))
+    trees = [chain([X] + cores), chain([X] + cores[::-1])]
+    for cut in range(1, n + 1):
+        left, right = cores[:cut], cores[cut:]
+        for near, far in ((left, right), (right, left)):
+            if near:
+                trees.append(((X, chain(near)), chain(far)) if far else (X, chain(near)))
+    return trees
+
+
+@lru_cache(maxsize=256)
+def _search(net: TTNetwork, model: CostModel, lo: int, hi: int | None) -> tuple[tuple[Tree, Linear], ...]:
+    n = net.n_tensors
+    sizes = _subset_sizes(net)
+    alpha, beta = model.weights
+    scale = math.lcm(alpha.denominator, beta.denominator)
+    w_flop, w_byte, w_saved = scale, int(alpha * scale) * model.itemsize, int(beta * scale) * model.itemsize
+    grad_x = 1 if model.x_requires_grad else 0
+    backward = model.backward
+    isqrt = math.isqrt
+    ceiling = _ceiling([tuple(int(c * scale) for c in Plan.from_tree(net, t, model).weighted_cost)
+                        for t in _reference_trees(net)], lo, hi)
+    # Any tree over a subset ends with a GEMM writing it: >= 2 FLOPs and one write per element, twice with backward.
+    last_step = (2 * w_flop + w_byte) * (2 if backward else 1)
+
+    # env[S]: lines (c0, c1, part, k): cost of the best trees over S, made of env[part][k] and the single best
+    # tree of S ^ part (the part without x has a b-independent cost, so one tree). Leaves: part = 0. A subset
+    # that cannot be in an optimal tree keeps an empty list.
+    env: list[list] = [[] for _ in range(1 << n)]
+    for subset in range(1, 1 << n):
+        if subset & (subset - 1) == 0:
+            env[subset] = [(0, 0, 0, 0)]
+            continue
+        size_s = sizes[subset]
+        has_x = subset & 1
+        if ceiling.above(0 if has_x else last_step * size_s, last_step * size_s if has_x else 0):
+            continue
+        if has_x:  # every split puts x on one side, "part"
+            rest = subset ^ 1
+            candidates = []
+            sub = (rest - 1) & rest
+            while True:
+                part, other = sub | 1, rest ^ sub
+                if env[part] and env[other]:
+                    sp, so = sizes[part], sizes[other]
+                    flops = 2 * isqrt(sp * so * size_s)
+                    if backward:
+                        mult = 2 + (grad_x if part == 1 else 1)
+                        k1 = (w_flop * flops + w_byte * (sp + size_s)) * mult + w_saved * sp
+                    else:
+                        mult = 1
+                        k1 = w_flop * flops + w_byte * (sp + size_s)
+                    k0 = w_byte * so * mult + env[other][0][0]
+                    for k, line in enumerate(env[part]):
+                        candidates.append((line[0] + k0, line[1] + k1, part, k))
+                if sub == 0:
+                    break
+                sub = (sub - 1) & rest
+            lines = _lower_envelope(_undominated(candidates, lo, hi), lo, hi)
+        else:  # cores only: costs do not depend on b, keep the single best
+            low = subset & -subset
+            rest = subset ^ low
+            mult = 3 if backward else 1
+            best = None
+            sub = (rest - 1) & rest
+            while True:
+                part, other = sub | low, rest ^ sub
+                if env[part] and env[other]:
+                    sp, so = sizes[part], sizes[other]
+                    flops = 2 * isqrt(sp * so * size_s)
+                    cost = (w_flop * flops + w_byte * (sp + so + size_s)) * mult + env[part][0][0] + env[other][0][0]
+                    if best is None or cost < best[0]:
+                        best = (cost, 0, part, 0)
+                if sub == 0:
+                    break
+                sub = (sub - 1) & rest
+            lines = [best] if best is not None else []
+        env[subset] = [line for line in lines if not ceiling.above(line[0], line[1])]
+
+    def tree(subset: int, k: int) -> Tree:
+        _, _, part, kp = env[subset][k]
+        if part == 0:
+            return subset.bit_length() - 1
+        return _canonical((tree(part, kp), tree(subset ^ part, 0)))
+
+    full = (1 << n) - 1
+    if not env[full]:
+        raise RuntimeError("planner bound pruned every tree; this is a bug in comera_fx.tt.plan")
+    return tuple((tree(full, k), (Fraction(c0, scale), Fraction(c1, scale)))
+                 for k, (c0, c1, _, _) in enumerate(env[full]))
+
+
+def _undominated(candidates: list, lo: int, hi: int | None) -> list:
+    """Drop candidates that the best line at lo or the best line at hi (or of least slope) beats everywhere.
+
+    A cheap filter before the exact envelope: most candidates of a subset lose to one of these two.
+    """
+    def at_lo(line) -> int:
+        return line[0] + line[1] * lo
+
+    def at_end(line):
+        return line[0] + line[1] * hi if hi is not None else (line[1], line[0])
+
+    def beats(a, c) -> bool:
+        return at_lo(a) <= at_lo(c) and at_end(a) <= at_end(c)
+
+    first = min(candidates, key=at_lo, default=None)
+    last = min(candidates, key=at_end, default=None)
+    return [c for c in candidates if c is first or c is last or not (beats(first, c) or beats(last, c))]
+
+
+def _canonical(node: Tree) -> Tree:
+    """Order children so the one holding the lowest tensor id comes first (x, if present, is always left)."""
+    if isinstance(node, int):
+        return node
+    left, right = _canonical(node[0]), _canonical(node[1])
+    return (left, right) if _lowest(left) < _lowest(right) else (right, left)
+
+
+def _lowest(node: Tree) -> int:
+    return node if isinstance(node, int) else min(_lowest(node[0]), _lowest(node[1]))
+
+
+def _leaves(node: Tree) -> list[int]:
+    return [node] if isinstance(node, int) else _leaves(node[0]) + _leaves(node[1])
+
+
+def _check_bounds(lo: int, hi: int | None) -> None:
+    """Bounds are plain ints (they key the search cache): lo >= 1, hi None (unbounded) or >= lo."""
+    if isinstance(lo, bool) or not isinstance(lo, int) or lo < 1:
+        raise ValueError(f"the lower batch bound must be an int >= 1, got {lo!r}")
+    if hi is not None and (isinstance(hi, bool) or not isinstance(hi, int) or hi < lo):
+        raise ValueError(f"the upper batch bound must be None (unbounded) or an int >= {lo}, got {hi!r}")
+
+
+# --------------------------------------------------------------------------------------------------------- plans
+
+
+@dataclass(frozen=True)
+class Step:
+    """One pairwise contraction ``result = left · right``: a GEMM (M × K) @ (K × N), M scaled by b if batched.
+
+    ``left`` / ``right`` / ``result`` are slots: 0..n-1 are the network's tensors, n + k is the result of step k.
+    ``left_tensors`` / ``right_tensors`` are bitmasks of the network tensors each operand is made of.
+    """
+
+    left: int
+    right: int
+    result: int
+    left_tensors: int
+    right_tensors: int
+    m: int
+    k: int
+    n: int
+    batched: bool
+
+    @property
+    def flops(self) -> Linear:
+        f = 2 * self.m * self.k * self.n
+        return (0, f) if self.batched else (f, 0)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A contraction tree for one network, its pairwise steps (post-order) and its raw cost counts."""
+
+    network: TTNetwork
+    tree: Tree
+    model: CostModel
+    steps: tuple[Step, ...]
+    terms: CostTerms
+
+    @classmethod
+    def from_tree(cls, network: TTNetwork, tree: Tree, model: CostModel | None = None) -> "Plan":
+        """The plan of any tree (nested pairs of tensor ids, each id once); ValueError for a malformed tree."""
+        model = model or CostModel()
+        leaves = _leaves(tree) if _is_tree(tree) else None
+        if leaves is None or sorted(leaves) != list(range(network.n_tensors)):
+            raise ValueError(f"a tree must be nested pairs using each tensor id 0..{network.n_tensors - 1} exactly "
+                             f"once, got {tree!r}")
+        tree = _canonical(tree)
+        sizes = _subset_sizes(network)
+        steps: list[Step] = []
+        terms = CostTerms()
+
+        def walk(node: Tree) -> tuple[int, int]:  # (slot, tensor mask)
+            nonlocal terms
+            if isinstance(node, int):
+                return node, 1 << node
+            (ls, lm), (rs, rm) = walk(node[0]), walk(node[1])
+            shared = network.size(network.open_indices(lm) & network.open_indices(rm))
+            slot = network.n_tensors + len(steps)
+            steps.append(Step(ls, rs, slot, lm, rm, sizes[lm] // shared, shared, sizes[rm] // shared,
+                              bool((lm | rm) & 1)))
+            terms = terms + _step_terms(lm, rm, sizes, model)
+            return slot, lm | rm
+
+        walk(tree)
+        return cls(network, tree, model, tuple(steps), terms)
+
+    # -- costs ----------------------------------------------------------------------------------------------------
+
+    @property
+    def weighted_cost(self) -> tuple[Fraction, Fraction]:
+        """(c0, c1) of FLOPs + alpha·moved + beta·saved under the plan's model, exactly."""
+        return self.terms.weighted(self.model)
+
+    def cost(self, batch=BATCH):
+        """The weighted cost as a sympy expression in b (or its value at an int batch)."""
+        c0, c1 = self.weighted_cost
+        return _linear_expr((c0, c1), batch)
+
+    def flops(self, batch=BATCH, *, backward: bool | None = None):
+        """FLOPs (forward + backward when the model has a backward, or as ``backward`` says) in b."""
+        with_bwd = self.model.backward if backward is None else backward
+        pair = self.terms.flops if with_bwd else self.terms.flops_forward
+        return _linear_expr(pair, batch)
+
+    # -- printing -------------------------------------------------------------------------------------------------
+
+    def __str__(self) -> str:
+        """E.g. ``((x·G1)·G2)·(G3·G4)``."""
+        return _expression(self.tree, self.network.tensor_names, top=True)
+
+    def describe(self) -> str:
+        """One line per GEMM: operands, shapes (b = batch) and FLOPs."""
+        names = list(self.network.tensor_names)
+        lines = [f"{self}  [{self.network.op}, {self.network.layout.format.value}]"]
+        for number, step in enumerate(self.steps, 1):
+            names.append(f"t{number}")
+            rows = (f"b·{step.m}" if step.m != 1 else "b") if step.batched else f"{step.m}"
+            lines.append(f"  t{number} = {names[step.left]}·{names[step.right]}: [{rows} × {step.k}] @ "
+                         f"[{step.k} × {step.n}] -> [{rows} × {step.n}], {_pretty(step.flops)} FLOPs")
+        return "\n".join(lines)
+
+    # -- execution ------------------------------------------------------------------------------------------------
+
+    @cached_property
+    def program(self) -> "_Program":
+        """How ``execute`` runs the steps: operand views and index orders, worked out once (pure data)."""
+        return _compile(self)
+
+
+def _is_tree(node) -> bool:
+    if isinstance(node, bool):
+        return False
+    if isinstance(node, int):
+        return True
+    return isinstance(node, tuple) and len(node) == 2 and _is_tree(node[0]) and _is_tree(node[1])
+
+
+def _expression(node: Tree, names: Sequence[str], top: bool = False) -> str:
+    if isinstance(node, int):
+        return names[node]
+    text = f"{_expression(node[0], names)}·{_expression(node[1], names)}"
+    return text if top else f"({text})"
+
+
+def _linear_expr(pair: Linear, batch=BATCH):
+    """c0 + c1·batch with exact sympy rationals (batch: the symbol b or a number)."""
+    return _as_rational(pair[0]) + _as_rational(pair[1]) * batch
+
+
+def _num(value) -> str:
+    """A number for tables: exact when small and whole, else 4 significant digits."""
+    value = Fraction(value)
+    if value.denominator == 1 and abs(value) < 10**6:
+        return str(value.numerator)
+    return f"{float(value):.4g}"
+
+
+def _pretty(pair: Linear) -> str:
+    """c0 + c1·b with 4-significant-digit coefficients."""
+    c0, c1 = pair
+    parts = ([f"{_num(c1)}·b"] if c1 else []) + ([_num(c0)] if c0 or not c1 else [])
+    return " + ".join(parts)
+
+
+# ---------------------------------------------------------------------------------------------------- envelope
+
+
+@dataclass(frozen=True)
+class EnvelopePiece:
+    """On lo <= b <= hi (exact rationals; hi is sympy.oo when unbounded) ``plan`` is cheapest, at ``cost``.
+
+    ``first`` / ``last`` are the integer batch sizes it is chosen for (last None when unbounded; first > last when
+    the piece holds no integer). A tie at an integer breakpoint goes to the later piece.
+    """
+
+    lo: sympy.Rational
+    hi: sympy.Expr
+    first: int
+    last: int | None
+    plan: Plan
+    cost: sympy.Expr
+
+    def holds(self, batch: int) -> bool:
+        return self.first <= batch and (self.last is None or batch <= self.last)
+
+    def describe_interval(self) -> str:
+        if self.last is None:
+            return f"b >= {self.first}"
+        if self.first > self.last:
+            return f"{self.lo} < b < {self.hi} (no integer)"
+        return f"{self.first} <= b <= {self.last}" if self.first != self.last else f"b = {self.first}"
+
+
+@dataclass(frozen=True)
+class PlanEnvelope:
+    """What ``plan()`` returns: the cheapest plan on each interval of the batch size b in [lo, hi]."""
+
+    network: TTNetwork
+    model: CostModel
+    lo: int
+    hi: int | None
+    pieces: tuple[EnvelopePiece, ...]
+    batch: int | None = None
+
+    @property
+    def envelope(self) -> tuple[EnvelopePiece, ...]:
+        return self.pieces
+
+    @property
+    def breakpoints(self) -> tuple[sympy.Rational, ...]:
+        """Exact values of b where the cheapest plan changes (the pieces' lower ends after the first)."""
+        return tuple(piece.lo for piece in self.pieces[1:])
+
+    @property
+    def plans(self) -> tuple[Plan, ...]:
+        return tuple(piece.plan for piece in self.pieces)
+
+    def piece_at(self, batch: int) -> EnvelopePiece:
+        """The piece whose integer range holds ``batch`` (0, an empty batch, gets the first piece's plan)."""
+        batch = _as_int(batch, "batch")
+        if batch < 0:
+            raise ValueError(f"batch must be an int >= 0, got {batch!r}")
+        if batch == 0:
+            return self.pieces[0]
+        if batch < self.lo or (self.hi is not None and batch > self.hi):
+            raise ValueError(f"batch {batch} is outside the planned bounds [{self.lo}, {self.hi or '∞'}]; "
+                             f"plan again with bounds=(lo, hi) covering it")
+        return next(piece for piece in self.pieces if piece.holds(batch))
+
+    def choose(self, batch: int) -> Plan:
+        """The cheapest plan for this batch size."""
+        return self.piece_at(batch).plan
+
+    def __str__(self) -> str:
+        layout, net = self.network.layout, self.network
+        what = "x @ M" if net.op == "matmul" else "x @ Mᵀ"
+        bounds = f"{self.lo} <= b" + (f" <= {self.hi}" if self.hi is not None else "")
+        head = [f"{layout.format.value.upper()} {what}, {layout.describe_modes()}, ranks {layout.ranks}; {bounds}",
+                self.model.describe()]
+        at = f"FLOPs at b={self.batch}" if self.batch is not None else "FLOPs"
+        rows = [("batch", "plan", "cost", at)]
+        for piece in self.pieces:
+            flops = piece.plan.flops(self.batch) if self.batch is not None else None
+            rows.append((piece.describe_interval(), str(piece.plan), _pretty(piece.plan.weighted_cost),
+                         _num(flops) if self.batch is not None else _pretty(piece.plan.terms.flops)))
+        widths = [max(len(r[c]) for r in rows) for c in range(4)]
+        table = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+        table.insert(1, "  ".join("-" * w for w in widths))
+        lines = head + table
+        if self.breakpoints:
+            lines.append("breakpoints: " + ", ".join(f"{bp} (≈{float(bp):.4g})" for bp in self.breakpoints))
+        if self.batch is not None:
+            piece = self.piece_at(self.batch)
+            lines.append(f"at b = {self.batch}: {piece.plan}, cost {_num(piece.cost.subs(BATCH, self.batch))}")
+        return "\n".join(lines)
+
+
+def plan(layer_or_spec, batch: int | None = None, *, op: str | None = None, alpha=DEFAULT_ALPHA,
+         beta=DEFAULT_BETA, bounds: tuple[int, int | None] = (1, None), backward: bool = True,
+         x_requires_grad: bool = True, itemsize: int = 4) -> PlanEnvelope:
+    """Plan ``x @ M`` (or ``x @ Mᵀ``) of a TT layer for every batch size in ``bounds``.
+
+    ``layer_or_spec``: a ``TTMatrix``, a ``TTLinear`` (its op follows ``transposed``) or a ``TTLayout``. ``op``:
+    "matmul" or "matmul_t" (default: what a TTLinear runs, else "matmul"). ``batch``: an int to report the plan
+    that wins there (the table also shows FLOPs at that size). ``alpha`` / ``beta``: the cost weights
+    (``CostModel``); ``backward=False`` plans inference (forward only).
+    """
+    layout, default_op = _layout_of(layer_or_spec)
+    op = op if op is not None else default_op
+    lo, hi = bounds
+    _check_bounds(lo, hi)
+    if batch is not None:
+        batch = _as_int(batch, "batch")
+        if batch < lo or (hi is not None and batch > hi):
+            raise ValueError(f"batch must be an int within the bounds [{lo}, {hi or '∞'}], got {batch!r}")
+    model = CostModel(alpha=alpha, beta=beta, itemsize=itemsize, backward=backward, x_requires_grad=x_requires_grad)
+    net = build_network(layout, op)
+    found = search(net, model, lo, hi)
+    pieces = []
+    for k, (tree, line) in enumerate(found):
+        chosen = Plan.from_tree(net, tree, model)
+        if chosen.weighted_cost != line:  # the DP's inline arithmetic and _step_terms must agree
+            raise RuntimeError(f"planner inconsistency for {chosen}: {chosen.weighted_cost} != {line}")
+        start = Fraction(lo) if k == 0 else _crossing(found[k - 1][1], line)
+        last_piece = k == len(found) - 1
+        end = (Fraction(hi) if hi is not None else None) if last_piece else _crossing(line, found[k + 1][1])
+        first = math.ceil(start)
+        last = None if end is None else (int(end) if last_piece else math.ceil(end) - 1)
+        pieces.append(EnvelopePiece(_as_rational(start), sympy.oo if end is None else _as_rational(end), first, last,
+                                    chosen, chosen.cost()))
+    return PlanEnvelope(net, model, lo, hi, tuple(pieces), batch)
+
+
+def _as_int(value, name: str) -> int:
+    """Python ints and integer-like numbers (sympy.Integer, numpy ints) as int; ValueError for anything else."""
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be an int, got {value!r}") from None
+
+
+def _as_rational(value) -> sympy.Rational:
+    value = Fraction(value)
+    return sympy.Rational(value.numerator, value.denominator)
+
+
+def _layout_of(obj) -> tuple[TTLayout, str]:
+    """(layout, default op) of a TTLayout, TTMatrix or TTLinear, read by duck typing (no module import)."""
+    if isinstance(obj, TTLayout):
+        return obj, "matmul"
+    tt = getattr(obj, "tt", None)
+    if tt is not None and isinstance(getattr(tt, "layout", None), TTLayout):
+        if hasattr(obj, "transposed"):
+            return tt.layout, "matmul_t" if obj.transposed else "matmul"
+        raise ValueError(f"{type(obj).__name__} looks rows up rather than multiplying; lookups are not planned. "
+                         f"Plan its matrix (obj.tt) with op='matmul_t' for a tied output head")
+    if isinstance(getattr(obj, "layout", None), TTLayout):
+        return obj.layout, "matmul"
+    raise ValueError(f"plan() takes a TTMatrix, a TTLinear or a TTLayout, got {type(obj).__name__}")
+
+
+# --------------------------------------------------------------------------------------------------- execution
+
+
+def _operand_view(order: tuple[int, ...], first: tuple[int, ...], second: tuple[int, ...], batched: bool):
+    """How to see a stored tensor (indices ``order``) as the matrix (first × second) without copying if possible.
+
+    Returns ("view",) when order is first + second, ("t",) when it is second + first (a transposed view; never
+    for a batched tensor, whose batch must stay leading), else ("permute", perm).
+    """
+    body = order[1:] if batched else order
+    if body == first + second:
+        return ("view",)
+    if not batched and body == second + first:
+        return ("t",)
+    wanted = ((_B,) if batched else ()) + first + second
+    return ("permute", tuple(order.index(i) for i in wanted))
+
+
+@dataclass(frozen=True)
+class _Instruction:
+    """How one step sees its stored operands as matrices: views (see ``_operand_view``) and stored dims (no b)."""
+
+    left_view: tuple
+    right_view: tuple
+    left_dims: tuple[int, ...]
+    right_dims: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class _Program:
+    """A plan made runnable: one instruction per step, then the permutation (if any) into the output's order."""
+
+    instructions: tuple[_Instruction, ...]
+    final_dims: tuple[int, ...]
+    final_perm: tuple[int, ...] | None
+
+
+def _compile(chosen: Plan) -> _Program:
+    """Track each stored tensor's index order through the steps and pick copy-free views where they exist.
+
+    A GEMM's result is stored as (b?, left's free indices, right's free indices); the next step reads it as is,
+    transposed, or through a permute (a copy) — whichever order of the shared indices needs fewer copies.
+    """
+    net = chosen.network
+    orders: list[tuple[int, ...]] = list(net.tensor_indices)
+    instructions = []
+    for step in chosen.steps:
+        a, b = orders[step.left], orders[step.right]
+        shared_set = set(a) & set(b)
+        free_a = tuple(i for i in a if i not in shared_set and i != _B)
+        free_b = tuple(i for i in b if i not in shared_set)
+        options = []
+        for shared in (tuple(i for i in a if i in shared_set), tuple(i for i in b if i in shared_set)):
+            view_a = _operand_view(a, free_a, shared, step.batched)
+            view_b = _operand_view(b, shared, free_b, False)
+            options.append(((view_a[0] == "permute") + (view_b[0] == "permute"), view_a, view_b))
+        _, view_a, view_b = min(options, key=lambda o: o[0])
+        orders.append(((_B,) if step.batched else ()) + free_a + free_b)
+        instructions.append(_Instruction(view_a, view_b, tuple(net.sizes[i] for i in a if i != _B),
+                                         tuple(net.sizes[i] for i in b)))
+    final = orders[-1]
+    perm = None if final == net.output else tuple(final.index(i) for i in net.output)
+    return _Program(tuple(instructions), tuple(net.sizes[i] for i in final if i != _B), perm)
+
+
+def _as_matrix(t, view: tuple, dims: tuple[int, ...], rows: int, cols: int, batched: bool):
+    """The stored tensor ``t`` as a (rows × cols) matrix (rows = -1, i.e. b·rows, when batched)."""
+    if view[0] == "view":
+        return t.reshape(-1 if batched else rows, cols)
+    if view[0] == "t":
+        return t.reshape(cols, rows).t()
+    lead = (-1,) if batched else ()
+    return t.reshape(lead + dims).permute(view[1]).reshape(-1 if batched else rows, cols)
+
+
+def execute(chosen: Plan, x, cores: Sequence, layout: TTLayout):
+    """Run ``chosen`` on x (..., in) and the (gated) cores -> (..., out), like ``ops.matmul`` / ``ops.matmul_t``.
+
+    Only reshape / permute / t / mm / pad / slicing; every size comes from ``layout`` and the batch is always -1,
+    so it traces on ``torch.fx.Proxy`` objects as well as running eagerly.
+    """
+    net = chosen.network
+    if layout != net.layout:
+        raise ValueError(f"the plan was made for {net.layout}, not {layout}; plan again for the new layout "
+                         f"(ranks change when a TT is pruned)")
+    if len(cores) != layout.n_cores:
+        raise ValueError(f"expected {layout.n_cores} cores for this layout, got {len(cores)}")
+    n_in, n_out = (layout.rows, layout.cols) if net.op == "matmul" else (layout.cols, layout.rows)
+    pad_in, pad_out = math.prod(net.in_modes), math.prod(net.out_modes)
+    x2 = x.reshape(-1, n_in)
+    if pad_in != n_in:
+        x2 = F.pad(x2, (0, pad_in - n_in))
+    stored = [x2, *cores]
+    program = chosen.program
+    for step, inst in zip(chosen.steps, program.instructions):
+        left = _as_matrix(stored[step.left], inst.left_view, inst.left_dims, step.m, step.k, step.batched)
+        right = _as_matrix(stored[step.right], inst.right_view, inst.right_dims, step.k, step.n, False)
+        stored.append(torch.mm(left, right))
+    out = stored[-1]
+    if program.final_perm is not None:
+        out = out.reshape((-1,) + program.final_dims).permute(program.final_perm)
+    out = ops._trim_cols(out.reshape(-1, pad_out), n_out, pad_out)
+    return out.reshape(x.shape[:-1] + (n_out,))
