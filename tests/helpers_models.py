@@ -5,12 +5,29 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils import _pytree as pytree
 
 from comera_fx import TTMatrix
 
 
 def rel_err(actual: Tensor, expected: Tensor) -> float:
     return float((actual - expected).norm() / expected.norm())
+
+
+def relative_tolerance(model: nn.Module, example_inputs, rel: float) -> dict:
+    """rtol/atol for ``comera_fx.testing.assert_rewrite_equivalent`` holding a rewrite to relative error ``rel``.
+
+    Every element must lie within ``rel`` times the RMS of ``model``'s float outputs on ``example_inputs`` (a
+    tuple of positional or a dict of keyword inputs, already in the model's dtype). That implies the norm-wise
+    ``||rewritten - original|| <= rel * ||original||`` and asks more of each element; an element-wise ``rtol``
+    alone would fail on outputs near zero, whose rounding error scales with the output, not with the element.
+    Gradients (float64 checks) are held to the same absolute bound.
+    """
+    args, kwargs = ((), example_inputs) if isinstance(example_inputs, dict) else (tuple(example_inputs), {})
+    with torch.no_grad():
+        outputs = pytree.tree_leaves(model(*args, **kwargs))
+    floats = torch.cat([o.reshape(-1).double() for o in outputs if isinstance(o, Tensor) and o.is_floating_point()])
+    return dict(rtol=0.0, atol=rel * float(floats.pow(2).mean().sqrt()))
 
 
 def num_params(model: nn.Module) -> int:

@@ -159,7 +159,7 @@ def capture_graphs(model: nn.Module, example_inputs) -> list[tuple[fx.GraphModul
         graphs.append((gm, list(inputs)))
         return gm.forward
 
-    args, kwargs = _split_inputs(example_inputs)
+    args, kwargs = split_example_inputs(example_inputs)
     compiled = torch.compile(model, backend=record, dynamic=False)
     with torch._dynamo.config.patch(**_CAPTURE_DYNAMO_CONFIG), torch.no_grad():
         compiled(*args, **kwargs)
@@ -173,7 +173,8 @@ _CAPTURE_DYNAMO_CONFIG = dict(recompile_limit=2**20, accumulated_recompile_limit
                               fail_on_recompile_limit_hit=True)
 
 
-def _split_inputs(example_inputs) -> tuple[tuple, dict]:
+def split_example_inputs(example_inputs) -> tuple[tuple, dict]:
+    """(args, kwargs) from example inputs given as a tensor, a tuple/list of positional inputs or a kwargs dict."""
     if isinstance(example_inputs, dict):
         return (), dict(example_inputs)
     if isinstance(example_inputs, (tuple, list)):

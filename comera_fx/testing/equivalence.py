@@ -19,6 +19,8 @@ import torch
 from torch import Tensor, fx, nn
 from torch.utils import _pytree as pytree
 
+from ..passes.find import split_example_inputs
+
 __all__ = ["Divergence", "RewriteMismatch", "assert_rewrite_equivalent", "default_tolerances", "takes_graph_module"]
 
 Rewrite = Callable[[nn.Module], Any]
@@ -141,14 +143,6 @@ class _Run:
     output_spec: Any
     input_grads: dict[str, Tensor]
     param_grads: dict[str, Tensor]
-
-
-def _split_inputs(example_inputs) -> tuple[tuple, dict]:
-    if isinstance(example_inputs, dict):
-        return (), dict(example_inputs)
-    if isinstance(example_inputs, (tuple, list)):
-        return tuple(example_inputs), {}
-    return (example_inputs,), {}
 
 
 def _cast_inputs(args: tuple, kwargs: dict, dtype: torch.dtype) -> tuple[tuple, dict]:
@@ -585,7 +579,7 @@ def assert_rewrite_equivalent(
     default_rtol, default_atol = default_tolerances(dtype)
     rtol = default_rtol if rtol is None else rtol
     atol = default_atol if atol is None else atol
-    args, kwargs = _cast_inputs(*_split_inputs(example_inputs), dtype)
+    args, kwargs = _cast_inputs(*split_example_inputs(example_inputs), dtype)
     reference = copy.deepcopy(model).to(dtype)
     rewritten, as_graph = apply_rewrite(reference, rewrite, graph)
 
