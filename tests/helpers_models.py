@@ -164,3 +164,13 @@ class LinearAndMatmul(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         h = torch.tanh(self.fc(x) + x @ self.fc.weight)
         return h @ self.w + F.linear(h, self.w)
+
+
+def large_2d_parameters(model, config):
+    """Independent reference: FQNs (canonical, first in module order) of every 2-D parameter above the threshold."""
+    seen, out = set(), []
+    for fqn, p in model.named_parameters():
+        if id(p) not in seen and p.dim() == 2 and p.numel() >= config.min_numel and min(p.shape) >= config.min_dim:
+            out.append(fqn)
+        seen.add(id(p))
+    return out

@@ -14,7 +14,7 @@ from torch import fx
 import comera_fx
 from comera_fx import TensorizeConfig, TTMatrix
 from comera_fx.testing import assert_rewrite_equivalent
-from helpers_models import (MLP, FunctionalLinear, LinearAndMatmul, MatmulModel, Mixed, TiedLM, Tiny, rel_err,
+from helpers_models import (MLP, FunctionalLinear, LinearAndMatmul, MatmulModel, Mixed, TiedLM, Tiny, rel_err, large_2d_parameters,
                             relative_tolerance)
 
 FULL = TensorizeConfig(max_rank=10**9, min_numel=4096)
@@ -68,13 +68,6 @@ def call_names(gm: fx.GraphModule) -> list[str]:
     return [op_name(n) for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
 
 
-def large_2d(model, config):
-    seen, out = set(), []
-    for fqn, p in model.named_parameters():
-        if id(p) not in seen and p.dim() == 2 and p.numel() >= config.min_numel and min(p.shape) >= config.min_dim:
-            out.append(fqn)
-        seen.add(id(p))
-    return out
 
 
 @pytest.fixture(scope="module", params=[(f, m) for f in ("symbolic_trace", "export") for m in MODELS],
@@ -106,7 +99,7 @@ def test_summary_lists_converted_layers(converted):
     gm, dense = converted["gm"], converted["dense"]
     summary = gm.meta["comera_fx"]
     assert isinstance(summary, comera_fx.TensorizeSummary) and summary.method == "graph"
-    assert sorted(d.fqn for d in summary.converted) == sorted(large_2d(dense, FULL))
+    assert sorted(d.fqn for d in summary.converted) == sorted(large_2d_parameters(dense, FULL))
     text = str(summary)
     assert all(d.fqn in text for d in summary.converted)
 
@@ -142,7 +135,7 @@ def test_no_n_ary_einsum_only_pairwise_contractions(converted):
 def test_one_tt_submodule_per_parameter_even_when_tied(converted):
     gm, dense = converted["gm"], converted["dense"]
     tt_names = [n for n, m in gm.named_modules() if isinstance(m, TTMatrix)]
-    assert len(tt_names) == len(large_2d(dense, FULL))  # distinct parameter objects, not holders
+    assert len(tt_names) == len(large_2d_parameters(dense, FULL))  # distinct parameter objects, not holders
     if converted["name"] not in ("tied", "mixed"):
         return
     assert "comera_tt_emb_weight" in tt_names and not any("head" in n for n in tt_names)

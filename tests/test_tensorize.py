@@ -18,7 +18,7 @@ from comera_fx import TensorizeConfig, TTEmbedding, TTLinear, TTMatrix
 from comera_fx.passes.find import Candidate, Use, UseKind
 from comera_fx.passes.tensorize import skip_reason
 from comera_fx.testing import assert_rewrite_equivalent
-from helpers_models import (MLP, EmbeddingModel, FunctionalLinear, LinearAndMatmul, MatmulModel, Mixed, TiedLM,
+from helpers_models import (MLP, EmbeddingModel, FunctionalLinear, LinearAndMatmul, MatmulModel, Mixed, TiedLM, large_2d_parameters,
                             Tiny, num_params, relative_tolerance)
 
 tensorize_module = sys.modules["comera_fx.passes.tensorize"]  # comera_fx.passes.tensorize is the graph pass
@@ -69,14 +69,6 @@ def build(name, dtype, seed=0):
     return dense, make_input(dtype)
 
 
-def large_2d_parameters(model, config):
-    """Independent reference: FQNs (canonical, first in module order) of every 2-D parameter above the threshold."""
-    seen, out = set(), []
-    for fqn, p in model.named_parameters():
-        if id(p) not in seen and p.dim() == 2 and p.numel() >= config.min_numel and min(p.shape) >= config.min_dim:
-            out.append(fqn)
-        seen.add(id(p))
-    return out
 
 
 # ------------------------------------------------------------------------------------------- small models
