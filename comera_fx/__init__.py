@@ -7,9 +7,11 @@ Public API::
     comera_fx.plan(layer, batch=4096)                         # the contraction order chosen per batch interval
     comera_fx.passes.tensorize(gm, config)                    # GraphModule -> GraphModule for custom compilers
     comera_fx.RankAdaptive(model, optimizer, target_ratio=0.2) # rank adaptation through optimizer hooks
+    torch.compile(model, backend=comera_fx.backend)          # or backend="comera_fx"; comera_fx.compile(model, config)
 """
 
 from . import passes
+from .backend import BackendConfig, ComeraBackend, DenseWeightsWarning, backend, compile, make_backend
 from .config import Init, LayerSettings, TensorizeConfig
 from .passes.tensorize import TensorizeSummary, tensorize_
 from .report import Report, report
@@ -20,6 +22,12 @@ from .tt.plan import plan
 __version__ = "0.1.0"
 
 __all__ = [
+    "BackendConfig",
+    "ComeraBackend",
+    "DenseWeightsWarning",
+    "backend",
+    "compile",
+    "make_backend",
     "Init",
     "RankAdaptive",
     "LayerSettings",

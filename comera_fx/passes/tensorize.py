@@ -14,6 +14,7 @@ Two entry points, one decision procedure:
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -204,6 +205,8 @@ def tensorize_(
         decision.notes.extend(notes)
         decision.ranks = tt.ranks
         decision.params = tt.layout.num_params
+        if not tt.is_zero:
+            tt.prepare_plans()  # a graph compiled before any eager call then runs the planned order, not a fallback
     return TensorizeSummary(decisions, result.method, result.fallback_reason)
 
 
@@ -234,6 +237,11 @@ def _replace_holder(model: nn.Module, module: nn.Module, path: str, attr: str, t
         raise ValueError("tensorize_ cannot replace the root module itself; wrap it in a parent module")
 
 
+# TT matrices read through a reconstructing property; ``passes.contract_reconstructed_tt`` (the backend) finds the
+# graphs that rebuild them. Weak, so a model that is deleted is not kept alive.
+PROPERTY_MATRICES: "weakref.WeakSet[TTMatrix]" = weakref.WeakSet()
+
+
 def attach_tt_property(module: nn.Module, attr: str, tt: TTMatrix, *, transposed: bool) -> None:
     """Replace parameter ``module.<attr>`` by a TT matrix read through a property (like torch parametrize).
 
@@ -243,6 +251,7 @@ def attach_tt_property(module: nn.Module, attr: str, tt: TTMatrix, *, transposed
     """
     del module._parameters[attr]
     module.add_module(f"{attr}_tt", tt)
+    PROPERTY_MATRICES.add(tt)
     cls = type(module)
     if not getattr(cls, "_comera_fx_tt_class", False):
         cls = type(f"TT{cls.__name__}", (cls,), {"_comera_fx_tt_class": True, "__module__": cls.__module__})
@@ -262,7 +271,7 @@ def _make_dense_getter(attr: str, transposed: bool):
 # ------------------------------------------------------------------------------------------ graph-level pass
 
 
-def _emit(graph: fx.Graph, fn: Callable, *args):
+def emit_traced(graph: fx.Graph, fn: Callable, *args):
     """Trace ``fn`` on FX proxies of ``args`` into ``graph`` at the current insertion point; returns its node(s).
 
     The TT contraction code in ``tt/ops.py`` is written once; run on proxies it emits the same pairwise
@@ -362,7 +371,7 @@ def tensorize(gm: fx.GraphModule, config: TensorizeConfig | None = None) -> fx.G
             # Gates are folded into the cores once, shared by every use (a tied embedding and head).
             cores = [graph.get_attr(f"{module_name}.cores.{k}") for k in range(layout.n_cores)]
             gates = [graph.get_attr(f"{module_name}.gates.{k}") for k in range(layout.n_cores - 1)]
-            gated = _emit(graph, lambda c, g: ops.gate_cores(c, g, layout), cores, gates)
+            gated = emit_traced(graph, lambda c, g: ops.gate_cores(c, g, layout), cores, gates)
         for use, node in zip(cand.uses, use_nodes):
             with graph.inserting_before(node):
                 new = _emit_use(gm, graph, node, use.kind, gated, layout, module_name, cand)
@@ -383,7 +392,7 @@ def _emit_use(gm, graph, node, kind, cores, layout, module_name, cand):
     if kind is UseKind.EMBEDDING:
         weight_first = node.target is not F.embedding
         index = node.args[1] if weight_first else node.args[0]
-        out = _emit(graph, lambda i, c: ops.take_rows(i, c, layout), index, cores)
+        out = emit_traced(graph, lambda i, c: ops.take_rows(i, c, layout), index, cores)
         pad = _embedding_padding_idx(node)
         if pad is not None:
             pad = pad + layout.rows if pad < 0 else pad
@@ -391,7 +400,7 @@ def _emit_use(gm, graph, node, kind, cores, layout, module_name, cand):
             if not hasattr(gm, row_name):
                 gm.register_buffer(row_name, gm.get_parameter(cand.fqn).detach()[pad].clone())
             row = graph.get_attr(row_name)
-            out = _emit(graph, lambda i, o, r: torch.where((i == pad)[..., None], r, o), index, out, row)
+            out = emit_traced(graph, lambda i, o, r: torch.where((i == pad)[..., None], r, o), index, out, row)
         return out
     x = node.args[1] if kind is UseKind.MATMUL and node.target in (torch.addmm, torch.ops.aten.addmm.default) \
         else node.args[0]
@@ -399,7 +408,7 @@ def _emit_use(gm, graph, node, kind, cores, layout, module_name, cand):
     # a tied head on an embedding's M = P, or a square P read both by linear and by matmul.
     op = "matmul_t" if (kind is UseKind.LINEAR) != stores_transpose(cand) else "matmul"
     chosen = choose_plan(planned_envelope(layout, op), _static_batch(x, layout.rows if op == "matmul" else layout.cols))
-    out = _emit(graph, lambda a, c: planner.execute(chosen, a, c, layout), x, cores)
+    out = emit_traced(graph, lambda a, c: planner.execute(chosen, a, c, layout), x, cores)
     bias = None
     if kind is UseKind.LINEAR:
         bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")

@@ -1,0 +1,249 @@
+"""``torch.compile`` backend: comera_fx's graph passes, then AOTAutograd and Inductor.
+
+Usage::
+
+    model = comera_fx.compile(model, config, example_inputs=x)       # tensorize_ + torch.compile(backend=...)
+    compiled = torch.compile(model, backend=comera_fx.backend)        # a model already tensorized
+    compiled = torch.compile(model, backend="comera_fx")               # the same, by name (entry point)
+    compiled = torch.compile(model, backend=comera_fx.make_backend(BackendConfig(inductor=False)))
+
+What runs, per graph Dynamo captures:
+
+1. on the Dynamo graph (torch-level ops, parameters as inputs): ``passes.contract_reconstructed_tt`` — a linear-like
+   op whose weight is rebuilt from TT cores (``tensorize_``'s property for functional parameters) becomes the
+   planned contraction of x with the cores; then large dense weights still fed to linear / matmul / embedding ops
+   are reported once, naming ``comera_fx.tensorize_``. TT modules need no rewrite here: Dynamo traces their
+   forward, which already emits the planner's pairwise reshape / permute / mm steps, with the plan chosen by
+   comparisons of the batch size against the breakpoints (one graph per planner interval under dynamic shapes).
+2. AOTAutograd splits the forward and backward graphs (aten ops); ``BackendConfig.post_aot_passes`` run on each,
+   knowing which one it is.
+3. Inductor compiles each (C++/OpenMP on CPU, Triton on GPU) — or, with ``inductor=False``, the aten graphs run
+   as they are (a fast debugging mode, like ``aot_eager``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+import time
+import warnings
+import weakref
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, fx, nn
+
+from .config import TensorizeConfig
+from .passes.find import UseKind, classify_use
+from .passes.recognize import contract_reconstructed_tt, node_values
+
+GraphPass = Callable[[fx.GraphModule], fx.GraphModule]
+# An after-AOTAutograd pass may also take ``is_backward=...`` (see ``BackendConfig.post_aot_passes``).
+
+
+class DenseWeightsWarning(UserWarning):
+    """Large dense weights reached the comera_fx backend untensorized."""
+
+
+@dataclass(frozen=True)
+class BackendConfig:
+    """How ``comera_fx.backend`` compiles.
+
+    Attributes:
+        inductor: hand the graphs to Inductor (default). False runs the AOTAutograd graphs eagerly: same passes,
+            no code generation — for debugging and fast tests.
+        contract_reconstructed: rewrite linear-like ops on weights rebuilt from TT cores (step 1 above).
+        warn_dense: report large dense weights left in the graph (once per weight per backend).
+        large: what counts as large for that report (``TensorizeConfig.min_numel`` / ``min_dim``).
+        post_aot_passes: functions GraphModule -> GraphModule run on the forward and the backward aten graphs
+            before Inductor; a pass with an ``is_backward`` keyword parameter is told which graph it gets.
+        inductor_options: Inductor config patches, as ``torch.compile(options=...)`` takes them.
+    """
+
+    inductor: bool = True
+    contract_reconstructed: bool = True
+    warn_dense: bool = True
+    large: TensorizeConfig = field(default_factory=TensorizeConfig)
+    post_aot_passes: tuple[GraphPass, ...] = ()
+    inductor_options: Mapping[str, Any] = field(default_factory=dict)
+
+    def with_options(self, options: Mapping[str, Any] | None) -> "BackendConfig":
+        """``torch.compile(..., options={...})``: our field names set fields, anything else goes to Inductor."""
+        if not options:
+            return self
+        ours = {f.name for f in dataclasses.fields(self)} - {"inductor_options"}
+        changes = {k: v for k, v in options.items() if k in ours}
+        extra = {k: v for k, v in options.items() if k not in ours}
+        if "post_aot_passes" in changes:
+            changes["post_aot_passes"] = tuple(changes["post_aot_passes"])
+        if extra:
+            changes["inductor_options"] = {**self.inductor_options, **extra}
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass
+class BackendStats:
+    """What one backend object did: graphs compiled (one per Dynamo graph, recompiles included) and rewrites.
+
+    ``reconstructed_contracted`` counts rewrites per compile attempt (a restarted attempt counts again)."""
+
+    graphs: int = 0
+    reconstructed_contracted: int = 0
+    dense_reported: list[str] = field(default_factory=list)
+    pass_seconds: float = 0.0      # in comera_fx's own passes (both stages)
+    compile_seconds: float = 0.0   # in the backend calls: passes, AOTAutograd, Inductor's forward (Inductor
+    #                                lowers the backward lazily, at the first backward call, outside this figure)
+
+
+class ComeraBackend:
+    """The backend object ``torch.compile`` calls as ``backend(gm, example_inputs, mode=..., options=...)``."""
+
+    def __init__(self, config: BackendConfig | None = None):
+        self.config = config or BackendConfig()
+        self.stats = BackendStats()
+        self._reported: dict[int, weakref.ref] = {}  # by id: tensors cannot sit in a WeakSet (== is elementwise)
+        self.__name__ = "comera_fx"  # torch.compile names the backend after this in logs and errors
+
+    def __repr__(self) -> str:
+        return f"ComeraBackend({self.config})"
+
+    def __call__(self, gm: fx.GraphModule, example_inputs, *, mode: str | None = None,
+                 options: Mapping[str, Any] | None = None):
+        started = time.perf_counter()
+        config = self.config.with_options(options)
+        if config.contract_reconstructed:
+            gm = contract_reconstructed_tt(gm, example_inputs)
+            self.stats.reconstructed_contracted += gm.meta.get("comera_fx_reconstructed", 0)
+        if config.warn_dense:
+            self._report_dense(gm, example_inputs, config.large)
+        self.stats.pass_seconds += time.perf_counter() - started
+        if config.inductor:
+            from torch._inductor import list_mode_options
+            from torch._inductor.compile_fx import compile_fx
+
+            patches = {**(list_mode_options(mode) if mode else {}), **config.inductor_options}
+            inner = functools.partial(_inner_compile, passes=config.post_aot_passes, stats=self.stats)
+            compiled = compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches or None)
+        else:
+            compiled = _aot_eager(gm, example_inputs, config.post_aot_passes, self.stats)
+        # Counted on success only: AOTAutograd may abort a first attempt (e.g. to specialise a float) and Dynamo
+        # then calls the backend again for the same frame.
+        self.stats.graphs += 1
+        self.stats.compile_seconds += time.perf_counter() - started
+        return compiled
+
+    def reset(self) -> None:
+        """Called by ``torch._dynamo.reset()``: forget what was reported, so a fresh compile reports again."""
+        self._reported = {}
+        self.stats = BackendStats()
+
+    def _report_dense(self, gm: fx.GraphModule, example_inputs, large: TensorizeConfig) -> None:
+        found = []
+        for node, value in node_values(gm, example_inputs).items():
+            if not isinstance(value, nn.Parameter) or value.dim() != 2 or not large.is_large(tuple(value.shape)):
+                continue
+            kinds = {classify_use(user, node) for user in node.users}
+            seen = self._reported.get(id(value))
+            if not kinds & {UseKind.LINEAR, UseKind.MATMUL, UseKind.EMBEDDING} or (seen is not None and seen() is value):
+                continue
+            self._reported[id(value)] = weakref.ref(value)
+            found.append(f"{_readable_name(node)} {tuple(value.shape)}")
+        if found:
+            self.stats.dense_reported.extend(found)
+            shown = ", ".join(found[:6]) + (f", … ({len(found) - 6} more)" if len(found) > 6 else "")
+            warnings.warn(
+                f"comera_fx backend: {len(found)} large dense weight(s) run as dense linear/embedding ops: {shown}. "
+                "Tensorize the model first: comera_fx.tensorize_(model, config) before torch.compile, or "
+                "comera_fx.compile(model, config) for both.",
+                DenseWeightsWarning,
+                stacklevel=2,
+            )
+
+
+def _readable_name(node: fx.Node) -> str:
+    """``fc1.weight`` from Dynamo's source ``L['self']._modules['fc1']._parameters['weight']``."""
+    if node.op == "get_attr":
+        return str(node.target)
+    grapharg = node.meta.get("grapharg")
+    source = grapharg.source.name if grapharg is not None and hasattr(grapharg, "source") else None
+    if callable(source):
+        source = source()
+    if isinstance(source, str):
+        keys = re.findall(r"\['([^']+)'\]", source)
+        if len(keys) > 1 and keys[0] == "self":
+            return ".".join(keys[1:])
+        if keys:
+            return ".".join(keys)
+    return node.name
+
+
+def _apply(passes, gm: fx.GraphModule, is_backward: bool, stats: BackendStats) -> fx.GraphModule:
+    started = time.perf_counter()
+    for graph_pass in passes:
+        try:
+            wants_flag = "is_backward" in graph_pass.__code__.co_varnames[: graph_pass.__code__.co_argcount
+                                                                           + graph_pass.__code__.co_kwonlyargcount]
+        except AttributeError:  # a callable object
+            wants_flag = False
+        gm = graph_pass(gm, is_backward=is_backward) if wants_flag else graph_pass(gm)
+    stats.pass_seconds += time.perf_counter() - started
+    return gm
+
+
+def _inner_compile(gm: fx.GraphModule, example_inputs, *, passes, stats: BackendStats, **kwargs):
+    """Inductor's per-graph compiler, after our aten-level passes (forward, backward or inference graph)."""
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    if passes:
+        gm = _apply(passes, gm, bool(kwargs.get("is_backward", False)), stats)
+        gm.recompile()
+    return compile_fx_inner(gm, example_inputs, **kwargs)
+
+
+def _aot_eager(gm: fx.GraphModule, example_inputs, passes, stats: BackendStats):
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def compiler(is_backward):
+        def compile_graph(graph_module, inputs):
+            graph_module = _apply(passes, graph_module, is_backward, stats)
+            graph_module.recompile()
+            return make_boxed_func(graph_module.forward)
+
+        return compile_graph
+
+    return aot_autograd(fw_compiler=compiler(False), bw_compiler=compiler(True))(gm, example_inputs)
+
+
+def make_backend(config: BackendConfig | None = None, **fields) -> ComeraBackend:
+    """A backend with its own settings and statistics: ``make_backend(inductor=False)``."""
+    config = config or BackendConfig()
+    return ComeraBackend(dataclasses.replace(config, **fields) if fields else config)
+
+
+# The shared default backend, also what ``backend="comera_fx"`` resolves to through the entry point.
+backend = ComeraBackend()
+
+
+def compile(model: nn.Module, config: TensorizeConfig | None = None, *, example_inputs=None,
+            backend_config: BackendConfig | None = None, **compile_kwargs):
+    """``tensorize_`` the model in place, plan its TT products, then ``torch.compile`` it with comera_fx's backend.
+
+    Build the optimizer after this call (the cores are new parameters). ``compile_kwargs`` go to
+    ``torch.compile`` (``dynamic``, ``fullgraph``, ``mode``, ``options``). Returns the compiled module; the
+    tensorize summary is on it as ``compiled.comera_fx_summary``.
+    """
+    from .passes.tensorize import tensorize_
+    from .tt.layers import TTMatrix
+
+    summary = tensorize_(model, config, example_inputs=example_inputs)
+    for module in model.modules():
+        if isinstance(module, TTMatrix) and not module.is_zero:
+            module.prepare_plans()
+    chosen = make_backend(backend_config) if backend_config is not None else backend
+    compiled = torch.compile(model, backend=chosen, **compile_kwargs)
+    compiled.comera_fx_summary = summary
+    return compiled

@@ -1,0 +1,378 @@
+"""``comera_fx.backend``: compiled results equal eager ones, graphs are counted, dense weights are reported once.
+
+References: the dense float64 model a full-rank TT copy was made from (outputs, input gradients), and the eager
+run of the same TT model (core and gate gradients, which the dense model does not have). Most checks use
+``inductor=False`` (AOTAutograd graphs run as they are, seconds per compile); the Inductor checks share one compiled
+model because each Inductor compile takes 10–30 s on 2 cores.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+import comera_fx
+from comera_fx import BackendConfig, DenseWeightsWarning, TensorizeConfig
+from comera_fx.testing.models import FunctionalLinear
+from helpers_models import MLP
+
+FULL = TensorizeConfig(min_numel=1024, min_dim=16, max_rank=None)  # full rank: the TT model equals the dense one
+DEMO = Path(__file__).resolve().parents[1] / "examples" / "train_code_lm.py"
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def eager_backend(**fields):
+    return comera_fx.make_backend(inductor=False, **fields)
+
+
+def full_rank_copy(dense: nn.Module, example):
+    tt_model = copy.deepcopy(dense)
+    summary = comera_fx.tensorize_(tt_model, FULL, example_inputs=(example,))
+    assert summary.converted, summary
+    return tt_model
+
+
+def outputs_and_grads(model: nn.Module, x: torch.Tensor):
+    x = x.detach().clone().requires_grad_(x.is_floating_point())
+    y = model(x)
+    y.pow(2).sum().backward()
+    grads = {name.removeprefix("_orig_mod."): p.grad.detach().clone()  # torch.compile's wrapper adds the prefix
+             for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return y.detach(), (x.grad.detach() if x.grad is not None else None), grads
+
+
+def assert_compiled_matches(dense: nn.Module, tt_model: nn.Module, compiled, inputs, rtol=1e-9, atol=1e-10):
+    for x in inputs:
+        y_ref, dx_ref, _ = outputs_and_grads(dense, x)
+        _, _, g_eager = outputs_and_grads(tt_model, x)
+        y, dx, g = outputs_and_grads(compiled, x)
+        torch.testing.assert_close(y, y_ref, rtol=rtol, atol=atol)
+        if dx_ref is not None:
+            torch.testing.assert_close(dx, dx_ref, rtol=rtol, atol=atol)
+        assert g.keys() == g_eager.keys()
+        for name in g:
+            torch.testing.assert_close(g[name], g_eager[name], rtol=rtol, atol=atol, msg=name)
+
+
+class Block(nn.Module):
+    """A pre-norm transformer block with nn.Linear projections (attention + MLP)."""
+
+    def __init__(self, d=64, heads=4, ff=128):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc, self.out = nn.Linear(d, ff), nn.Linear(ff, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+def _mlp(n):
+    return MLP(128, 256, 100), lambda t: torch.randn(t, 128)
+
+
+def _block(n):
+    return Block(), lambda t: torch.randn(2, -(-t // 2), 64)
+
+
+def _functional(n):
+    return FunctionalLinear(128, 256), lambda t: torch.randn(t, 128)
+
+
+def last_interval_start(model: nn.Module) -> int:
+    """Tokens from which every TT product of ``model`` runs its large-batch plan (the last planner interval)."""
+    start = 1
+    for module in model.modules():
+        if isinstance(module, comera_fx.TTMatrix):
+            for op in ("matmul", "matmul_t"):
+                start = max(start, comera_fx.plan(module, op=op).envelope[-1].first)
+    return start
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize("make", [_mlp, _block, _functional], ids=["mlp", "block", "functional"])
+def test_backend_matches_dense_and_eager(make, dynamic):
+    torch.manual_seed(0)
+    dense, make_input = make(0)
+    dense = dense.double()
+    tt_model = full_rank_copy(dense, make_input(4).double())
+    tokens = last_interval_start(tt_model) + 2
+    inputs = [make_input(t).double() for t in (tokens, tokens, tokens + 6)]
+    backend = eager_backend()
+    compiled = torch.compile(tt_model, backend=backend, dynamic=dynamic)
+    assert_compiled_matches(dense, tt_model, compiled, inputs)
+    # Static shapes: the repeated size reuses its graph and the new size adds one. Dynamic: the sizes lie in one
+    # planner interval, so one graph serves both.
+    assert backend.stats.graphs == (1 if dynamic else 2), backend.stats
+
+
+def test_functional_parameters_are_contracted_without_building_the_dense_weight():
+    torch.manual_seed(0)
+    model = FunctionalLinear(128, 256).double()
+    x = torch.randn(300, 128, dtype=torch.float64)
+    comera_fx.tensorize_(model, TensorizeConfig(min_numel=1024, min_dim=16, max_rank=8), example_inputs=(x,))
+    tt = model.weight_tt
+    shapes = []
+
+    def record_shapes(gm, is_backward):
+        shapes.extend(tuple(n.meta["val"].shape) for n in gm.graph.nodes
+                      if isinstance(n.meta.get("val"), torch.Tensor))
+        return gm
+
+    backend = eager_backend(post_aot_passes=(record_shapes,))
+    compiled = torch.compile(model, backend=backend)
+    xr = x.clone().requires_grad_()
+    y = compiled(xr)
+    y.pow(2).sum().backward()
+    dense = tt.dense().detach()  # reference: the product with the dense matrix the cores define
+    xd = x.clone().requires_grad_()
+    y_ref = F.linear(xd, dense.t(), model.bias.detach())
+    y_ref.pow(2).sum().backward()
+    torch.testing.assert_close(y, y_ref, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(xr.grad, xd.grad, rtol=1e-10, atol=1e-12)
+    assert all(p.grad is not None for p in tt.parameters())
+    assert backend.stats.reconstructed_contracted == 1
+    assert shapes and not {(128, 256), (256, 128)} & set(shapes), "the dense weight was rebuilt"
+
+
+def test_recognition_leaves_other_functions_of_the_cores_alone():
+    """The weight's subgraph is identified numerically: 2·M or M with one core left out is not M."""
+    torch.manual_seed(0)
+    tt = comera_fx.TTMatrix.random(96, 64, format=comera_fx.TTFormat.TT, row_modes=(8, 12), col_modes=(8, 8),
+                                   max_rank=6, std=0.1, dtype=torch.float64)
+
+    class Uses(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tt = tt
+
+        def forward(self, x):
+            m = self.tt.dense()
+            return F.linear(x, m.t()) + x @ m + F.linear(x, 2 * m.t()) + x @ (m * self.tt.cores[0].sum())
+
+    module = Uses()
+    x = torch.randn(5, 96, dtype=torch.float64)
+    expected = module(x)
+    counts = []
+
+    def rewrite(gm, example_inputs):  # the pass on the graph Dynamo captures, parameters as inputs
+        gm = comera_fx.passes.contract_reconstructed_tt(gm, example_inputs, matrices=[tt])
+        counts.append(gm.meta["comera_fx_reconstructed"])
+        return gm.forward
+
+    torch.testing.assert_close(torch.compile(module, backend=rewrite)(x), expected, rtol=1e-10, atol=1e-12)
+    assert counts == [2]  # the first two terms only
+
+
+def test_dense_weights_are_reported_once_naming_the_fix():
+    torch.manual_seed(0)
+    model = MLP(256, 512, 256)  # weights above the default "large" threshold (65536 elements)
+    backend = eager_backend()
+    compiled = torch.compile(model, backend=backend)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for n in (4, 5, 6, 7):  # recompiles (static, then dynamic) must not repeat the report
+            compiled(torch.randn(n, 256))
+    reports = [w for w in caught if issubclass(w.category, DenseWeightsWarning)]
+    assert len(reports) == 1, [str(w.message) for w in caught]
+    message = str(reports[0].message)
+    assert "comera_fx.tensorize_(model, config)" in message and "comera_fx.compile" in message
+    assert "fc1.weight (512, 256)" in message and "fc2.weight (256, 512)" in message
+    assert backend.stats.graphs >= 2
+
+    comera_fx.tensorize_(model, example_inputs=(torch.randn(4, 256),))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.compile(model, backend=eager_backend())(torch.randn(4, 256))
+    assert not [w for w in caught if issubclass(w.category, DenseWeightsWarning)]
+
+
+def test_post_aot_passes_see_forward_and_backward_and_options_route():
+    seen = []
+
+    def note(gm, is_backward):
+        seen.append(is_backward)
+        return gm
+
+    torch.manual_seed(0)
+    model, make_input = _mlp(0)
+    inputs = [make_input(6)]
+    comera_fx.tensorize_(model, FULL, example_inputs=(inputs[0],))
+    backend = comera_fx.make_backend()  # Inductor by default; the options below switch it off for this compile
+    compiled = torch.compile(model, backend=backend, options={"inductor": False, "post_aot_passes": [note]})
+    compiled(inputs[0]).sum().backward()
+    assert seen == [False, True]
+    config = BackendConfig().with_options({"inductor": False, "max_autotune": True})
+    assert config.inductor is False and dict(config.inductor_options) == {"max_autotune": True}
+
+
+def test_backend_is_registered_by_name():
+    from torch._dynamo.backends.registry import lookup_backend
+
+    assert lookup_backend("comera_fx") is comera_fx.backend
+
+
+def test_dynamic_shapes_give_one_graph_per_planner_interval():
+    torch.manual_seed(0)
+    layer = comera_fx.TTLinear(comera_fx.TTMatrix.random(
+        768, 768, format=comera_fx.TTFormat.TT, row_modes=(12, 8, 8), col_modes=(8, 8, 12), max_rank=30,
+        std=0.02, dtype=torch.float64))
+    envelope = comera_fx.plan(layer)
+    layer.tt.prepare_plans()
+    backend = eager_backend()
+    compiled = torch.compile(layer, backend=backend, dynamic=True)
+    dense = layer.tt.dense().detach()
+    sizes = sorted({1, 2, 3, 4096} | {s for p in envelope.pieces for s in (p.first, p.first + 1)
+                                       if s is not None and s <= 4096}
+                   | {int(b) + d for b in envelope.breakpoints for d in (0, 1)})
+    for batch in sizes:
+        x = torch.randn(batch, 768, dtype=torch.float64)
+        torch.testing.assert_close(compiled(x), x @ dense, rtol=1e-10, atol=1e-12)
+    assert len(envelope.pieces) <= backend.stats.graphs <= len(envelope.breakpoints) + 2, (backend.stats, envelope)
+
+
+# ---------------------------------------------------------------------------------- the demo's transformer
+
+
+def load_demo():
+    spec = importlib.util.spec_from_file_location("train_code_lm_for_backend_tests", DEMO)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def demo():
+    return load_demo()
+
+
+def tiny_demo_model(demo, dtype=torch.float32):
+    torch.manual_seed(0)
+    preset = demo.PRESETS["tiny"]
+    model = demo.GPT(preset).to(dtype)
+    ids = torch.randint(0, demo.VOCAB, (2, preset.seq_len))
+    return model, ids, preset
+
+
+def test_fullgraph_on_the_demo_transformer(demo):
+    model, ids, _ = tiny_demo_model(demo, torch.float64)
+    dense = copy.deepcopy(model)
+    comera_fx.tensorize_(model, TensorizeConfig(min_numel=4096, max_rank=None), example_inputs=(ids,))
+    backend = eager_backend()
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    y = compiled(ids)
+    torch.testing.assert_close(y, dense(ids), rtol=1e-9, atol=1e-10)
+    y.pow(2).mean().backward()
+    assert backend.stats.graphs == 1
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+def test_bf16_autocast_on_cpu(demo):
+    model, ids, _ = tiny_demo_model(demo)
+    comera_fx.tensorize_(model, TensorizeConfig(min_numel=4096, max_rank=16), example_inputs=(ids,))
+    compiled = torch.compile(model, backend=eager_backend())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = model(ids)
+        y = compiled(ids)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), expected.float(), rtol=0, atol=0)  # the same bf16 ops, in the same order
+    y.float().pow(2).mean().backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+@pytest.fixture(scope="module")
+def inductor_training(demo):
+    """30 steps of AdamW on the tiny demo model: eager vs comera_fx.compile (Inductor), from identical copies."""
+    model, ids, preset = tiny_demo_model(demo)
+    config = TensorizeConfig(min_numel=4096, max_rank=16)
+    eager = copy.deepcopy(model)
+    comera_fx.tensorize_(eager, config, example_inputs=(ids,))
+    compiled = comera_fx.compile(model, config, example_inputs=(ids,))
+    text = torch.tensor(list(DEMO.read_bytes()[:4096]))  # learnable bytes, so the losses move
+    generator = torch.Generator().manual_seed(1)
+    starts = torch.randint(0, len(text) - preset.seq_len - 1, (30, 4), generator=generator)
+    batches = [torch.stack([text[s:s + preset.seq_len + 1] for s in row.tolist()]) for row in starts]
+    losses = {}
+    for name, net in (("eager", eager), ("compiled", compiled)):
+        optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2)
+        losses[name] = []
+        for batch in batches:
+            loss = F.cross_entropy(net(batch[:, :-1]).reshape(-1, demo.VOCAB), batch[:, 1:].reshape(-1))
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            losses[name].append(loss.item())
+    return losses, compiled
+
+
+def test_inductor_training_matches_eager(inductor_training):
+    losses, compiled = inductor_training
+    assert losses["eager"][-1] < losses["eager"][0] - 0.5  # it trains
+    torch.testing.assert_close(torch.tensor(losses["compiled"]), torch.tensor(losses["eager"]), rtol=2e-4, atol=2e-4)
+    assert compiled.comera_fx_summary.converted
+
+
+# ---------------------------------------------------------------------------------- transformers models
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert"])
+def test_backend_on_transformers_models(name):
+    """GPT-2 (Conv1D weights, tied wte / lm_head) and BERT, full rank in float64: compiled = dense model."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if name == "gpt2":
+        config = transformers.GPT2Config(n_layer=2, n_embd=128, n_head=4, vocab_size=1000, n_positions=64,
+                                         bos_token_id=0, eos_token_id=0)
+        dense = transformers.GPT2LMHeadModel(config)
+    else:
+        config = transformers.BertConfig(num_hidden_layers=2, hidden_size=128, num_attention_heads=4,
+                                         intermediate_size=512, vocab_size=1000, max_position_embeddings=64)
+        dense = transformers.BertModel(config)
+    dense = dense.double().eval()
+    ids = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(3))
+    model = copy.deepcopy(dense)
+    summary = comera_fx.tensorize_(model, FULL, example_inputs={"input_ids": ids})
+    assert any(d.kind == "embedding" for d in summary.converted)
+    extra = {"use_cache": False} if name == "gpt2" else {}
+    backend = eager_backend()
+    compiled = torch.compile(model, backend=backend)
+
+    def run(net):
+        out = net(input_ids=ids, **extra)
+        y = out.logits if name == "gpt2" else out.last_hidden_state
+        y.pow(2).mean().backward()
+        grads = {n.removeprefix("_orig_mod."): p.grad.clone() for n, p in net.named_parameters()
+                 if p.grad is not None}
+        net.zero_grad(set_to_none=True)
+        return y.detach(), grads
+
+    y_ref, _ = run(dense)
+    _, g_eager = run(model)
+    y, g = run(compiled)
+    torch.testing.assert_close(y, y_ref, rtol=1e-9, atol=1e-9)
+    assert g_eager and g_eager.keys() <= g.keys()
+    for key in g:  # AOTAutograd gives zeros, not None, to parameters of unused outputs (BERT's pooler)
+        expected = g_eager.get(key, torch.zeros_like(g[key]))
+        torch.testing.assert_close(g[key], expected, rtol=1e-8, atol=1e-10, msg=key)
+    assert backend.stats.graphs >= 1
