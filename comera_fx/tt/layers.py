@@ -153,12 +153,19 @@ class TTMatrix(nn.Module):
             fixed = ops.matmul if op == "matmul" else ops.matmul_t
             return fixed(x, cores, layout)
         batch = x.numel() // (layout.rows if op == "matmul" else layout.cols)
-        return planner.execute(choose_plan(envelope, batch), x, cores, layout)
+        chosen = choose_plan(envelope, batch)
+        if CUSTOM_AUTOGRAD:
+            return planner.execute_function(chosen, x, cores, layout)
+        return planner.execute(chosen, x, cores, layout)
 
     def take_rows(self, index: Tensor) -> Tensor:
         if self.is_zero:
             return self.cores[0].new_zeros(tuple(index.shape) + (self.cols,))
-        return ops.take_rows(index, self.gated_cores(), self.layout)
+        # Imported here: comera_fx.runtime imports this module. The kernels run on CUDA when triton is there (the
+        # gates folded into the merges, never as a separate pass); everywhere else this is ops.take_rows.
+        from ..runtime import kernels
+
+        return kernels.take_rows(index, list(self.cores), self.layout, list(self.gates))
 
     # -- checkpoints ---------------------------------------------------------------------------------------------
 
@@ -178,6 +185,10 @@ def _zero_product(x: Tensor, n_out: int) -> Tensor:
     return x[..., :0] @ x.new_zeros(0, n_out)
 
 
+#: Run TT products through the planner's custom autograd.Function (``plan.execute_function``: backward runs the
+#: planned GEMMs and saves only the operands the cost model counts) instead of autograd on ``plan.execute``.
+CUSTOM_AUTOGRAD = True
+
 # Plans per (layout, op), shared by every TTMatrix of that layout. Planning runs a subset DP and sympy, which a
 # compiled graph must not trace; eager calls (or ``prepare_plans``) fill this, compiled code only reads it.
 _ENVELOPES: dict[tuple[TTLayout, str], "planner.PlanEnvelope"] = {}
@@ -191,6 +202,7 @@ def planned_envelope(layout: TTLayout, op: str) -> "planner.PlanEnvelope":
         envelope = planner.plan(layout, op=op)
         for piece in envelope.pieces:
             piece.plan.program  # compile each plan's instructions now, outside any traced region
+            piece.plan.function  # and its autograd.Function
         _ENVELOPES[key] = envelope
     return envelope
 

@@ -44,6 +44,7 @@ __all__ = [
     "BATCH",
     "DEFAULT_ALPHA",
     "DEFAULT_BETA",
+    "DEFAULT_GAMMA",
     "OPS",
     "CostModel",
     "CostTerms",
@@ -55,6 +56,7 @@ __all__ = [
     "Tree",
     "build_network",
     "execute",
+    "execute_function",
     "plan",
     "search",
 ]
@@ -68,6 +70,12 @@ DEFAULT_ALPHA = 5.9
 # One FLOP per saved byte is a tie-breaker that prefers the plan keeping fewer activations when times are close
 # (1 GiB of saved activations weighs ~1 GFLOP, i.e. ~15 ms on the machine above).
 DEFAULT_BETA = 1.0
+# Fixed cost of one GEMM launched, in FLOP-equivalents: benchmarks/calibrate_plan_cost.py on 2026-11-30
+# (`--repeat 10 --rounds 4`, 2 threads, load 3.4-3.9 on 2 cores) timed a tiny (4 x 4) GEMM chain forward + backward
+# through reshapes at best 11.05 us per GEMM launched (bare torch.mm: 1.9 us), times the best GEMM rate of that run,
+# 68.2 GFLOP/s. Every tree over n tensors launches n - 1 GEMMs forward and the same number backward, so gamma
+# shifts every plan's cost by the same constant: it brings absolute predictions closer at small b, never a choice.
+DEFAULT_GAMMA = 754000
 
 OPS = ("matmul", "matmul_t")
 
@@ -168,16 +176,22 @@ def _bits(mask: int) -> list[int]:
 
 @dataclass(frozen=True)
 class CostModel:
-    """Cost of a plan = FLOPs + alpha · bytes moved + beta · bytes saved for backward.
+    """Cost of a plan = FLOPs + alpha · (bytes moved + bytes copied) + beta · bytes saved + gamma · GEMMs launched.
 
     * FLOPs: 2·M·K·N per pairwise GEMM; with ``backward``, each operand that needs a gradient adds one GEMM of the
       same size (dA = dC·Bᵀ, dB = Aᵀ·dC), as autograd runs the pairwise tree. Cores always need one; x only when
       ``x_requires_grad``.
     * bytes moved: each GEMM reads both operands and writes its result (``itemsize`` bytes per element); alpha is
       FLOPs per byte (``DEFAULT_ALPHA``, measured by benchmarks/calibrate_plan_cost.py).
+    * bytes copied: the permute copies ``execute`` makes (an operand that is neither a plain nor a transposed view
+      of its stored order, and the final reorder into the output's order): read + write of the tensor forward,
+      and the same again backward for its gradient when it needs one. Weighted by alpha.
     * bytes saved: the batch-dependent operands autograd keeps alive until backward (the activations); beta is a
       memory-pressure weight in FLOPs per byte (``DEFAULT_BETA``).
-    Unmodelled: the copies a permute makes, launch overheads, cache effects (small GEMMs run below peak).
+    * GEMMs launched: one per step forward, one per gradient backward; gamma (``DEFAULT_GAMMA``, measured) is the
+      fixed overhead of one in FLOP-equivalents. Every tree over n tensors has n - 1 steps, so this term is the
+      same for every plan of a network: it makes absolute predictions at small batches closer, not choices.
+    Unmodelled: cache effects (small GEMMs run below peak), Inductor fusions.
     """
 
     alpha: float | Fraction = DEFAULT_ALPHA
@@ -185,23 +199,26 @@ class CostModel:
     itemsize: int = 4
     backward: bool = True
     x_requires_grad: bool = True
+    gamma: float | Fraction = DEFAULT_GAMMA
 
     def __post_init__(self) -> None:
         _as_fraction(self.alpha, "alpha")
         _as_fraction(self.beta, "beta")
+        _as_fraction(self.gamma, "gamma")
         if isinstance(self.itemsize, bool) or not isinstance(self.itemsize, int) or self.itemsize <= 0:
             raise ValueError(f"itemsize must be a positive int (bytes per element), got {self.itemsize!r}")
 
     @property
-    def weights(self) -> tuple[Fraction, Fraction]:
-        """(alpha, beta) as exact fractions: a float is read as the decimal it prints as (5.5 -> 11/2)."""
-        return _as_fraction(self.alpha, "alpha"), _as_fraction(self.beta, "beta")
+    def weights(self) -> tuple[Fraction, Fraction, Fraction]:
+        """(alpha, beta, gamma) as exact fractions: a float is read as the decimal it prints as (5.5 -> 11/2)."""
+        return (_as_fraction(self.alpha, "alpha"), _as_fraction(self.beta, "beta"),
+                _as_fraction(self.gamma, "gamma"))
 
     def describe(self) -> str:
-        alpha, beta = self.weights
+        alpha, beta, gamma = self.weights
         what = "forward + backward" if self.backward else "forward only"
-        return (f"cost = FLOPs + {_num(alpha)}·bytes moved + {_num(beta)}·bytes saved "
-                f"({what}, {self.itemsize}-byte elements)")
+        return (f"cost = FLOPs + {_num(alpha)}·(bytes moved + copied) + {_num(beta)}·bytes saved + "
+                f"{_num(gamma)}·GEMMs ({what}, {self.itemsize}-byte elements)")
 
 
 def _as_fraction(value, name: str) -> Fraction:
@@ -224,12 +241,15 @@ class CostTerms:
     bytes_forward: Linear = (0, 0)
     bytes_backward: Linear = (0, 0)
     bytes_saved: Linear = (0, 0)
+    bytes_copied: Linear = (0, 0)  # permute copies, forward + backward
+    gemms: Linear = (0, 0)  # GEMMs launched, forward + backward
 
     def __add__(self, other: "CostTerms") -> "CostTerms":
         return CostTerms(*[(a[0] + b[0], a[1] + b[1]) for a, b in zip(self._pairs(), other._pairs())])
 
     def _pairs(self) -> tuple[Linear, ...]:
-        return (self.flops_forward, self.flops_backward, self.bytes_forward, self.bytes_backward, self.bytes_saved)
+        return (self.flops_forward, self.flops_backward, self.bytes_forward, self.bytes_backward, self.bytes_saved,
+                self.bytes_copied, self.gemms)
 
     @property
     def flops(self) -> Linear:
@@ -237,9 +257,10 @@ class CostTerms:
         return _add(self.flops_forward, self.flops_backward)
 
     def weighted(self, model: CostModel) -> tuple[Fraction, Fraction]:
-        alpha, beta = model.weights
-        moved = _add(self.bytes_forward, self.bytes_backward)
-        return tuple(Fraction(f) + alpha * m + beta * s for f, m, s in zip(self.flops, moved, self.bytes_saved))
+        alpha, beta, gamma = model.weights
+        moved = _add(_add(self.bytes_forward, self.bytes_backward), self.bytes_copied)
+        return tuple(Fraction(f) + alpha * m + beta * s + gamma * g
+                     for f, m, s, g in zip(self.flops, moved, self.bytes_saved, self.gemms))
 
 
 def _add(a: Linear, b: Linear) -> Linear:
@@ -263,7 +284,7 @@ def _step_terms(left: int, right: int, sizes: Sequence[int], model: CostModel) -
     moved = _add(_add(per(sa, a_batched), per(sb, b_batched)), per(sc, batched))
     step_flops = per(flops, batched)
     if not model.backward:
-        return CostTerms(flops_forward=step_flops, bytes_forward=_scale(moved, model.itemsize))
+        return CostTerms(flops_forward=step_flops, bytes_forward=_scale(moved, model.itemsize), gemms=(1, 0))
     grad_a = left != 1 << X or model.x_requires_grad
     grad_b = right != 1 << X or model.x_requires_grad
     grads = grad_a + grad_b
@@ -278,7 +299,21 @@ def _step_terms(left: int, right: int, sizes: Sequence[int], model: CostModel) -
         bytes_forward=_scale(moved, model.itemsize),
         bytes_backward=_scale(moved, grads * model.itemsize),
         bytes_saved=_scale(saved, model.itemsize),
+        gemms=(1 + grads, 0),
     )
+
+
+def _copy_terms(copied: Sequence[tuple[int, bool, bool]], model: CostModel) -> CostTerms:
+    """Bytes of permute copies: (elements per batch element or in all, batched, needs a gradient) per copy.
+
+    Forward reads and writes the tensor once; backward copies its gradient back into the stored order when it
+    needs one (the inverse permute of a contiguous gradient is not a view of the stored shape).
+    """
+    total = (0, 0)
+    for n, batched, needs_grad in copied:
+        times = 2 * (1 + (model.backward and needs_grad))
+        total = _add(total, (0, n * times) if batched else (n * times, 0))
+    return CostTerms(bytes_copied=_scale(total, model.itemsize))
 
 
 def _scale(a: Linear, k: int) -> Linear:
@@ -407,28 +442,48 @@ def _reference_trees(net: TTNetwork) -> list[Tree]:
     return trees
 
 
+_EXACT_ORDERS = 9
+
+
 @lru_cache(maxsize=256)
 def _search(net: TTNetwork, model: CostModel, lo: int, hi: int | None) -> tuple[tuple[Tree, Linear], ...]:
     n = net.n_tensors
     sizes = _subset_sizes(net)
-    alpha, beta = model.weights
-    scale = math.lcm(alpha.denominator, beta.denominator)
+    alpha, beta, gamma = model.weights
+    scale = math.lcm(alpha.denominator, beta.denominator, gamma.denominator)
     w_flop, w_byte, w_saved = scale, int(alpha * scale) * model.itemsize, int(beta * scale) * model.itemsize
+    w_gemm = int(gamma * scale)
     grad_x = 1 if model.x_requires_grad else 0
     backward = model.backward
+    copy_mult = 4 if backward else 2  # a permute copy: read + write forward, again for its gradient backward
     isqrt = math.isqrt
     ceiling = _ceiling([tuple(int(c * scale) for c in Plan.from_tree(net, t, model).weighted_cost)
                         for t in _reference_trees(net)], lo, hi)
     # Any tree over a subset ends with a GEMM writing it: >= 2 FLOPs and one write per element, twice with backward.
     last_step = (2 * w_flop + w_byte) * (2 if backward else 1)
 
-    # env[S]: lines (c0, c1, part, k): cost of the best trees over S, made of env[part][k] and the single best
-    # tree of S ^ part (the part without x has a b-independent cost, so one tree). Leaves: part = 0. A subset
-    # that cannot be in an optimal tree keeps an empty list.
+    # How execute runs a step depends on the stored index orders of its operands, which depend on the sub-trees:
+    # the state of the DP is (subset, order). views[(order_a, order_b)] = (result order, copy_a, copy_b).
+    views: dict = {}
+    # Up to _EXACT_ORDERS tensors every order of a core-only subset is kept (exact); beyond, only its cheapest
+    # (the number of orders explodes with outer products: a 13-tensor network would take minutes).
+    exact_orders = n <= _EXACT_ORDERS
+
+    def step_view(order_a, order_b, batched):
+        key = (order_a, order_b)
+        found = views.get(key)
+        if found is None:
+            found = views[key] = _step_copies(net.sizes, order_a, order_b, batched)[:3]
+        return found
+
+    # env[S]: lines (c0, c1, order, part, kp, ko): cost of the best trees over S whose result is stored in
+    # ``order``, made of env[part][kp] and env[S ^ part][ko] (the part without x has a b-independent cost). For
+    # subsets holding x, the lines of each order form a lower envelope; without x, one line per order. Leaves:
+    # part = 0. A subset that cannot be in an optimal tree keeps an empty list.
     env: list[list] = [[] for _ in range(1 << n)]
     for subset in range(1, 1 << n):
         if subset & (subset - 1) == 0:
-            env[subset] = [(0, 0, 0, 0)]
+            env[subset] = [(0, 0, net.tensor_indices[subset.bit_length() - 1], 0, 0, 0)]
             continue
         size_s = sizes[subset]
         has_x = subset & 1
@@ -436,7 +491,7 @@ def _search(net: TTNetwork, model: CostModel, lo: int, hi: int | None) -> tuple[
             continue
         if has_x:  # every split puts x on one side, "part"
             rest = subset ^ 1
-            candidates = []
+            groups: dict = {}
             sub = (rest - 1) & rest
             while True:
                 part, other = sub | 1, rest ^ sub
@@ -444,49 +499,71 @@ def _search(net: TTNetwork, model: CostModel, lo: int, hi: int | None) -> tuple[
                     sp, so = sizes[part], sizes[other]
                     flops = 2 * isqrt(sp * so * size_s)
                     if backward:
-                        mult = 2 + (grad_x if part == 1 else 1)
+                        grad_part = grad_x if part == 1 else 1
+                        mult = 2 + grad_part
                         k1 = (w_flop * flops + w_byte * (sp + size_s)) * mult + w_saved * sp
+                        copy_a = w_byte * sp * (2 + 2 * grad_part)
                     else:
                         mult = 1
                         k1 = w_flop * flops + w_byte * (sp + size_s)
-                    k0 = w_byte * so * mult + env[other][0][0]
-                    for k, line in enumerate(env[part]):
-                        candidates.append((line[0] + k0, line[1] + k1, part, k))
+                        copy_a = w_byte * sp * 2
+                    k0 = w_byte * so * mult + w_gemm * mult
+                    copy_b = w_byte * so * copy_mult
+                    for ko, right in enumerate(env[other]):
+                        for kp, line in enumerate(env[part]):
+                            order, ca, cb = step_view(line[2], right[2], True)
+                            groups.setdefault(order, []).append(
+                                (line[0] + k0 + right[0] + cb * copy_b, line[1] + k1 + ca * copy_a, order, part, kp,
+                                 ko))
                 if sub == 0:
                     break
                 sub = (sub - 1) & rest
-            lines = _lower_envelope(_undominated(candidates, lo, hi), lo, hi)
-        else:  # cores only: costs do not depend on b, keep the single best
+            lines = []
+            full = subset == (1 << n) - 1
+            for order, candidates in groups.items():
+                if full and _final_copies(net.sizes, order, net.output):  # the final reorder is a copy
+                    extra = w_byte * size_s * copy_mult
+                    candidates = [(c0, c1 + extra, *more) for c0, c1, *more in candidates]
+                lines += _lower_envelope(_undominated(candidates, lo, hi), lo, hi)
+            if full:
+                lines = _lower_envelope(lines, lo, hi)
+        else:  # cores only: costs do not depend on b, keep the best per stored order
             low = subset & -subset
             rest = subset ^ low
             mult = 3 if backward else 1
-            best = None
+            best: dict = {}
             sub = (rest - 1) & rest
             while True:
                 part, other = sub | low, rest ^ sub
                 if env[part] and env[other]:
                     sp, so = sizes[part], sizes[other]
                     flops = 2 * isqrt(sp * so * size_s)
-                    cost = (w_flop * flops + w_byte * (sp + so + size_s)) * mult + env[part][0][0] + env[other][0][0]
-                    if best is None or cost < best[0]:
-                        best = (cost, 0, part, 0)
+                    cost = (w_flop * flops + w_byte * (sp + so + size_s) + w_gemm) * mult
+                    for kp, left in enumerate(env[part]):
+                        for ko, right in enumerate(env[other]):
+                            order, ca, cb = step_view(left[2], right[2], False)
+                            total = cost + left[0] + right[0] + (ca * sp + cb * so) * w_byte * copy_mult
+                            if order not in best or total < best[order][0]:
+                                best[order] = (total, 0, order, part, kp, ko)
                 if sub == 0:
                     break
                 sub = (sub - 1) & rest
-            lines = [best] if best is not None else []
+            lines = list(best.values())
+            if not exact_orders and lines:
+                lines = [min(lines, key=lambda line: line[0])]
         env[subset] = [line for line in lines if not ceiling.above(line[0], line[1])]
 
     def tree(subset: int, k: int) -> Tree:
-        _, _, part, kp = env[subset][k]
+        _, _, _, part, kp, ko = env[subset][k]
         if part == 0:
             return subset.bit_length() - 1
-        return _canonical((tree(part, kp), tree(subset ^ part, 0)))
+        return _canonical((tree(part, kp), tree(subset ^ part, ko)))
 
     full = (1 << n) - 1
     if not env[full]:
         raise RuntimeError("planner bound pruned every tree; this is a bug in comera_fx.tt.plan")
-    return tuple((tree(full, k), (Fraction(c0, scale), Fraction(c1, scale)))
-                 for k, (c0, c1, _, _) in enumerate(env[full]))
+    return tuple((tree(full, k), (Fraction(line[0], scale), Fraction(line[1], scale)))
+                 for k, line in enumerate(env[full]))
 
 
 def _undominated(candidates: list, lo: int, hi: int | None) -> list:
@@ -582,19 +659,29 @@ class Plan:
         steps: list[Step] = []
         terms = CostTerms()
 
-        def walk(node: Tree) -> tuple[int, int]:  # (slot, tensor mask)
+        copies: list[tuple[int, bool, bool]] = []
+
+        def walk(node: Tree) -> tuple[int, int, tuple[int, ...]]:  # (slot, tensor mask, stored index order)
             nonlocal terms
             if isinstance(node, int):
-                return node, 1 << node
-            (ls, lm), (rs, rm) = walk(node[0]), walk(node[1])
+                return node, 1 << node, network.tensor_indices[node]
+            (ls, lm, lo), (rs, rm, ro) = walk(node[0]), walk(node[1])
             shared = network.size(network.open_indices(lm) & network.open_indices(rm))
             slot = network.n_tensors + len(steps)
-            steps.append(Step(ls, rs, slot, lm, rm, sizes[lm] // shared, shared, sizes[rm] // shared,
-                              bool((lm | rm) & 1)))
+            batched = bool((lm | rm) & 1)
+            steps.append(Step(ls, rs, slot, lm, rm, sizes[lm] // shared, shared, sizes[rm] // shared, batched))
             terms = terms + _step_terms(lm, rm, sizes, model)
-            return slot, lm | rm
+            _, _, order, copy_l, copy_r = _step_views(network, lo, ro, batched)
+            if copy_l:
+                copies.append((sizes[lm], bool(lm & 1), lm != 1 << X or model.x_requires_grad))
+            if copy_r:
+                copies.append((sizes[rm], False, True))
+            return slot, lm | rm, order
 
-        walk(tree)
+        _, full, final = walk(tree)
+        if _final_copies(network.sizes, final, network.output):  # reordered into (b, output modes) by a copy
+            copies.append((sizes[full], True, True))
+        terms = terms + _copy_terms(copies, model)
         return cls(network, tree, model, tuple(steps), terms)
 
     # -- costs ----------------------------------------------------------------------------------------------------
@@ -638,6 +725,11 @@ class Plan:
     def program(self) -> "_Program":
         """How ``execute`` runs the steps: operand views and index orders, worked out once (pure data)."""
         return _compile(self)
+
+    @cached_property
+    def function(self) -> type:
+        """A ``torch.autograd.Function`` that runs this plan with its planned backward (``execute_function``)."""
+        return _make_function(self)
 
 
 def _is_tree(node) -> bool:
@@ -770,12 +862,12 @@ class PlanEnvelope:
 
 def plan(layer_or_spec, batch: int | None = None, *, op: str | None = None, alpha=DEFAULT_ALPHA,
          beta=DEFAULT_BETA, bounds: tuple[int, int | None] = (1, None), backward: bool = True,
-         x_requires_grad: bool = True, itemsize: int = 4) -> PlanEnvelope:
+         x_requires_grad: bool = True, itemsize: int = 4, gamma=DEFAULT_GAMMA) -> PlanEnvelope:
     """Plan ``x @ M`` (or ``x @ Mᵀ``) of a TT layer for every batch size in ``bounds``.
 
     ``layer_or_spec``: a ``TTMatrix``, a ``TTLinear`` (its op follows ``transposed``) or a ``TTLayout``. ``op``:
     "matmul" or "matmul_t" (default: what a TTLinear runs, else "matmul"). ``batch``: an int to report the plan
-    that wins there (the table also shows FLOPs at that size). ``alpha`` / ``beta``: the cost weights
+    that wins there (the table also shows FLOPs at that size). ``alpha`` / ``beta`` / ``gamma``: the cost weights
     (``CostModel``); ``backward=False`` plans inference (forward only).
     """
     layout, default_op = _layout_of(layer_or_spec)
@@ -786,7 +878,8 @@ def plan(layer_or_spec, batch: int | None = None, *, op: str | None = None, alph
         batch = _as_int(batch, "batch")
         if batch < lo or (hi is not None and batch > hi):
             raise ValueError(f"batch must be an int within the bounds [{lo}, {hi or '∞'}], got {batch!r}")
-    model = CostModel(alpha=alpha, beta=beta, itemsize=itemsize, backward=backward, x_requires_grad=x_requires_grad)
+    model = CostModel(alpha=alpha, beta=beta, itemsize=itemsize, backward=backward, x_requires_grad=x_requires_grad,
+                      gamma=gamma)
     net = build_network(layout, op)
     found = search(net, model, lo, hi)
     pieces = []
@@ -852,6 +945,81 @@ def _operand_view(order: tuple[int, ...], first: tuple[int, ...], second: tuple[
     return ("permute", tuple(order.index(i) for i in wanted))
 
 
+def _step_views(net: TTNetwork, order_a: tuple[int, ...], order_b: tuple[int, ...], batched: bool):
+    """How ``execute`` runs one step on operands stored with index orders ``order_a`` (left) and ``order_b``.
+
+    Returns (view_a, view_b, result order, copy_a, copy_b): the views of ``_operand_view``, the stored order of
+    the GEMM's result, (b?, left's free indices, right's free indices), and whether each operand goes through a
+    permute copy (a permute that torch can still view, ``_permute_copies``, is no copy). Of the two orders of the
+    contracted indices (as stored in A, or in B) the one copying fewer
+    elements wins, batch-dependent elements first; a tie keeps A's order. The cost model counts exactly these
+    copies (``Plan.from_tree`` and the search call this same rule, ``_step_copies``).
+    """
+    order, copy_a, copy_b, shared = _step_copies(net.sizes, order_a, order_b, batched)
+    free_a = tuple(i for i in order_a if i not in shared and i != _B)
+    free_b = tuple(i for i in order_b if i not in shared)
+    view_a = _operand_view(order_a, free_a, shared, batched)
+    view_b = _operand_view(order_b, shared, free_b, False)
+    return view_a, view_b, order, copy_a, copy_b
+
+
+def _permute_copies(sizes: Sequence[int], order: tuple[int, ...], first: tuple[int, ...], second: tuple[int, ...],
+                    batched: bool) -> bool:
+    """Does ``reshape(permute(t))`` copy, for t stored contiguously with indices ``order``, read as the matrix
+    (b? + first) × second? torch.reshape views whenever, within each of the two groups, consecutive dimensions of
+    size > 1 are still adjacent in memory (size-1 dimensions never matter); else it copies. b counts as > 1."""
+    dims = [i for i in order]
+    stride, strides = 1, {}
+    for i in reversed(dims):
+        strides[i] = stride
+        stride *= 1 if i == _B else sizes[i]
+    for group in (((_B,) if batched else ()) + first, second):
+        kept = [i for i in group if i == _B or sizes[i] != 1]
+        for i, j in zip(kept, kept[1:]):
+            if strides[i] != strides[j] * sizes[j] and not (j == _B):
+                return True
+    return False
+
+
+def _final_copies(sizes: Sequence[int], final: tuple[int, ...], output: tuple[int, ...]) -> bool:
+    """Does the reorder of the last result (stored as ``final``) into ``output`` = (b, output modes) copy?"""
+    return final != output and _permute_copies(sizes, final, (), output[1:], True)
+
+
+def _step_copies(sizes: Sequence[int], order_a: tuple[int, ...], order_b: tuple[int, ...], batched: bool):
+    """The rule of ``_step_views`` without building views: (result order, copy_a, copy_b, shared indices in the
+    order used). A view needs the operand stored as (free, shared) / (shared, free), or the reverse for a
+    transposed view (never for the batched operand)."""
+    set_a, set_b = set(order_a), set(order_b)
+    shared_a = tuple(i for i in order_a if i in set_b)
+    shared_b = tuple(i for i in order_b if i in set_a)
+    free_a = tuple(i for i in order_a if i not in set_b and i != _B)
+    free_b = tuple(i for i in order_b if i not in set_a)
+    body_a = order_a[1:] if batched else order_a
+    result = ((_B,) if batched else ()) + free_a + free_b
+
+    def copies(shared):
+        copy_a = (body_a != free_a + shared and (batched or body_a != shared + free_a)
+                  and _permute_copies(sizes, order_a, free_a, shared, batched))
+        copy_b = (order_b != shared + free_b and order_b != free_b + shared
+                  and _permute_copies(sizes, order_b, shared, free_b, False))
+        return copy_a, copy_b
+
+    first = copies(shared_a)
+    if shared_b == shared_a or not (first[0] or first[1]):
+        return result, first[0], first[1], shared_a
+    second = copies(shared_b)
+    size_a = math.prod(sizes[i] for i in body_a)
+    size_b = math.prod(sizes[i] for i in order_b)
+
+    def key(c):
+        return (c[0] * size_a, c[1] * size_b) if batched else (0, c[0] * size_a + c[1] * size_b)
+
+    if key(second) < key(first):
+        return result, second[0], second[1], shared_b
+    return result, first[0], first[1], shared_a
+
+
 @dataclass(frozen=True)
 class _Instruction:
     """How one step sees its stored operands as matrices: views (see ``_operand_view``) and stored dims (no b)."""
@@ -882,16 +1050,8 @@ def _compile(chosen: Plan) -> _Program:
     instructions = []
     for step in chosen.steps:
         a, b = orders[step.left], orders[step.right]
-        shared_set = set(a) & set(b)
-        free_a = tuple(i for i in a if i not in shared_set and i != _B)
-        free_b = tuple(i for i in b if i not in shared_set)
-        options = []
-        for shared in (tuple(i for i in a if i in shared_set), tuple(i for i in b if i in shared_set)):
-            view_a = _operand_view(a, free_a, shared, step.batched)
-            view_b = _operand_view(b, shared, free_b, False)
-            options.append(((view_a[0] == "permute") + (view_b[0] == "permute"), view_a, view_b))
-        _, view_a, view_b = min(options, key=lambda o: o[0])
-        orders.append(((_B,) if step.batched else ()) + free_a + free_b)
+        view_a, view_b, order, _, _ = _step_views(net, a, b, step.batched)
+        orders.append(order)
         instructions.append(_Instruction(view_a, view_b, tuple(net.sizes[i] for i in a if i != _B),
                                          tuple(net.sizes[i] for i in b)))
     final = orders[-1]
@@ -937,3 +1097,112 @@ def execute(chosen: Plan, x, cores: Sequence, layout: TTLayout):
         out = out.reshape((-1,) + program.final_dims).permute(program.final_perm)
     out = ops._trim_cols(out.reshape(-1, pad_out), n_out, pad_out)
     return out.reshape(x.shape[:-1] + (n_out,))
+
+
+# ------------------------------------------------------------------------------------------ custom autograd
+
+
+def _permuted_shape(view: tuple, dims: tuple[int, ...], batched: bool) -> tuple[int, ...]:
+    """Shape of ``t.reshape(lead + dims).permute(perm)`` in ``_as_matrix`` (the batch as -1, always leading)."""
+    perm = view[1]
+    if batched:
+        return (-1,) + tuple(dims[p - 1] for p in perm[1:])
+    return tuple(dims[p] for p in perm)
+
+
+def _unview(grad, view: tuple, dims: tuple[int, ...], rows: int, cols: int, batched: bool):
+    """The gradient of a stored tensor from the gradient of its matrix view (the inverse of ``_as_matrix``),
+    in the stored tensor's element order; a permute's inverse is not a view of that order (a copy follows)."""
+    if view[0] == "view":
+        return grad
+    if view[0] == "t":
+        return grad.t()
+    inverse = tuple(sorted(range(len(view[1])), key=view[1].__getitem__))
+    return grad.reshape(_permuted_shape(view, dims, batched)).permute(inverse)
+
+
+def _make_function(chosen: "Plan") -> type:
+    """A torch.autograd.Function running ``chosen`` forward and its planned backward.
+
+    Forward runs the steps like ``execute`` and saves, per step, the two matrices its backward needs: the left
+    operand A (for dB = Aᵀ·dC; b-dependent exactly when the step is batched, which is what the cost model counts as
+    saved) and the right operand B (for dA = dC·Bᵀ; never b-dependent: x is always on the left). Nothing else is
+    kept: intermediates that are only step results are not saved. Backward runs the steps in reverse, one GEMM per
+    gradient, and undoes each operand's view (a transposed view back, a permute back: the copy the model counts).
+    """
+    net, layout = chosen.network, chosen.network.layout
+    program = chosen.program
+    steps, instructions = chosen.steps, program.instructions
+    n_in, n_out = (layout.rows, layout.cols) if net.op == "matmul" else (layout.cols, layout.rows)
+    pad_in, pad_out = math.prod(net.in_modes), math.prod(net.out_modes)
+    core_shapes = layout.core_shapes
+    n_steps, n_leaves = len(steps), net.n_tensors
+    final_perm, final_dims = program.final_perm, program.final_dims
+    last = steps[-1]
+
+    class PlannedProduct(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, *cores):
+            x2 = x.reshape(-1, n_in)
+            if pad_in != n_in:
+                x2 = F.pad(x2, (0, pad_in - n_in))
+            stored = [x2, *cores]
+            lefts, rights = [], []
+            for step, inst in zip(steps, instructions):
+                left = _as_matrix(stored[step.left], inst.left_view, inst.left_dims, step.m, step.k, step.batched)
+                right = _as_matrix(stored[step.right], inst.right_view, inst.right_dims, step.k, step.n, False)
+                lefts.append(left)
+                rights.append(right)
+                stored.append(torch.mm(left, right))
+            ctx.save_for_backward(*lefts, *rights)
+            out = stored[-1]
+            if final_perm is not None:
+                out = out.reshape((-1,) + final_dims).permute(final_perm)
+            out = ops._trim_cols(out.reshape(-1, pad_out), n_out, pad_out)
+            return out.reshape(x.shape[:-1] + (n_out,))
+
+        @staticmethod
+        def backward(ctx, dy):
+            saved = ctx.saved_tensors
+            lefts, rights = saved[:n_steps], saved[n_steps:]
+            grad = dy.reshape(-1, n_out)
+            if pad_out != n_out:
+                grad = F.pad(grad, (0, pad_out - n_out))
+            if final_perm is not None:
+                inverse = tuple(sorted(range(len(final_perm)), key=final_perm.__getitem__))
+                shape = (-1,) + tuple(final_dims[p - 1] for p in final_perm[1:])
+                grad = grad.reshape(shape).permute(inverse)
+            grads: list = [None] * (n_leaves + n_steps)
+            grads[last.result] = grad
+            need_x = ctx.needs_input_grad[0]
+            for i in range(n_steps - 1, -1, -1):
+                step, inst = steps[i], instructions[i]
+                d_out = grads[step.result].reshape(-1 if step.batched else step.m, step.n)
+                grads[step.result] = None
+                if step.left != 0 or need_x:
+                    d_left = torch.mm(d_out, rights[i].t())
+                    grads[step.left] = _unview(d_left, inst.left_view, inst.left_dims, step.m, step.k, step.batched)
+                d_right = torch.mm(lefts[i].t(), d_out)
+                grads[step.right] = _unview(d_right, inst.right_view, inst.right_dims, step.k, step.n, False)
+            dx = None
+            if need_x:
+                dx = grads[0].reshape(-1, pad_in)
+                if pad_in != n_in:
+                    dx = dx[:, :n_in]
+                dx = dx.reshape(dy.shape[:-1] + (n_in,))
+            return (dx, *[grads[k + 1].reshape(core_shapes[k]) for k in range(n_leaves - 1)])
+
+    PlannedProduct.__name__ = PlannedProduct.__qualname__ = "PlannedProduct"
+    return PlannedProduct
+
+
+def execute_function(chosen: "Plan", x, cores: Sequence, layout: TTLayout):
+    """``execute`` through a custom ``torch.autograd.Function`` (``Plan.function``): the same forward, and a backward
+    that runs the planned gradient GEMMs and keeps only the operands the cost model counts. Real tensors only (use
+    ``execute`` on ``torch.fx`` proxies); traces under ``torch.compile`` (Dynamo) without graph breaks."""
+    if layout != chosen.network.layout:
+        raise ValueError(f"the plan was made for {chosen.network.layout}, not {layout}; plan again for the new "
+                         f"layout (ranks change when a TT is pruned)")
+    if len(cores) != layout.n_cores:
+        raise ValueError(f"expected {layout.n_cores} cores for this layout, got {len(cores)}")
+    return chosen.function.apply(x, *cores)

@@ -1,0 +1,204 @@
+"""The planner's custom autograd (``plan.execute_function`` / ``Plan.function``) against independent references.
+
+* Numbers: output and gradients w.r.t. x, every core and every gate equal a dense float64 reference, M built with
+  opt_einsum from the cores and the gate vectors (gates as separate tensors on the bonds, not folded).
+* Saved for backward: with ``torch.autograd.graph.saved_tensors_hooks``, the batch-dependent tensors saved are one
+  per batched step and their bytes are exactly what the cost model counts (``Plan.terms.bytes_saved``).
+* Tracing: ``torch.compile(fullgraph=True, dynamic=True)`` with aot_eager (and inductor, marked slow: ~15 s of
+  C++ compilation here), one graph for two batch sizes of one plan interval.
+"""
+
+from __future__ import annotations
+
+import opt_einsum as oe
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from comera_fx.testing.strategies import tt_inputs, tt_specs
+from comera_fx.tt import TTFormat, TTLayout, TTLinear, TTMatrix, layers
+from comera_fx.tt import ops
+from comera_fx.tt import plan as planner
+
+BOND, ROW, COL = 0, 100, 200
+
+
+def dense_reference(cores, gates, layout: TTLayout) -> torch.Tensor:
+    """M (rows × cols) from the cores and the gate vectors, each gate a separate operand on its bond."""
+    operands = []
+    for k, core in enumerate(cores):
+        labels = [ROW + k] if layout.format is TTFormat.TT else [ROW + k, COL + k]
+        operands += [core, [BOND + k, *labels, BOND + k + 1]]
+    for k, gate in enumerate(gates):
+        operands += [gate, [BOND + k + 1]]
+    n = len(cores)
+    modes = [ROW + k for k in range(n)] + ([COL + k for k in range(n)] if layout.format is TTFormat.TTM else [])
+    full = oe.contract(*operands, [BOND, *modes, BOND + n])
+    return full.reshape(layout.padded_rows, layout.padded_cols)[: layout.rows, : layout.cols]
+
+
+def grads_of(fn, tensors):
+    """fn(*tensors) and the gradients of a fixed random projection of it w.r.t. every tensor."""
+    leaves = [t.detach().requires_grad_() for t in tensors]
+    y = fn(*leaves)
+    weights = torch.randn(y.shape, dtype=y.dtype, generator=torch.Generator().manual_seed(1))
+    return y, torch.autograd.grad((y * weights).sum(), leaves)
+
+
+def assert_rel_close(actual, expected, tol=1e-10):
+    assert tuple(actual.shape) == tuple(expected.shape)
+    err = torch.linalg.norm((actual.detach() - expected.detach()).reshape(-1)).item()
+    scale = torch.linalg.norm(expected.detach().reshape(-1)).item()
+    assert err <= tol * max(scale, 1e-300) or err == 0, f"relative error {err / max(scale, 1e-300):.3g} > {tol}"
+
+
+@st.composite
+def random_trees(draw, n: int) -> planner.Tree:
+    nodes: list = list(range(n))
+    while len(nodes) > 1:
+        a = nodes.pop(draw(st.integers(0, len(nodes) - 1)))
+        b = nodes.pop(draw(st.integers(0, len(nodes) - 1)))
+        nodes.append((a, b))
+    return nodes[0]
+
+
+# ----------------------------------------------------------------------------------------------------- numbers
+
+
+@settings(max_examples=60)  # each example runs up to 6 plans forward + backward: keeps the test to a few seconds
+@given(data=st.data(), spec=tt_specs(max_modes=3, max_rank=5), op=st.sampled_from(planner.OPS))
+def test_function_gradients_match_dense_float64(data, spec, op):
+    layout = spec.layout
+    x = data.draw(tt_inputs(layout, side="rows" if op == "matmul" else "cols"))
+    net = planner.build_network(layout, op)
+    plans = [planner.Plan.from_tree(net, data.draw(random_trees(net.n_tensors))), *planner.plan(layout, op=op).plans]
+    n = len(spec.cores)
+
+    def reference(x, *params):
+        m = dense_reference(params[:n], params[n:], layout)
+        return x @ m if op == "matmul" else x @ m.t()
+
+    want_y, want = grads_of(reference, [x, *spec.cores, *spec.gates])
+    for chosen in plans:
+        def planned(x, *params):
+            cores = ops.gate_cores(list(params[:n]), list(params[n:]), layout)
+            return planner.execute_function(chosen, x, cores, layout)
+
+        got_y, got = grads_of(planned, [x, *spec.cores, *spec.gates])
+        assert_rel_close(got_y, want_y)
+        for g, w in zip(got, want):
+            assert_rel_close(g, w)
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_module_uses_the_function_and_matches_dense(monkeypatch, transposed):
+    monkeypatch.setattr(layers, "CUSTOM_AUTOGRAD", True)
+    tt = TTMatrix.random(30, 20, format=TTFormat.TT, row_modes=(3, 5, 2), col_modes=(4, 5), max_rank=4, std=1.0,
+                         dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for gate in tt.gates:
+            gate.uniform_(0.5, 1.5)
+    linear = TTLinear(tt, transposed=transposed)
+    x = torch.randn(7, 3, linear.in_features, dtype=torch.float64, requires_grad=True)
+    y = linear(x)
+    assert y.grad_fn.name().startswith("PlannedProduct"), y.grad_fn.name()
+    params = [x, *tt.cores, *tt.gates]
+    dy = torch.randn(y.shape, dtype=torch.float64)
+    got = torch.autograd.grad(y, params, dy)
+    n = len(tt.cores)
+
+    def reference(x, *p):
+        m = dense_reference(p[:n], p[n:], tt.layout)
+        return x @ (m.t() if transposed else m)
+
+    leaves = [p.detach().requires_grad_() for p in params]
+    want_y = reference(*leaves)
+    want = torch.autograd.grad(want_y, leaves, dy)
+    assert_rel_close(y, want_y)
+    for g, w in zip(got, want):
+        assert_rel_close(g, w)
+
+
+# -------------------------------------------------------------------------------------------- saved tensors
+
+
+def saved_for_backward(fn, *args):
+    """(element count, bytes) of every tensor autograd saves while running fn(*args)."""
+    saved = []
+
+    def pack(t):
+        saved.append((t.numel(), t.numel() * t.element_size()))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = fn(*args)
+    y.sum().backward()  # the unpacked tensors really serve the backward
+    return saved
+
+
+@given(data=st.data(), spec=tt_specs(max_modes=3, max_rank=5, dead_gates=False), op=st.sampled_from(planner.OPS),
+       x_grad=st.booleans(), batches=st.tuples(st.integers(1, 9), st.integers(10, 20)))
+def test_saved_tensors_are_what_the_cost_model_counts(data, spec, op, x_grad, batches):
+    layout = spec.layout
+    net = planner.build_network(layout, op)
+    tree = data.draw(random_trees(net.n_tensors))
+    model = planner.CostModel(itemsize=8, x_requires_grad=x_grad)
+    chosen = planner.Plan.from_tree(net, tree, model)
+    counted = chosen.terms.bytes_saved
+    assert counted[0] == 0  # only activations (b-dependent) are counted
+    n_in = layout.rows if op == "matmul" else layout.cols
+    per_batch = []
+    for batch in batches:
+        x = torch.randn(batch, n_in, dtype=torch.float64, requires_grad=x_grad)
+        cores = [c.detach().clone().requires_grad_() for c in spec.cores]
+        per_batch.append(saved_for_backward(lambda x, *c: planner.execute_function(chosen, x, c, layout), x, *cores))
+    small, large = per_batch
+    assert len(small) == len(large) == 2 * len(chosen.steps)  # the two operands of each GEMM, nothing else
+    grows = [(s, l) for s, l in zip(small, large) if s != l]
+    assert len(grows) == sum(step.batched for step in chosen.steps)
+    for batch, saved in zip(batches, per_batch):
+        bytes_b = sum(nbytes for (numel, nbytes), other in zip(saved, small if saved is large else large)
+                      if (numel, nbytes) != other)
+        assert bytes_b == counted[1] * batch, (str(chosen), batch, bytes_b, counted)
+
+
+# ------------------------------------------------------------------------------------------------- tracing
+
+
+def _small_linear():
+    tt = TTMatrix.random(24, 20, format=TTFormat.TT, row_modes=(2, 3, 4), col_modes=(4, 5), max_rank=3, std=1.0,
+                         dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for gate in tt.gates:
+            gate.uniform_(0.5, 1.5)
+    return TTLinear(tt)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_compiles_fullgraph_dynamic_with_planned_backward(monkeypatch, backend):
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    monkeypatch.setattr(layers, "CUSTOM_AUTOGRAD", True)
+    linear = _small_linear()
+    linear.tt.prepare_plans()
+    envelope = layers.planned_envelope(linear.tt.layout, "matmul")
+    piece = envelope.pieces[-1]  # two sizes in the last interval share one graph
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend(backend)
+    compiled = torch.compile(linear, backend=counter, fullgraph=True, dynamic=True)
+    n = len(linear.tt.cores)
+    params = [*linear.tt.cores, *linear.tt.gates]
+    for batch in (piece.first + 1, piece.first + 5):
+        x = torch.randn(batch, 24, dtype=torch.float64, requires_grad=True)
+        y = compiled(x)
+        dy = torch.randn(y.shape, dtype=torch.float64)
+        got = torch.autograd.grad(y, [x, *params], dy)
+        leaves = [t.detach().requires_grad_() for t in (x, *params)]
+        want_y = leaves[0] @ dense_reference(leaves[1:1 + n], leaves[1 + n:], linear.tt.layout)
+        want = torch.autograd.grad(want_y, leaves, dy)
+        assert_rel_close(y, want_y)
+        for g, w in zip(got, want):
+            assert_rel_close(g, w)
+    assert counter.frame_count == 1, counter.frame_count
+    torch._dynamo.reset()
