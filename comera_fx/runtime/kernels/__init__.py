@@ -1,0 +1,166 @@
+"""Optional Triton fast paths for TT-matrix embedding lookups and gated core merges, with an aten fallback.
+
+Entry points (same results as the functions of ``comera_fx.tt.ops`` they replace)::
+
+    take_rows(index, cores, layout, gates=None, dedup=False)      # ops.take_rows(index, gate_cores(...), layout)
+    gated_ttm_merge(cores, gates, row_modes, col_modes, ranks)    # ops.ttm_merge(gate_cores(...) ...)
+
+Each call picks a path with ``kernel_path``: the Triton kernels (registered as ``torch.library.triton_op`` ops
+``comera_fx::ttm_lookup`` / ``ttm_lookup_backward`` / ``gated_merge``, so Inductor sees and inlines them) run when
+triton imports and every tensor is on CUDA, or, for tests, on CPU under ``TRITON_INTERPRET=1``. Everywhere else
+(CPU, no triton, unsupported dtype or layout, ``ENABLED = False`` / ``COMERA_FX_KERNELS=0``) the aten code of
+``comera_fx.tt.ops`` runs. Importing this package imports neither triton nor the kernels: ``_load`` does that on
+the first call that could use them. See docs/kernels.md.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ...tt import ops
+from ...tt.layout import TTFormat, TTLayout
+
+__all__ = ["ENABLED", "gated_ttm_merge", "kernel_path", "take_rows", "triton_available"]
+
+#: Master switch; also off when the environment sets COMERA_FX_KERNELS=0.
+ENABLED = os.environ.get("COMERA_FX_KERNELS", "1") != "0"
+
+_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# Beyond these half-chain sizes one (B_L × r)(r × B_R) GEMM per token no longer fits a few tiles; aten then runs.
+_MAX_HALF_COLS = 4096
+_MAX_RANK = 1024
+
+_impl: ModuleType | None = None
+_impl_error: str | None = None
+
+
+def _load() -> ModuleType | None:
+    """Import triton and define the ops, once; None (with the reason in ``_impl_error``) if that fails."""
+    global _impl, _impl_error
+    if _impl is None and _impl_error is None:
+        try:
+            from . import _triton
+        except Exception as exc:  # ImportError without triton; anything else triton raises on a broken install
+            _impl_error = f"{type(exc).__name__}: {exc}"
+        else:
+            _impl = _triton
+    return _impl
+
+
+def triton_available() -> bool:
+    """Whether triton imports and the kernels are defined (imports triton on first call)."""
+    return _load() is not None
+
+
+def _interpret_requested() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+@torch.compiler.assume_constant_result
+def _path_for_device(device_type: str) -> str:
+    """'triton' or 'aten' for tensors of this device type; a trace-time constant under torch.compile."""
+    if not ENABLED:
+        return "aten"
+    if device_type == "cuda":
+        return "triton" if _load() is not None else "aten"
+    if device_type == "cpu" and _interpret_requested():
+        impl = _load()  # CPU tensors only work if triton was imported in interpret mode
+        return "triton" if impl is not None and impl.interpreted() else "aten"
+    return "aten"
+
+
+def kernel_path(*tensors: Tensor) -> str:
+    """'triton' when the kernels can run on these tensors, else 'aten'."""
+    devices = {t.device.type for t in tensors}
+    if len(devices) != 1 or any(t.is_floating_point() and t.dtype not in _SUPPORTED_DTYPES for t in tensors):
+        return "aten"
+    return _path_for_device(devices.pop())
+
+
+# ------------------------------------------------------------------------------------------- gated core merge
+
+
+def gated_ttm_merge(cores: Sequence[Tensor], gates: Sequence[Tensor], row_modes: Sequence[int],
+                    col_modes: Sequence[int], ranks: Sequence[int]) -> Tensor:
+    """``ops.ttm_merge`` of the gated cores: core k is scaled by ``gates[k]`` on its right bond; ``gates`` has one
+    entry per core, or one fewer (the last core ungated). Result (r_first, A, B, r_last) as ``ops.ttm_merge``."""
+    if len(gates) not in (len(cores), len(cores) - 1):
+        raise ValueError(f"{len(cores)} cores need {len(cores) - 1} or {len(cores)} gates, got {len(gates)}")
+    if kernel_path(*cores, *gates) != "triton":
+        return ops.ttm_merge(_gate_chain(cores, gates), row_modes, col_modes, ranks)
+    impl = _load()
+    acc = cores[0]
+    big_a, big_b = row_modes[0], col_modes[0]
+    for k in range(1, len(cores)):
+        a, b, r_next = row_modes[k], col_modes[k], ranks[k + 1]
+        # (r0·A·B, r_k)·diag(g_{k-1}) @ (r_k, a·b·r') stored as (r0, A, a, B, b·r'): one kernel, no gated copy.
+        acc = impl.gated_merge(acc.reshape(-1, ranks[k]), gates[k - 1], cores[k].reshape(ranks[k], -1), big_b, a)
+        big_a, big_b = big_a * a, big_b * b
+    acc = acc.reshape(ranks[0], big_a, big_b, ranks[-1])
+    if len(gates) == len(cores):  # the chain's own right bond (a half chain cut at a gated bond)
+        acc = acc * gates[-1]
+    return acc
+
+
+def _gate_chain(cores: Sequence[Tensor], gates: Sequence[Tensor]) -> list[Tensor]:
+    return [core * gate for core, gate in zip(cores, gates)] + list(cores[len(gates):])
+
+
+# ------------------------------------------------------------------------------------------------ row lookups
+
+
+def take_rows(index: Tensor, cores: Sequence[Tensor], layout: TTLayout, gates: Sequence[Tensor] | None = None,
+              *, dedup: bool = False) -> Tensor:
+    """M[index] -> (*index.shape, cols), as ``ops.take_rows``, never building M.
+
+    ``gates=None``: the cores are already gated (what ``ops.take_rows`` takes). With ``gates`` (one per internal
+    bond), the cores are raw and the gates are folded in by the kernels (merge and lookup), never as a separate
+    pass over the cores. ``dedup=True`` looks up each distinct id once (``torch.unique`` + inverse); skipped while
+    compiling, where the number of distinct ids would be a data-dependent shape.
+    """
+    tensors = list(cores) + list(gates or [])
+    use_kernel = (layout.format is TTFormat.TTM and len(layout.row_modes) > 1 and kernel_path(*tensors) == "triton"
+                  and index.device == cores[0].device and not index.is_floating_point() and _lookup_fits(layout))
+    if not use_kernel:
+        gated = cores if gates is None else ops.gate_cores(list(cores), list(gates), layout)
+        if dedup and not torch.compiler.is_compiling() and index.numel() > 0:
+            unique, inverse = torch.unique(index.reshape(-1), return_inverse=True)
+            return ops.take_rows(unique, gated, layout)[inverse].reshape(index.shape + (layout.cols,))
+        return ops.take_rows(index, gated, layout)
+    impl = _load()
+    d = len(layout.row_modes)
+    h = (d + 1) // 2
+    ranks, rows_m, cols_m = layout.ranks, layout.row_modes, layout.col_modes
+    a_left, b_left = math.prod(rows_m[:h]), math.prod(cols_m[:h])
+    a_right, b_right = math.prod(rows_m[h:]), math.prod(cols_m[h:])
+    r = ranks[h]
+    if gates is None:
+        left = ops.ttm_merge(cores[:h], rows_m[:h], cols_m[:h], ranks[: h + 1])
+        right = ops.ttm_merge(cores[h:], rows_m[h:], cols_m[h:], ranks[h:])
+        middle = None
+    else:  # gates[h-1] sits on the bond the lookup contracts: the lookup kernel applies it
+        left = gated_ttm_merge(cores[:h], gates[: h - 1], rows_m[:h], cols_m[:h], ranks[: h + 1])
+        right = gated_ttm_merge(cores[h:], gates[h:], rows_m[h:], cols_m[h:], ranks[h:])
+        middle = gates[h - 1]
+    left = left.reshape(a_left, b_left, r)
+    right = right.reshape(r, a_right, b_right).permute(1, 0, 2)  # (A_R, r, B_R); the op makes it contiguous
+    flat = index.reshape(-1)
+    if dedup and not torch.compiler.is_compiling() and flat.numel() > 0:
+        unique, inverse = torch.unique(flat, return_inverse=True)
+        out = F.embedding(inverse, impl.ttm_lookup(unique, left, right, middle, layout.cols))
+    else:
+        out = impl.ttm_lookup(flat, left, right, middle, layout.cols)
+    return out.reshape(index.shape + (layout.cols,))
+
+
+def _lookup_fits(layout: TTLayout) -> bool:
+    h = (len(layout.row_modes) + 1) // 2
+    return (math.prod(layout.col_modes[:h]) <= _MAX_HALF_COLS and math.prod(layout.col_modes[h:]) <= _MAX_HALF_COLS
+            and layout.ranks[h] <= _MAX_RANK)
