@@ -5,7 +5,10 @@ Side by side in one run, steps interleaved round-robin so load on a shared machi
 * ``dense eager``     — the model as built;
 * ``dense inductor``  — ``torch.compile(model)`` (Inductor, the baseline the target ratio is against);
 * ``tt eager``        — ``tensorize_`` (max rank 30, comera_fx's automatic modes), no compiler;
-* ``tt comera_fx``    — the same TT model compiled with ``backend=comera_fx.backend`` (our passes + Inductor).
+* ``tt comera_fx``    — the same TT model compiled with ``backend=comera_fx.backend`` (our passes + Inductor);
+* ``no linears``      — (with ``--rest``) the model with every linear replaced by a free stand-in (a slice /
+                        repeat of x plus the bias), compiled with Inductor: what attention, norms, activations,
+                        embeddings and the optimizer cost on their own — the floor any linear-layer speed-up meets.
 
 A step is forward + cross-entropy over a 256-symbol vocabulary + backward + AdamW. Reported: median step time per
 column, ratios to ``dense inductor``, the first-step time (compile included) of the compiled columns, and the time
@@ -28,6 +31,7 @@ import statistics
 import time
 
 import torch
+import torch._inductor.config
 import torch.nn.functional as F
 from torch import nn
 
@@ -50,6 +54,28 @@ class EncoderLayer(nn.Module):
         a = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, d)
         x = self.ln1(x + self.proj(a))
         return self.ln2(x + self.out(F.gelu(self.fc(x))))
+
+
+class FreeLinear(nn.Module):
+    """Stand-in for nn.Linear(in, out) with no GEMM: x repeated / sliced to ``out`` features, plus a bias."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.out_features = linear.out_features
+        self.bias = nn.Parameter(linear.bias.detach().clone())
+
+    def forward(self, x):
+        reps = -(-self.out_features // x.shape[-1])
+        return x.repeat(*([1] * (x.dim() - 1)), reps)[..., : self.out_features] + self.bias
+
+
+def without_linears(model: nn.Module) -> nn.Module:
+    model = copy.deepcopy(model)
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(module, child_name, FreeLinear(child))
+    return model
 
 
 class Encoder(nn.Module):
@@ -78,6 +104,7 @@ def parse_args():
     parser.add_argument("--max-rank", type=int, default=30)
     parser.add_argument("--steps", type=int, default=8, help="timed steps per column after the first")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rest", action="store_true", help="add the 'no linears' column (one more compile)")
     parser.add_argument("--json", default=None)
     return parser.parse_args()
 
@@ -85,6 +112,8 @@ def parse_args():
 def main():
     args = parse_args()
     torch.set_num_threads(args.threads)
+    # Compile times must be real compiles, not hits in Inductor's on-disk cache from an earlier run.
+    torch._inductor.config.force_disable_caches = True
     torch.manual_seed(0)
     dense = Encoder(args.vocab, args.d_model, args.heads, args.d_ff, args.layers, args.seq)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq))
@@ -102,6 +131,8 @@ def main():
         "tt eager": tt,
         "tt comera_fx": torch.compile(copy.deepcopy(tt), backend=backend),
     }
+    if args.rest:
+        columns["no linears"] = torch.compile(without_linears(dense))
     optimizers = {name: torch.optim.AdamW(m.parameters(), lr=1e-4) for name, m in columns.items()}
 
     def step(name):

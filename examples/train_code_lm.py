@@ -278,7 +278,8 @@ def make_hook(model: nn.Module, optimizer: torch.optim.Optimizer, args, late_sta
     TT weight, and the training loss lags the fixed-rank run by ~0.2 well before anything is pruned.
     ``--late-fraction 2`` (the late stage never starts) trains at fixed rank.
 
-    late_size_weight=0 (``--late-size-weight``; CoMERA and the library use 0.01): once the size target is met the
+    late_size_weight=0 (``--late-size-weight``; the library's default too, CoMERA uses 0.01): once the size target
+    is met the
     0.01·R term still moves every unimportant gate by ~lr per step under Adam, so the size keeps falling. Trial
     (205 steps, late stage from step 45): 0.01 ended at 32k stored TT params (28.6k live, one bond already empty;
     in the full demo three layers were removed entirely), 0 stopped at 42k and stayed there (target 57k); val
@@ -287,6 +288,28 @@ def make_hook(model: nn.Module, optimizer: torch.optim.Optimizer, args, late_sta
     return RankAdaptive(model, optimizer, l1_weight=args.l1_weight, prune_every=args.prune_every,
                         target_ratio=args.target_ratio, late_start_step=late_start_step,
                         late_size_weight=args.late_size_weight, history_every=1)
+
+
+def prepare_tt_run(model: nn.Module, p: Preset, args, train_data: torch.Tensor, device: torch.device,
+                   result: "RunResult") -> tuple[torch.optim.Optimizer, RankAdaptive, object, float]:
+    """Everything the comera_fx run does before its first step (outside the budget clock): tensorize_ ``model`` in
+    place, time a few steps to place the late stage in steps, pick the gate rate, build optimizer and hook.
+    Fills ``result.setup_seconds`` / ``late_start_step`` / ``target_params``; returns (optimizer, hook,
+    tensorize_ summary, estimated seconds per step). Also used by benchmarks/bench_equal_time.py."""
+    start = time.perf_counter()
+    example = get_batch(train_data, 1, p.seq_len, torch.Generator().manual_seed(0), device)[0]
+    summary = tensorize(model, p, args, example)
+    result.setup_seconds = time.perf_counter() - start
+    step_seconds = calibrate_step_seconds(model, args, train_data, p, device)
+    expected_steps = args.budget_seconds / max(step_seconds, 1e-6)
+    if args.max_steps is not None:
+        expected_steps = min(expected_steps, args.max_steps)
+    result.late_start_step = max(1, int(args.late_fraction * expected_steps))
+    args.gate_lr_used = gate_lr(args, expected_steps)
+    optimizer = make_tt_optimizer(model, args, args.gate_lr_used)
+    hook = make_hook(model, optimizer, args, result.late_start_step)
+    result.target_params = hook.target_size
+    return optimizer, hook, summary, step_seconds
 
 
 # ------------------------------------------------------------------------------------------------------ training
@@ -605,8 +628,8 @@ def parse_args(argv):
     parser.add_argument("--l1-weight", type=float, default=0.01)
     parser.add_argument("--prune-every", type=int, default=25)
     parser.add_argument("--late-size-weight", type=float, default=0.0,
-                        help="RankAdaptive late_size_weight (library default 0.01): the gate pull that stays on once "
-                             "the size target is met; see make_hook")
+                        help="RankAdaptive late_size_weight (library default 0; CoMERA 0.01): the gate pull that "
+                             "stays on once the size target is met; see make_hook")
     parser.add_argument("--target-ratio", type=float, default=0.5,
                         help="late-stage size target, as a fraction of the initial TT parameters")
     parser.add_argument("--late-fraction", type=float, default=0.25,
@@ -710,19 +733,7 @@ def _run(args, p: Preset) -> dict:
     # -- comera_fx ----------------------------------------------------------------------------------------------
     tt_result = RunResult("comera_fx")
     tt_model = copy.deepcopy(initial)
-    start = time.perf_counter()
-    example = get_batch(train_data, 1, p.seq_len, torch.Generator().manual_seed(0), device)[0]
-    summary = tensorize(tt_model, p, args, example)
-    tt_result.setup_seconds = time.perf_counter() - start
-    step_seconds = calibrate_step_seconds(tt_model, args, train_data, p, device)
-    expected_steps = args.budget_seconds / max(step_seconds, 1e-6)
-    if args.max_steps is not None:
-        expected_steps = min(expected_steps, args.max_steps)
-    tt_result.late_start_step = max(1, int(args.late_fraction * expected_steps))
-    args.gate_lr_used = gate_lr(args, expected_steps)
-    optimizer = make_tt_optimizer(tt_model, args, args.gate_lr_used)
-    hook = make_hook(tt_model, optimizer, args, tt_result.late_start_step)
-    tt_result.target_params = hook.target_size
+    optimizer, hook, summary, step_seconds = prepare_tt_run(tt_model, p, args, train_data, device, tt_result)
     train("comera_fx", tt_model, optimizer, hook, train_data, val_set, p, args, device, tt_result)
     hook.remove()
 

@@ -10,6 +10,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from comera_fx.testing.strategies import feature_sizes, mode_factorizations
 from comera_fx.tt import decompose
 from comera_fx.tt.layers import TTMatrix
 from comera_fx.tt.layout import TTFormat, TTLayout
@@ -61,28 +62,20 @@ def expected_full_ranks(dims):
 
 # ---------------------------------------------------------------------------------------------------- strategies
 
-MODE_VALUES = (1, 2, 3, 4, 5, 7)
-
-
-@st.composite
-def mode_tuples(draw, d, budget=48):
-    """d modes (1s and primes included) whose product stays within budget, to keep the SVDs small."""
-    modes, left = [], budget
-    for _ in range(d):
-        m = draw(st.sampled_from([v for v in MODE_VALUES if v <= left]))
-        modes.append(m)
-        left //= m
-    return tuple(modes)
+# Modes come from the toolkit's mode_factorizations: any split of a size's prime factors (1s and lopsided modes
+# included), padded by up to PAD × the size (products <= 48, as before), so padding of every amount is exercised;
+# small sizes keep the SVDs fast.
+PAD = 2.0
 
 
 @st.composite
 def matrix_problems(draw, fmt):
     d_rows = draw(st.integers(2, 4))
     d_cols = d_rows if fmt is TTFormat.TTM else draw(st.integers(2, 4))
-    row_modes = draw(mode_tuples(d_rows))
-    col_modes = draw(mode_tuples(d_cols))
-    rows = draw(st.integers(1, math.prod(row_modes)))
-    cols = draw(st.integers(1, math.prod(col_modes)))
+    rows = draw(feature_sizes(1, 16))
+    cols = draw(feature_sizes(1, 16))
+    row_modes = draw(mode_factorizations(rows, d_rows, max_pad_fraction=PAD))
+    col_modes = draw(mode_factorizations(cols, d_cols, max_pad_fraction=PAD))
     seed = draw(st.integers(0, 2**31 - 1))
     g = torch.Generator().manual_seed(seed)
     matrix = torch.randn(rows, cols, generator=g, dtype=torch.float64)
@@ -169,7 +162,7 @@ def test_full_rank_with_prime_and_unit_modes():
 def structured_tensors(draw):
     """A low-rank TT tensor plus noise of random size, so truncation removes a decaying spectrum."""
     n = draw(st.integers(2, 5))
-    dims = draw(mode_tuples(n, budget=256))
+    dims = draw(mode_factorizations(draw(st.integers(1, 256)), n, max_pad_fraction=0))
     seed = draw(st.integers(0, 2**31 - 1))
     g = torch.Generator().manual_seed(seed)
     low_rank = draw(st.integers(1, 3))
@@ -301,8 +294,8 @@ def test_random_tt_cores_dtype_and_generator():
 def test_count_params_matches_tensors(fmt, data):
     d_rows = data.draw(st.integers(1, 4))
     d_cols = d_rows if fmt is TTFormat.TTM else data.draw(st.integers(1, 4))
-    row_modes = data.draw(mode_tuples(d_rows))
-    col_modes = data.draw(mode_tuples(d_cols))
+    row_modes = data.draw(mode_factorizations(data.draw(feature_sizes(1, 48)), d_rows, max_pad_fraction=PAD))
+    col_modes = data.draw(mode_factorizations(data.draw(feature_sizes(1, 48)), d_cols, max_pad_fraction=PAD))
     n_cores = d_rows + d_cols if fmt is TTFormat.TT else d_rows
     ranks = (1,) + tuple(data.draw(st.integers(1, 9)) for _ in range(n_cores - 1)) + (1,)
 

@@ -1,6 +1,6 @@
 """Smoke test of the training demo (examples/train_code_lm.py): the tiny preset end to end, in-process.
 
-It trains a 2-layer, 64-wide byte-level model dense and with comera_fx for 3 s each on standard-library source and
+It trains a 2-layer, 64-wide byte-level model dense and with comera_fx for 1.5 s each on standard-library source and
 checks the outputs: report.md with a row per run and finite validation losses, and the three plots.
 """
 
@@ -44,7 +44,7 @@ def table_rows(report: str) -> dict[str, list[str]]:
 def test_tiny_demo_writes_report_and_plots(tmp_path):
     demo = load_demo()
     out = tmp_path / "run"
-    result = demo.main(["--preset", "tiny", "--budget-seconds", "3", "--out", str(out), "--quiet"])
+    result = demo.main(["--preset", "tiny", "--budget-seconds", "1.5", "--out", str(out), "--quiet"])
 
     assert result["out"] == str(out)
     report = (out / "report.md").read_text()

@@ -11,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
+from comera_fx.testing.strategies import feature_sizes, mode_factorizations
 from comera_fx.tt import TTEmbedding, TTFormat, TTLinear, TTMatrix, make_tt_matrix
 
 # ------------------------------------------------------------------------------------------- independent reference
@@ -53,17 +54,6 @@ formats = st.sampled_from([TTFormat.TT, TTFormat.TTM])
 dtypes = st.sampled_from([torch.float64, torch.float32])
 # Index / batch shapes: () (0-d), (k,), up to 3-d, and shapes with a 0 (empty).
 shapes = st.lists(st.integers(0, 3), max_size=3).map(tuple)
-MODE_VALUES = (1, 2, 3, 4, 5, 7)
-
-
-@st.composite
-def mode_tuples(draw, d, budget=36):
-    modes, left = [], budget
-    for _ in range(d):
-        m = draw(st.sampled_from([v for v in MODE_VALUES if v <= left]))
-        modes.append(m)
-        left //= m
-    return tuple(modes)
 
 
 @st.composite
@@ -72,10 +62,11 @@ def layer_problems(draw, fmt):
     if draw(st.booleans()):
         d_rows = draw(st.integers(1, 3))
         d_cols = d_rows if fmt is TTFormat.TTM else draw(st.integers(1, 3))
-        row_modes = draw(mode_tuples(d_rows))
-        col_modes = draw(mode_tuples(d_cols))
-        rows = draw(st.integers(1, math.prod(row_modes)))
-        cols = draw(st.integers(1, math.prod(col_modes)))
+        rows = draw(feature_sizes(1, 12))
+        cols = draw(feature_sizes(1, 12))
+        # the toolkit's strategy: any split of the size (padded up to 3x) into d modes, 1s included; product <= 36
+        row_modes = draw(mode_factorizations(rows, d_rows, max_pad_fraction=2.0))
+        col_modes = draw(mode_factorizations(cols, d_cols, max_pad_fraction=2.0))
         return rows, cols, row_modes, col_modes
     rows = draw(st.one_of(st.sampled_from([11, 13, 17, 19, 23, 29, 31, 37]), st.integers(1, 40)))
     cols = draw(st.one_of(st.sampled_from([11, 13, 17, 19, 23, 29, 31, 37]), st.integers(1, 40)))

@@ -174,12 +174,14 @@ def test_early_stage_adds_l1_weight_times_mean_gradient():
         torch.testing.assert_close(g.detach(), expected, rtol=0, atol=1e-15)
 
 
+@pytest.mark.parametrize("late_size_weight", [None, 0.01], ids=["default", "comera-0.01"])
 @pytest.mark.parametrize("target_params, lam", [(10, 1.0), (10**6, 0.0)])
-def test_late_stage_rescales_task_gradients_and_pushes_the_gates(target_params, lam):
+def test_late_stage_rescales_task_gradients_and_pushes_the_gates(target_params, lam, late_size_weight):
     model = make_toy()
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    extra = {} if late_size_weight is None else {"late_size_weight": late_size_weight}
     hook = RankAdaptive(model, optimizer, target_params=target_params, late_start_step=0, prune_every=None,
-                        reduction="sum")
+                        reduction="sum", **extra)
     params = list(model.parameters())
     gate_ids = {id(g) for e in tt_matrices(model) for g in e.tt.gates}
     before = [p.detach().clone() for p in params]
@@ -187,7 +189,8 @@ def test_late_stage_rescales_task_gradients_and_pushes_the_gates(target_params, 
         p.grad = torch.ones_like(p)  # a stand-in task gradient
     optimizer.step()
     assert hook.stage == LATE and hook.history[-1].lam == lam
-    task_weight, size_weight = (1 - lam) + 0.1, lam + 0.01
+    # default late_size_weight is 0: once the size is on target (λ = 0) the gates get the task gradient only
+    task_weight, size_weight = (1 - lam) + 0.1, lam + (late_size_weight or 0.0)
     for p, b in zip(params, before):
         expected = b - task_weight
         if id(p) in gate_ids:
@@ -540,3 +543,35 @@ def test_graph_pass_matrices_are_penalised_but_never_shrunk():
     before = gm(x)
     assert hook.prune() == []  # its ranks are constants of the graph: removing slices would break it
     torch.testing.assert_close(gm(x), before, rtol=0, atol=0)
+
+
+def test_compiled_model_after_shrinking_runs_the_planned_order(monkeypatch):
+    """A compiled model retraces after pruning; the new ranks must already be planned (a traced graph cannot plan),
+    else it would silently run the fixed fallback order."""
+    from comera_fx.tt import ops
+    from comera_fx.tt.layers import planned_ops
+
+    model = make_toy()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    hook = RankAdaptive(model, optimizer, prune_every=None)
+    idx, _ = toy_batch()
+    with torch.no_grad():
+        model(idx)  # eager calls plan the products each matrix uses
+    planned_before = {m.name: planned_ops(m.tt.layout) for m in tt_matrices(model)}
+    kill(model.fc.tt.gates[1], [0, 4, 7])
+    kill(model.out.tt.gates[2], [1])
+    with torch.no_grad():
+        expected = model(idx)  # killing gates changes values, not shapes: still the old layouts
+    hook.prune()
+    assert {m.name: planned_ops(m.tt.layout) for m in tt_matrices(model)} == planned_before
+
+    def fallback(*args, **kwargs):
+        raise AssertionError("the compiled graph ran the fixed fallback order")
+
+    monkeypatch.setattr(ops, "matmul", fallback)
+    monkeypatch.setattr(ops, "matmul_t", fallback)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        got = torch.compile(model, backend="eager")(idx)
+    torch._dynamo.reset()
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)

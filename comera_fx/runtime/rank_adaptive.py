@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, fx, nn
 
 from ..report import DEFAULT_GATE_THRESHOLD, _layer_name
-from ..tt.layers import TTMatrix
+from ..tt.layers import TTMatrix, planned_envelope, planned_ops
 
 EARLY, LATE = "early", "late"
 
@@ -242,6 +242,7 @@ def shrink_(tt: TTMatrix, *, threshold: float = DEFAULT_GATE_THRESHOLD, optimize
     if counts == sizes:
         return None
     old_ranks, before = tt.ranks, physical_params(tt)
+    was_planned = planned_ops(tt.layout)
     zeroed = 0 in counts
     if zeroed:
         masks = [torch.zeros_like(m) for m in masks]
@@ -256,6 +257,11 @@ def shrink_(tt: TTMatrix, *, threshold: float = DEFAULT_GATE_THRESHOLD, optimize
     for k in range(n - 1):
         if changed[k]:
             _replace_(tt.gates, k, lambda t, i=keep[k]: t.index_select(0, i), optimizer)
+    if not tt.is_zero:
+        # Plan the new ranks now for what was planned before: a compiled model retraces after the shapes change,
+        # and a traced graph can only read plans (without one it would run the fixed fallback order).
+        for op in was_planned:
+            planned_envelope(tt.layout, op)
     return ShrinkRecord(name, old_ranks, tt.ranks, before, physical_params(tt), zeroed)
 
 
@@ -383,8 +389,11 @@ class RankAdaptive:
     ``target_loss``), from step ``late_start_step`` or once the observed loss plateaus (no relative improvement
     over ``plateau_tol`` for ``plateau_patience`` steps): every gradient is scaled by (1 − λ) + ``late_loss_weight``
     and (λ + ``late_size_weight``) · ∂R/∂g is added, with λ from ``achievement_lambda`` on the live TT parameter
-    count. Every ``prune_every`` steps the dead slices (|g| <= ``threshold``) are removed for real, optimizer state
-    included. ``history`` holds one ``HistoryEntry`` per ``history_every`` steps and per pruning.
+    count. ``late_size_weight`` defaults to 0 (CoMERA's code uses 0.01): any size pull left on once the target is met
+    keeps moving every unimportant gate by about one learning rate per step under Adam, and the size falls far below
+    the target (docs/rank_adaptive.md). Every ``prune_every`` steps the dead slices (|g| <= ``threshold``) are
+    removed for real, optimizer state included. ``history`` holds one ``HistoryEntry`` per ``history_every`` steps
+    and per pruning.
 
     The parameters of shrunk matrices are new objects: read ``model.parameters()`` afresh after a pruning step
     (do not keep lists of them across steps).
@@ -406,7 +415,7 @@ class RankAdaptive:
         plateau_tol: float = 1e-3,
         reduction: str = "mean",
         late_loss_weight: float = 0.1,
-        late_size_weight: float = 0.01,
+        late_size_weight: float = 0.0,
         history_every: int | None = 1,
     ):
         self.settings = _Settings(l1_weight, threshold, prune_every, target_ratio, target_params, target_loss,

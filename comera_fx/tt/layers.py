@@ -207,6 +207,11 @@ def planned_envelope(layout: TTLayout, op: str) -> "planner.PlanEnvelope":
     return envelope
 
 
+def planned_ops(layout: TTLayout) -> list[str]:
+    """The products ("matmul", "matmul_t") already planned for ``layout``."""
+    return [op for op in planner.OPS if (layout, op) in _ENVELOPES]
+
+
 def choose_plan(envelope: "planner.PlanEnvelope", batch) -> "planner.Plan":
     """The envelope's plan for ``batch`` using comparisons only: under ``torch.compile(dynamic=True)`` each one is
     a guard at a breakpoint, so there is one graph per planner interval, not per batch size."""

@@ -1205,4 +1205,8 @@ def execute_function(chosen: "Plan", x, cores: Sequence, layout: TTLayout):
                          f"layout (ranks change when a TT is pruned)")
     if len(cores) != layout.n_cores:
         raise ValueError(f"expected {layout.n_cores} cores for this layout, got {len(cores)}")
+    if not torch.is_grad_enabled():
+        # Nothing to save: the plain executor. (Also sidesteps Dynamo, which under no_grad inlines two such Functions
+        # of different layouts in one graph wrongly: their forwards share one code object, only the closures differ.)
+        return execute(chosen, x, cores, layout)
     return chosen.function.apply(x, *cores)
