@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import Tensor, fx, nn
+from torch import fx, nn
 
 from .config import TensorizeConfig
 from .passes.find import UseKind, classify_use

@@ -747,7 +747,7 @@ def _run(args, p: Preset) -> dict:
              f"tensorize_ took {tt_result.setup_seconds:.1f} s (outside the budget); the late stage started at step "
              f"{tt_result.late_start_step} (estimated {step_seconds:.3f} s/step before training).")
     if tt_result.history:
-        first, last = tt_result.history[0], tt_result.history[-1]
+        last = tt_result.history[-1]
         extra += (f" Rank adaptation: size target {tt_result.target_params:,.0f} TT params "
                   f"({args.target_ratio:.0%} of {hook.initial_tt_params:,}); at the end {last['tt_params']:,} stored, "
                   f"{last['live_tt_params']:,} live.")

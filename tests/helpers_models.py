@@ -2,12 +2,41 @@
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
+from hypothesis import strategies as st
+
 from comera_fx import TTMatrix
+from comera_fx.tt import plan as planner
+
+DEMO_SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "train_code_lm.py"
+
+
+def load_demo(module_name: str = "train_code_lm"):
+    """Import examples/train_code_lm.py as a module (it is a script, not part of the package)."""
+    spec = importlib.util.spec_from_file_location(module_name, DEMO_SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+@st.composite
+def random_trees(draw, n: int) -> planner.Tree:
+    """Any contraction tree over n leaves: repeatedly join two of the remaining nodes."""
+    nodes: list = list(range(n))
+    while len(nodes) > 1:
+        a = nodes.pop(draw(st.integers(0, len(nodes) - 1)))
+        b = nodes.pop(draw(st.integers(0, len(nodes) - 1)))
+        nodes.append((a, b))
+    return nodes[0]
 
 
 def rel_err(actual: Tensor, expected: Tensor) -> float:

@@ -9,20 +9,18 @@ model because each Inductor compile takes 10–30 s on 2 cores.
 from __future__ import annotations
 
 import copy
-import importlib.util
-import sys
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import fx, nn
+from torch import nn
 
 import comera_fx
 from comera_fx import BackendConfig, DenseWeightsWarning, TensorizeConfig
 from comera_fx.testing.models import FunctionalLinear
-from helpers_models import MLP
+from helpers_models import MLP, load_demo
 
 FULL = TensorizeConfig(min_numel=1024, min_dim=16, max_rank=None)  # full rank: the TT model equals the dense one
 DEMO = Path(__file__).resolve().parents[1] / "examples" / "train_code_lm.py"
@@ -254,17 +252,9 @@ def test_dynamic_shapes_give_one_graph_per_planner_interval():
 # ---------------------------------------------------------------------------------- the demo's transformer
 
 
-def load_demo():
-    spec = importlib.util.spec_from_file_location("train_code_lm_for_backend_tests", DEMO)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def demo():
-    return load_demo()
+    return load_demo("train_code_lm_for_backend_tests")
 
 
 def tiny_demo_model(demo, dtype=torch.float32):

@@ -6,24 +6,10 @@ checks the outputs: report.md with a row per run and finite validation losses, a
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import re
-import sys
-from pathlib import Path
 
-import pytest
-
-
-SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "train_code_lm.py"
-
-
-def load_demo():
-    spec = importlib.util.spec_from_file_location("train_code_lm", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
+from helpers_models import load_demo
 
 
 def table_rows(report: str) -> dict[str, list[str]]:

@@ -23,6 +23,7 @@ from torch import fx, nn
 from comera_fx.testing.strategies import tt_inputs, tt_layouts, tt_specs
 from comera_fx.tt import TTEmbedding, TTFormat, TTLayout, TTLinear, TTMatrix
 from comera_fx.tt import plan as planner
+from helpers_models import random_trees
 from comera_fx.tt.decompose import random_tt_cores
 
 COMERA_768 = TTLayout(TTFormat.TT, 768, 768, (12, 8, 8), (8, 8, 12), (1, 12, 30, 30, 30, 12, 1))
@@ -92,17 +93,6 @@ def all_trees(ids: list[int]):
             for left in all_trees([first, *chosen]):
                 for right in all_trees(others):
                     yield (left, right)
-
-
-@st.composite
-def random_trees(draw, n: int) -> planner.Tree:
-    """Any tree over n leaves: repeatedly join two of the remaining nodes."""
-    nodes: list = list(range(n))
-    while len(nodes) > 1:
-        a = nodes.pop(draw(st.integers(0, len(nodes) - 1)))
-        b = nodes.pop(draw(st.integers(0, len(nodes) - 1)))
-        nodes.append((a, b))
-    return nodes[0]
 
 
 def assert_rel_close(actual: torch.Tensor, expected: torch.Tensor, tol: float = 1e-10) -> None:

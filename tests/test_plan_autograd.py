@@ -20,6 +20,7 @@ from comera_fx.testing.strategies import tt_inputs, tt_specs
 from comera_fx.tt import TTFormat, TTLayout, TTLinear, TTMatrix, layers
 from comera_fx.tt import ops
 from comera_fx.tt import plan as planner
+from helpers_models import random_trees
 
 BOND, ROW, COL = 0, 100, 200
 
@@ -51,16 +52,6 @@ def assert_rel_close(actual, expected, tol=1e-10):
     err = torch.linalg.norm((actual.detach() - expected.detach()).reshape(-1)).item()
     scale = torch.linalg.norm(expected.detach().reshape(-1)).item()
     assert err <= tol * max(scale, 1e-300) or err == 0, f"relative error {err / max(scale, 1e-300):.3g} > {tol}"
-
-
-@st.composite
-def random_trees(draw, n: int) -> planner.Tree:
-    nodes: list = list(range(n))
-    while len(nodes) > 1:
-        a = nodes.pop(draw(st.integers(0, len(nodes) - 1)))
-        b = nodes.pop(draw(st.integers(0, len(nodes) - 1)))
-        nodes.append((a, b))
-    return nodes[0]
 
 
 # ----------------------------------------------------------------------------------------------------- numbers

@@ -99,7 +99,7 @@ def gated_ttm_merge(cores: Sequence[Tensor], gates: Sequence[Tensor], row_modes:
     acc = cores[0]
     big_a, big_b = row_modes[0], col_modes[0]
     for k in range(1, len(cores)):
-        a, b, r_next = row_modes[k], col_modes[k], ranks[k + 1]
+        a, b = row_modes[k], col_modes[k]
         # (r0·A·B, r_k)·diag(g_{k-1}) @ (r_k, a·b·r') stored as (r0, A, a, B, b·r'): one kernel, no gated copy.
         acc = impl.gated_merge(acc.reshape(-1, ranks[k]), gates[k - 1], cores[k].reshape(ranks[k], -1), big_b, a)
         big_a, big_b = big_a * a, big_b * b
