@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import re
 import time
 import warnings
@@ -180,15 +181,18 @@ def _readable_name(node: fx.Node) -> str:
     return node.name
 
 
+def _takes_is_backward(graph_pass) -> bool:
+    """Whether a pass declares an ``is_backward`` parameter (functions, partials and callable objects alike)."""
+    try:
+        return "is_backward" in inspect.signature(graph_pass).parameters
+    except (TypeError, ValueError):  # a builtin without a signature
+        return False
+
+
 def _apply(passes, gm: fx.GraphModule, is_backward: bool, stats: BackendStats) -> fx.GraphModule:
     started = time.perf_counter()
     for graph_pass in passes:
-        try:
-            wants_flag = "is_backward" in graph_pass.__code__.co_varnames[: graph_pass.__code__.co_argcount
-                                                                           + graph_pass.__code__.co_kwonlyargcount]
-        except AttributeError:  # a callable object
-            wants_flag = False
-        gm = graph_pass(gm, is_backward=is_backward) if wants_flag else graph_pass(gm)
+        gm = graph_pass(gm, is_backward=is_backward) if _takes_is_backward(graph_pass) else graph_pass(gm)
     stats.pass_seconds += time.perf_counter() - started
     return gm
 
