@@ -169,15 +169,46 @@ class TTMatrix(nn.Module):
 
     # -- checkpoints ---------------------------------------------------------------------------------------------
 
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        # A pruned checkpoint has smaller ranks: adopt its shapes before the children copy the values in.
-        for group_name, group in (("cores", self.cores), ("gates", self.gates)):
-            for k, param in enumerate(group):
-                saved = state_dict.get(f"{prefix}{group_name}.{k}")
-                if saved is not None and saved.shape != param.shape:
-                    group[k] = nn.Parameter(torch.empty(saved.shape, dtype=param.dtype, device=param.device),
-                                            requires_grad=param.requires_grad)
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        # A pruned checkpoint has smaller ranks: adopt its shapes before the children copy the values in. Only the
+        # rank axes may differ; other modes, another format or a broken rank chain would load "successfully" and
+        # compute another matrix, so they are refused (load_state_dict raises with every message).
+        problem = self._checkpoint_problem(state_dict, prefix)
+        if problem is not None:
+            error_msgs.append(problem)
+        else:
+            for group_name, group in (("cores", self.cores), ("gates", self.gates)):
+                for k, param in enumerate(group):
+                    saved = state_dict.get(f"{prefix}{group_name}.{k}")
+                    if saved is not None and saved.shape != param.shape:
+                        group[k] = nn.Parameter(torch.empty(saved.shape, dtype=param.dtype, device=param.device),
+                                                requires_grad=param.requires_grad)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
+    def _checkpoint_problem(self, state_dict, prefix: str) -> str | None:
+        """Why the cores/gates in ``state_dict`` (under ``prefix``) are not this matrix with other ranks, or None."""
+        cores = [state_dict.get(f"{prefix}cores.{k}") for k in range(len(self.cores))]
+        gates = [state_dict.get(f"{prefix}gates.{k}") for k in range(len(self.gates))]
+        if any(c is None for c in cores) or any(g is None for g in gates):
+            return None  # missing keys: load_state_dict reports them (or strict=False skips them)
+        mine = [tuple(c.shape) for c in self.cores]
+        saved = [tuple(c.shape) for c in cores]
+        name = prefix[:-1] if prefix else "<root>"
+        layer = f"TT matrix {name!r} ({self.format.value}, modes {self.layout.describe_modes()})"
+        if any(len(s) != len(m) or s[1:-1] != m[1:-1] for s, m in zip(saved, mine)):
+            return (f"{layer}: the checkpoint's cores {saved} differ from the model's {mine} in more than the rank "
+                    f"axes (other modes or another format); tensorize the model with the checkpoint's modes and "
+                    f"format before loading")
+        ranks = [s[0] for s in saved] + [saved[-1][-1]]
+        chained = all(a[-1] == b[0] for a, b in zip(saved, saved[1:])) and ranks[0] == ranks[-1] == 1
+        gate_sizes = [tuple(g.shape) for g in gates]
+        if not chained or gate_sizes != [(r,) for r in ranks[1:-1]]:
+            return (f"{layer}: the checkpoint's cores {saved} and gates {gate_sizes} do not form a TT chain "
+                    f"(neighbouring cores and gates must agree on each rank, the end ranks must be 1); the model's "
+                    f"cores are {mine}")
+        return None
 
 
 def _zero_product(x: Tensor, n_out: int) -> Tensor:

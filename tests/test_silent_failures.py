@@ -1,0 +1,73 @@
+"""Inputs that used to give a silently wrong or surprising result (issue 12), each pinned by a test.
+
+Every test here failed before its fix. Numbers are checked against dense float64 computations or against the
+model as it was before the call (a deep copy kept untouched), never against the code under test.
+"""
+
+import copy
+import io
+
+import pytest
+import torch
+from torch import nn
+
+import comera_fx
+from comera_fx import TensorizeConfig, TTLinear, TTMatrix
+from comera_fx.tt.layers import make_tt_matrix
+from comera_fx.tt.layout import TTFormat
+
+
+def dense_8x8(seed):
+    return torch.randn(8, 8, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+# ------------------------------------------------------------------------------------------------ checkpoints
+
+
+@pytest.mark.parametrize("fmt", [TTFormat.TT, TTFormat.TTM])
+def test_checkpoint_with_swapped_modes_is_refused_naming_layer_and_shapes(fmt):
+    """Two 8×8 TT-matrices with modes (2,4)|(4,2) and (4,2)|(2,4): same number of cores, other modes. Loading one
+    into the other used to say "All keys matched successfully" and then compute another matrix (max error 13)."""
+    a = TTLinear(make_tt_matrix(dense_8x8(0), kind="linear", format=fmt, max_rank=100,
+                                row_modes=(2, 4), col_modes=(4, 2)))
+    b = TTLinear(make_tt_matrix(dense_8x8(1), kind="linear", format=fmt, max_rank=100,
+                                row_modes=(4, 2), col_modes=(2, 4)))
+    model, saved = nn.Sequential(a), nn.Sequential(b).state_dict()
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(RuntimeError) as info:
+        model.load_state_dict(saved)
+    message = str(info.value)
+    assert "'0.tt'" in message  # the layer, by its prefix
+    assert str([tuple(c.shape) for c in b.tt.cores]) in message and str([tuple(c.shape) for c in a.tt.cores]) in message
+    with pytest.raises(RuntimeError, match="more than the rank axes"):
+        model.load_state_dict(saved, strict=False)  # strict=False skips missing keys, never wrong shapes
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+def test_checkpoint_of_another_format_is_refused():
+    tt = make_tt_matrix(dense_8x8(0), kind="linear", format=TTFormat.TT, max_rank=100, row_modes=(8,), col_modes=(8,))
+    ttm = make_tt_matrix(dense_8x8(0), kind="linear", format=TTFormat.TTM, max_rank=100, row_modes=(2, 4),
+                         col_modes=(4, 2))
+    assert len(tt.cores) == len(ttm.cores)
+    with pytest.raises(RuntimeError, match=r"'<root>'.*more than the rank axes"):
+        tt.load_state_dict(ttm.state_dict())
+
+
+def test_checkpoint_with_broken_rank_chain_is_refused():
+    a = make_tt_matrix(dense_8x8(0), kind="linear", max_rank=100, row_modes=(2, 4), col_modes=(4, 2))
+    state = a.state_dict()
+    state["cores.1"] = state["cores.1"][:1]  # the bond between cores 0 and 1 no longer agrees
+    with pytest.raises(RuntimeError, match="do not form a TT chain"):
+        a.load_state_dict(state)
+
+
+@pytest.mark.parametrize("fmt", [TTFormat.TT, TTFormat.TTM])
+def test_pruned_checkpoint_still_loads(fmt):
+    """Only the rank axes differ: the checkpoint's ranks are adopted and the loaded matrix is the saved one."""
+    pruned = make_tt_matrix(dense_8x8(0), kind="linear", format=fmt, max_rank=2, row_modes=(2, 4), col_modes=(4, 2))
+    fresh = make_tt_matrix(dense_8x8(1), kind="linear", format=fmt, max_rank=100, row_modes=(2, 4), col_modes=(4, 2))
+    assert pruned.ranks != fresh.ranks
+    fresh.load_state_dict(pruned.state_dict())
+    assert fresh.ranks == pruned.ranks
+    x = torch.randn(3, 8, dtype=torch.float64)
+    assert torch.allclose(fresh.matmul(x), x @ pruned.dense(), rtol=1e-12, atol=1e-12)
