@@ -6,6 +6,7 @@ model as it was before the call (a deep copy kept untouched), never against the 
 
 import copy
 import io
+from collections import OrderedDict
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from torch import nn
 
 import comera_fx
 from comera_fx import TensorizeConfig, TTLinear, TTMatrix
+from comera_fx.tt import layers
 from comera_fx.tt.layers import make_tt_matrix
 from comera_fx.tt.layout import TTFormat
 
@@ -71,3 +73,31 @@ def test_pruned_checkpoint_still_loads(fmt):
     assert fresh.ranks == pruned.ranks
     x = torch.randn(3, 8, dtype=torch.float64)
     assert torch.allclose(fresh.matmul(x), x @ pruned.dense(), rtol=1e-12, atol=1e-12)
+
+
+# ------------------------------------------------------------------------------------------ plan-envelope cache
+
+
+def test_envelope_cache_is_bounded_lru_and_eviction_is_safe(monkeypatch):
+    """Every pruned layout used to add an entry for good. Now at most ENVELOPE_CACHE_SIZE stay (least recently
+    used first out); an evicted layout re-plans on its next eager call, and a region compiled while it is absent
+    runs the fixed order — both still compute x @ M (checked against the dense float64 product)."""
+    monkeypatch.setattr(layers, "_ENVELOPES", OrderedDict())
+    monkeypatch.setattr(layers, "ENVELOPE_CACHE_SIZE", 3)
+    x = torch.randn(5, 8, dtype=torch.float64)
+    matrices = [make_tt_matrix(dense_8x8(seed), kind="linear", max_rank=rank, row_modes=(2, 4), col_modes=(4, 2))
+                for seed, rank in enumerate((1, 2, 3, 4))]  # four ranks: four layouts
+    for tt in matrices[:3]:
+        tt.matmul(x)
+    matrices[0].matmul(x)  # a hit: the first layout becomes the most recent
+    matrices[3].matmul(x)  # a fourth layout evicts the least recent one, the second
+    assert len(layers._ENVELOPES) == 3
+    assert (matrices[1].layout, "matmul") not in layers._ENVELOPES
+    assert (matrices[0].layout, "matmul") in layers._ENVELOPES
+
+    evicted = matrices[1]
+    compiled = torch.compile(evicted.matmul, backend="eager", fullgraph=True)
+    torch.testing.assert_close(compiled(x), x @ evicted.dense().detach(), rtol=1e-12, atol=1e-12)
+    assert (evicted.layout, "matmul") not in layers._ENVELOPES  # compiled code never plans
+    torch.testing.assert_close(evicted.matmul(x), x @ evicted.dense().detach(), rtol=1e-12, atol=1e-12)
+    assert (evicted.layout, "matmul") in layers._ENVELOPES and len(layers._ENVELOPES) == 3

@@ -8,6 +8,7 @@ use a ``TTMatrix``; a tied embedding and output head share one ``TTMatrix`` inst
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
@@ -220,21 +221,34 @@ def _zero_product(x: Tensor, n_out: int) -> Tensor:
 #: planned GEMMs and saves only the operands the cost model counts) instead of autograd on ``plan.execute``.
 CUSTOM_AUTOGRAD = True
 
+#: How many (layout, op) envelopes ``planned_envelope`` keeps. Every pruned layout is a new key, so an unbounded
+#: cache would grow for the whole of a rank-adaptive run; 1024 covers both products of 512 live layouts (a
+#: 24-layer transformer has ~150 TT matrices). The least recently planned or used entry goes first.
+ENVELOPE_CACHE_SIZE = 1024
+
 # Plans per (layout, op), shared by every TTMatrix of that layout. Planning runs a subset DP and sympy, which a
 # compiled graph must not trace; eager calls (or ``prepare_plans``) fill this, compiled code only reads it.
-_ENVELOPES: dict[tuple[TTLayout, str], "planner.PlanEnvelope"] = {}
+# Evicting is safe: an evicted layout is planned again on its next eager call, and a region compiled while its
+# layout is absent runs CoMERA's fixed order (``TTMatrix._planned_product``). Dynamo guards on this dict's keys,
+# so an insertion or eviction recompiles the regions that read it; a hit (``move_to_end``) does not.
+_ENVELOPES: "OrderedDict[tuple[TTLayout, str], planner.PlanEnvelope]" = OrderedDict()
 
 
 def planned_envelope(layout: TTLayout, op: str) -> "planner.PlanEnvelope":
-    """The planner's envelope for ``x @ M`` / ``x @ Mᵀ`` of this layout, made once and cached."""
+    """The planner's envelope for ``x @ M`` / ``x @ Mᵀ`` of this layout, made once and cached (LRU, at most
+    ``ENVELOPE_CACHE_SIZE`` entries)."""
     key = (layout, op)
     envelope = _ENVELOPES.get(key)
-    if envelope is None:
-        envelope = planner.plan(layout, op=op)
-        for piece in envelope.pieces:
-            piece.plan.program  # compile each plan's instructions now, outside any traced region
-            piece.plan.function  # and its autograd.Function
-        _ENVELOPES[key] = envelope
+    if envelope is not None:
+        _ENVELOPES.move_to_end(key)
+        return envelope
+    envelope = planner.plan(layout, op=op)
+    for piece in envelope.pieces:
+        piece.plan.program  # compile each plan's instructions now, outside any traced region
+        piece.plan.function  # and its autograd.Function
+    _ENVELOPES[key] = envelope
+    while len(_ENVELOPES) > ENVELOPE_CACHE_SIZE:
+        _ENVELOPES.popitem(last=False)
     return envelope
 
 
