@@ -14,6 +14,7 @@ from torch import nn
 
 import comera_fx
 from comera_fx import TensorizeConfig, TTLinear, TTMatrix
+from comera_fx.passes.find import find_in_model as find
 from comera_fx.tt import layers
 from comera_fx.tt.layers import make_tt_matrix
 from comera_fx.tt.layout import TTFormat
@@ -101,3 +102,75 @@ def test_envelope_cache_is_bounded_lru_and_eviction_is_safe(monkeypatch):
     assert (evicted.layout, "matmul") not in layers._ENVELOPES  # compiled code never plans
     torch.testing.assert_close(evicted.matmul(x), x @ evicted.dense().detach(), rtol=1e-12, atol=1e-12)
     assert (evicted.layout, "matmul") in layers._ENVELOPES and len(layers._ENVELOPES) == 3
+
+
+# ------------------------------------------------------------------------------------------------------ capture
+
+
+class NormDropNet(nn.Module):
+    """BatchNorm (train mode: a forward updates running stats and num_batches_tracked) and dropout (consumes the
+    global RNG) around two large linears, with a graph break so that Dynamo compiles the forward's own frames."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.bn, self.drop, self.fc2 = nn.Linear(64, 128), nn.BatchNorm1d(128), nn.Dropout(0.5), nn.Linear(128, 64)
+
+    def forward(self, x):
+        h = self.drop(self.bn(self.fc1(x)))
+        torch._dynamo.graph_break()
+        return self.fc2(h.relu())
+
+
+CAPTURE_CONFIG = TensorizeConfig(max_rank=8, min_numel=4096)
+
+
+def test_capture_leaves_buffers_and_rng_state_as_they_were():
+    torch.manual_seed(0)
+    model = NormDropNet().train()
+    x = torch.randn(16, 64)
+    buffers = {name: b.clone() for name, b in model.named_buffers()}
+    cpu_rng = torch.get_rng_state()
+    summary = comera_fx.tensorize_(model, CAPTURE_CONFIG, example_inputs=x)
+    assert summary.method == "dynamo" and len(summary.converted) == 2
+    for name, value in buffers.items():
+        assert torch.equal(model.get_buffer(name), value), name
+    assert torch.equal(torch.get_rng_state(), cpu_rng)
+    assert model.training
+
+
+def _counting_backend():
+    calls = []
+
+    def backend(gm, inputs):
+        calls.append([tuple(i.shape) if isinstance(i, torch.Tensor) else i for i in inputs])
+        return gm.forward
+
+    return backend, calls
+
+
+def test_capture_leaves_no_dynamo_state_behind_for_the_users_compile():
+    """Ten captures of models of one class used to leave ten cache entries on its forward: the user's own
+    torch.compile of an eleventh then hit Dynamo's recompile limit and silently ran eagerly, and a compile at
+    another batch size started with dynamic shapes (the capture's sizes were in the automatic-dynamic profile)."""
+    for seed in range(10):
+        torch.manual_seed(seed)
+        find(NormDropNet(), torch.randn(16, 64))
+    code = NormDropNet.forward.__code__
+    assert torch._dynamo.eval_frame._get_total_cache_entry_count(code) == 0
+    backend, calls = _counting_backend()
+    model = NormDropNet().eval()
+    torch.compile(model, backend=backend)(torch.randn(8, 64))
+    assert len(calls) == 2  # the two graphs around the break were compiled, not skipped
+    assert (8, 64) in calls[0]  # static: the batch size is a plain int, not a symbol
+
+
+def test_capture_keeps_the_users_compiled_code():
+    backend, calls = _counting_backend()
+    model = NormDropNet().eval()
+    compiled = torch.compile(model, backend=backend)
+    x = torch.randn(8, 64)
+    compiled(x)
+    compiled_once = len(calls)
+    assert find(model, x).method == "dynamo"
+    compiled(x)
+    assert len(calls) == compiled_once  # no reset, no recompile

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from ..config import TensorizeConfig
+from .isolation import untraced
 
 aten = torch.ops.aten
 
@@ -152,6 +153,7 @@ def capture_graphs(model: nn.Module, example_inputs) -> list[tuple[fx.GraphModul
     Dynamo, unlike ``torch.export(strict=False)``, captures ``transformers`` causal LMs (their output holds a
     DynamicCache); a graph break just yields several graphs. Parameters arrive as placeholders whose example
     inputs are the parameter objects themselves, which maps them back to FQNs without parsing source names.
+    The model's buffers, the global RNG state and Dynamo's caches are left as they were (``isolation.untraced``).
     """
     graphs: list[tuple[fx.GraphModule, list]] = []
 
@@ -160,9 +162,9 @@ def capture_graphs(model: nn.Module, example_inputs) -> list[tuple[fx.GraphModul
         return gm.forward
 
     args, kwargs = split_example_inputs(example_inputs)
-    compiled = torch.compile(model, backend=record, dynamic=False)
-    with torch._dynamo.config.patch(**_CAPTURE_DYNAMO_CONFIG), torch.no_grad():
-        compiled(*args, **kwargs)
+    # untraced: the forward must not move BatchNorm statistics, the RNG or the user's Dynamo caches.
+    with untraced(model) as compile_model, torch._dynamo.config.patch(**_CAPTURE_DYNAMO_CONFIG), torch.no_grad():
+        compile_model(record, dynamic=False)(*args, **kwargs)
     return graphs
 
 
