@@ -6,6 +6,7 @@ model as it was before the call (a deep copy kept untouched), never against the 
 
 import copy
 import io
+import sys
 from collections import OrderedDict
 
 import pytest
@@ -18,6 +19,10 @@ from comera_fx.passes.find import find_in_model as find
 from comera_fx.tt import layers
 from comera_fx.tt.layers import make_tt_matrix
 from comera_fx.tt.layout import TTFormat
+from comera_fx.passes.tensorize import PROPERTY_MATRICES
+from helpers_models import MLP, FunctionalLinear, Mixed
+
+tensorize_module = sys.modules["comera_fx.passes.tensorize"]  # comera_fx.passes.tensorize is the graph pass
 
 
 def dense_8x8(seed):
@@ -174,3 +179,126 @@ def test_capture_keeps_the_users_compiled_code():
     assert find(model, x).method == "dynamo"
     compiled(x)
     assert len(calls) == compiled_once  # no reset, no recompile
+
+
+# --------------------------------------------------------------------- what tensorize_ keeps of what it replaces
+
+SMALL = TensorizeConfig(max_rank=8, min_numel=4096)
+
+
+def ids_input(vocab=300, shape=(3, 9), seed=2):
+    return torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def test_frozen_weights_give_frozen_cores_and_gates_and_a_frozen_bias():
+    """nn.Linear (swapped for a TTLinear) and F.linear on raw parameters (a property): a frozen weight used to
+    become trainable cores, and the frozen bias a new trainable copy."""
+    torch.manual_seed(0)
+    mlp, functional = MLP(), FunctionalLinear()
+    for p in (mlp.fc1.weight, mlp.fc1.bias, functional.w1, functional.b1):
+        p.requires_grad_(False)
+    bias = mlp.fc1.bias
+    comera_fx.tensorize_(mlp, SMALL, example_inputs=torch.randn(4, 128))
+    comera_fx.tensorize_(functional, SMALL, example_inputs=torch.randn(4, 128))
+    assert isinstance(mlp.fc1, TTLinear) and isinstance(mlp.fc2, TTLinear)
+    assert not any(p.requires_grad for p in mlp.fc1.tt.parameters())
+    assert mlp.fc1.bias is bias and not bias.requires_grad
+    assert all(p.requires_grad for p in mlp.fc2.parameters())
+    assert not any(p.requires_grad for p in functional.w1_tt.parameters())
+    assert all(p.requires_grad for p in functional.w2_tt.parameters())
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_cores_keep_the_weights_dtype(dtype):
+    model = MLP().to(dtype)
+    comera_fx.tensorize_(model, SMALL)
+    assert {p.dtype for p in model.parameters()} == {dtype}
+    assert {p.device for p in model.parameters()} == {torch.device("cpu")}
+
+
+def test_forward_hooks_and_pre_hooks_move_to_the_tt_module():
+    torch.manual_seed(0)
+    model = MLP()
+    seen = []
+    pre = model.fc1.register_forward_pre_hook(lambda module, args: seen.append(("pre", type(module).__name__)))
+    model.fc1.register_forward_hook(lambda module, args, out: seen.append(("post", tuple(out.shape))))
+    model.fc2.register_forward_hook(lambda module, args, out: out * 0)  # a hook that changes the output
+    comera_fx.tensorize_(model, SMALL)
+    out = model(torch.randn(4, 128))
+    assert seen == [("pre", "TTLinear"), ("post", (4, 256))]
+    assert torch.equal(out, torch.zeros(4, 100))
+    pre.remove()  # the user's handle still works
+    model(torch.randn(4, 128))
+    assert seen[2:] == [("post", (4, 256))]
+
+
+def test_a_module_with_state_dict_hooks_is_skipped_with_a_reason():
+    model = MLP()
+    model.fc1._register_state_dict_hook(lambda module, state, prefix, local: state)
+    summary = comera_fx.tensorize_(model, SMALL)
+    reasons = {d.fqn: d.reason for d in summary.layers}
+    assert "state_dict hooks" in reasons["fc1.weight"] and reasons["fc2.weight"] is None
+    assert type(model.fc1) is nn.Linear and isinstance(model.fc2, TTLinear)
+
+
+# ------------------------------------------------------------------------------------------------ atomicity
+
+
+def snapshot(model):
+    return ([(name, id(m), type(m)) for name, m in model.named_modules(remove_duplicate=False)],
+            [(name, id(p)) for name, p in model.named_parameters(remove_duplicate=False)],
+            {k: v.clone() for k, v in model.state_dict().items()})
+
+
+def assert_unchanged(model, before):
+    modules, params, state = before
+    assert [(name, id(m), type(m)) for name, m in model.named_modules(remove_duplicate=False)] == modules
+    assert [(name, id(p)) for name, p in model.named_parameters(remove_duplicate=False)] == params
+    now = model.state_dict()
+    assert list(now) == list(state)
+    for key, value in state.items():
+        torch.testing.assert_close(now[key], value, rtol=0, atol=0, equal_nan=True)
+
+
+def test_a_nan_weight_raises_naming_the_layer_and_changes_nothing():
+    model = MLP()
+    with torch.no_grad():
+        model.fc2.weight[3, 5] = float("nan")
+    before = snapshot(model)
+    with pytest.raises(ValueError, match=r"fc2\.weight .*NaN/Inf"):
+        comera_fx.tensorize_(model, SMALL)
+    assert_unchanged(model, before)
+
+
+@pytest.mark.parametrize("where", ["prepare_plans", "attach_tt_property"])
+def test_a_failure_while_swapping_modules_rolls_everything_back(monkeypatch, where):
+    """Mixed has a tied embedding + head (two swaps), an nn.Linear and properties on the root for F.linear /
+    addmm / matmul parameters. The failure comes after some modules were swapped (prepare_plans: after the
+    second layer) or half-way through giving the root a property (its parameter deleted, its class changed)."""
+    torch.manual_seed(0)
+    model, ids = Mixed().double(), ids_input()
+    with torch.no_grad():
+        expected = model(ids)
+    before = snapshot(model)
+    real = {"prepare_plans": TTMatrix.prepare_plans, "attach_tt_property": tensorize_module.attach_tt_property}[where]
+    calls = []
+
+    def fail_second(*args, **kwargs):
+        calls.append(1)
+        result = real(*args, **kwargs)
+        if len(calls) == 2:
+            raise KeyboardInterrupt("boom")  # not an Exception: nothing may catch it on the way
+        return result
+
+    if where == "prepare_plans":
+        monkeypatch.setattr(TTMatrix, "prepare_plans", fail_second)
+    else:
+        monkeypatch.setattr(tensorize_module, "attach_tt_property", fail_second)
+    with pytest.raises(KeyboardInterrupt, match="boom"):
+        comera_fx.tensorize_(model, SMALL, example_inputs=(ids,))
+    assert len(calls) == 2
+    assert_unchanged(model, before)
+    assert type(model) is Mixed and model.head.weight is model.emb.weight
+    assert not any(tt for tt in PROPERTY_MATRICES if any(tt is m for m in model.modules()))
+    with torch.no_grad():
+        assert torch.equal(model(ids), expected)

@@ -14,7 +14,6 @@ Two entry points, one decision procedure:
 from __future__ import annotations
 
 import math
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -22,11 +21,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, fx, nn
 
-from ..config import TensorizeConfig
+from ..config import Init, TensorizeConfig
 from ..tt import ops
 from ..tt import plan as planner
 from ..tt.layers import TTEmbedding, TTLinear, TTMatrix, choose_plan, make_tt_matrix, planned_envelope
+from ..tt.shapes import NoBalancedModes
 from .find import Candidate, FindResult, UseKind, find_in_graph, find_in_model
+from .holders import PROPERTY_MATRICES, Journal, attach_tt_property, hook_problem, move_hooks  # noqa: F401
 
 FilterFn = Callable[[nn.Module, str], bool]
 
@@ -107,13 +108,22 @@ def stores_transpose(cand: Candidate) -> bool:
 
 
 def build_tt(param: Tensor, cand: Candidate, config: TensorizeConfig, index: int) -> tuple[TTMatrix, list[str]]:
-    """The TTMatrix for one candidate plus notes for the summary (clamped ranks, padding)."""
+    """The TTMatrix for one candidate plus notes for the summary (clamped ranks, padding).
+
+    The cores and gates get the parameter's dtype, device and ``requires_grad`` (a frozen weight stays frozen).
+    """
     settings = config.settings_for(cand.fqn)
     matrix = param.detach().t() if stores_transpose(cand) else param.detach()
+    if settings.init is Init.SVD and not bool(torch.isfinite(matrix).all()):
+        bad = int((~torch.isfinite(matrix)).sum())
+        raise ValueError(f"the weight holds {bad} NaN/Inf entries and TT-SVD needs finite values; fix the weights, "
+                         f"or leave the layer dense (TensorizeConfig.skip)")
     generator = None
     if config.seed is not None:
         generator = torch.Generator(device=param.device).manual_seed(config.seed + index)
     tt = make_tt_matrix(matrix, kind=cand.kind, generator=generator, **settings.tt_options(cand.kind))
+    tt.to(device=param.device, dtype=param.dtype).requires_grad_(param.requires_grad)
+    tt.made_with = (cand.kind, settings.tt_options(cand.kind))  # what a later tensorize_ call compares against
     notes = []
     full = max(tt.full_ranks)
     if settings.max_rank is not None and settings.max_rank > full:
@@ -123,6 +133,20 @@ def build_tt(param: Tensor, cand: Candidate, config: TensorizeConfig, index: int
     if layout.padded_rows != layout.rows or layout.padded_cols != layout.cols:
         notes.append(f"padded: {layout.describe_modes()} (padding is sliced away)")
     return tt, notes
+
+
+def build_or_skip(param: Tensor, cand: Candidate, decision: LayerDecision, config: TensorizeConfig, index: int):
+    """``build_tt``, or None with ``decision.reason`` set for a size without balanced modes; errors name the layer."""
+    try:
+        return build_tt(param, cand, config, index)
+    except NoBalancedModes as exc:
+        decision.reason = (f"no balanced factorisation ({exc}); raise TensorizeConfig.max_pad_fraction, or give "
+                           f"this layer row_modes / col_modes or num_modes through overrides")
+        return None
+    except (ValueError, TypeError) as exc:
+        raise type(exc)(f"cannot tensorize {cand.fqn} {cand.shape}: {exc}") from exc
+    except Exception as exc:  # e.g. torch.linalg.LinAlgError: the message must still name the layer
+        raise RuntimeError(f"cannot tensorize {cand.fqn} {cand.shape}: {type(exc).__name__}: {exc}") from exc
 
 
 # --------------------------------------------------------------------------------------- model-level rewrite
@@ -142,9 +166,25 @@ def _is_hf_conv1d(module: nn.Module) -> bool:
     return type(module).__name__ == "Conv1D" and type(module).__module__.startswith("transformers")
 
 
-def _holder_problem(module: nn.Module, attr: str) -> str | None:
+def _swap_kind(module: nn.Module, attr: str, kind: str, transposed_m: bool) -> str | None:
+    """Which TT module replaces ``module`` ("embedding", "linear", "conv1d"), or None: a property is attached."""
+    if attr != "weight":
+        return None
+    if _is_plain(module, nn.Embedding):
+        return "embedding"
+    if _is_plain(module, nn.Linear):
+        return "linear"
+    if _is_hf_conv1d(module) and not transposed_m and kind == "linear":
+        return "conv1d"
+    return None
+
+
+def _holder_problem(module: nn.Module, attr: str, cand: Candidate) -> str | None:
     if attr == "weight" and isinstance(module, nn.Embedding):
-        return TTEmbedding.check_supported(module)
+        if problem := TTEmbedding.check_supported(module):
+            return problem
+    if _swap_kind(module, attr, cand.kind, stores_transpose(cand)) is not None:
+        return hook_problem(module)
     return None
 
 
@@ -162,14 +202,20 @@ def tensorize_(
         config: a ``TensorizeConfig`` (default: max_rank 32, TT-SVD of the current weights).
         example_inputs: a tensor, tuple of positional inputs or dict of keyword inputs. With them the model is
             captured with Dynamo, which finds functional uses (``F.linear`` on raw parameters, ``addmm``) and tied
-            weights; without them only module types are scanned (the summary says so).
+            weights; without them only module types are scanned (the summary says so). The capture leaves
+            buffers, the RNG state and Dynamo's caches as they were.
         filter_fn: ``filter_fn(module, module_fqn) -> bool``; a parameter is converted only if it accepts every
             module holding it.
 
-    Returns a ``TensorizeSummary``. Nothing is modified if any conversion fails.
+    Cores and gates take the dtype, device and ``requires_grad`` of the weight they replace; a swapped module's
+    bias (the same parameter) and forward / backward hooks move to its TT twin. TT layers made by an earlier call
+    are listed as skipped; a config asking for other settings for them raises ``ValueError``. Returns a
+    ``TensorizeSummary``. Nothing is modified if anything fails: errors are raised before the first change, and
+    a failure while swapping modules restores every module it touched.
     """
     config = config or TensorizeConfig()
     result: FindResult = find_in_model(model, example_inputs)
+    earlier = _earlier_tt_layers(model, config, filter_fn)
     decisions, plans = [], []
     for cand in result.candidates:
         decision = LayerDecision(cand.fqn, cand.aliases, cand.kind, cand.shape,
@@ -182,90 +228,113 @@ def tensorize_(
             if rejected:
                 decision.reason = f"filter_fn rejected {rejected}"
         if decision.reason is None:
-            problems = [p for module, _, attr in holders if (p := _holder_problem(module, attr))]
+            problems = [p for module, _, attr in holders if (p := _holder_problem(module, attr, cand))]
             decision.reason = problems[0] if problems else None
         if decision.reason is None:
+            if any(not path and _swap_kind(module, attr, cand.kind, stores_transpose(cand))
+                   for module, path, attr in holders):
+                raise ValueError("tensorize_ cannot replace the root module itself; wrap it in a parent module")
             plans.append((cand, decision, holders))
 
     # Build every TT matrix before touching the model, so an error leaves it unchanged.
     built = []
-    params = {fqn: p for fqn, (p, _) in _parameter_objects(model).items()}
+    params = dict(model.named_parameters())
     for index, (cand, decision, holders) in enumerate(plans):
-        try:
-            tt, notes = build_tt(params[cand.fqn], cand, config, index)
-        except (ValueError, TypeError) as exc:
-            raise type(exc)(f"cannot tensorize {cand.fqn} {cand.shape}: {exc}") from exc
-        built.append((cand, decision, holders, tt, notes))
+        made = build_or_skip(params[cand.fqn], cand, decision, config, index)
+        if made is not None:
+            built.append((cand, decision, holders, *made))
 
+    # Mutate; whatever fails on the way (an exception, KeyboardInterrupt) restores every module touched.
+    journal = Journal()
+    try:
+        for cand, decision, holders, tt, notes in built:
+            for module, path, attr in holders:
+                _replace_holder(model, module, path, attr, tt, cand.kind, stores_transpose(cand), journal)
+            if not tt.is_zero:
+                tt.prepare_plans()  # a graph compiled before any eager call then runs the planned order
+    except BaseException:
+        journal.undo()
+        raise
     for cand, decision, holders, tt, notes in built:
-        transposed_m = stores_transpose(cand)
-        for module, path, attr in holders:
-            _replace_holder(model, module, path, attr, tt, cand.kind, transposed_m)
         decision.converted = True
         decision.notes.extend(notes)
         decision.ranks = tt.ranks
         decision.params = tt.layout.num_params
-        if not tt.is_zero:
-            tt.prepare_plans()  # a graph compiled before any eager call then runs the planned order, not a fallback
-    return TensorizeSummary(decisions, result.method, result.fallback_reason)
-
-
-def _parameter_objects(model: nn.Module) -> dict[str, tuple[nn.Parameter, None]]:
-    return {name: (p, None) for name, p in model.named_parameters()}
+    return TensorizeSummary(decisions + earlier, result.method, result.fallback_reason)
 
 
 def _replace_holder(model: nn.Module, module: nn.Module, path: str, attr: str, tt: TTMatrix, kind: str,
-                    transposed_m: bool) -> None:
+                    transposed_m: bool, journal: Journal) -> None:
     """Swap a known module for its TT twin, or give any other module a reconstructing property."""
-    if attr == "weight" and _is_plain(module, nn.Embedding):
+    swap = _swap_kind(module, attr, kind, transposed_m)
+    if swap is None:
+        journal.touch(module)
+        journal.added_property(tt)
+        attach_tt_property(module, attr, tt, transposed=transposed_m)
+        return
+    if swap == "embedding":
         pad = module.padding_idx
         row = module.weight.detach()[pad] if pad is not None else None
         new: nn.Module = TTEmbedding(tt, pad, row)
-    elif attr == "weight" and _is_plain(module, nn.Linear):
-        # M = Wᵀ for a linear-first parameter; a tied head reads the embedding's M = W.
-        new = TTLinear(tt, module.bias, transposed=not transposed_m)
-    elif attr == "weight" and _is_hf_conv1d(module) and not transposed_m and kind == "linear":
-        new = TTLinear(tt, module.bias, transposed=False)  # Conv1D: y = x W + b, W = M
     else:
-        attach_tt_property(module, attr, tt, transposed=transposed_m)
-        return
+        # M = Wᵀ for a linear-first parameter; a tied head reads the embedding's M = W. Conv1D: y = x W + b, W = M.
+        new = TTLinear(tt, None, transposed=swap == "linear" and not transposed_m)
+        new.bias = module.bias  # the same parameter: its requires_grad, ties and identity are kept
+    move_hooks(module, new)
     new.train(module.training)
-    if path:
-        parent_path, _, child = path.rpartition(".")
-        setattr(model.get_submodule(parent_path), child, new)
-    else:
-        raise ValueError("tensorize_ cannot replace the root module itself; wrap it in a parent module")
+    parent_path, _, child = path.rpartition(".")
+    parent = model.get_submodule(parent_path)
+    journal.touch(parent)
+    setattr(parent, child, new)
 
 
-# TT matrices read through a reconstructing property; ``passes.contract_reconstructed_tt`` (the backend) finds the
-# graphs that rebuild them. Weak, so a model that is deleted is not kept alive.
-PROPERTY_MATRICES: "weakref.WeakSet[TTMatrix]" = weakref.WeakSet()
+def _earlier_tt_layers(model: nn.Module, config: TensorizeConfig, filter_fn: FilterFn | None) -> list[LayerDecision]:
+    """TT matrices already in the model (an earlier ``tensorize_`` call), as skipped decisions.
 
-
-def attach_tt_property(module: nn.Module, attr: str, tt: TTMatrix, *, transposed: bool) -> None:
-    """Replace parameter ``module.<attr>`` by a TT matrix read through a property (like torch parametrize).
-
-    The module's class is swapped for a subclass whose ``<attr>`` property rebuilds the dense weight
-    (M, or Mᵀ when ``transposed``); the TT matrix is registered as submodule ``<attr>_tt`` so optimizers,
-    ``state_dict`` and ``.to()`` see its cores and gates.
+    Their dense weights are gone, so they are never converted again; if ``config`` (and ``filter_fn``) select one
+    with other settings than it was made with, the call is refused rather than ignoring the new settings.
     """
-    del module._parameters[attr]
-    module.add_module(f"{attr}_tt", tt)
-    PROPERTY_MATRICES.add(tt)
-    cls = type(module)
-    if not getattr(cls, "_comera_fx_tt_class", False):
-        cls = type(f"TT{cls.__name__}", (cls,), {"_comera_fx_tt_class": True, "__module__": cls.__module__})
-        module.__class__ = cls
-    setattr(cls, attr, property(_make_dense_getter(attr, transposed)))
+    found: dict[int, tuple[TTMatrix, list[tuple[str, nn.Module, str]]]] = {}
+    for path, tt in model.named_modules(remove_duplicate=False):
+        if not isinstance(tt, TTMatrix):
+            continue
+        holder_path, _, leaf = path.rpartition(".")
+        attr = "weight" if leaf == "tt" else leaf[:-3] if leaf.endswith("_tt") else None
+        if attr is not None:
+            fqn = f"{holder_path}.{attr}" if holder_path else attr
+            found.setdefault(id(tt), (tt, []))[1].append((fqn, model.get_submodule(holder_path), holder_path))
+    decisions, conflicts = [], []
+    for tt, holders in found.values():
+        names = tuple(fqn for fqn, _, _ in holders)
+        kind, made_with = getattr(tt, "made_with", (None, None))
+        shape = _dense_shape(tt, holders[0][1], names[0].rpartition(".")[2])
+        decision = LayerDecision(names[0], names, kind or "linear", shape, ("tt",), ranks=tt.ranks,
+                                 params=tt.layout.num_params)
+        decision.reason = f"already in TT form ({tt.format.value}, ranks {tt.ranks}); tensorize_ converts dense weights"
+        decisions.append(decision)
+        selected = (made_with is not None and config.is_large(shape)
+                    and not any(config.is_skipped(n) for n in names)
+                    and (filter_fn is None or all(filter_fn(m, p) for _, m, p in holders)))
+        if selected:
+            wanted = config.settings_for(names[0]).tt_options(kind)
+            changed = [f"{k} {made_with.get(k)!r} -> {v!r}" for k, v in wanted.items() if v != made_with.get(k)]
+            if changed:
+                conflicts.append(f"{names[0]} ({', '.join(changed)})")
+    if conflicts:
+        raise ValueError(
+            f"this model was already tensorized and the config asks for other settings for {len(conflicts)} of its "
+            f"TT layers: {'; '.join(conflicts)}. A TT layer's dense weight is gone, so tensorize_ cannot convert it "
+            f"again: tensorize the dense model with the new config, or leave these layers out "
+            f"(TensorizeConfig.skip, filter_fn) to convert only the dense ones")
+    return decisions
 
 
-def _make_dense_getter(attr: str, transposed: bool):
-    def dense_weight(self) -> Tensor:
-        m = self._modules[f"{attr}_tt"].dense()
-        return m.t() if transposed else m
-
-    dense_weight.__doc__ = f"Dense `{attr}` rebuilt from its TT cores (comera_fx)."
-    return dense_weight
+def _dense_shape(tt: TTMatrix, holder: nn.Module, attr: str) -> tuple[int, int]:
+    """The shape of the parameter a TT matrix replaced: Pᵀ = M for a linear-first weight, P = M otherwise."""
+    if isinstance(holder, TTLinear):
+        return (holder.out_features, holder.in_features)
+    transposed = getattr(type(holder), "_comera_fx_properties", {}).get(attr, False)
+    return (tt.cols, tt.rows) if transposed else (tt.rows, tt.cols)
 
 
 # ------------------------------------------------------------------------------------------ graph-level pass
@@ -356,8 +425,9 @@ def tensorize(gm: fx.GraphModule, config: TensorizeConfig | None = None) -> fx.G
         decisions.append(decision)
         decision.reason = skip_reason(cand, config)
         if decision.reason is None:
-            tt, notes = build_tt(gm.get_parameter(cand.fqn), cand, config, index)
-            built.append((cand, decision, tt, notes))
+            made = build_or_skip(gm.get_parameter(cand.fqn), cand, decision, config, index)
+            if made is not None:
+                built.append((cand, decision, *made))
 
     graph = gm.graph
     nodes_by_name = {n.name: n for n in graph.nodes}

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from . import decompose, ops
+from .dense_view import check_same_size, dense_view, source_of
 from . import plan as planner
 from .layout import TTFormat, TTLayout
 from .shapes import auto_num_modes, capped_ranks, choose_modes, feasible_ranks, order_for_chain
@@ -295,9 +296,24 @@ class TTLinear(nn.Module):
 
     @property
     def weight(self) -> Tensor:
-        """The dense (out × in) weight, rebuilt on each access — for code that insists on reading it."""
+        """The dense (out × in) weight, rebuilt on each access — for code that insists on reading it. In eager code
+        a ``TTDenseView``: in-place changes raise (they would be lost), see ``tt/dense_view.py``."""
         dense = self.tt.dense()
-        return dense if self.transposed else dense.t()
+        return dense_view(dense if self.transposed else dense.t(), self.tt, transposed=not self.transposed)
+
+    def __setattr__(self, name: str, value) -> None:
+        # ``head.weight = embedding.weight`` (transformers' tie_weights) shares the other module's TTMatrix.
+        if name == "weight":
+            tt, transposed = source_of(value, "TTLinear.weight")
+            if tuple(value.shape) != (self.out_features, self.in_features):
+                raise ValueError(f"cannot assign a {tuple(value.shape)} weight to TTLinear.weight of shape "
+                                 f"{(self.out_features, self.in_features)}")
+            super().__setattr__("tt", tt)
+            super().__setattr__("transposed", not transposed)  # W = M when the value is M
+        elif name in ("in_features", "out_features"):
+            check_same_size("TTLinear", name, getattr(self, name), value)
+        else:
+            super().__setattr__(name, value)
 
     @classmethod
     def from_dense(cls, linear: nn.Linear, **options) -> "TTLinear":
@@ -349,7 +365,24 @@ class TTEmbedding(nn.Module):
         if self.padding_idx is not None:
             dense = dense.index_copy(0, torch.tensor([self.padding_idx], device=dense.device),
                                      self.padding_row.to(dense.dtype)[None])
-        return dense
+        return dense_view(dense, self.tt, transposed=False)
+
+    def __setattr__(self, name: str, value) -> None:
+        # ``embedding.weight = other.weight`` shares the other module's TTMatrix (see TTLinear.__setattr__).
+        if name == "weight":
+            tt, transposed = source_of(value, "TTEmbedding.weight")
+            if transposed:
+                raise TypeError("cannot assign a TTLinear's weight (Mᵀ of its TT matrix) to TTEmbedding.weight: "
+                                "TT lookups gather rows of M; tie the other way round (linear.weight = "
+                                "embedding.weight)")
+            if tuple(value.shape) != (self.num_embeddings, self.embedding_dim):
+                raise ValueError(f"cannot assign a {tuple(value.shape)} weight to TTEmbedding.weight of shape "
+                                 f"{(self.num_embeddings, self.embedding_dim)}")
+            super().__setattr__("tt", tt)
+        elif name in ("num_embeddings", "embedding_dim"):
+            check_same_size("TTEmbedding", name, getattr(self, name), value)
+        else:
+            super().__setattr__(name, value)
 
     @staticmethod
     def check_supported(embedding: nn.Embedding) -> str | None:

@@ -80,11 +80,16 @@ def auto_num_modes(n: int) -> int:
     return min(MAX_AUTO_MODES, max(2, round(math.log10(max(n, 1)))))
 
 
+class NoBalancedModes(ValueError):
+    """No size within the allowed padding splits into balanced modes (``choose_modes``)."""
+
+
 def choose_modes(n: int, d: int, *, max_pad_fraction: float = 0.25) -> tuple[int, ...]:
     """Modes for a feature axis of size ``n``: ``d`` balanced factors of the smallest well-factored ``n' >= n``.
 
     ``math.prod(result) >= n``; the difference is padding that the layers slice away. Raises ValueError when no
-    size within ``n * (1 + max_pad_fraction)`` factors well; pass explicit modes or fewer modes then.
+    size within ``n * (1 + max_pad_fraction)`` factors well (``NoBalancedModes``, a ValueError); pass explicit
+    modes or fewer modes then.
     """
     if n < 1:
         raise ValueError(f"feature size must be >= 1, got {n}")
@@ -95,7 +100,7 @@ def choose_modes(n: int, d: int, *, max_pad_fraction: float = 0.25) -> tuple[int
         modes = balanced_factors(candidate, d)
         if is_well_factored(modes):
             return modes
-    raise ValueError(
+    raise NoBalancedModes(
         f"no size in [{n}, {limit}] splits into {d} balanced modes; pass explicit modes or a different num_modes"
     )
 
