@@ -302,3 +302,174 @@ def test_a_failure_while_swapping_modules_rolls_everything_back(monkeypatch, whe
     assert not any(tt for tt in PROPERTY_MATRICES if any(tt is m for m in model.modules()))
     with torch.no_grad():
         assert torch.equal(model(ids), expected)
+
+
+# ------------------------------------------------------------------------ saving, copying, tying, in-place init
+
+
+def test_torch_save_and_load_of_a_model_with_property_holders():
+    """Mixed's root holds F.linear / addmm / matmul parameters, so its class becomes a subclass made at run time,
+    which pickle could not find by name: torch.save(model) raised."""
+    torch.manual_seed(0)
+    model, ids = Mixed().double(), ids_input()
+    comera_fx.tensorize_(model, SMALL, example_inputs=(ids,))
+    assert type(model).__name__ == "TTMixed"
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert type(loaded).__name__ == "TTMixed" and isinstance(loaded, Mixed) and type(loaded) is not type(model)
+    assert loaded.head.tt is loaded.emb.tt  # the tie survives
+    assert any(tt is loaded.w_tt for tt in PROPERTY_MATRICES)  # the backend still finds its property matrices
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids), model(ids), rtol=0, atol=0)
+        torch.testing.assert_close(loaded.w, model.w, rtol=0, atol=0)
+
+
+def test_deepcopy_keeps_ties_and_gives_the_copy_its_own_class():
+    torch.manual_seed(0)
+    model, ids = Mixed().double(), ids_input()
+    comera_fx.tensorize_(model, SMALL, example_inputs=(ids,))
+    twin = copy.deepcopy(model)
+    assert twin.head.tt is twin.emb.tt and twin.head.tt is not model.head.tt
+    assert type(twin) is not type(model)  # so a later change to one holder's properties cannot reach the other
+    with torch.no_grad():
+        torch.testing.assert_close(twin(ids), model(ids), rtol=0, atol=0)
+
+
+def gpt2(tie):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=320, n_positions=32, n_embd=64, n_layer=1, n_head=2, tie_word_embeddings=tie,
+                        bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(config).double().eval()
+
+
+def test_tied_gpt2_deepcopy_keeps_one_tt_matrix():
+    model, ids = gpt2(tie=True), ids_input(vocab=320)
+    comera_fx.tensorize_(model, SMALL, example_inputs=(ids,))
+    assert model.lm_head.tt is model.transformer.wte.tt
+    twin = copy.deepcopy(model)
+    assert twin.lm_head.tt is twin.transformer.wte.tt
+
+
+def test_tie_weights_assignment_shares_the_embeddings_tt_matrix():
+    """``output_embeddings.weight = input_embeddings.weight`` (transformers' tie_weights) used to raise "property
+    'weight' of 'TTLinear' object has no setter"; now the head shares the embedding's TTMatrix."""
+    model, ids = gpt2(tie=False), ids_input(vocab=320)
+    comera_fx.tensorize_(model, SMALL, example_inputs=(ids,))
+    head, wte = model.lm_head, model.transformer.wte
+    assert head.tt is not wte.tt
+    head.weight = wte.weight
+    head.out_features = wte.num_embeddings  # transformers' _adjust_bias: the same value is accepted
+    assert head.tt is wte.tt
+    with torch.no_grad():
+        hidden = model.transformer(ids).last_hidden_state
+        expected = hidden @ wte.tt.dense().t()  # logits against the (TT) embedding table, built densely
+        torch.testing.assert_close(model(ids).logits, expected, rtol=1e-10, atol=1e-10)
+    with pytest.raises(TypeError, match="nn.Parameter.*stored as TT cores"):
+        head.weight = nn.Parameter(torch.zeros(320, 64, dtype=torch.float64))
+    with pytest.raises(AttributeError, match="fixed by the TT cores"):
+        head.out_features = 321
+
+
+def test_tie_assignment_to_a_property_holder():
+    torch.manual_seed(0)
+    model = FunctionalLinear().double()
+    comera_fx.tensorize_(model, SMALL, example_inputs=torch.randn(4, 128, dtype=torch.float64))
+    other = FunctionalLinear().double()
+    comera_fx.tensorize_(other, SMALL, example_inputs=torch.randn(4, 128, dtype=torch.float64))
+    model.w2 = other.w2
+    assert model.w2_tt is other.w2_tt
+    torch.testing.assert_close(model.w2, other.w2, rtol=0, atol=0)
+    with pytest.raises(TypeError, match="stored as TT cores"):
+        model.w1 = torch.zeros(256, 128, dtype=torch.float64)
+
+
+@pytest.fixture(scope="module")
+def tensorized_mixed():
+    torch.manual_seed(0)
+    model, ids = Mixed().double(), ids_input()
+    comera_fx.tensorize_(model, SMALL, example_inputs=(ids,))
+    return model
+
+
+@pytest.mark.parametrize("holder", ["tt_linear", "tt_embedding", "property"])
+@pytest.mark.parametrize("write", ["init.normal_", "copy_", "setitem", "requires_grad_"])
+def test_in_place_changes_to_a_rebuilt_weight_raise(tensorized_mixed, holder, write):
+    """``torch.nn.init.normal_(module.weight)`` used to change a temporary copy and silently do nothing."""
+    model = tensorized_mixed
+    owner, name = {"tt_linear": (model.fc, "weight"), "tt_embedding": (model.emb, "weight"),
+                   "property": (model, "w")}[holder]
+    cores = [p.detach().clone() for p in model.parameters()]
+    weight = getattr(owner, name)
+    action = {"init.normal_": lambda: nn.init.normal_(weight), "copy_": lambda: weight.copy_(weight * 2),
+              "setitem": lambda: weight.__setitem__(0, 1.0), "requires_grad_": lambda: weight.requires_grad_(False)}
+    with pytest.raises(RuntimeError, match="rebuilds from TT cores"):
+        with torch.no_grad():
+            action[write]()
+    assert len(cores) > 5 and all(torch.equal(a, b) for a, b in zip(cores, model.parameters()))
+
+
+def test_a_rebuilt_weight_still_computes_and_trains_like_the_dense_one():
+    """The view is for eager code: reads give plain tensors, gradients reach the cores."""
+    torch.manual_seed(0)
+    model = FunctionalLinear().double()
+    comera_fx.tensorize_(model, SMALL, example_inputs=torch.randn(4, 128, dtype=torch.float64))
+    x = torch.randn(4, 128, dtype=torch.float64)
+    y = torch.nn.functional.linear(x, model.w1)
+    assert type(y) is torch.Tensor
+    torch.testing.assert_close(y, x @ model.w1_tt.dense().detach(), rtol=1e-12, atol=1e-12)  # M = w1ᵀ
+    y.sum().backward()
+    assert all(p.grad is not None for p in model.w1_tt.cores)
+
+
+# ------------------------------------------------------------------------------------- a second tensorize_ call
+
+
+def test_a_second_call_with_other_settings_is_refused_and_changes_nothing():
+    torch.manual_seed(0)
+    model = MLP()
+    comera_fx.tensorize_(model, TensorizeConfig(max_rank=4, min_numel=4096))
+    ranks = (model.fc1.tt.ranks, model.fc2.tt.ranks)
+    before = snapshot(model)
+    with pytest.raises(ValueError, match=r"already tensorized.*fc1\.weight \(max_rank 4 -> 8\)"):
+        comera_fx.tensorize_(model, TensorizeConfig(max_rank=8, min_numel=4096))
+    assert_unchanged(model, before)
+    assert (model.fc1.tt.ranks, model.fc2.tt.ranks) == ranks
+
+
+def test_a_second_call_converts_what_it_selects_and_lists_the_earlier_tt_layers():
+    torch.manual_seed(0)
+    model = nn.Sequential(MLP(), nn.Linear(100, 128))
+    comera_fx.tensorize_(model, TensorizeConfig(max_rank=4, min_numel=4096), filter_fn=lambda m, name: name != "1")
+    assert isinstance(model[0].fc1, TTLinear) and type(model[1]) is nn.Linear
+    same = comera_fx.tensorize_(model, TensorizeConfig(max_rank=4, min_numel=4096))  # same settings: fine
+    assert isinstance(model[1], TTLinear) and model[1].tt.ranks == (1, 4, 4, 4, 1)
+    reasons = {d.fqn: d.reason for d in same.layers}
+    assert "already in TT form" in reasons["0.fc1.weight"] and reasons["1.weight"] is None
+    # other settings, with the earlier layers left out: only the dense ones would be converted (none are left)
+    other = comera_fx.tensorize_(model, TensorizeConfig(max_rank=8, min_numel=4096, skip=(r"^0\.",)),
+                                 filter_fn=lambda m, name: name != "1")
+    assert not other.converted
+
+
+# --------------------------------------------------------------------------- sizes without balanced factors
+
+
+def test_a_layer_without_balanced_modes_is_skipped_not_fatal():
+    """131 is prime: with max_pad_fraction 0 no size factors into balanced modes. That used to abort the call."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(128, 131), nn.Linear(131, 128), nn.Linear(128, 128))
+    config = TensorizeConfig(max_rank=4, min_numel=4096, max_pad_fraction=0.0)
+    summary = comera_fx.tensorize_(model, config)
+    reasons = {d.fqn: d.reason for d in summary.layers}
+    assert "no balanced factorisation" in reasons["0.weight"] and "max_pad_fraction" in reasons["0.weight"]
+    assert "no balanced factorisation" in reasons["1.weight"]
+    assert [type(m) for m in model] == [nn.Linear, nn.Linear, TTLinear]
+    assert "skipped   0.weight" in str(summary)
+
+    gm = comera_fx.passes.tensorize(torch.fx.symbolic_trace(nn.Sequential(nn.Linear(128, 131), nn.Linear(131, 128))),
+                                    config)
+    assert all("no balanced factorisation" in d.reason for d in gm.meta["comera_fx"].layers)
