@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from ..rmm.functions import RandomizedLinearFunction
+from ..rmm.functions import RandomizedLinearFunction, prepare_rmm_plans
 from ..rmm.modules import RMMConfig, randomize_module, restore_module, supported_kind
 from ..rmm.sketch import check_sketch, draw_seed, projected_rows, rho_ratio, sketch_rows
 from .find import UseKind, classify_use, find
@@ -132,6 +132,8 @@ def randomize_backward_(model: nn.Module, rho: float = 0.25, sketch: str = "gaus
         summary.layers.append(RMMDecision(fqn, kind, shape, reason is None, reason))
         if reason is None:
             randomize_module(module, config)
+            if kind == "tt_linear" and not module.tt.is_zero:
+                prepare_rmm_plans(module.tt)  # a compiled model reads plans, it does not make them
     return summary
 
 
@@ -148,7 +150,7 @@ def graph_sketch(x, features: int, rho_num: int, rho_den: int, kind: str):
     if not torch.is_grad_enabled():
         return None
     x2d = x.detach().reshape(-1, features)
-    seed = draw_seed(x2d.device)
+    seed = draw_seed(x2d)
     return sketch_rows(x2d, seed, projected_rows(x2d.shape[0], (rho_num, rho_den)), kind), seed
 
 
@@ -161,7 +163,7 @@ def graph_linear(x, weight, bias, sketched, kind: str, weight_is_in_by_out: bool
     return RandomizedLinearFunction.apply(x, w, bias, x_sketch, seed, kind)
 
 
-def _linear_operands(node: fx.Node, weight: fx.Node, kind: UseKind):
+def _linear_operands(node: fx.Node, kind: UseKind):
     """(x, bias, weight stored in × out) of a linear-like node classified as ``kind``."""
     if kind is UseKind.LINEAR:
         bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
@@ -171,10 +173,39 @@ def _linear_operands(node: fx.Node, weight: fx.Node, kind: UseKind):
     return node.args[0], None, True
 
 
+def _large_trainable(value, min_numel: int) -> bool:
+    return (isinstance(value, nn.Parameter) and value.dim() == 2 and value.requires_grad
+            and value.numel() >= min_numel)
+
+
+def _linear_like(gm: fx.GraphModule, node: fx.Node, values: dict, min_numel: int):
+    """(x, bias, weight node, weight stored in × out) if ``node`` is a linear-like op on a large trainable
+    parameter; an nn.Linear leaf module (``symbolic_trace`` keeps them as call_module) gets get_attr nodes."""
+    if node.op == "call_module":
+        module = gm.get_submodule(node.target)
+        if supported_kind(module) != "linear" or not _large_trainable(module.weight, min_numel) or node.kwargs:
+            return None
+        with gm.graph.inserting_before(node):
+            weight = gm.graph.get_attr(f"{node.target}.weight")
+            bias = gm.graph.get_attr(f"{node.target}.bias") if module.bias is not None else None
+        return node.args[0], bias, weight, False
+    if node.op not in ("call_function", "call_method"):
+        return None
+    for weight in node.all_input_nodes:
+        if not _large_trainable(values.get(weight), min_numel):
+            continue
+        kind = classify_use(node, weight)
+        if kind in (UseKind.LINEAR, UseKind.MATMUL):
+            x, bias, in_by_out = _linear_operands(node, kind)
+            return x, bias, weight, in_by_out
+    return None
+
+
 def randomize_backward(gm: fx.GraphModule, rho: float = 0.25, sketch: str = "gaussian", *,
                        min_numel: int = 65536, example_inputs=None) -> fx.GraphModule:
-    """Rewrite every linear-like op of ``gm`` on a large trainable 2-D parameter (get_attr, or a placeholder whose
-    example input is a parameter, as in Dynamo's graphs) to the randomized-backward op; one sketch per input."""
+    """Rewrite every linear-like op of ``gm`` on a large trainable 2-D parameter (get_attr, a placeholder whose
+    example input is a parameter as in Dynamo's graphs, or an nn.Linear leaf module) to the randomized-backward
+    op; the ops reading one input share one sketch. Forward values are unchanged."""
     rho_num, rho_den = rho_ratio(rho)
     check_sketch(sketch)
     values = node_values(gm, example_inputs)
@@ -182,29 +213,22 @@ def randomize_backward(gm: fx.GraphModule, rho: float = 0.25, sketch: str = "gau
     sketches: dict[tuple[fx.Node, int], fx.Node] = {}
     rewritten = 0
     for node in list(graph.nodes):
-        if node.op not in ("call_function", "call_method"):
+        found = _linear_like(gm, node, values, min_numel)
+        if found is None:
             continue
-        for weight, value in ((a, values.get(a)) for a in node.all_input_nodes):
-            if not (isinstance(value, nn.Parameter) and value.dim() == 2 and value.requires_grad
-                    and value.numel() >= min_numel):
-                continue
-            kind = classify_use(node, weight)
-            if kind not in (UseKind.LINEAR, UseKind.MATMUL):
-                continue
-            x, bias, in_by_out = _linear_operands(node, weight, kind)
-            features = value.shape[0] if in_by_out else value.shape[1]
-            key = (x, features)
+        x, bias, weight, in_by_out = found
+        value = values.get(weight) if weight in values else gm.get_parameter(weight.target)
+        features = value.shape[0] if in_by_out else value.shape[1]
+        key = (x, features)
+        if key not in sketches:
             with graph.inserting_after(x if isinstance(x, fx.Node) else node):
-                if key not in sketches:
-                    sketches[key] = graph.call_function(
-                        graph_sketch, (x, features, rho_num, rho_den, sketch))
-            with graph.inserting_before(node):
-                new = graph.call_function(graph_linear, (x, weight, bias, sketches[key], sketch, in_by_out))
-            new.meta.update(node.meta)
-            node.replace_all_uses_with(new)
-            graph.erase_node(node)
-            rewritten += 1
-            break
+                sketches[key] = graph.call_function(graph_sketch, (x, features, rho_num, rho_den, sketch))
+        with graph.inserting_before(node):
+            new = graph.call_function(graph_linear, (x, weight, bias, sketches[key], sketch, in_by_out))
+        new.meta.update(node.meta)
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+        rewritten += 1
     graph.lint()
     gm.recompile()
     gm.meta["comera_fx_rmm_rewritten"] = rewritten

@@ -13,6 +13,7 @@ more than exact autograd, which saves the shared input once, as soon as ρ > 1/3
 from __future__ import annotations
 
 import weakref
+from collections import OrderedDict
 
 import torch
 import torch.nn.functional as F
@@ -54,7 +55,7 @@ def shared_sketch(x2d: Tensor, rows, kind: str, user: object | None = None) -> t
     this forward pass. ``user`` identifies the caller (a module); None never shares. Under ``torch.compile`` every
     call sketches (the graph pass ``passes.share_sketches`` merges sketches of one tensor instead)."""
     if user is None or torch.compiler.is_compiling():
-        seed = draw_seed(x2d.device)
+        seed = draw_seed(x2d)
         return sketch_rows(x2d.detach(), seed, rows, kind), seed
     base = x2d if x2d._base is None else x2d._base  # before detach(), which makes a new tensor
     x2d = x2d.detach()
@@ -64,7 +65,7 @@ def shared_sketch(x2d: Tensor, rows, kind: str, user: object | None = None) -> t
     if entry is not None and entry.ref() is base and entry.version == base._version and user not in entry.users:
         entry.users.add(user)
         return entry.sketch, entry.seed
-    seed = draw_seed(x2d.device)
+    seed = draw_seed(x2d)
     sketch = sketch_rows(x2d, seed, rows, kind)
     _SHARED[key] = _Entry(weakref.ref(base, _forget(key)), base._version, sketch, seed, user)
     return sketch, seed
@@ -142,6 +143,7 @@ class RandomizedTTProduct(torch.autograd.Function):
 
 
 def _envelope(layout, op: str):
+    """The planner's training envelope for (layout, op): the one every TT product uses (``tt.layers``)."""
     from ..tt import layers
 
     if torch.compiler.is_compiling():
@@ -153,13 +155,45 @@ def _envelope(layout, op: str):
     return layers.planned_envelope(layout, op)
 
 
+# Forward-only envelopes per (layout, op): under RMM the full-batch forward and dX products save nothing, so they
+# are planned as inference products. Bounded: every pruned layout adds entries.
+_INFERENCE_ENVELOPES: OrderedDict = OrderedDict()
+_INFERENCE_ENVELOPES_MAX = 256
+
+
+def _inference_envelope(layout, op: str):
+    """Forward-only envelope; inside torch.compile, the training envelope when none was made eagerly (another
+    order of the same exact product, never another result)."""
+    key = (layout, op)
+    envelope = _INFERENCE_ENVELOPES.get(key)
+    if envelope is not None or torch.compiler.is_compiling():
+        return envelope if envelope is not None else _envelope(layout, op)
+    from ..tt import plan as planner
+
+    envelope = planner.plan(layout, op=op, backward=False)
+    for piece in envelope.pieces:
+        piece.plan.runner  # made now, outside any traced region
+    _INFERENCE_ENVELOPES[key] = envelope
+    while len(_INFERENCE_ENVELOPES) > _INFERENCE_ENVELOPES_MAX:
+        _INFERENCE_ENVELOPES.popitem(last=False)
+    return envelope
+
+
+def prepare_rmm_plans(tt) -> None:
+    """Plan what ``rmm_tt_product`` runs for ``tt``'s current ranks (both orientations), before ``torch.compile``."""
+    for op in ("matmul", "matmul_t"):
+        _inference_envelope(tt.layout, op)
+        for piece in _envelope(tt.layout, op).pieces:
+            piece.plan.runner
+
+
 def rmm_tt_product(x: Tensor, tt, *, transposed: bool = False, rho: float | tuple[int, int] = 0.25,
                    sketch: str = "gaussian",
                    share_key: object | None = None) -> Tensor:
     """x @ M (or x @ Mᵀ) of a ``TTMatrix`` with an exact forward and dX, and core gradients estimated from the
     sketched pair (S·x, S·dY) — the gate gradients follow through the gated cores. Plain planned product without
-    grad. The forward runs the planner's order for B tokens, dX the transposed product's, the core gradients the
-    planner's order for the B_proj sketched rows."""
+    grad. The planner's costs account for ρ: the forward and dX save nothing, so they run the orders planned for
+    inference at B tokens; the core gradients run the training order planned for the B_proj sketched rows."""
     ratio = rho_ratio(rho)
     check_sketch(sketch)
     if tt.is_zero or not torch.is_grad_enabled() or not any(p.requires_grad for p in tt.parameters()):
@@ -173,8 +207,8 @@ def rmm_tt_product(x: Tensor, tt, *, transposed: bool = False, rho: float | tupl
     x2d = x.reshape(-1, n_in)
     tokens = x2d.shape[0]
     rows = projected_rows(tokens, ratio)
-    forward_env = _envelope(layout, op)
-    runners = (choose_plan(forward_env, tokens).runner, choose_plan(_envelope(layout, other), tokens).runner,
-               choose_plan(forward_env, rows).runner)
+    runners = (choose_plan(_inference_envelope(layout, op), tokens).runner,
+               choose_plan(_inference_envelope(layout, other), tokens).runner,
+               choose_plan(_envelope(layout, op), rows).runner)
     x_sketch, seed = shared_sketch(x2d, rows, sketch, share_key)
     return RandomizedTTProduct.apply(x, x_sketch, seed, runners, sketch, *tt.gated_cores())

@@ -67,10 +67,25 @@ def projected_rows(tokens, ratio: tuple[int, int]):
     return torch.sym_max(1, rows)
 
 
-def draw_seed(device: torch.device) -> Tensor:
-    """A fresh seed from the global generator of ``device`` (never a new default-seeded generator): each call
-    gets its own S, and ``torch.manual_seed`` makes a run reproducible."""
-    return torch.randint(0, 2**62, (), dtype=torch.int64, device=device)
+@torch.library.custom_op("comera_fx::draw_seed", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
+def _draw_seed(like: Tensor) -> Tensor:
+    return torch.randint(0, 2**62, (), dtype=torch.int64, device=like.device)
+
+
+@_draw_seed.register_fake
+def _(like: Tensor) -> Tensor:
+    return torch.empty((), dtype=torch.int64, device=like.device)
+
+
+def draw_seed(like: Tensor) -> Tensor:
+    """A fresh seed from the global generator of ``like``'s device (never a new default-seeded generator): each
+    call gets its own S, and ``torch.manual_seed`` makes a run reproducible.
+
+    An opaque op rather than ``torch.randint`` in the graph: AOTAutograd's partitioner may recompute an aten
+    random op in the backward graph (Inductor then draws a different value there), and a backward that draws
+    another seed applies another S to dY — a silently wrong gradient. A custom op is saved, never recomputed.
+    """
+    return _draw_seed(like)
 
 
 def _generator(seed: Tensor, device: torch.device) -> torch.Generator:
