@@ -14,7 +14,7 @@ from torch import nn
 
 import comera_fx
 from comera_fx.rmm import rmm_linear, rmm_tt_product, sketch_matrix
-from comera_fx.rmm.sketch import hadamard_rows
+from comera_fx.rmm.sketch import _hadamard_selected, hadamard_rows
 
 SKETCHES = ("gaussian", "rademacher", "srht")
 
@@ -117,13 +117,23 @@ def test_sketch_matrices_have_identity_second_moment_and_srht_at_rho_one_is_orth
     torch.testing.assert_close(s.t() @ s, torch.eye(16, dtype=torch.float64))
 
 
-def test_hadamard_rows_matches_the_sylvester_matrix():
-    n = 256  # two factors (64 and 4)
+def _sylvester_reference(n: int) -> torch.Tensor:
     h = torch.ones(1, 1, dtype=torch.float64)
     while h.shape[0] < n:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h
+
+
+def test_hadamard_transforms_match_the_sylvester_matrix():
+    n = 256  # hadamard_rows: two factors (64 and 4)
     x = torch.randn(n, 3, dtype=torch.float64)
-    torch.testing.assert_close(hadamard_rows(x), h @ x)
+    torch.testing.assert_close(hadamard_rows(x), _sylvester_reference(n) @ x)
+    for n in (512, 2048):  # the two-GEMM path with the signs folded in, rows gathered
+        x = torch.randn(n, 3, dtype=torch.float64)
+        signs = torch.randint(0, 2, (n,)).double() * 2 - 1
+        chosen = torch.randperm(n)[: n // 3]
+        expected = (_sylvester_reference(n) @ (signs[:, None] * x))[chosen]
+        torch.testing.assert_close(_hadamard_selected(x, chosen, signs), expected)
 
 
 # -- unbiasedness and variance ------------------------------------------------------------------------------------
@@ -217,10 +227,10 @@ def test_tt_forward_and_input_gradient_are_exact():
 
 def test_srht_at_rho_one_gives_the_exact_weight_gradient():
     """S = P·H·D/√B with P a permutation is orthogonal: a backward that regenerated another S would be wrong."""
-    x, dy = _linear_problem(tokens=32)
-    samples = _weight_gradient_samples(x, dy, 1.0, "srht", 3)
-    for grad in samples:
-        torch.testing.assert_close(grad, dy.t() @ x)
+    for tokens in (32, 512):  # one Hadamard factor; two (the blocked path)
+        x, dy = _linear_problem(tokens=tokens)
+        for grad in _weight_gradient_samples(x, dy, 1.0, "srht", 2):
+            torch.testing.assert_close(grad, dy.t() @ x)
 
 
 # -- memory ---------------------------------------------------------------------------------------------------------
