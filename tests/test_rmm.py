@@ -490,3 +490,55 @@ def test_inductor_compiles_the_randomized_backward():
     y_ref.sum().backward()
     for p, q in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-4)
+
+
+# -- recomputation options ------------------------------------------------------------------------------------------
+
+
+class _Stack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.Sequential(Block(), Block())
+
+    def forward(self, x):
+        return self.blocks(x)
+
+
+def test_checkpointed_blocks_keep_only_their_inputs_and_match_the_plain_randomized_model():
+    torch.manual_seed(0)
+    plain = _Stack().double()
+    checkpointed = copy.deepcopy(plain)
+    comera_fx.randomize_backward_(plain, rho=0.25, min_numel=0)
+    summary = comera_fx.randomize_backward_(checkpointed, rho=0.25, min_numel=0, checkpoint=(Block,))
+    assert summary.checkpointed == ["blocks.0", "blocks.1"] and "recomputed" in str(summary)
+    x = torch.randn(2, 16, 32, dtype=torch.float64)
+    dy = torch.randn(2, 16, 32, dtype=torch.float64)
+    assert _saved_activation_bytes(checkpointed, lambda: checkpointed(x)) == 2 * x.numel() * 8  # two block inputs
+    assert _saved_activation_bytes(plain, lambda: plain(x)) > 10 * x.numel() * 8
+    torch.manual_seed(1)
+    expected = torch.autograd.grad(plain(x), list(plain.parameters()), dy)
+    torch.manual_seed(1)
+    got = torch.autograd.grad(checkpointed(x), list(checkpointed.parameters()), dy)
+    for a, b in zip(expected, got):
+        torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
+    buffer = io.BytesIO()
+    torch.save(checkpointed, buffer)
+    buffer.seek(0)
+    assert type(torch.load(buffer, weights_only=False).blocks[0]).__name__ == "CheckpointedBlock"
+    assert comera_fx.restore_backward_(checkpointed) == 2 + 12
+    assert all(type(b) is Block for b in checkpointed.blocks) and type(checkpointed.blocks[0].q) is nn.Linear
+
+
+def test_backend_activation_memory_budget_recomputes_in_backward():
+    saved = {}
+    for budget in (None, 0.0):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = Block()
+        compiled = torch.compile(model, backend=comera_fx.make_backend(inductor=False,
+                                                                       activation_memory_budget=budget))
+        x = torch.randn(4, 16, 32)
+        saved[budget] = _saved_activation_bytes(model, lambda: compiled(x))
+    assert saved[0.0] < saved[None] / 4
+    with pytest.raises(ValueError, match="activation_memory_budget"):
+        comera_fx.BackendConfig(activation_memory_budget=1.5)

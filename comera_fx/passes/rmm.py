@@ -22,6 +22,7 @@ from torch import fx, nn
 
 from ..rmm.functions import RandomizedLinearFunction, prepare_rmm_plans
 from ..rmm.modules import RMMConfig, randomize_module, restore_module, supported_kind
+from ..rmm.recompute import Selector, checkpoint_modules, restore_checkpointed
 from ..rmm.sketch import check_sketch, draw_seed, projected_rows, rho_ratio, sketch_rows
 from .find import UseKind, classify_use, find
 from .recognize import node_values
@@ -45,6 +46,7 @@ class RandomizeSummary:
     config: RMMConfig
     layers: list[RMMDecision] = field(default_factory=list)
     method: str = "module-scan"
+    checkpointed: list[str] = field(default_factory=list)
 
     @property
     def randomized(self) -> list[RMMDecision]:
@@ -60,6 +62,8 @@ class RandomizeSummary:
         for d in self.layers:
             what = "randomized" if d.randomized else f"exact     : {d.reason}"
             lines.append(f"  {d.fqn or '<root>'} [{d.kind} {d.shape}] {what}")
+        if self.checkpointed:
+            lines.append(f"  recomputed in backward (torch.utils.checkpoint): {', '.join(f or '<root>' for f in self.checkpointed)}")
         return "\n".join(lines)
 
 
@@ -77,7 +81,8 @@ def _trainable(module: nn.Module, kind: str) -> bool:
 
 
 def randomize_backward_(model: nn.Module, rho: float = 0.25, sketch: str = "gaussian", example_inputs=None,
-                        filter_fn: FilterFn | None = None, min_numel: int = 65536) -> RandomizeSummary:
+                        filter_fn: FilterFn | None = None, min_numel: int = 65536,
+                        checkpoint: Selector | None = None) -> RandomizeSummary:
     """Give the large linear layers of ``model`` a randomized backward, in place.
 
     Forward outputs stay exact. In training mode with grad enabled each randomized layer keeps, for backward, a
@@ -93,6 +98,10 @@ def randomize_backward_(model: nn.Module, rho: float = 0.25, sketch: str = "gaus
             a module scan.
         filter_fn: ``filter_fn(module, fqn) -> bool``; False keeps that layer exact.
         min_numel: layers whose weight has fewer entries stay exact.
+        checkpoint: blocks to recompute in backward (``torch.utils.checkpoint``, non-reentrant): a module class, a
+            tuple of classes or ``fn(module, fqn) -> bool`` — e.g. the model's transformer layer class. Then only
+            the blocks' inputs stay alive between forward and backward; randomized layers inside redraw the
+            same sketch when recomputed.
     Returns a ``RandomizeSummary``; ``comera_fx.report(model)`` lists ρ per layer; ``restore_backward_`` undoes it.
     """
     config = RMMConfig(rho=rho, sketch=sketch, min_numel=min_numel)
@@ -134,12 +143,16 @@ def randomize_backward_(model: nn.Module, rho: float = 0.25, sketch: str = "gaus
             randomize_module(module, config)
             if kind == "tt_linear" and not module.tt.is_zero:
                 prepare_rmm_plans(module.tt)  # a compiled model reads plans, it does not make them
+    if checkpoint is not None:
+        summary.checkpointed = checkpoint_modules(model, checkpoint)
     return summary
 
 
 def restore_backward_(model: nn.Module) -> int:
-    """Give every randomized layer of ``model`` its exact backward again; returns how many were restored."""
-    return sum(restore_module(module) for module in model.modules())
+    """Give every randomized layer of ``model`` its exact backward again and end the recomputation of
+    checkpointed blocks; returns how many modules were restored."""
+    count = restore_checkpointed(model)
+    return count + sum(restore_module(module) for module in model.modules())
 
 
 # -- graph level ----------------------------------------------------------------------------------------------------
