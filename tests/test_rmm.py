@@ -542,3 +542,19 @@ def test_backend_activation_memory_budget_recomputes_in_backward():
     assert saved[0.0] < saved[None] / 4
     with pytest.raises(ValueError, match="activation_memory_budget"):
         comera_fx.BackendConfig(activation_memory_budget=1.5)
+
+
+def test_cpu_autocast_bf16_matches_float32():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.GELU(),
+                          comera_fx.TTLinear.from_dense(nn.Linear(128, 64), max_rank=4))
+    reference = copy.deepcopy(model)
+    comera_fx.randomize_backward_(model, rho=1.0, sketch="srht", min_numel=0)  # exact at rho 1: comparable
+    x = torch.randn(32, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = model(x)
+    y.float().sum().backward()
+    reference(x).sum().backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert p.grad.dtype == q.dtype
+        assert float((p.grad - q.grad).norm() / q.grad.norm()) < 0.02

@@ -89,10 +89,12 @@ class RandomizedLinearFunction(torch.autograd.Function):
         weight, x_sketch, seed = ctx.saved_tensors
         dy2 = dy.reshape(-1, dy.shape[-1])
         dx = dw = db = None
+        # Under autocast dY arrives in the autocast dtype while W and S·x keep theirs; autograd casts each gradient
+        # back to its input's dtype.
         if ctx.needs_input_grad[0]:
-            dx = dy.matmul(weight)
+            dx = dy.matmul(weight.to(dy.dtype))
         if ctx.needs_input_grad[1]:
-            dw = sketch_rows(dy2, seed, x_sketch.shape[0], ctx.kind).t().mm(x_sketch)
+            dw = sketch_rows(dy2, seed, x_sketch.shape[0], ctx.kind).to(x_sketch.dtype).t().mm(x_sketch)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2.sum(0)
         return dx, dw, db, None, None, None
@@ -135,8 +137,13 @@ class RandomizedTTProduct(torch.autograd.Function):
     def backward(ctx, dy):
         x_sketch, seed, *cores = ctx.saved_tensors
         forward_run, dx_run, sketch_run = ctx.runners
-        dx = dx_run.forward(dy, cores, keep=False)[0] if ctx.needs_input_grad[0] else None
+        dx = None
+        if ctx.needs_input_grad[0]:  # under autocast dY comes in the autocast dtype, the cores in theirs
+            dx = dx_run.forward(dy, [c.to(dy.dtype) for c in cores], keep=False)[0]
         dy_sketch = sketch_rows(dy.reshape(-1, forward_run.n_out), seed, x_sketch.shape[0], ctx.kind)
+        work = torch.promote_types(x_sketch.dtype, cores[0].dtype)
+        x_sketch, dy_sketch = x_sketch.to(work), dy_sketch.to(work)
+        cores = [c.to(work) for c in cores]
         _, lefts, rights = sketch_run.forward(x_sketch, cores)
         _, core_grads = sketch_run.backward(lefts, rights, dy_sketch, need_x=False)
         return (dx, None, None, None, None, *core_grads)

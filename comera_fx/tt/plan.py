@@ -1191,12 +1191,12 @@ class PlanRunner:
             d_out = grads[step.result].reshape(-1 if step.batched else step.m, step.n)
             grads[step.result] = None
             if step.left != 0 or need_x:
-                d_left = torch.mm(d_out, rights[i].t())
+                d_left = _mm(d_out, rights[i].t())
                 grads[step.left] = _unview(d_left, inst.left_view, inst.left_dims, step.m, step.k, step.batched)
             if step.n < _NARROW_GRADIENT:  # Aᵀ·dC with few columns: as (dCᵀ·A)ᵀ, the same numbers
-                d_right = torch.mm(d_out.t(), lefts[i]).t()
+                d_right = _mm(d_out.t(), lefts[i]).t()
             else:
-                d_right = torch.mm(lefts[i].t(), d_out)
+                d_right = _mm(lefts[i].t(), d_out)
             grads[step.right] = _unview(d_right, inst.right_view, inst.right_dims, step.k, step.n, False)
         dx = None
         if need_x:
@@ -1205,6 +1205,15 @@ class PlanRunner:
                 dx = dx[:, :self.n_in]
             dx = dx.reshape(dy.shape[:-1] + (self.n_in,))
         return dx, [grads[k + 1].reshape(self.core_shapes[k]) for k in range(self.n_leaves - 1)]
+
+
+def _mm(a, b):
+    """torch.mm in the wider of the two dtypes: under autocast the forward's GEMMs ran in bf16 on fp32 cores, so
+    backward meets a bf16 gradient and fp32 operands (autograd casts each gradient back to its input's dtype)."""
+    if a.dtype != b.dtype:
+        dtype = torch.promote_types(a.dtype, b.dtype)
+        a, b = a.to(dtype), b.to(dtype)
+    return torch.mm(a, b)
 
 
 def _make_function(chosen: "Plan") -> type:
