@@ -116,8 +116,9 @@ class BackendStats:
     graphs: int = 0
     reconstructed_contracted: int = 0
     dense_reported: list[str] = field(default_factory=list)
-    rmm_rewritten: int = 0         # linear-like ops given a randomized backward by ``BackendConfig.rmm``
-    sketches_shared: int = 0       # sketches merged into another of the same input (``passes.share_sketches``)
+    rmm_rewritten: int = 0         # linear-like ops given a randomized backward by ``BackendConfig.rmm``, and
+    sketches_shared: int = 0       # sketches merged into another of one input (``passes.share_sketches``), in the
+    #                                graphs compiled (successful attempts only)
     pass_seconds: float = 0.0      # in comera_fx's own passes (both stages)
     compile_seconds: float = 0.0   # in the backend calls: passes, AOTAutograd, Inductor's forward (Inductor
     #                                lowers the backward lazily, at the first backward call, outside this figure)
@@ -147,9 +148,7 @@ class ComeraBackend:
         if config.rmm is not None:
             gm = randomize_backward(gm, config.rmm.rho, config.rmm.sketch, min_numel=config.rmm.min_numel,
                                     example_inputs=example_inputs)
-            self.stats.rmm_rewritten += gm.meta.get("comera_fx_rmm_rewritten", 0)
         gm = share_sketches(gm)
-        self.stats.sketches_shared += gm.meta.get("comera_fx_sketches_shared", 0)
         self.stats.pass_seconds += time.perf_counter() - started
         budget = ({} if config.activation_memory_budget is None
                   else {"activation_memory_budget": float(config.activation_memory_budget)})
@@ -158,6 +157,8 @@ class ComeraBackend:
         # Counted on success only: AOTAutograd may abort a first attempt (e.g. to specialise a float) and Dynamo
         # then calls the backend again for the same frame.
         self.stats.graphs += 1
+        self.stats.rmm_rewritten += gm.meta.get("comera_fx_rmm_rewritten", 0)
+        self.stats.sketches_shared += gm.meta.get("comera_fx_sketches_shared", 0)
         self.stats.compile_seconds += time.perf_counter() - started
         return compiled
 

@@ -456,9 +456,11 @@ def test_compiled_randomized_block_shares_sketches_and_tt_compiles():
     block = Block()
     comera_fx.randomize_backward_(block, rho=0.5, min_numel=0)
     backend = comera_fx.make_backend(inductor=False)
-    compiled = torch.compile(block, backend=backend, fullgraph=True)
-    x = torch.randn(2, 8, 32, requires_grad=True)
-    compiled(x).sum().backward()
+    compiled = torch.compile(block, backend=backend, fullgraph=True, dynamic=True)
+    for tokens in (8, 12, 20):
+        x = torch.randn(2, tokens, 32, requires_grad=True)
+        compiled(x).sum().backward()
+    assert backend.stats.graphs == 1
     assert backend.stats.sketches_shared == 2  # K and V reuse Q's sketch of the shared LayerNorm output
 
     layer = comera_fx.TTLinear.from_dense(nn.Linear(64, 48), max_rank=4)

@@ -233,8 +233,8 @@ def randomize_backward(gm: fx.GraphModule, rho: float = 0.25, sketch: str = "gau
         value = values.get(weight) if weight in values else gm.get_parameter(weight.target)
         features = value.shape[0] if in_by_out else value.shape[1]
         key = (x, features)
-        if key not in sketches:
-            with graph.inserting_after(x if isinstance(x, fx.Node) else node):
+        if key not in sketches:  # before the first linear reading x: the later ones come after it
+            with graph.inserting_before(node):
                 sketches[key] = graph.call_function(graph_sketch, (x, features, rho_num, rho_den, sketch))
         with graph.inserting_before(node):
             new = graph.call_function(graph_linear, (x, weight, bias, sketches[key], sketch, in_by_out))
