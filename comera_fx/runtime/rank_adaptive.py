@@ -24,7 +24,7 @@ import math
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,7 @@ from torch import Tensor, fx, nn
 from ..report import DEFAULT_GATE_THRESHOLD, _layer_name
 from ..tt.layers import TTMatrix
 from .comera import EARLY, LATE, PlateauDetector, achievement_lambda, add_gate_penalty_, scale_grads_
+from .history import HistoryEntry, RankSummary
 from .importance import BondSensitivity, slice_importance
 from .schedule import BudgetSchedule, LayerSlices, allocate
 from .shrink import (ShrinkRecord, bond_singular_values, params_at_ranks, physical_params, remove_slices_,
@@ -109,44 +110,6 @@ def _live_counts(matrices: Sequence[MatrixEntry], threshold: float) -> list[tupl
     counts = [(g.detach().abs() > threshold).sum().to(gates[0].device) for g in gates]
     flat = iter(torch.stack(counts).tolist())
     return [tuple(next(flat) for _ in m.tt.gates) for m in matrices]
-
-
-# ------------------------------------------------------------------------------------------------------ history
-
-
-@dataclass(frozen=True)
-class HistoryEntry:
-    """The state after one optimizer step. ``ranks``: stored core ranks; ``live_ranks``: gate entries above the
-    threshold. ``stage``: "early" / "late" (CoMERA) or "warmup" / "decay" / "final" (budget schedule). ``lam``
-    is the late stage's λ (None otherwise); ``budget`` the budget schedule's scheduled size S(p) (None with
-    CoMERA's); ``shrunk`` lists the layers pruned at this step and ``zeroed`` those that became entirely zero
-    (removed: only their bias is left)."""
-
-    step: int
-    stage: str
-    loss: float | None
-    lam: float | None
-    ranks: dict[str, tuple[int, ...]]
-    live_ranks: dict[str, tuple[int, ...]]
-    tt_params: int
-    live_tt_params: int
-    dense_params: int
-    shrunk: tuple[str, ...]
-    zeroed: tuple[str, ...]
-    wall_time: float
-    budget: float | None = None
-
-    @property
-    def compression(self) -> float | None:
-        return self.dense_params / self.tt_params if self.tt_params else None
-
-    def to_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        out["ranks"] = {k: list(v) for k, v in self.ranks.items()}
-        out["live_ranks"] = {k: list(v) for k, v in self.live_ranks.items()}
-        out["shrunk"], out["zeroed"] = list(self.shrunk), list(self.zeroed)
-        out["compression"] = self.compression
-        return out
 
 
 # ------------------------------------------------------------------------------------------------------ settings
@@ -270,30 +233,6 @@ class _Settings:
     @property
     def has_target(self) -> bool:
         return self.target_ratio is not None or self.target_params is not None
-
-
-@dataclass(frozen=True)
-class RankSummary:
-    """Where the adaptation stands: sizes, ranks, and the layers removed entirely (``zeroed``: name → why)."""
-
-    schedule: str
-    step: int
-    stage: str
-    progress: float | None
-    initial_tt_params: int
-    target_tt_params: float | None
-    tt_params: int
-    ranks: dict[str, tuple[int, ...]]
-    zeroed: dict[str, str] = field(default_factory=dict)
-
-    def __str__(self) -> str:
-        target = "none" if self.target_tt_params is None else f"{self.target_tt_params:,.0f}"
-        done = "" if self.progress is None else f", {min(self.progress, 1.0):.0%} of the horizon"
-        lines = [f"RankAdaptive ({self.schedule}), step {self.step}, {self.stage}{done}: TT params "
-                 f"{self.tt_params:,} (start {self.initial_tt_params:,}, target {target})"]
-        lines += [f"  {name}: ranks {ranks}" for name, ranks in self.ranks.items() if name not in self.zeroed]
-        lines += [f"  {name}: rank 0 (bias only) — {why}" for name, why in self.zeroed.items()]
-        return "\n".join(lines)
 
 
 # ------------------------------------------------------------------------------------------------------- the hook
