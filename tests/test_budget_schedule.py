@@ -320,3 +320,29 @@ def test_a_target_is_never_silently_ignored():
     hook = RankAdaptive(model, optimizer, target_ratio=0.25, total_steps=100)
     with pytest.raises(ValueError, match="schedule='budget'"):
         RankAdaptive(model, optimizer, schedule="comera", prune_every=None).load_state_dict(hook.state_dict())
+
+
+def test_a_compiled_model_after_a_scheduled_prune_gives_the_eager_outputs(monkeypatch):
+    """After TT rounding the new ranks are planned already (a traced graph cannot plan), so a recompiled model runs
+    the planned order and matches eager. Dynamo with the eager backend: the retrace, not Inductor, is under test."""
+    from comera_fx.tt import ops
+
+    model, x, y, _, _ = teacher_problem(seed=6, d=16)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    hook = RankAdaptive(model, optimizer, target_ratio=0.4, total_steps=20, prunes=2)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="eager")
+    fit(compiled, optimizer, x, y, 20, hook)
+    assert hook.tt_params() < hook.initial_tt_params
+
+    def fallback(*args, **kwargs):
+        raise AssertionError("the compiled graph ran the fixed fallback order")
+
+    with torch.no_grad():
+        expected = model(x)
+    monkeypatch.setattr(ops, "matmul", fallback)
+    monkeypatch.setattr(ops, "matmul_t", fallback)
+    with torch.no_grad():
+        got = compiled(x)
+    torch._dynamo.reset()
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)

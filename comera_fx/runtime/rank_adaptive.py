@@ -418,8 +418,7 @@ class RankAdaptive:
         s = self.settings
         entries = [m for m in self.matrices if m.shrinkable and not m.tt.is_zero]
         fixed = self.tt_params() - sum(physical_params(m.tt) for m in entries)
-        sensitivity = self.importance.values(entries)
-        layer_importance = {m.name: min(sensitivity[m.name]) for m in entries}
+        sensitivity, layer_importance = self.importance.values(entries)
         mean = sum(layer_importance.values()) / max(len(entries), 1)
         layers, reasons = [], {}
         for m in entries:

@@ -165,7 +165,9 @@ def tt_round(cores: Sequence[Tensor], ranks: Sequence[int] | None = None) -> tup
     across the bond, so they do not depend on the gauge the cores happen to be in; truncating bond k alone
     changes the matrix by the discarded singular values (Frobenius), and all bonds together by at most the
     root of the sum of their squares."""
-    cores = [c.clone() for c in cores]
+    dtype = cores[0].dtype
+    work = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype  # QR/SVD need float32 at least
+    cores = [c.to(work, copy=True) for c in cores]
     n = len(cores)
     for k in range(n - 1):
         shape = cores[k].shape
@@ -183,7 +185,7 @@ def tt_round(cores: Sequence[Tensor], ranks: Sequence[int] | None = None) -> tup
         cores[k] = vh.reshape(keep, *shape[1:])
         prev = cores[k - 1]
         cores[k - 1] = (prev.reshape(-1, prev.shape[-1]) @ (u * s)).reshape(*prev.shape[:-1], keep)
-    return cores, sigmas
+    return [c.to(dtype) for c in cores], sigmas
 
 
 def bond_singular_values(tt: TTMatrix) -> list[Tensor]:
