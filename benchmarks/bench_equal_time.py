@@ -375,7 +375,8 @@ def child(opts) -> dict:
 
     if hook is not None:
         extra.update(final_tt_params=hook.tt_params(), initial_tt_params=hook.initial_tt_params,
-                     final_ranks=result.final_ranks)
+                     final_ranks=result.final_ranks, zeroed=dict(getattr(hook, "zeroed", {})),
+                     prune_steps=[e["step"] for e in result.history if e["shrunk"]])
     profile = {}
     if opts.profile_steps:
         profile["phases_ms"] = phase_split(model, optimizer, train_data, run_p, device, opts.profile_steps)
