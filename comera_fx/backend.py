@@ -15,6 +15,9 @@ What runs, per graph Dynamo captures:
    are reported once, naming ``comera_fx.tensorize_``. TT modules need no rewrite here: Dynamo traces their
    forward, which already emits the planner's pairwise reshape / permute / mm steps, with the plan chosen by
    comparisons of the batch size against the breakpoints (one graph per planner interval under dynamic shapes).
+   With ``rmm`` set, ``passes.randomize_backward`` gives the large dense linear-like ops a randomized backward
+   (TT layers get theirs from ``comera_fx.randomize_backward_`` on the model); ``passes.share_sketches`` always
+   runs, so randomized layers reading one tensor keep one sketch of it.
 2. AOTAutograd splits the forward and backward graphs (aten ops); ``BackendConfig.post_aot_passes`` run on each,
    knowing which one it is.
 3. Inductor compiles each (C++/OpenMP on CPU, Triton on GPU) — or, with ``inductor=False``, the aten graphs run
@@ -40,6 +43,8 @@ from torch import fx, nn
 from .config import TensorizeConfig
 from .passes.find import UseKind, classify_use
 from .passes.recognize import contract_reconstructed_tt, node_values
+from .passes.rmm import randomize_backward, share_sketches
+from .rmm import RMMConfig
 
 GraphPass = Callable[[fx.GraphModule], fx.GraphModule]
 # An after-AOTAutograd pass may also take ``is_backward=...`` (see ``BackendConfig.post_aot_passes``).
@@ -62,6 +67,11 @@ class BackendConfig:
         post_aot_passes: functions GraphModule -> GraphModule run on the forward and the backward aten graphs
             before Inductor; a pass with an ``is_backward`` keyword parameter is told which graph it gets.
         inductor_options: Inductor config patches, as ``torch.compile(options=...)`` takes them.
+        rmm: randomized backward for the large dense linear-like ops in the graph (``RMMConfig``, or a float ρ for
+            ``RMMConfig(rho=ρ)``); None (default) keeps every backward exact.
+        activation_memory_budget: AOTAutograd's recomputation budget (``torch._functorch.config.
+            activation_memory_budget``) for this backend's graphs, in [0, 1]: 1 saves what is fastest, lower
+            values recompute cheap ops in backward to keep fewer activations. None leaves the global setting.
     """
 
     inductor: bool = True
@@ -70,6 +80,18 @@ class BackendConfig:
     large: TensorizeConfig = field(default_factory=TensorizeConfig)
     post_aot_passes: tuple[GraphPass, ...] = ()
     inductor_options: Mapping[str, Any] = field(default_factory=dict)
+    rmm: RMMConfig | float | None = None
+    activation_memory_budget: float | None = None
+
+    def __post_init__(self) -> None:
+        budget = self.activation_memory_budget
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))
+                                   or not 0 <= budget <= 1):
+            raise ValueError(f"activation_memory_budget must be None or a number in [0, 1], got {budget!r}")
+        if self.rmm is not None and not isinstance(self.rmm, RMMConfig):
+            if isinstance(self.rmm, bool) or not isinstance(self.rmm, (int, float)):
+                raise ValueError(f"rmm must be None, an RMMConfig or a float rho in (0, 1], got {self.rmm!r}")
+            object.__setattr__(self, "rmm", RMMConfig(rho=self.rmm))
 
     def with_options(self, options: Mapping[str, Any] | None) -> "BackendConfig":
         """``torch.compile(..., options={...})``: our field names set fields, anything else goes to Inductor."""
@@ -94,6 +116,9 @@ class BackendStats:
     graphs: int = 0
     reconstructed_contracted: int = 0
     dense_reported: list[str] = field(default_factory=list)
+    rmm_rewritten: int = 0         # linear-like ops given a randomized backward by ``BackendConfig.rmm``, and
+    sketches_shared: int = 0       # sketches merged into another of one input (``passes.share_sketches``), in the
+    #                                graphs compiled (successful attempts only)
     pass_seconds: float = 0.0      # in comera_fx's own passes (both stages)
     compile_seconds: float = 0.0   # in the backend calls: passes, AOTAutograd, Inductor's forward (Inductor
     #                                lowers the backward lazily, at the first backward call, outside this figure)
@@ -120,21 +145,33 @@ class ComeraBackend:
             self.stats.reconstructed_contracted += gm.meta.get("comera_fx_reconstructed", 0)
         if config.warn_dense:
             self._report_dense(gm, example_inputs, config.large)
+        if config.rmm is not None:
+            gm = randomize_backward(gm, config.rmm.rho, config.rmm.sketch, min_numel=config.rmm.min_numel,
+                                    example_inputs=example_inputs)
+        gm = share_sketches(gm)
         self.stats.pass_seconds += time.perf_counter() - started
+        budget = ({} if config.activation_memory_budget is None
+                  else {"activation_memory_budget": float(config.activation_memory_budget)})
+        with torch._functorch.config.patch(**budget):
+            compiled = self._compile(gm, example_inputs, config, mode)
+        # Counted on success only: AOTAutograd may abort a first attempt (e.g. to specialise a float) and Dynamo
+        # then calls the backend again for the same frame.
+        self.stats.graphs += 1
+        self.stats.rmm_rewritten += gm.meta.get("comera_fx_rmm_rewritten", 0)
+        self.stats.sketches_shared += gm.meta.get("comera_fx_sketches_shared", 0)
+        self.stats.compile_seconds += time.perf_counter() - started
+        return compiled
+
+    def _compile(self, gm: fx.GraphModule, example_inputs, config: BackendConfig, mode: str | None):
         if config.inductor:
             from torch._inductor import list_mode_options
             from torch._inductor.compile_fx import compile_fx
 
             patches = {**(list_mode_options(mode) if mode else {}), **config.inductor_options}
             inner = functools.partial(_inner_compile, passes=config.post_aot_passes, stats=self.stats)
-            compiled = compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches or None)
-        else:
-            compiled = _aot_eager(gm, example_inputs, config.post_aot_passes, self.stats)
-        # Counted on success only: AOTAutograd may abort a first attempt (e.g. to specialise a float) and Dynamo
-        # then calls the backend again for the same frame.
-        self.stats.graphs += 1
-        self.stats.compile_seconds += time.perf_counter() - started
-        return compiled
+            return compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches or None)
+        return _aot_eager(gm, example_inputs, config.post_aot_passes, self.stats,
+                          min_cut=config.activation_memory_budget is not None)
 
     def reset(self) -> None:
         """Called by ``torch._dynamo.reset()``: forget what was reported, so a fresh compile reports again."""
@@ -207,8 +244,10 @@ def _inner_compile(gm: fx.GraphModule, example_inputs, *, passes, stats: Backend
     return compile_fx_inner(gm, example_inputs, **kwargs)
 
 
-def _aot_eager(gm: fx.GraphModule, example_inputs, passes, stats: BackendStats):
-    from functorch.compile import make_boxed_func
+def _aot_eager(gm: fx.GraphModule, example_inputs, passes, stats: BackendStats, min_cut: bool = False):
+    """AOTAutograd without code generation; ``min_cut``: Inductor's partitioner (the one that honours an
+    activation memory budget) instead of the default one."""
+    from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
     from torch._dynamo.backends.common import aot_autograd
 
     def compiler(is_backward):
@@ -219,7 +258,8 @@ def _aot_eager(gm: fx.GraphModule, example_inputs, passes, stats: BackendStats):
 
         return compile_graph
 
-    return aot_autograd(fw_compiler=compiler(False), bw_compiler=compiler(True))(gm, example_inputs)
+    partition = {"partition_fn": min_cut_rematerialization_partition} if min_cut else {}
+    return aot_autograd(fw_compiler=compiler(False), bw_compiler=compiler(True), **partition)(gm, example_inputs)
 
 
 def make_backend(config: BackendConfig | None = None, **fields) -> ComeraBackend:

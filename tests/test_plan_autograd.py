@@ -193,3 +193,24 @@ def test_compiles_fullgraph_dynamic_with_planned_backward(monkeypatch, backend):
             assert_rel_close(g, w)
     assert counter.frame_count == 1, counter.frame_count
     torch._dynamo.reset()
+
+
+def test_backward_under_cpu_autocast_matches_float32():
+    """Autocast runs the forward GEMMs in bf16 on fp32 cores, so backward meets a bf16 gradient and fp32 operands
+    (it raised "expected m1 and m2 to have the same dtype" before the planned backward promoted them)."""
+    import copy
+
+    import comera_fx
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(),
+                                comera_fx.TTLinear.from_dense(torch.nn.Linear(128, 64), max_rank=4))
+    reference = copy.deepcopy(model)
+    x = torch.randn(32, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = model(x)
+    y.float().sum().backward()
+    reference(x).sum().backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert p.grad.dtype == q.dtype
+        assert float((p.grad - q.grad).norm() / q.grad.norm()) < 0.02
