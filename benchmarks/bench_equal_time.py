@@ -12,6 +12,9 @@ clock of the training steps; validation outside the clock) for:
                   comera_fx run's block linears at its end (``--narrow-d auto``; d // 32 heads, at least 1; ff 4·d);
 * ``tt_fixed``  — (only with ``--runs ...,tt_fixed``) the comera_fx run's TT layers at fixed rank 16, no
                   RankAdaptive (gates at lr 1e-3): the equal-rank figure to set against public CoMERA's TT layers;
+* ``tt_size``   — (only with ``--runs``) TT at the fixed uniform max rank whose TT size is closest to the size
+                  target S of the comera_fx run (``--target-ratio`` of the rank-16 TT size), from the start;
+* ``lowrank_size`` — (only with ``--runs``) low-rank x·A·B at the uniform r whose factors are closest to S;
 * ``galore``    — the dense model trained with ``galore_torch.GaLoreAdamW`` (rank ``--galore-rank`` projections of
                   the block linears' gradients; benchmark-only dependency ``pip install galore-torch``); skipped with
                   the reason when it cannot be imported.
@@ -27,6 +30,7 @@ block linear alone at the step's 2048 tokens (which layers cost what).
 Usage::
 
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/bench_equal_time.py            # 5 × 120 s: ~14 minutes
+    .venv/bin/python benchmarks/bench_equal_time.py --runs comera_fx,tt_size,lowrank_size,dense   # issue 11's (a)-(d)
     .venv/bin/python benchmarks/bench_equal_time.py --budget-seconds 420 --json out.json # the issue's 7 minutes
     .venv/bin/python benchmarks/bench_equal_time.py --runs dense,comera_fx --budget-seconds 20   # a quick look
 """
@@ -56,7 +60,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 import train_code_lm as demo  # noqa: E402
 
 RUNS = ("dense", "comera_fx", "lowrank", "narrow", "galore")
-EXTRA_RUNS = ("tt_fixed",)  # not run by default: --runs ...,tt_fixed
+EXTRA_RUNS = ("tt_fixed", "tt_size", "lowrank_size")  # not run by default: --runs ...,tt_fixed
 LINEAR_NAMES = ("qkv", "proj", "fc", "out")
 
 # --------------------------------------------------------------------------------------------- system readings
@@ -155,6 +159,46 @@ def linear_params_at(p: demo.Preset, d: int) -> int:
 
 def pick_narrow_width(p: demo.Preset, target: float) -> int:
     return min(range(8, p.d_model + 1, 8), key=lambda d: abs(linear_params_at(p, d) - target))
+
+
+def tt_params_of(model: nn.Module) -> int:
+    from comera_fx.runtime.rank_adaptive import tt_matrices
+
+    return sum(q.numel() for m in tt_matrices(model) for q in m.tt.parameters())
+
+
+def size_target(model: nn.Module, p: demo.Preset, args, example: torch.Tensor, rank: int) -> tuple[int, float]:
+    """(TT size at max rank ``rank``, the comera_fx run's target S = --target-ratio of it), from a throwaway copy
+    (init "random": only the shapes matter)."""
+    import copy
+
+    trial = copy.deepcopy(model)
+    demo.tensorize(trial, p, argparse.Namespace(**{**vars(args), "init": "random", "max_rank": rank}), example)
+    full = tt_params_of(trial)
+    return full, args.target_ratio * full
+
+
+def rank_for_size(model: nn.Module, p: demo.Preset, args, example: torch.Tensor, target: float,
+                  top: int) -> tuple[int, int]:
+    """The uniform TT max rank (1..top) whose TT size is closest to ``target`` -> (rank, its TT size)."""
+    import copy
+
+    best = None
+    for r in range(1, top + 1):
+        trial = copy.deepcopy(model)
+        demo.tensorize(trial, p, argparse.Namespace(**{**vars(args), "init": "random", "max_rank": r}), example)
+        size = tt_params_of(trial)
+        if best is None or abs(size - target) < abs(best[1] - target):
+            best = (r, size)
+        if size > target:  # sizes grow with the rank: nothing larger can be closer
+            break
+    return best
+
+
+def lowrank_rank_for_size(model: nn.Module, target: float) -> int:
+    """Uniform r whose factors (r·(in + out) over the block linears) are closest to ``target``, at least 1."""
+    per_rank = sum(getattr(b, n).in_features + getattr(b, n).out_features for b in model.blocks for n in LINEAR_NAMES)
+    return max(1, round(target / per_rank))
 
 
 def training_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
@@ -267,6 +311,28 @@ def child(opts) -> dict:
         result.setup_seconds = time.perf_counter() - t0
         optimizer = demo.make_tt_optimizer(model, args, lr_gates=1e-3)
         extra.update(rank=opts.rank, lr_gates=1e-3)
+    elif opts.child == "tt_size":  # issue 11 (b): fixed uniform rank of size S from the start
+        example = demo.get_batch(train_data, 1, p.seq_len, torch.Generator().manual_seed(0), device)[0]
+        full, target = size_target(model, p, args, example, opts.rank)
+        rank, size = rank_for_size(model, p, args, example, target, opts.rank)
+        t0 = time.perf_counter()
+        demo.tensorize(model, p, argparse.Namespace(**{**vars(args), "max_rank": rank}), example)
+        result.setup_seconds = time.perf_counter() - t0
+        optimizer = demo.make_tt_optimizer(model, args, lr_gates=1e-3)
+        extra.update(rank=rank, tt_params=size, target_tt_params=target, rank16_tt_params=full, lr_gates=1e-3)
+    elif opts.child == "lowrank_size":  # issue 11 (c): low-rank of size S
+        example = demo.get_batch(train_data, 1, p.seq_len, torch.Generator().manual_seed(0), device)[0]
+        full, target = size_target(model, p, args, example, opts.rank)
+        rank = lowrank_rank_for_size(model, target)
+        lowrank_(model, rank)
+        factors = [q for m in model.modules() if isinstance(m, LowRankLinear) for q in (m.a, m.b)]
+        taken = {id(q) for q in factors}
+        optimizer = torch.optim.AdamW(
+            [{"params": factors, "lr": args.lr_cores},
+             {"params": [q for q in model.parameters() if id(q) not in taken], "lr": args.lr}],
+            betas=(0.9, 0.95), weight_decay=0.0)
+        extra.update(rank=rank, factor_params=sum(q.numel() for q in factors), target_tt_params=target,
+                     lr_factors=args.lr_cores)
     elif opts.child == "lowrank":
         lowrank_(model, opts.rank)
         factors = [q for m in model.modules() if isinstance(m, LowRankLinear) for q in (m.a, m.b)]
@@ -309,7 +375,8 @@ def child(opts) -> dict:
 
     if hook is not None:
         extra.update(final_tt_params=hook.tt_params(), initial_tt_params=hook.initial_tt_params,
-                     final_ranks=result.final_ranks)
+                     final_ranks=result.final_ranks, zeroed=dict(getattr(hook, "zeroed", {})),
+                     prune_steps=[e["step"] for e in result.history if e["shrunk"]])
     profile = {}
     if opts.profile_steps:
         profile["phases_ms"] = phase_split(model, optimizer, train_data, run_p, device, opts.profile_steps)
@@ -323,7 +390,7 @@ def child(opts) -> dict:
     return {
         "name": opts.child, "steps": result.steps, "train_seconds": result.train_seconds,
         "steps_per_s": result.steps_per_s, "tokens_per_s": result.tokens_per_s, "final_val": result.final_val,
-        "evals": result.evals, "linear_params_start": result.linear_params_start,
+        "evals": result.evals, "train_losses": result.train_losses, "linear_params_start": result.linear_params_start,
         "linear_params_end": result.linear_params_end, "total_params_start": result.total_params_start,
         "total_params_end": result.total_params_end, "setup_seconds": result.setup_seconds,
         "eval_seconds": result.eval_seconds, "rss_before_train": rss_before, "peak_rss_setup": peak_setup,
@@ -392,6 +459,13 @@ def tables(results: list[dict]) -> str:
                      mb(r["peak_rss_process"]),
                      f"{r['load_start']} → {r['load_end']}", f"{r['others_cores']:.2f}"))
     text = demo.markdown_table(head, rows)
+    ran = [r for r in results if "skipped" not in r and r.get("train_losses")]
+    if len(ran) > 1:  # equal steps: the training loss (mean of 20 steps) where the slowest run stopped
+        n = min(len(r["train_losses"]) for r in ran)
+        window = min(20, n)
+        cells = [f"{r['name']} {statistics.fmean(r['train_losses'][n - window:n]):.4f}" for r in ran]
+        text += (f"\n\nAt equal steps: training loss, mean of steps {n - window + 1}-{n} (the shortest run's last "
+                 f"{window}): " + ", ".join(cells) + ".")
     prof = [r for r in results if "skipped" not in r and r.get("profile")]
     if prof:
         head2 = ("run", "step ms", "forward", "backward", "clip", "optimizer.step", "block linears fwd+bwd alone",

@@ -6,7 +6,7 @@ Public API::
     comera_fx.report(model)                                   # per-layer table / dict
     comera_fx.plan(layer, batch=4096)                         # the contraction order chosen per batch interval
     comera_fx.passes.tensorize(gm, config)                    # GraphModule -> GraphModule for custom compilers
-    comera_fx.RankAdaptive(model, optimizer, target_ratio=0.2) # rank adaptation through optimizer hooks
+    comera_fx.RankAdaptive(model, optimizer, target_ratio=0.2, total_steps=n)  # rank adaptation (optimizer hooks)
     comera_fx.randomize_backward_(model, rho=0.25)            # RMM: linear backward keeps a sketch of its input
     torch.compile(model, backend=comera_fx.backend)          # or backend="comera_fx"; comera_fx.compile(model, config)
 """

@@ -15,8 +15,9 @@ Model: a GPT-style decoder in plain torch (token + learned position embeddings, 
 
 The dense run trains the model with AdamW. The comera_fx run starts from a copy of the same initial model, converts
 every block ``nn.Linear`` to tensor-train form with ``comera_fx.tensorize_`` (max rank 16) and trains it with
-``comera_fx.runtime.RankAdaptive`` (ℓ1 on the rank gates, CoMERA's late stage towards half the TT size, dead rank
-slices removed physically). Each run gets the same training wall-clock budget; validation (nats/byte on a fixed
+``comera_fx.runtime.RankAdaptive`` (its default budget schedule: the TT size falls on a cubic schedule to half
+its start by ``--prune-by`` of the budget, the least important rank directions removed physically;
+``--schedule comera``: CoMERA's ℓ1 pull and late stage instead). Each run gets the same training wall-clock budget; validation (nats/byte on a fixed
 set of held-out batches) runs every ``--eval-every`` seconds of training time, outside the budget clock.
 
 Both runs are eager PyTorch: comera_fx has no ``torch.compile`` backend yet. Run as a script it sets
@@ -264,12 +265,19 @@ def gate_lr(args, expected_steps: float) -> float:
     """
     if args.lr_gates != "auto":
         return float(args.lr_gates)
+    if args.schedule == "budget":
+        return 1e-3  # the budget schedule does not move gates: they are plain parameters (tt_fixed's rate)
     late_steps = max((args.prune_by - args.late_fraction) * expected_steps, 1.0)
     return min(max(1.0 / late_steps, 1e-3), 5e-2)
 
 
-def make_hook(model: nn.Module, optimizer: torch.optim.Optimizer, args, late_start_step: int) -> RankAdaptive:
-    """CoMERA's two stages: a light ℓ1 pull on the gates, then (from ``late_start_step``) the achievement
+def make_hook(model: nn.Module, optimizer: torch.optim.Optimizer, args, late_start_step: int | None,
+              result: "RunResult", expected_steps: float) -> RankAdaptive:
+    """``--schedule budget`` (default): RankAdaptive's budget schedule towards ``--target-ratio`` of the TT size,
+    reached at ``--prune-by`` of the horizon (final_fraction = 1 − prune_by). The horizon is the run's training
+    clock (``result.train_seconds``, validation excluded), or ``--max-steps`` when that ends the run first.
+
+    ``--schedule comera``: CoMERA's two stages: a light ℓ1 pull on the gates, then (from ``late_start_step``) the achievement
     scalarization towards ``--target-ratio`` of the initial TT size; dead slices removed every ``prune_every``.
 
     The price in a run this short is real. Trial (small preset, 174 steps, same batches, 1 thread): rank-16 TT
@@ -285,7 +293,14 @@ def make_hook(model: nn.Module, optimizer: torch.optim.Optimizer, args, late_sta
     in the full demo three layers were removed entirely), 0 stopped at 42k and stayed there (target 57k); val
     2.530 vs 2.523 nats/byte.
     """
-    return RankAdaptive(model, optimizer, l1_weight=args.l1_weight, prune_every=args.prune_every,
+    if args.schedule == "budget":
+        if args.max_steps is not None and args.max_steps <= expected_steps:
+            horizon = {"total_steps": args.max_steps}
+        else:
+            horizon = {"budget_seconds": args.budget_seconds, "clock": lambda: result.train_seconds}
+        return RankAdaptive(model, optimizer, target_ratio=args.target_ratio, final_fraction=1 - args.prune_by,
+                            history_every=1, **horizon)
+    return RankAdaptive(model, optimizer, schedule="comera", l1_weight=args.l1_weight, prune_every=args.prune_every,
                         target_ratio=args.target_ratio, late_start_step=late_start_step,
                         late_size_weight=args.late_size_weight, history_every=1)
 
@@ -304,10 +319,11 @@ def prepare_tt_run(model: nn.Module, p: Preset, args, train_data: torch.Tensor, 
     expected_steps = args.budget_seconds / max(step_seconds, 1e-6)
     if args.max_steps is not None:
         expected_steps = min(expected_steps, args.max_steps)
-    result.late_start_step = max(1, int(args.late_fraction * expected_steps))
+    if args.schedule == "comera":
+        result.late_start_step = max(1, int(args.late_fraction * expected_steps))
     args.gate_lr_used = gate_lr(args, expected_steps)
     optimizer = make_tt_optimizer(model, args, args.gate_lr_used)
-    hook = make_hook(model, optimizer, args, result.late_start_step)
+    hook = make_hook(model, optimizer, args, result.late_start_step, result, expected_steps)
     result.target_params = hook.target_size
     return optimizer, hook, summary, step_seconds
 
@@ -422,8 +438,12 @@ def calibrate_step_seconds(model: nn.Module, args, train_data, p: Preset, device
     the budget is wall clock, so the late stage's start step is estimated from this."""
     trial = copy.deepcopy(model)
     optimizer = make_tt_optimizer(trial, args, 1e-3)
-    # the hook's per-step work (penalty, history entry) is part of a step: count it (no pruning, no late stage)
-    hook = RankAdaptive(trial, optimizer, l1_weight=args.l1_weight, prune_every=None, history_every=1)
+    # the hook's per-step work (importance or penalty, history entry) is part of a step: count it (no pruning)
+    if args.schedule == "budget":
+        hook = RankAdaptive(trial, optimizer, target_ratio=args.target_ratio, total_steps=10**9, history_every=1)
+    else:
+        hook = RankAdaptive(trial, optimizer, schedule="comera", l1_weight=args.l1_weight, prune_every=None,
+                            history_every=1)
     generator = torch.Generator().manual_seed(args.seed + 2)
     times = []
     for _ in range(steps):
@@ -499,7 +519,7 @@ def plot_compression(tt: RunResult, path: Path) -> None:
     if tt.late_start_step is not None:
         ax.axvline(tt.late_start_step, color="grey", lw=0.8, ls=":", label="late stage starts")
     if tt.target_params is not None:
-        ax.axhline(tt.target_params, color="C2", lw=0.8, ls="-.", label="size target of the late stage")
+        ax.axhline(tt.target_params, color="C2", lw=0.8, ls="-.", label="size target")
     ax.set_xlabel("step")
     ax.set_ylabel("parameters of the TT layers")
     ax.grid(alpha=0.3)
@@ -575,7 +595,9 @@ def write_report(out: Path, args, p: Preset, data_info: dict, results: list[RunR
         ("comera_fx optimizer", f"AdamW (param_groups) cores {args.lr_cores:g} / gates {args.gate_lr_used:.2g} "
                                 f"({'auto' if args.lr_gates == 'auto' else 'fixed'}) / other {args.lr:g}, "
                                 f"same warm-up and clipping"),
-        ("RankAdaptive", f"l1_weight={args.l1_weight:g}, prune_every={args.prune_every}, "
+        ("RankAdaptive", f"budget schedule: target_ratio={args.target_ratio:g}, reached at {args.prune_by:.0%} of "
+                         f"the training clock (warm-up 10%, cubic decay, 10 prunes)" if args.schedule == "budget"
+                         else f"schedule='comera', l1_weight={args.l1_weight:g}, prune_every={args.prune_every}, "
                          f"target_ratio={args.target_ratio:g}, late_size_weight={args.late_size_weight:g}, "
                          f"late stage from ~{args.late_fraction:.0%} of the "
                          f"budget (step estimated before training)"),
@@ -625,17 +647,22 @@ def parse_args(argv):
     parser.add_argument("--lr-cores", type=float, default=3e-3)
     parser.add_argument("--lr-gates", default="auto",
                         help="gate learning rate, or 'auto': reach the size target at --prune-by of the budget")
+    parser.add_argument("--schedule", choices=("budget", "comera"), default="budget",
+                        help="RankAdaptive's schedule: budget (default; reaches --target-ratio at --prune-by of the "
+                             "training clock) or comera (ℓ1 + late stage; --l1-weight, --prune-every, "
+                             "--late-size-weight, --late-fraction, --lr-gates auto apply to it)")
     parser.add_argument("--l1-weight", type=float, default=0.01)
     parser.add_argument("--prune-every", type=int, default=25)
     parser.add_argument("--late-size-weight", type=float, default=0.0,
                         help="RankAdaptive late_size_weight (library default 0; CoMERA 0.01): the gate pull that "
                              "stays on once the size target is met; see make_hook")
     parser.add_argument("--target-ratio", type=float, default=0.5,
-                        help="late-stage size target, as a fraction of the initial TT parameters")
+                        help="size target, as a fraction of the initial TT parameters")
     parser.add_argument("--late-fraction", type=float, default=0.25,
-                        help="the late stage starts after about this fraction of the TT run's budget")
+                        help="comera schedule: the late stage starts after about this fraction of the budget")
     parser.add_argument("--prune-by", type=float, default=0.75,
-                        help="with --lr-gates auto: fraction of the budget by which the size target should be met")
+                        help="fraction of the budget by which the size target should be met (budget schedule; "
+                             "comera: through --lr-gates auto)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
     args.argv = list(argv)
@@ -744,8 +771,11 @@ def _run(args, p: Preset) -> dict:
     extra = (f"comera_fx − dense final val loss: {gap:+.4f} nats/byte ({gap / dense_result.final_val:+.1%}); "
              f"linear layers {dense_result.linear_params_end / max(tt_result.linear_params_end, 1):.1f}× smaller, "
              f"whole model {dense_result.total_params_end / max(tt_result.total_params_end, 1):.1f}× smaller. "
-             f"tensorize_ took {tt_result.setup_seconds:.1f} s (outside the budget); the late stage started at step "
-             f"{tt_result.late_start_step} (estimated {step_seconds:.3f} s/step before training).")
+             f"tensorize_ took {tt_result.setup_seconds:.1f} s (outside the budget)")
+    if tt_result.late_start_step is not None:
+        extra += (f"; the late stage started at step {tt_result.late_start_step} (estimated {step_seconds:.3f} "
+                  f"s/step before training)")
+    extra += "."
     if tt_result.history:
         last = tt_result.history[-1]
         extra += (f" Rank adaptation: size target {tt_result.target_params:,.0f} TT params "

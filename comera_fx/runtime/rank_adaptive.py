@@ -1,18 +1,20 @@
-"""Rank-adaptive training of TT layers: ℓ1 pressure on the rank gates, CoMERA's two-stage schedule, and physical
-removal of dead rank slices (cores, gates and the optimizer's state shrink together).
+"""Rank-adaptive training of TT layers: ranks shrink during training towards a size target, and the removed rank
+slices are taken out physically (cores, gates and the optimizer's state shrink together).
 
-``RankAdaptive`` attaches to an existing optimizer through its step hooks, so the training loop stays as it is; the
-only extra call is ``hook.observe(loss)`` before ``optimizer.step()`` when the schedule needs the loss (a target
-loss, plateau detection, or just the loss column of the history). See docs/rank_adaptive.md.
+``RankAdaptive`` attaches to an existing optimizer through its step hooks, so the training loop stays as it is.
+Two schedules (docs/rank_adaptive.md):
 
-Objects, in the order the hook uses them:
+* ``schedule="budget"`` (default) — the live TT size follows a known schedule (``schedule.BudgetSchedule``:
+  warm-up, cubic decay, final window) from its size now to ``target_ratio`` / ``target_params`` by the end of a
+  horizon (``total_steps`` or ``budget_seconds``); at each of a few prune points the slices of least importance
+  (``importance``: the bond's smoothed |g ⊙ ∂L/∂g| split by its singular values) are removed across all
+  layers at once (``schedule.allocate``), by TT rounding (``shrink.round_to_ranks_``). Gradients are never
+  touched.
+* ``schedule="comera"`` — CoMERA's two-stage scalarization (``comera``): an ℓ1 pull on the gates, a late stage
+  that rescales the task gradient by λ, and removal of the dead slices (|g| <= threshold) every ``prune_every``.
 
-* ``tt_matrices(model)`` — every ``TTMatrix`` once (tied ones are shared objects), with a report-style name.
-* ``add_gate_penalty_`` — adds weight · ∂R/∂g to the gates' ``.grad``; R is the mean (or sum) of |g| over the
-  live gate entries.
-* ``achievement_lambda`` — CoMERA's late-stage switch: 1 when the size is relatively farther from its target than
-  the loss, else 0.
-* ``shrink_`` — removes the dead slices of one matrix and swaps the new parameters into the optimizer.
+The only extra call in the loop is ``hook.observe(loss)`` before ``optimizer.step()``, when the CoMERA schedule
+needs the loss (a target loss, plateau detection) or for the loss column of the history.
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ import json
 import math
 import time
 import warnings
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +32,19 @@ import torch
 from torch import Tensor, fx, nn
 
 from ..report import DEFAULT_GATE_THRESHOLD, _layer_name
-from ..tt.layers import TTMatrix, planned_envelope, planned_ops
+from ..tt.layers import TTMatrix
+from .comera import EARLY, LATE, PlateauDetector, achievement_lambda, add_gate_penalty_, scale_grads_
+from .history import HistoryEntry, RankSummary
+from .importance import BondSensitivity, slice_importance
+from .schedule import BudgetSchedule, LayerSlices, allocate
+from .shrink import (ShrinkRecord, bond_singular_values, params_at_ranks, physical_params, remove_slices_,
+                     round_to_ranks_, shrink_)
 
-EARLY, LATE = "early", "late"
+__all__ = ["RankAdaptive", "param_groups", "tt_matrices", "MatrixEntry", "HistoryEntry", "RankSummary", "EARLY",
+           "LATE", "achievement_lambda", "add_gate_penalty_", "shrink_", "remove_slices_", "ShrinkRecord",
+           "params_at_ranks", "physical_params"]
+
+BUDGET, COMERA = "budget", "comera"
 
 # --------------------------------------------------------------------------------------------- finding matrices
 
@@ -100,228 +112,7 @@ def _live_counts(matrices: Sequence[MatrixEntry], threshold: float) -> list[tupl
     return [tuple(next(flat) for _ in m.tt.gates) for m in matrices]
 
 
-def params_at_ranks(tt: TTMatrix, internal_ranks: Sequence[int]) -> int:
-    """Cores + gates of ``tt`` if its bonds had ``internal_ranks``; 0 once a bond is 0 (the matrix is zero and
-    pruning empties every core)."""
-    if any(r == 0 for r in internal_ranks):
-        return 0
-    return tt.layout.with_ranks((1, *internal_ranks, 1)).num_params  # num_params counts the gates too
-
-
-def physical_params(tt: TTMatrix) -> int:
-    return sum(p.numel() for p in tt.parameters())
-
-
-# ------------------------------------------------------------------------------------------------ gradient terms
-
-
-def add_gate_penalty_(gates: Sequence[Tensor], weight: float, threshold: float, reduction: str = "mean") -> None:
-    """Add weight · ∂R/∂g to each gate's ``.grad``, R = mean (or sum) of |g| over the live entries (|g| > threshold).
-
-    Adding to ``.grad`` instead of to the loss keeps the user's loss and backward untouched. The number of live
-    entries is piecewise constant, so it is treated as a constant; dead entries get no pull (they count as zero and
-    pruning removes them). Everything stays on the device: no host synchronisation.
-    """
-    gates = [g for g in gates if g.requires_grad and g.numel() > 0]
-    if not gates or weight == 0:
-        return
-    masks = [g.detach().abs() > threshold for g in gates]
-    count = None
-    if reduction == "mean":
-        count = torch.stack([m.sum().to(gates[0].device) for m in masks]).sum().clamp_min(1)
-    for gate, mask in zip(gates, masks):
-        # weight stays a Python float so the scale is computed in the gate's own precision
-        scale = weight if count is None else weight / count.to(gate.device, gate.dtype)
-        pull = torch.sign(gate.detach()) * mask * scale
-        if gate.grad is None:
-            gate.grad = pull
-        else:
-            gate.grad.add_(pull)
-
-
-def scale_grads_(params: Iterable[Tensor], factor: float) -> None:
-    """Multiply every existing gradient by ``factor`` (the late stage's weight on the task loss)."""
-    for p in params:
-        if p.grad is not None:
-            p.grad.mul_(factor)
-
-
-def achievement_lambda(loss: float | None, target_loss: float | None, size: int, target_size: float) -> float:
-    """CoMERA's λ = [(L − L_t)/L < (S − S_t)/S]: 1 pushes the size, 0 the loss — whichever is relatively farther
-    from its target.
-
-    Without a target loss (or an observed loss) the loss counts as on target (gap 0), so the size is pushed until
-    it reaches S_t and the task loss gets the gradient afterwards. |L| is the denominator so negative losses work.
-    """
-    loss_gap = 0.0
-    if loss is not None and target_loss is not None:
-        loss_gap = (loss - target_loss) / max(abs(loss), 1e-12)
-    size_gap = (size - target_size) / size if size > 0 else -math.inf
-    return 1.0 if loss_gap < size_gap else 0.0
-
-
-# ------------------------------------------------------------------------------------------------------ shrinking
-
-
-@dataclass(frozen=True)
-class ShrinkRecord:
-    """What ``shrink_`` did to one matrix. ``zeroed``: a bond lost every slice, so the whole matrix is zero and
-    every core is now empty (the layer keeps only its bias)."""
-
-    name: str
-    old_ranks: tuple[int, ...]
-    new_ranks: tuple[int, ...]
-    params_before: int
-    params_after: int
-    zeroed: bool
-
-
-def _take(t: Tensor, first: Tensor | None, last: Tensor | None) -> Tensor:
-    """Keep the given indices on the first and/or last axis (index_select copies, so the result owns its memory)."""
-    if first is not None:
-        t = t.index_select(0, first)
-    if last is not None:
-        t = t.index_select(t.dim() - 1, last)
-    return t
-
-
-def _slice_state(state: dict[str, Any], old: Tensor, fn: Callable[[Tensor], Tensor]) -> dict[str, Any]:
-    """Slice every per-element optimizer state tensor (Adam's moments, SGD's momentum) like the parameter; keep
-    scalars (``step``). Any other shape means a factored state we cannot slice safely, so refuse."""
-    out = {}
-    for key, value in state.items():
-        if torch.is_tensor(value) and value.dim() > 0:
-            if value.shape != old.shape:
-                raise NotImplementedError(f"optimizer state {key!r} has shape {tuple(value.shape)}, not the "
-                                          f"parameter's {tuple(old.shape)}; RankAdaptive can only slice "
-                                          f"elementwise optimizer states (Adam, AdamW, SGD, RMSprop, ...)")
-            value = fn(value)
-        out[key] = value
-    return out
-
-
-def swap_parameter_(optimizer: torch.optim.Optimizer | None, old: nn.Parameter, new: nn.Parameter,
-                    fn: Callable[[Tensor], Tensor]) -> None:
-    """Put ``new`` at ``old``'s position in every param group and move ``old``'s state over, sliced by ``fn``."""
-    if optimizer is None:
-        return
-    for group in optimizer.param_groups:
-        params = group["params"]
-        for i, p in enumerate(params):
-            if p is old:
-                params[i] = new
-    if old in optimizer.state:
-        optimizer.state[new] = _slice_state(optimizer.state.pop(old), old, fn)
-
-
-def _replace_(plist: nn.ParameterList, k: int, fn: Callable[[Tensor], Tensor],
-              optimizer: torch.optim.Optimizer | None) -> None:
-    old = plist[k]
-    new = nn.Parameter(fn(old.detach()), requires_grad=old.requires_grad)
-    if old.grad is not None:  # keep accumulated gradients of a loop that does not zero them right after step
-        new.grad = fn(old.grad)
-    plist[k] = new
-    swap_parameter_(optimizer, old, new, fn)
-
-
-def shrink_(tt: TTMatrix, *, threshold: float = DEFAULT_GATE_THRESHOLD, optimizer: torch.optim.Optimizer | None = None,
-            name: str = "") -> ShrinkRecord | None:
-    """Remove the slices of ``tt`` whose gate entry is dead (|g| <= threshold), physically.
-
-    Gate k sits between core k (last axis) and core k+1 (first axis): its dead entries are dropped from all three,
-    and the new parameters replace the old ones in ``tt``'s ParameterLists and in ``optimizer`` (same positions,
-    state sliced to match). Exact when the dead entries are exactly 0; otherwise it drops terms of size
-    <= threshold, as CoMERA's masking does. If a bond loses every entry the matrix is zero and every core becomes
-    empty (``TTMatrix.is_zero``). Returns None when nothing is dead.
-    """
-    if not tt.gates or tt.is_zero:
-        return None
-    masks = [g.detach().abs() > threshold for g in tt.gates]
-    counts = torch.stack([m.sum().to(masks[0].device) for m in masks]).tolist()
-    sizes = [m.numel() for m in masks]
-    if counts == sizes:
-        return None
-    old_ranks, before = tt.ranks, physical_params(tt)
-    was_planned = planned_ops(tt.layout)
-    zeroed = 0 in counts
-    if zeroed:
-        masks = [torch.zeros_like(m) for m in masks]
-    keep = [m.nonzero().squeeze(1) for m in masks]
-    changed = [zeroed or c != s for c, s in zip(counts, sizes)]
-    n = len(tt.cores)
-    for k in range(n):
-        first = keep[k - 1] if k > 0 and changed[k - 1] else None
-        last = keep[k] if k < n - 1 and changed[k] else None
-        if first is not None or last is not None:
-            _replace_(tt.cores, k, lambda t, f=first, l=last: _take(t, f, l), optimizer)
-    for k in range(n - 1):
-        if changed[k]:
-            _replace_(tt.gates, k, lambda t, i=keep[k]: t.index_select(0, i), optimizer)
-    if not tt.is_zero:
-        # Plan the new ranks now for what was planned before: a compiled model retraces after the shapes change,
-        # and a traced graph can only read plans (without one it would run the fixed fallback order).
-        for op in was_planned:
-            planned_envelope(tt.layout, op)
-    return ShrinkRecord(name, old_ranks, tt.ranks, before, physical_params(tt), zeroed)
-
-
-# ------------------------------------------------------------------------------------------------- stage switch
-
-
-@dataclass
-class PlateauDetector:
-    """Says when the loss stopped improving: no new best (by a relative margin ``tol``) for ``patience`` steps.
-    Compares against the best loss so far, which tolerates per-batch noise better than step-to-step changes."""
-
-    patience: int
-    tol: float
-    best: float = math.inf
-    since: int = 0
-
-    def update(self, loss: float) -> bool:
-        if self.best == math.inf or loss < self.best - self.tol * abs(self.best):
-            self.best, self.since = loss, 0
-        else:
-            self.since += 1
-        return self.since >= self.patience
-
-
-# ------------------------------------------------------------------------------------------------------ history
-
-
-@dataclass(frozen=True)
-class HistoryEntry:
-    """The state after one optimizer step. ``ranks``: stored core ranks; ``live_ranks``: gate entries above the
-    threshold. ``lam`` is the late stage's λ (None in the early stage); ``shrunk`` lists the layers pruned at
-    this step and ``zeroed`` those that became entirely zero (removed: only their bias is left)."""
-
-    step: int
-    stage: str
-    loss: float | None
-    lam: float | None
-    ranks: dict[str, tuple[int, ...]]
-    live_ranks: dict[str, tuple[int, ...]]
-    tt_params: int
-    live_tt_params: int
-    dense_params: int
-    shrunk: tuple[str, ...]
-    zeroed: tuple[str, ...]
-    wall_time: float
-
-    @property
-    def compression(self) -> float | None:
-        return self.dense_params / self.tt_params if self.tt_params else None
-
-    def to_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        out["ranks"] = {k: list(v) for k, v in self.ranks.items()}
-        out["live_ranks"] = {k: list(v) for k, v in self.live_ranks.items()}
-        out["shrunk"], out["zeroed"] = list(self.shrunk), list(self.zeroed)
-        out["compression"] = self.compression
-        return out
-
-
-# ------------------------------------------------------------------------------------------------------- the hook
+# ------------------------------------------------------------------------------------------------------ settings
 
 
 def _check(name: str, value: Any, ok: bool, what: str) -> None:
@@ -333,48 +124,122 @@ def _is_int(value: Any, low: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= low
 
 
+_UNSET: Any = object()  # prune_every=None means "never prune", so "not given" needs its own marker
+
+BUDGET_DEFAULTS = {"warmup_fraction": 0.1, "final_fraction": 0.2, "prunes": 10, "importance_beta": 0.85,
+                   "min_rank": 1, "rank0_below": 0.01}
+COMERA_DEFAULTS = {"l1_weight": 0.01, "prune_every": 100, "plateau_tol": 1e-3, "reduction": "mean",
+                   "late_loss_weight": 0.1, "late_size_weight": 0.0}
+_ONLY = {BUDGET: (*BUDGET_DEFAULTS, "total_steps", "budget_seconds", "clock"),
+         COMERA: (*COMERA_DEFAULTS, "target_loss", "late_start_step", "plateau_patience")}
+
+
 @dataclass
 class _Settings:
-    """Validated constructor arguments (see ``RankAdaptive``)."""
+    """Validated constructor arguments (see ``RankAdaptive``); the other schedule's options are None."""
 
-    l1_weight: float
+    schedule: str
     threshold: float
-    prune_every: int | None
+    history_every: int | None
     target_ratio: float | None
     target_params: int | None
-    target_loss: float | None
-    late_start_step: int | None
-    plateau_patience: int | None
-    plateau_tol: float
-    reduction: str
-    late_loss_weight: float
-    late_size_weight: float
-    history_every: int | None
+    total_steps: int | None = None
+    budget_seconds: float | None = None
+    clock: Callable[[], float] | None = None
+    warmup_fraction: float | None = None
+    final_fraction: float | None = None
+    prunes: int | None = None
+    importance_beta: float | None = None
+    min_rank: int | None = None
+    rank0_below: float | None = None
+    l1_weight: float | None = None
+    prune_every: int | None = None
+    target_loss: float | None = None
+    late_start_step: int | None = None
+    plateau_patience: int | None = None
+    plateau_tol: float | None = None
+    reduction: str | None = None
+    late_loss_weight: float | None = None
+    late_size_weight: float | None = None
+
+    @classmethod
+    def resolve(cls, schedule: str, common: dict[str, Any], given: dict[str, Any]) -> "_Settings":
+        """Refuse the other schedule's options, fill this one's defaults."""
+        _check("schedule", schedule, schedule in (BUDGET, COMERA), "'budget' (the default) or 'comera'")
+        other = COMERA if schedule == BUDGET else BUDGET
+        wrong = [n for n in _ONLY[other] if given[n] is not None and given[n] is not _UNSET]
+        if wrong:
+            raise ValueError(f"RankAdaptive: {', '.join(wrong)} belong to schedule={other!r}, not to "
+                             f"schedule={schedule!r}; pass schedule={other!r} to use them, or drop them "
+                             f"(docs/rank_adaptive.md)")
+        defaults = BUDGET_DEFAULTS if schedule == BUDGET else COMERA_DEFAULTS
+        values = {n: given[n] for n in _ONLY[schedule]}
+        for name, default in defaults.items():
+            if values[name] is _UNSET or (values[name] is None and name != "prune_every"):
+                values[name] = default
+        return cls(schedule=schedule, **common, **values)
 
     def __post_init__(self) -> None:
-        _check("l1_weight", self.l1_weight, self.l1_weight >= 0, "a float >= 0")
         _check("threshold", self.threshold, self.threshold >= 0, "a float >= 0")
-        for name in ("prune_every", "plateau_patience", "history_every"):
-            value = getattr(self, name)
-            _check(name, value, value is None or _is_int(value, 1), "an int >= 1 or None")
-        _check("late_start_step", self.late_start_step,
-               self.late_start_step is None or _is_int(self.late_start_step, 0), "an int >= 0 or None")
+        _check("history_every", self.history_every, self.history_every is None or _is_int(self.history_every, 1),
+               "an int >= 1 or None")
         _check("target_ratio", self.target_ratio, self.target_ratio is None or 0 < self.target_ratio <= 1,
                "a float in (0, 1] or None")
         _check("target_params", self.target_params, self.target_params is None or _is_int(self.target_params, 0),
                "an int >= 0 or None")
         _check("target_ratio / target_params", (self.target_ratio, self.target_params),
                self.target_ratio is None or self.target_params is None, "given at most one of them")
+        (self._check_budget if self.schedule == BUDGET else self._check_comera)()
+
+    def _check_budget(self) -> None:
+        if not self.has_target:
+            raise ValueError("RankAdaptive: the budget schedule (the default) needs a size target: pass "
+                             "target_ratio= (a fraction of the TT size now) or target_params= (TT parameters), "
+                             "with total_steps= or budget_seconds=; schedule='comera' runs CoMERA's ℓ1 penalty, "
+                             "which works without a target")
+        if self.total_steps is None and self.budget_seconds is None:
+            raise ValueError("RankAdaptive: a size target needs a horizon to reach it by: pass total_steps= (the "
+                             "optimizer steps of the run) or budget_seconds= (its wall clock); the size then "
+                             "reaches the target at 1 - final_fraction of the horizon")
+        _check("total_steps / budget_seconds", (self.total_steps, self.budget_seconds),
+               self.total_steps is None or self.budget_seconds is None, "given at most one of them")
+        _check("total_steps", self.total_steps, self.total_steps is None or _is_int(self.total_steps, 1),
+               "an int >= 1 or None")
+        _check("budget_seconds", self.budget_seconds, self.budget_seconds is None or (
+            isinstance(self.budget_seconds, (int, float)) and self.budget_seconds > 0), "a number > 0 or None")
+        _check("clock", self.clock, self.clock is None or callable(self.clock), "a callable returning seconds")
+        _check("min_rank", self.min_rank, _is_int(self.min_rank, 0), "an int >= 0")
+        _check("rank0_below", self.rank0_below, self.rank0_below >= 0, "a float >= 0")
+
+    def _check_comera(self) -> None:
+        _check("l1_weight", self.l1_weight, self.l1_weight >= 0, "a float >= 0")
+        for name in ("prune_every", "plateau_patience"):
+            value = getattr(self, name)
+            _check(name, value, value is None or _is_int(value, 1), "an int >= 1 or None")
+        _check("late_start_step", self.late_start_step,
+               self.late_start_step is None or _is_int(self.late_start_step, 0), "an int >= 0 or None")
         _check("reduction", self.reduction, self.reduction in ("mean", "sum"), "'mean' or 'sum'")
         _check("plateau_tol", self.plateau_tol, self.plateau_tol >= 0, "a float >= 0")
         has_switch = self.late_start_step is not None or self.plateau_patience is not None
         _check("late_start_step / plateau_patience", (self.late_start_step, self.plateau_patience),
                not has_switch or self.has_target, "used with target_ratio or target_params (the late stage "
                "needs a size target)")
+        if self.has_target and not has_switch:
+            raise ValueError("RankAdaptive: with schedule='comera' a size target is pursued only in the late "
+                             "stage, which starts at late_start_step= or on a plateau (plateau_patience=); give "
+                             "one of them, or use the default budget schedule with total_steps= / "
+                             "budget_seconds=")
 
     @property
     def has_target(self) -> bool:
         return self.target_ratio is not None or self.target_params is not None
+
+
+# ------------------------------------------------------------------------------------------------------- the hook
+
+
+def _mids(tt: TTMatrix) -> tuple[int, ...]:
+    return tuple(math.prod(core.shape[1:-1]) for core in tt.cores)
 
 
 class RankAdaptive:
@@ -384,19 +249,24 @@ class RankAdaptive:
 
         loss.backward(); hook.observe(loss); optimizer.step(); optimizer.zero_grad()
 
-    Early stage: ``l1_weight`` · ∂R/∂g is added to the gates' gradients, R = mean |live gate entries| over all TT
-    matrices (``reduction="sum"``: the sum). Late stage (needs ``target_ratio`` or ``target_params``; optional
-    ``target_loss``), from step ``late_start_step`` or once the observed loss plateaus (no relative improvement
-    over ``plateau_tol`` for ``plateau_patience`` steps): every gradient is scaled by (1 − λ) + ``late_loss_weight``
-    and (λ + ``late_size_weight``) · ∂R/∂g is added, with λ from ``achievement_lambda`` on the live TT parameter
-    count. ``late_size_weight`` defaults to 0 (CoMERA's code uses 0.01): any size pull left on once the target is met
-    keeps moving every unimportant gate by about one learning rate per step under Adam, and the size falls far below
-    the target (docs/rank_adaptive.md). Every ``prune_every`` steps the dead slices (|g| <= ``threshold``) are
-    removed for real, optimizer state included. ``history`` holds one ``HistoryEntry`` per ``history_every`` steps
-    and per pruning.
+    **Budget schedule** (default): needs a size target (``target_ratio`` of the TT size now, or ``target_params``)
+    and a horizon (``total_steps``, or ``budget_seconds`` on ``clock``, default ``time.perf_counter``, counted
+    from the first step). The TT size stays put for ``warmup_fraction`` (0.1) of the horizon, decays cubically to
+    the target by 1 − ``final_fraction`` (0.8), then stays there; it is cut to the scheduled size at ``prunes``
+    (10) evenly spaced points of the decay. Each cut removes, across all layers, the slices with the least
+    importance (EMA, β = ``importance_beta`` 0.85, of |g ⊙ ∂L/∂g|) per parameter freed. Every bond keeps at least
+    ``min_rank`` (1) slices, except in layers whose importance is below ``rank0_below`` (0.01) × the mean layer
+    importance: those may go to rank 0 (their bias only; ``summary()`` says why). Gradients are not modified.
 
-    The parameters of shrunk matrices are new objects: read ``model.parameters()`` afresh after a pruning step
-    (do not keep lists of them across steps).
+    **CoMERA** (``schedule="comera"``): ``l1_weight`` (0.01) · ∂R/∂g is added to the gates' gradients (R = mean
+    |live gate entries|; ``reduction="sum"``: the sum). The late stage (needs a target, and ``late_start_step`` or
+    ``plateau_patience``; optional ``target_loss``) scales every gradient by (1 − λ) + ``late_loss_weight`` (0.1)
+    and adds (λ + ``late_size_weight`` (0)) · ∂R/∂g, λ from ``achievement_lambda``. Every ``prune_every`` (100)
+    steps the dead slices (|g| <= ``threshold``) are removed.
+
+    Removal is physical, optimizer state included. ``history`` holds one ``HistoryEntry`` per ``history_every``
+    steps and per pruning. The parameters of shrunk matrices are new objects: read ``model.parameters()`` afresh
+    after a pruning step (do not keep lists of them across steps).
     """
 
     def __init__(
@@ -404,38 +274,71 @@ class RankAdaptive:
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         *,
-        l1_weight: float = 0.01,
-        threshold: float = DEFAULT_GATE_THRESHOLD,
-        prune_every: int | None = 100,
+        schedule: str = BUDGET,
         target_ratio: float | None = None,
         target_params: int | None = None,
+        total_steps: int | None = None,
+        budget_seconds: float | None = None,
+        clock: Callable[[], float] | None = None,
+        warmup_fraction: float | None = None,
+        final_fraction: float | None = None,
+        prunes: int | None = None,
+        importance_beta: float | None = None,
+        min_rank: int | None = None,
+        rank0_below: float | None = None,
+        l1_weight: float | None = None,
+        prune_every: int | None = _UNSET,
         target_loss: float | None = None,
         late_start_step: int | None = None,
         plateau_patience: int | None = None,
-        plateau_tol: float = 1e-3,
-        reduction: str = "mean",
-        late_loss_weight: float = 0.1,
-        late_size_weight: float = 0.0,
+        plateau_tol: float | None = None,
+        reduction: str | None = None,
+        late_loss_weight: float | None = None,
+        late_size_weight: float | None = None,
+        threshold: float = DEFAULT_GATE_THRESHOLD,
         history_every: int | None = 1,
     ):
-        self.settings = _Settings(l1_weight, threshold, prune_every, target_ratio, target_params, target_loss,
-                                  late_start_step, plateau_patience, plateau_tol, reduction, late_loss_weight,
-                                  late_size_weight, history_every)
+        given = dict(total_steps=total_steps, budget_seconds=budget_seconds, clock=clock,
+                     warmup_fraction=warmup_fraction, final_fraction=final_fraction, prunes=prunes,
+                     importance_beta=importance_beta, min_rank=min_rank, rank0_below=rank0_below,
+                     l1_weight=l1_weight, prune_every=prune_every, target_loss=target_loss,
+                     late_start_step=late_start_step, plateau_patience=plateau_patience, plateau_tol=plateau_tol,
+                     reduction=reduction, late_loss_weight=late_loss_weight, late_size_weight=late_size_weight)
+        common = dict(threshold=threshold, history_every=history_every, target_ratio=target_ratio,
+                      target_params=target_params)
+        self.settings = s = _Settings.resolve(schedule, common, given)
         self.model, self.optimizer = model, optimizer
         self.matrices = tt_matrices(model)
         self._check_model()
         self.initial_tt_params = sum(physical_params(m.tt) for m in self.matrices)
         self.step = 0
-        self.stage = EARLY
-        self.switch_step: int | None = None
         self.history: list[HistoryEntry] = []
-        self._plateau = PlateauDetector(plateau_patience, plateau_tol) if plateau_patience is not None else None
+        self.zeroed: dict[str, str] = {}  # layer -> why it went to rank 0
+        self._start = time.perf_counter()
         self._pending_loss: float | None = None
         self._step_loss: float | None = None
         self._step_lam: float | None = None
-        self._start = time.perf_counter()
+        if s.schedule == BUDGET:
+            self.schedule: BudgetSchedule | None = self._make_schedule()
+            self.importance: BondSensitivity | None = BondSensitivity(s.importance_beta)
+            self.stage = self.schedule.phase(0.0)
+            self._clock = s.clock or time.perf_counter
+            self._elapsed_before, self._clock_start = 0.0, None
+            self._next_prune = 0
+            self._warned_floor = False
+        else:
+            self.schedule, self.importance = None, None
+            self.stage = EARLY
+        self.switch_step: int | None = None
+        self._plateau = (PlateauDetector(s.plateau_patience, s.plateau_tol)
+                         if s.schedule == COMERA and s.plateau_patience is not None else None)
         self._handles = [optimizer.register_step_pre_hook(self._pre_step),
                          optimizer.register_step_post_hook(self._post_step)]
+
+    def _make_schedule(self) -> BudgetSchedule:
+        s = self.settings
+        return BudgetSchedule(self.initial_tt_params, self.target_size, s.warmup_fraction, s.final_fraction,
+                              s.prunes)
 
     def _check_model(self) -> None:
         if not self.matrices:
@@ -446,7 +349,11 @@ class RankAdaptive:
             raise ValueError(f"RankAdaptive: the optimizer does not hold the gates of {missing}; build it after "
                              f"tensorize_ (e.g. from comera_fx.runtime.param_groups(model))")
         frozen = [m.name for m in self.matrices if not m.shrinkable]
-        if frozen and self.settings.prune_every is not None:
+        if frozen and self.settings.schedule == BUDGET:
+            warnings.warn(f"RankAdaptive: {frozen} come from the graph pass, whose ranks are constants of the graph; "
+                          f"their slices are never removed, so the other TT matrices carry the whole size cut",
+                          stacklevel=3)
+        elif frozen and self.settings.prune_every is not None:
             warnings.warn(f"RankAdaptive: {frozen} come from the graph pass, whose ranks are constants of the graph; "
                           f"their gates are penalised but their slices are never removed", stacklevel=3)
 
@@ -475,15 +382,82 @@ class RankAdaptive:
         counts = _live_counts(self.matrices, self.settings.threshold)
         return sum(params_at_ranks(m.tt, c) for m, c in zip(self.matrices, counts))
 
+    def elapsed_seconds(self) -> float:
+        """Budget schedule: seconds on ``clock`` since the first step (carried over by checkpoints)."""
+        running = 0.0 if self._clock_start is None else self._clock() - self._clock_start
+        return self._elapsed_before + running
+
+    def progress(self) -> float | None:
+        """Budget schedule: the fraction of the horizon done (steps or seconds); None with CoMERA's."""
+        s = self.settings
+        if s.schedule != BUDGET:
+            return None
+        if s.total_steps is not None:
+            return self.step / s.total_steps
+        return self.elapsed_seconds() / s.budget_seconds
+
     def prune(self) -> list[ShrinkRecord]:
-        """Remove every dead slice now (also done automatically every ``prune_every`` steps)."""
+        """Remove every dead slice (|g| <= threshold) now (CoMERA's schedule does it every ``prune_every``)."""
         records = []
         for m in self.matrices:
             if m.shrinkable:
                 record = shrink_(m.tt, threshold=self.settings.threshold, optimizer=self.optimizer, name=m.name)
                 if record is not None:
+                    self._after_shrink(record, "its gates fell below the threshold")
                     records.append(record)
         return records
+
+    def prune_to(self, size: float) -> list[ShrinkRecord]:
+        """Cut the TT size to <= ``size`` (or until every bond is at its floor): rank the directions of every
+        bond of every layer jointly by importance per parameter freed (``importance.slice_importance``,
+        ``schedule.allocate``) and TT-round each reduced matrix to its new ranks (``shrink.round_to_ranks_``).
+        The budget schedule calls this at its prune points."""
+        if self.importance is None:
+            raise RuntimeError("RankAdaptive: prune_to() ranks slices by importance, which only the budget "
+                               "schedule measures; with schedule='comera' use prune()")
+        s = self.settings
+        entries = [m for m in self.matrices if m.shrinkable and not m.tt.is_zero]
+        fixed = self.tt_params() - sum(physical_params(m.tt) for m in entries)
+        sensitivity, layer_importance = self.importance.values(entries)
+        mean = sum(layer_importance.values()) / max(len(entries), 1)
+        layers, reasons = [], {}
+        for m in entries:
+            imp = layer_importance[m.name]
+            if s.min_rank == 0:
+                floor, reasons[m.name] = 0, f"min_rank=0 (importance {imp:.3g}, mean layer importance {mean:.3g})"
+            elif s.rank0_below > 0 and imp < s.rank0_below * mean:
+                floor, reasons[m.name] = 0, (f"importance {imp:.3g} < rank0_below {s.rank0_below:g} × mean layer "
+                                             f"importance {mean:.3g}")
+            else:
+                floor = s.min_rank
+            sigmas = [sig.tolist() for sig in bond_singular_values(m.tt)]
+            ranks = m.tt.layout.internal_ranks
+            layers.append(LayerSlices(_mids(m.tt), tuple(slice_importance(sens, sig, r) for sens, sig, r in
+                                                         zip(sensitivity[m.name], sigmas, ranks)), floor))
+        records = []
+        for m, keep in zip(entries, allocate(layers, size, fixed)):
+            record = round_to_ranks_(m.tt, [len(kept) for kept in keep], optimizer=self.optimizer, name=m.name)
+            if record is not None:
+                self._after_shrink(record, reasons.get(m.name, ""))
+                records.append(record)
+        if self.tt_params() > size + 0.5 and not self._warned_floor:
+            self._warned_floor = True
+            warnings.warn(f"RankAdaptive: the scheduled size {size:,.0f} is below what the rank floors allow "
+                          f"(min_rank={s.min_rank}); the TT size stays at {self.tt_params():,}. Lower min_rank or "
+                          f"raise the target", stacklevel=2)
+        return records
+
+    def _after_shrink(self, record: ShrinkRecord, why: str) -> None:
+        if record.zeroed:
+            if self.importance is not None:
+                self.importance.forget(record.name)
+            self.zeroed[record.name] = why
+
+    def summary(self) -> RankSummary:
+        """Sizes, ranks, and which layers went to rank 0 and why (``str()`` formats it)."""
+        return RankSummary(self.settings.schedule, self.step, self.stage, self.progress(), self.initial_tt_params,
+                           self.target_size, self.tt_params(), {m.name: m.tt.ranks for m in self.matrices},
+                           dict(self.zeroed))
 
     def remove(self) -> None:
         """Detach from the optimizer; later steps are plain optimizer steps. Safe to call twice."""
@@ -503,15 +477,32 @@ class RankAdaptive:
         Path(path).write_text(json.dumps(self.history_as_dicts(), indent=1))
 
     def state_dict(self) -> dict[str, Any]:
-        """The schedule's state (not the history), so a resumed run switches stage and prunes at the same steps."""
-        plateau = None if self._plateau is None else {"best": self._plateau.best, "since": self._plateau.since}
-        return {"step": self.step, "stage": self.stage, "switch_step": self.switch_step,
-                "initial_tt_params": self.initial_tt_params, "plateau": plateau}
+        """The schedule's state (not the history), so a resumed run prunes the same slices at the same steps."""
+        state = {"schedule": self.settings.schedule, "step": self.step, "stage": self.stage,
+                 "switch_step": self.switch_step, "initial_tt_params": self.initial_tt_params,
+                 "zeroed": dict(self.zeroed)}
+        if self.settings.schedule == BUDGET:
+            state.update(elapsed_seconds=self.elapsed_seconds(), next_prune=self._next_prune,
+                         importance=self.importance.state_dict())
+        else:
+            state["plateau"] = (None if self._plateau is None
+                                else {"best": self._plateau.best, "since": self._plateau.since})
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved = state.get("schedule", COMERA)  # checkpoints from before the budget schedule are CoMERA's
+        if saved != self.settings.schedule:
+            raise ValueError(f"RankAdaptive: the checkpoint is of schedule={saved!r}, this hook runs "
+                             f"schedule={self.settings.schedule!r}; build it with the checkpoint's settings")
         self.step, self.stage, self.switch_step = state["step"], state["stage"], state["switch_step"]
         self.initial_tt_params = state["initial_tt_params"]
-        if self._plateau is not None and state.get("plateau") is not None:
+        self.zeroed = dict(state.get("zeroed", {}))
+        if self.settings.schedule == BUDGET:
+            self.schedule = self._make_schedule()
+            self._elapsed_before, self._clock_start = state["elapsed_seconds"], None
+            self._next_prune = state["next_prune"]
+            self.importance.load_state_dict(state["importance"])
+        elif self._plateau is not None and state.get("plateau") is not None:
             self._plateau.best, self._plateau.since = state["plateau"]["best"], state["plateau"]["since"]
 
     # -- hooks ---------------------------------------------------------------------------------------------------
@@ -523,7 +514,7 @@ class RankAdaptive:
         return [p for group in self.optimizer.param_groups for p in group["params"]]
 
     def _update_stage(self, loss: float | None) -> None:
-        """Early → late at ``late_start_step`` or on a plateau of the observed loss; never back."""
+        """CoMERA: early → late at ``late_start_step`` or on a plateau of the observed loss; never back."""
         if self.stage == LATE or not self.settings.has_target:
             return
         plateaued = self._plateau is not None and loss is not None and self._plateau.update(loss)
@@ -543,25 +534,40 @@ class RankAdaptive:
             raise RuntimeError("RankAdaptive: optimizer.step(closure) is not supported; the gradients must exist "
                                "before step() (call backward first)")
         loss, self._pending_loss = self._pending_loss, None
-        self._update_stage(loss)
+        self._step_loss, self._step_lam = loss, None
         s = self.settings
+        if s.schedule == BUDGET:
+            if self._clock_start is None:
+                self._clock_start = self._clock()
+            self.importance.update([m for m in self.matrices if m.shrinkable])
+            return
+        self._update_stage(loss)
         if self.stage == EARLY:
-            lam = None
             add_gate_penalty_(self._gates(), s.l1_weight, s.threshold, s.reduction)
         else:
-            lam = self._late_lambda(loss)
+            self._step_lam = lam = self._late_lambda(loss)
             scale_grads_(self._params(), (1.0 - lam) + s.late_loss_weight)
             add_gate_penalty_(self._gates(), lam + s.late_size_weight, s.threshold, s.reduction)
-        self._step_loss, self._step_lam = loss, lam
 
     def _post_step(self, optimizer, args, kwargs) -> None:
         self.step += 1
         s = self.settings
-        records = self.prune() if s.prune_every is not None and self.step % s.prune_every == 0 else []
+        records, budget = [], None
+        if s.schedule == BUDGET:
+            progress = self.progress()
+            budget, self.stage = self.schedule.budget(progress), self.schedule.phase(progress)
+            points, due = self.schedule.prune_points(), self._next_prune
+            while due < len(points) and progress >= points[due] - 1e-9:
+                due += 1
+            if due > self._next_prune:
+                self._next_prune = due
+                records = self.prune_to(budget)
+        elif s.prune_every is not None and self.step % s.prune_every == 0:
+            records = self.prune()
         if records or (s.history_every is not None and self.step % s.history_every == 0):
-            self.history.append(self._entry(records))
+            self.history.append(self._entry(records, budget))
 
-    def _entry(self, records: Sequence[ShrinkRecord]) -> HistoryEntry:
+    def _entry(self, records: Sequence[ShrinkRecord], budget: float | None) -> HistoryEntry:
         counts = _live_counts(self.matrices, self.settings.threshold)
         ranks = {m.name: m.tt.ranks for m in self.matrices}
         live = {m.name: (1, *c, 1) for m, c in zip(self.matrices, counts)}
@@ -569,4 +575,4 @@ class RankAdaptive:
         dense = sum(m.tt.layout.dense_params for m in self.matrices)
         return HistoryEntry(self.step, self.stage, self._step_loss, self._step_lam, ranks, live, self.tt_params(),
                             live_params, dense, tuple(r.name for r in records),
-                            tuple(r.name for r in records if r.zeroed), time.perf_counter() - self._start)
+                            tuple(r.name for r in records if r.zeroed), time.perf_counter() - self._start, budget)

@@ -1,0 +1,224 @@
+"""Physical removal of rank slices from a TT matrix: cores, gates, gradients and the optimizer's state shrink
+together, and the new parameters take the old ones' places in the optimizer.
+
+``shrink_`` removes the dead slices (|g| <= threshold, CoMERA's rule); ``remove_slices_`` removes whichever
+slices the caller chooses (the budget schedule's importance ranking). Both return a ``ShrinkRecord``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..report import DEFAULT_GATE_THRESHOLD
+from ..tt.layers import TTMatrix, planned_envelope, planned_ops
+
+
+def params_at_ranks(tt: TTMatrix, internal_ranks: Sequence[int]) -> int:
+    """Cores + gates of ``tt`` if its bonds had ``internal_ranks``; 0 once a bond is 0 (the matrix is zero and
+    pruning empties every core)."""
+    if any(r == 0 for r in internal_ranks):
+        return 0
+    return tt.layout.with_ranks((1, *internal_ranks, 1)).num_params  # num_params counts the gates too
+
+
+def physical_params(tt: TTMatrix) -> int:
+    return sum(p.numel() for p in tt.parameters())
+
+
+@dataclass(frozen=True)
+class ShrinkRecord:
+    """What one shrink did to one matrix. ``zeroed``: a bond lost every slice, so the whole matrix is zero and
+    every core is now empty (the layer keeps only its bias). ``kept[k]``: the indices of bond k's slices that were
+    kept (all of them when the bond did not change; none when the matrix was zeroed)."""
+
+    name: str
+    old_ranks: tuple[int, ...]
+    new_ranks: tuple[int, ...]
+    params_before: int
+    params_after: int
+    zeroed: bool
+    kept: tuple[tuple[int, ...], ...] = ()
+
+
+def _take(t: Tensor, first: Tensor | None, last: Tensor | None) -> Tensor:
+    """Keep the given indices on the first and/or last axis (index_select copies, so the result owns its memory)."""
+    if first is not None:
+        t = t.index_select(0, first)
+    if last is not None:
+        t = t.index_select(t.dim() - 1, last)
+    return t
+
+
+def _slice_state(state: dict[str, Any], old: Tensor, fn: Callable[[Tensor], Tensor]) -> dict[str, Any]:
+    """Slice every per-element optimizer state tensor (Adam's moments, SGD's momentum) like the parameter; keep
+    scalars (``step``). Any other shape means a factored state we cannot slice safely, so refuse."""
+    out = {}
+    for key, value in state.items():
+        if torch.is_tensor(value) and value.dim() > 0:
+            if value.shape != old.shape:
+                raise NotImplementedError(f"optimizer state {key!r} has shape {tuple(value.shape)}, not the "
+                                          f"parameter's {tuple(old.shape)}; RankAdaptive can only slice "
+                                          f"elementwise optimizer states (Adam, AdamW, SGD, RMSprop, ...)")
+            value = fn(value)
+        out[key] = value
+    return out
+
+
+def swap_parameter_(optimizer: torch.optim.Optimizer | None, old: nn.Parameter, new: nn.Parameter,
+                    fn: Callable[[Tensor], Tensor]) -> None:
+    """Put ``new`` at ``old``'s position in every param group and move ``old``'s state over, sliced by ``fn``."""
+    if optimizer is None:
+        return
+    for group in optimizer.param_groups:
+        params = group["params"]
+        for i, p in enumerate(params):
+            if p is old:
+                params[i] = new
+    if old in optimizer.state:
+        optimizer.state[new] = _slice_state(optimizer.state.pop(old), old, fn)
+
+
+def _replace_(plist: nn.ParameterList, k: int, fn: Callable[[Tensor], Tensor],
+              optimizer: torch.optim.Optimizer | None) -> None:
+    old = plist[k]
+    new = nn.Parameter(fn(old.detach()), requires_grad=old.requires_grad)
+    if old.grad is not None:  # keep accumulated gradients of a loop that does not zero them right after step
+        new.grad = fn(old.grad)
+    plist[k] = new
+    swap_parameter_(optimizer, old, new, fn)
+
+
+def remove_slices_(tt: TTMatrix, masks: Sequence[Tensor], *, optimizer: torch.optim.Optimizer | None = None,
+                   name: str = "") -> ShrinkRecord | None:
+    """Keep, on every bond k, the slices where ``masks[k]`` (bool, one entry per slice) is True; remove the others.
+
+    Gate k sits between core k (last axis) and core k+1 (first axis): its removed entries are dropped from all
+    three, and the new parameters replace the old ones in ``tt``'s ParameterLists and in ``optimizer`` (same
+    positions, state sliced to match). If a bond keeps nothing the matrix is zero and every core becomes empty
+    (``TTMatrix.is_zero``). Returns None when nothing is removed.
+    """
+    if not tt.gates or tt.is_zero:
+        return None
+    if [tuple(m.shape) for m in masks] != [tuple(g.shape) for g in tt.gates]:
+        raise ValueError(f"{name or 'TTMatrix'}: masks of shapes {[tuple(m.shape) for m in masks]} do not match "
+                         f"the gates' {[tuple(g.shape) for g in tt.gates]}")
+    masks = [m.to(torch.bool) for m in masks]
+    counts = torch.stack([m.sum().to(masks[0].device) for m in masks]).tolist()
+    sizes = [m.numel() for m in masks]
+    if counts == sizes:
+        return None
+    old_ranks, before = tt.ranks, physical_params(tt)
+    was_planned = planned_ops(tt.layout)
+    zeroed = 0 in counts
+    if zeroed:
+        masks = [torch.zeros_like(m) for m in masks]
+    keep = [m.nonzero().squeeze(1) for m in masks]
+    changed = [zeroed or c != s for c, s in zip(counts, sizes)]
+    n = len(tt.cores)
+    for k in range(n):
+        first = keep[k - 1] if k > 0 and changed[k - 1] else None
+        last = keep[k] if k < n - 1 and changed[k] else None
+        if first is not None or last is not None:
+            _replace_(tt.cores, k, lambda t, f=first, l=last: _take(t, f, l), optimizer)
+    for k in range(n - 1):
+        if changed[k]:
+            _replace_(tt.gates, k, lambda t, i=keep[k]: t.index_select(0, i), optimizer)
+    if not tt.is_zero:
+        # Plan the new ranks now for what was planned before: a compiled model retraces after the shapes change,
+        # and a traced graph can only read plans (without one it would run the fixed fallback order).
+        for op in was_planned:
+            planned_envelope(tt.layout, op)
+    kept = tuple(tuple(k.tolist()) for k in keep)
+    return ShrinkRecord(name, old_ranks, tt.ranks, before, physical_params(tt), zeroed, kept)
+
+
+def shrink_(tt: TTMatrix, *, threshold: float = DEFAULT_GATE_THRESHOLD, optimizer: torch.optim.Optimizer | None = None,
+            name: str = "") -> ShrinkRecord | None:
+    """Remove the slices of ``tt`` whose gate entry is dead (|g| <= threshold), physically (``remove_slices_``).
+
+    Exact when the dead entries are exactly 0; otherwise it drops terms of size <= threshold, as CoMERA's masking
+    does. Returns None when nothing is dead.
+    """
+    if not tt.gates or tt.is_zero:
+        return None
+    return remove_slices_(tt, [g.detach().abs() > threshold for g in tt.gates], optimizer=optimizer, name=name)
+
+
+# ------------------------------------------------------------------------------------------------ TT rounding
+
+
+def _fold_gates(tt: TTMatrix) -> list[Tensor]:
+    cores = [c.detach() for c in tt.cores]
+    return [c * g.detach() if k < len(tt.gates) else c
+            for k, (c, g) in enumerate(zip(cores, [*tt.gates, None]))] if tt.gates else cores
+
+
+def tt_round(cores: Sequence[Tensor], ranks: Sequence[int] | None = None) -> tuple[list[Tensor], list[Tensor]]:
+    """TT rounding (Oseledets 2011, Alg. 2) of ungated cores: left-orthogonalise with QR, then sweep right to
+    left with SVDs, keeping ``ranks[k]`` singular directions at bond k (None: all). Returns (new cores,
+    singular values of every bond before truncation). The singular values are those of the matrix unfolding
+    across the bond, so they do not depend on the gauge the cores happen to be in; truncating bond k alone
+    changes the matrix by the discarded singular values (Frobenius), and all bonds together by at most the
+    root of the sum of their squares."""
+    dtype = cores[0].dtype
+    work = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype  # QR/SVD need float32 at least
+    cores = [c.to(work, copy=True) for c in cores]
+    n = len(cores)
+    for k in range(n - 1):
+        shape = cores[k].shape
+        q, r = torch.linalg.qr(cores[k].reshape(-1, shape[-1]))
+        cores[k] = q.reshape(*shape[:-1], q.shape[1])
+        nxt = cores[k + 1]
+        cores[k + 1] = (r @ nxt.reshape(nxt.shape[0], -1)).reshape(r.shape[0], *nxt.shape[1:])
+    sigmas: list[Tensor] = [torch.empty(0)] * (n - 1)
+    for k in range(n - 1, 0, -1):
+        shape = cores[k].shape
+        u, s, vh = torch.linalg.svd(cores[k].reshape(shape[0], -1), full_matrices=False)
+        sigmas[k - 1] = s
+        keep = len(s) if ranks is None else max(1, min(ranks[k - 1], len(s)))
+        u, s, vh = u[:, :keep], s[:keep], vh[:keep]
+        cores[k] = vh.reshape(keep, *shape[1:])
+        prev = cores[k - 1]
+        cores[k - 1] = (prev.reshape(-1, prev.shape[-1]) @ (u * s)).reshape(*prev.shape[:-1], keep)
+    return [c.to(dtype) for c in cores], sigmas
+
+
+def bond_singular_values(tt: TTMatrix) -> list[Tensor]:
+    """The singular values of every bond of ``tt`` (gates folded in), largest first; fewer than the bond's rank
+    when the bond is larger than the matrix needs."""
+    with torch.no_grad():
+        return tt_round(_fold_gates(tt))[1]
+
+
+def round_to_ranks_(tt: TTMatrix, internal_ranks: Sequence[int], *, optimizer: torch.optim.Optimizer | None = None,
+                    name: str = "") -> ShrinkRecord | None:
+    """Reduce ``tt`` to ``internal_ranks`` by TT rounding: the best directions of every bond are kept (not the
+    stored slices), gates reset to 1. A rank of 0 anywhere zeroes the matrix. The new cores are new parameters in
+    the old ones' places in ``optimizer``; their optimizer state is dropped (the moments refer to a basis that no
+    longer exists) and starts afresh at the next step. Returns None when no rank falls."""
+    if not tt.gates or tt.is_zero or all(new >= old for new, old in zip(internal_ranks, tt.layout.internal_ranks)):
+        return None
+    if any(r == 0 for r in internal_ranks):
+        return remove_slices_(tt, [torch.zeros_like(g, dtype=torch.bool) for g in tt.gates], optimizer=optimizer,
+                              name=name)
+    old_ranks, before = tt.ranks, physical_params(tt)
+    was_planned = planned_ops(tt.layout)
+    with torch.no_grad():
+        cores, _ = tt_round(_fold_gates(tt), internal_ranks)
+    for plist, new_values in ((tt.cores, cores), (tt.gates, [c.new_ones(c.shape[-1]) for c in cores[:-1]])):
+        for k, value in enumerate(new_values):
+            old = plist[k]
+            new = nn.Parameter(value.contiguous(), requires_grad=old.requires_grad)
+            plist[k] = new
+            if optimizer is not None:
+                for group in optimizer.param_groups:
+                    group["params"][:] = [new if p is old else p for p in group["params"]]
+                optimizer.state.pop(old, None)
+    for op in was_planned:
+        planned_envelope(tt.layout, op)
+    return ShrinkRecord(name, old_ranks, tt.ranks, before, physical_params(tt), False, ())

@@ -1,0 +1,353 @@
+"""RankAdaptive's budget schedule (the default): reaching a size target by a known step, the schedule's sizes,
+importance ranking, rank-0 layers, TT rounding, checkpoints, and the refusals that keep a target from being
+silently ignored.
+
+References are independent of the code under test: the teacher's dense float64 weight, the schedule's formula
+written out here, singular values from torch.linalg.svd of the fully contracted tensor.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import comera_fx
+from comera_fx.runtime import RankAdaptive
+from comera_fx.runtime.rank_adaptive import tt_matrices
+from comera_fx.runtime.shrink import bond_singular_values, tt_round
+from comera_fx.tt import TTMatrix
+
+CONFIG32 = comera_fx.TensorizeConfig(max_rank=32, min_numel=1, min_dim=1)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def teacher_problem(seed: int = 0, d: int = 64):
+    """A student nn.Linear(d, d) in TT form at max rank 32 learns a teacher that is a TT matrix of rank 4 in the
+    same layout. Returns (student, x, y, x_val, y_val) with y = x·W_teacherᵀ computed from the dense teacher."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(d, d, bias=False)).double()
+    comera_fx.tensorize_(model, CONFIG32)
+    layout = model[0].tt.layout
+    gen = torch.Generator().manual_seed(seed + 1)
+    teacher = TTMatrix.random(layout.rows, layout.cols, format=layout.format, row_modes=layout.row_modes,
+                              col_modes=layout.col_modes, max_rank=4, std=1 / math.sqrt(d), dtype=torch.float64,
+                              generator=gen)
+    w = teacher.dense().detach()
+    w = w if w.shape == (d, d) else w.T
+    x, x_val = (torch.randn(512, d, generator=gen, dtype=torch.float64) for _ in range(2))
+    return model, x, x @ w.T, x_val, x_val @ w.T
+
+
+def fit(model, optimizer, x, y, steps, hook=None):
+    losses = []
+    for _ in range(steps):
+        loss = ((model(x) - y) ** 2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        if hook is not None:
+            hook.observe(loss)
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def scheduled(s0: float, st: float, t: int, total: int, warmup: float = 0.1, final: float = 0.2) -> float:
+    """The documented schedule, written out: S_0 until warm-up ends, cubic decay, S_T from 1 − final on."""
+    p, p_i, p_e = t / total, warmup, 1 - final
+    if p <= p_i:
+        return s0
+    if p >= p_e:
+        return st
+    return st + (s0 - st) * (1 - (p - p_i) / (p_e - p_i)) ** 3
+
+
+def largest_cut(tt: TTMatrix) -> int:
+    """Most parameters one removed direction can free at the current ranks (cores k and k+1, one gate entry)."""
+    ranks, mids = tt.ranks, [math.prod(c.shape[1:-1]) for c in tt.cores]
+    return max(ranks[k] * mids[k] + mids[k + 1] * ranks[k + 2] + 1 for k in range(len(mids) - 1))
+
+
+@pytest.fixture(scope="module")
+def teacher_run():
+    """The issue's new-user case: target_ratio=0.25, total_steps=400, AdamW, no other argument."""
+    torch.set_num_threads(1)
+    model, x, y, x_val, y_val = teacher_problem()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    hook = RankAdaptive(model, optimizer, target_ratio=0.25, total_steps=400)
+    cuts = {}  # step -> largest single cut before that step's prune
+    for step in range(1, 401):
+        cuts[step] = largest_cut(model[0].tt)
+        fit(model, optimizer, x, y, 1, hook)
+    return model, hook, cuts, x_val, y_val
+
+
+def test_teacher_case_reaches_the_target_and_still_fits_the_teacher(teacher_run):
+    model, hook, _, x_val, y_val = teacher_run
+    assert hook.step == 400 and hook.target_size == 0.25 * hook.initial_tt_params
+    assert abs(hook.tt_params() / hook.target_size - 1) <= 0.10
+    assert hook.tt_params() == sum(p.numel() for p in model[0].tt.parameters())
+    with torch.no_grad():
+        rel = ((model(x_val) - y_val).norm() / y_val.norm()).item()
+    assert rel < 1e-2, rel  # held-out inputs against the dense float64 teacher
+    reached = next(e.step for e in hook.history if e.tt_params <= 1.10 * hook.target_size)
+    assert reached <= 320  # by the end of the decay (1 - final_fraction of the horizon)
+
+
+def test_the_sizes_follow_the_formula_at_every_prune(teacher_run):
+    _, hook, cuts, _, _ = teacher_run
+    s0, st = hook.initial_tt_params, hook.target_size
+    prune_steps = sorted({math.ceil((0.1 + 0.07 * k) * 400 - 1e-9) for k in range(1, 11)})
+    assert prune_steps[0] == 68 and prune_steps[-1] == 320
+    by_step = {e.step: e for e in hook.history}
+    assert len(by_step) == 400
+    for step, entry in by_step.items():
+        assert entry.budget == pytest.approx(scheduled(s0, st, step, 400), rel=1e-12)
+        assert entry.stage == ("warmup" if step <= 40 else "decay" if step < 320 else "final")
+    size = s0
+    for step in range(1, 401):
+        entry = by_step[step]
+        if step in prune_steps:
+            budget = scheduled(s0, st, step, 400)
+            assert budget - cuts[step] < entry.tt_params <= budget, step
+            assert entry.shrunk == (("0",) if entry.tt_params < size else ()), step
+            size = entry.tt_params
+        else:
+            assert entry.tt_params == size, step  # nothing changes between prunes
+
+
+def test_tt_rounding_keeps_the_gauge_invariant_singular_values():
+    """Singular values per bond from the fully contracted tensor; a random gauge change on a bond must not move
+    them, and rounding one bond costs exactly its discarded singular values (2-bond chain, left bond cut)."""
+    gen = torch.Generator().manual_seed(3)
+    cores = [torch.randn(1, 4, 5, generator=gen, dtype=torch.float64),
+             torch.randn(5, 6, 3, generator=gen, dtype=torch.float64),
+             torch.randn(3, 4, 1, generator=gen, dtype=torch.float64)]
+    mix = torch.randn(5, 5, generator=gen, dtype=torch.float64) + 3 * torch.eye(5, dtype=torch.float64)
+    gauged = [cores[0] @ mix, torch.einsum("ab,bjc->ajc", torch.linalg.inv(mix), cores[1]), cores[2]]
+
+    def full(cs):
+        out = cs[0]
+        for c in cs[1:]:
+            out = torch.tensordot(out, c, dims=1)
+        return out.reshape(4, 6, 4)
+
+    torch.testing.assert_close(full(gauged), full(cores), rtol=0, atol=1e-10)
+    ref = [torch.linalg.svdvals(full(cores).reshape(4, 24)), torch.linalg.svdvals(full(cores).reshape(24, 4))]
+    _, sig = tt_round(gauged)
+    for got, want in zip(sig, ref):
+        torch.testing.assert_close(got, want[: len(got)], rtol=1e-10, atol=1e-10)
+    rounded, _ = tt_round(gauged, [2, 3])  # bond 0: 4 -> 2 (its unfolding has rank 4); bond 1 untouched
+    error = (full(rounded) - full(cores)).norm()
+    torch.testing.assert_close(error, ref[0][2:].norm(), rtol=1e-8, atol=1e-10)
+
+
+def _one_gradient_step(model, hook, x, y):
+    optimizer = hook.optimizer
+    lrs = [g["lr"] for g in optimizer.param_groups]
+    for g in optimizer.param_groups:
+        g["lr"] = 0.0  # measure importance without moving anything
+    fit(model, optimizer, x, y, 3, hook)
+    for g, lr in zip(optimizer.param_groups, lrs):
+        g["lr"] = lr
+
+
+def planted_cores(strong: float, weak: float, gen: torch.Generator) -> tuple[list, list, list]:
+    """TT cores (ranks 2) of strong·(u¹⊗u¹⊗u¹⊗u¹) + weak·(u²⊗u²⊗u²⊗u²) with u¹ ⊥ u² per mode, so every bond's
+    singular values are {strong, weak}; also the cores of each term alone (ranks 1)."""
+    both, first, second = [], [], []
+    for k in range(4):
+        u, _ = torch.linalg.qr(torch.randn(4, 2, generator=gen, dtype=torch.float64))
+        scale = (strong, weak) if k == 0 else (1.0, 1.0)
+        left, right = (1 if k == 0 else 2), (1 if k == 3 else 2)
+        core = torch.zeros(left, 4, right, dtype=torch.float64)
+        core[0, :, 0] = scale[0] * u[:, 0]
+        core[left - 1, :, right - 1] = scale[1] * u[:, 1]
+        both.append(core)
+        first.append((scale[0] * u[:, 0]).reshape(1, 4, 1))
+        second.append((scale[1] * u[:, 1]).reshape(1, 4, 1))
+    return both, first, second
+
+
+def test_importance_keeps_the_planted_direction_whatever_the_gauge():
+    """Every bond carries one strong direction and one weak one, mixed over both stored slices by a random gauge;
+    cutting every bond to one direction must keep exactly the strong term, where dropping a stored slice would
+    not."""
+    from comera_fx.tt.layout import TTFormat, TTLayout
+
+    gen = torch.Generator().manual_seed(5)
+    both, strong, weak = planted_cores(3.0, 0.05, gen)
+    layout = TTLayout(TTFormat.TT, 16, 16, (4, 4), (4, 4), (1, 2, 2, 2, 1))
+    mixed = [c.clone() for c in both]
+    for k in range(3):  # a random invertible change of basis on every bond: same matrix, mixed slices
+        mix = torch.randn(2, 2, generator=gen, dtype=torch.float64) + 2 * torch.eye(2, dtype=torch.float64)
+        mixed[k] = mixed[k] @ mix
+        mixed[k + 1] = torch.einsum("ab,bjc->ajc", torch.linalg.inv(mix), mixed[k + 1])
+    reference = TTMatrix(layout, both).dense().detach()
+    strong_only = TTMatrix(layout.with_ranks((1, 1, 1, 1, 1)), strong).dense().detach()
+    model = nn.Sequential(comera_fx.TTLinear(TTMatrix(layout, mixed)))
+    torch.testing.assert_close(model[0].tt.dense().detach(), reference, rtol=0, atol=1e-12)
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    hook = RankAdaptive(model, optimizer, target_ratio=0.5, total_steps=100)
+    gen_x = torch.Generator().manual_seed(6)
+    x, y = (torch.randn(64, 16, generator=gen_x, dtype=torch.float64) for _ in range(2))
+    _one_gradient_step(model, hook, x, y)
+    hook.prune_to(layout.with_ranks((1, 1, 1, 1, 1)).num_params)
+    assert model[0].tt.ranks == (1, 1, 1, 1, 1)
+    torch.testing.assert_close(model[0].tt.dense().detach(), strong_only, rtol=0, atol=1e-10)
+    # what dropping a stored slice of one bond would have cost instead (gates are 1: a slice is a core slice)
+    for k in range(3):
+        for drop in range(2):
+            cs = [c.clone() for c in mixed]
+            cs[k], cs[k + 1] = cs[k][..., [1 - drop]], cs[k + 1][[1 - drop]]
+            ranks = tuple(1 if i == k + 1 else r for i, r in enumerate(layout.ranks))
+            sliced = TTMatrix(layout.with_ranks(ranks), cs).dense().detach()
+            assert (sliced - strong_only).norm() > 0.3, (k, drop)
+
+
+class TwoBranches(nn.Module):
+    """y = A(x) + 1e-4 · B(x): B barely matters to the loss; both TT linears of the same shape."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.b = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.a(x) + 1e-4 * self.b(x)
+
+
+def test_a_negligible_layer_goes_to_rank_zero_and_the_summary_says_why():
+    torch.manual_seed(0)
+    model = TwoBranches().double()
+    comera_fx.tensorize_(model, comera_fx.TensorizeConfig(max_rank=8, min_numel=1, min_dim=1))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    hook = RankAdaptive(model, optimizer, target_ratio=0.5, total_steps=100)
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(128, 16, generator=gen, dtype=torch.float64), torch.randn(128, 16, generator=gen,
+                                                                                  dtype=torch.float64)
+    _one_gradient_step(model, hook, x, y)
+    hook.prune_to(0.5 * hook.initial_tt_params)
+    assert model.b.tt.is_zero and not model.a.tt.is_zero
+    assert set(hook.zeroed) == {"b"} and "rank0_below" in hook.zeroed["b"]
+    text = str(hook.summary())
+    assert "b: rank 0 (bias only)" in text and "rank0_below" in text
+
+    # with the guard off (rank0_below=0) no layer is removed, whatever its importance: floors of min_rank=1
+    torch.manual_seed(0)
+    model = TwoBranches().double()
+    comera_fx.tensorize_(model, comera_fx.TensorizeConfig(max_rank=8, min_numel=1, min_dim=1))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    hook = RankAdaptive(model, optimizer, target_ratio=0.5, total_steps=100, rank0_below=0.0)
+    _one_gradient_step(model, hook, x, y)
+    hook.prune_to(0.5 * hook.initial_tt_params)
+    assert not model.a.tt.is_zero and not model.b.tt.is_zero and not hook.zeroed
+    assert min(model.b.tt.ranks) >= 1 and hook.tt_params() <= 0.5 * hook.initial_tt_params
+
+
+def test_a_checkpoint_mid_schedule_resumes_identically():
+    settings = dict(target_ratio=0.3, total_steps=60, prunes=4)
+    model, x, y, _, _ = teacher_problem(seed=2, d=16)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    hook = RankAdaptive(model, optimizer, **settings)
+    fit(model, optimizer, x, y, 25, hook)  # past the first prune (step 18), before the second (step 30)
+    assert hook.tt_params() < hook.initial_tt_params
+    checkpoint = copy.deepcopy({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                                "hook": hook.state_dict()})
+    expected = fit(model, optimizer, x, y, 35, hook)
+    expected_sizes = [e.tt_params for e in hook.history[25:]]
+
+    fresh, _, _, _, _ = teacher_problem(seed=9, d=16)
+    fresh.load_state_dict(checkpoint["model"])
+    fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    fresh_optimizer.load_state_dict(checkpoint["optimizer"])
+    fresh_hook = RankAdaptive(fresh, fresh_optimizer, **settings)
+    fresh_hook.load_state_dict(checkpoint["hook"])
+    resumed = fit(fresh, fresh_optimizer, x, y, 35, fresh_hook)
+
+    assert resumed == pytest.approx(expected, rel=0, abs=1e-12)
+    assert [e.tt_params for e in fresh_hook.history] == expected_sizes
+    assert fresh[0].tt.ranks == model[0].tt.ranks
+    for p, q in zip(model.parameters(), fresh.parameters()):
+        assert (p - q).abs().max().item() <= 1e-12
+
+
+def test_a_wall_clock_budget_reaches_the_target_by_its_end():
+    model, x, y, _, _ = teacher_problem(seed=4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    now = [100.0]
+    hook = RankAdaptive(model, optimizer, target_ratio=0.3, budget_seconds=20.0, clock=lambda: now[0])
+    sizes = []
+    for _ in range(30):
+        fit(model, optimizer, x, y, 1, hook)
+        now[0] += 1.0  # every step takes one second
+        sizes.append(hook.tt_params())
+    assert hook.history[0].stage == "warmup" and hook.elapsed_seconds() == 30.0
+    # the clock starts at the first step: after step t, t − 1 seconds have passed. First prune point 3.4 s
+    # (step 5), the last at 16 s (step 17), where the size reaches the target and stays.
+    assert sizes[:4] == [hook.initial_tt_params] * 4 and sizes[4] < sizes[3]
+    assert abs(sizes[16] / hook.target_size - 1) <= 0.10 and sizes[16:] == [sizes[16]] * 14
+
+
+def test_a_target_is_never_silently_ignored():
+    model, _, _, _, _ = teacher_problem(d=16)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with pytest.raises(ValueError, match="total_steps= .* or budget_seconds="):
+        RankAdaptive(model, optimizer, target_ratio=0.25)
+    with pytest.raises(ValueError, match="needs a size target"):
+        RankAdaptive(model, optimizer, total_steps=100)
+    with pytest.raises(ValueError, match="at most one"):
+        RankAdaptive(model, optimizer, target_ratio=0.25, total_steps=100, budget_seconds=60.0)
+    with pytest.raises(ValueError, match="l1_weight, prune_every belong to schedule='comera'"):
+        RankAdaptive(model, optimizer, target_ratio=0.25, total_steps=100, l1_weight=0.1, prune_every=5)
+    with pytest.raises(ValueError, match="total_steps belong to schedule='budget'"):
+        RankAdaptive(model, optimizer, schedule="comera", total_steps=100)
+    with pytest.raises(ValueError, match="late stage"):  # CoMERA's schedule refuses a target it would not pursue
+        RankAdaptive(model, optimizer, schedule="comera", target_ratio=0.25)
+    with pytest.raises(ValueError, match="final_fraction must be < 1"):
+        RankAdaptive(model, optimizer, target_ratio=0.25, total_steps=100, warmup_fraction=0.5, final_fraction=0.5)
+    hook = RankAdaptive(model, optimizer, target_ratio=0.25, total_steps=100)
+    with pytest.raises(ValueError, match="schedule='budget'"):
+        RankAdaptive(model, optimizer, schedule="comera", prune_every=None).load_state_dict(hook.state_dict())
+
+
+def test_a_compiled_model_after_a_scheduled_prune_gives_the_eager_outputs(monkeypatch):
+    """Under comera_fx's backend (AOTAutograd graphs run eagerly: the retrace, not Inductor, is under test) every
+    prune that changes shapes costs exactly one recompile, the new ranks are planned already (a traced graph cannot
+    plan), and the compiled model matches eager. benchmarks/bench_recompile.py measures the same with Inductor."""
+    from comera_fx.backend import make_backend
+    from comera_fx.tt import ops
+
+    model, x, y, _, _ = teacher_problem(seed=6, d=16)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    hook = RankAdaptive(model, optimizer, target_ratio=0.4, total_steps=20, prunes=2)
+    backend = make_backend(inductor=False)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=backend)
+    fit(compiled, optimizer, x, y, 20, hook)
+    assert hook.tt_params() < hook.initial_tt_params
+    shrinking_prunes = sum(1 for e in hook.history if e.shrunk and e.step < 20)  # the last step's is not run yet
+    assert shrinking_prunes >= 1 and backend.stats.graphs == 1 + shrinking_prunes
+
+    def fallback(*args, **kwargs):
+        raise AssertionError("the compiled graph ran the fixed fallback order")
+
+    with torch.no_grad():
+        expected = model(x)
+    monkeypatch.setattr(ops, "matmul", fallback)
+    monkeypatch.setattr(ops, "matmul_t", fallback)
+    with torch.no_grad():
+        got = compiled(x)
+    torch._dynamo.reset()
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
