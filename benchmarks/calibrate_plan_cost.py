@@ -1,4 +1,4 @@
-"""Calibrate the planner's cost weights (comera_fx/tt/plan.py) on this machine.
+"""Calibrate the planner's cost weights (comera_fx/tt/plan/) on this machine.
 
 The planner scores a contraction plan as ``FLOPs + alpha * bytes_moved + beta * bytes_saved``. ``alpha`` converts
 memory traffic into FLOP-equivalents: how many FLOPs the machine does in the time it moves one byte to or from
@@ -23,7 +23,7 @@ Usage::
 
     python benchmarks/calibrate_plan_cost.py [--threads 2] [--repeat 7] [--rounds 3] [--check]
 
-Prints the measured figures and the constants to paste into plan.py (with today's date). ``--check`` then times
+Prints the measured figures and the constants to paste into plan/cost.py (with today's date). ``--check`` then times
 forward + backward of every plan on the envelope of CoMERA's 768² and 768×3072 layers at a few batch sizes and
 prints the planner's predicted time (cost / GEMM rate) next to the measured one.
 """

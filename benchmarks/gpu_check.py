@@ -1,4 +1,4 @@
-"""One-shot GPU check of comera_fx.runtime.kernels: correctness on CUDA against the aten path, then timings.
+"""One-shot GPU check of comera_fx.tt.kernels: correctness on CUDA against the aten path, then timings.
 
 Run on a CUDA machine (the CUDA build of torch brings triton)::
 
@@ -39,7 +39,7 @@ import traceback
 import torch
 from torch import nn
 
-from comera_fx.runtime import kernels
+from comera_fx.tt import kernels
 from comera_fx.tt import ops
 from comera_fx.tt.decompose import random_tt_cores
 from comera_fx.tt.layers import TTLinear, TTMatrix, choose_layout_modes

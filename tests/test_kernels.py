@@ -1,4 +1,4 @@
-"""Triton kernels of comera_fx.runtime.kernels against the aten code of comera_fx.tt.ops, forward and backward.
+"""Triton kernels of comera_fx.tt.kernels against the aten code of comera_fx.tt.ops, forward and backward.
 
 The tests marked ``triton`` need triton: on a CUDA machine they run the compiled kernels; on CPU they run them in
 Triton's interpreter (``TRITON_INTERPRET=1 pytest -m triton tests/test_kernels.py``, slow: examples are few and
@@ -16,7 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from comera_fx.runtime import kernels
+from comera_fx.tt import kernels
 from comera_fx.testing.strategies import batch_shapes, index_tensors, tt_specs
 from comera_fx.tt import ops
 from comera_fx.tt.decompose import random_tt_cores
@@ -246,8 +246,8 @@ def test_cpu_tensors_take_aten_path_without_interpreter(monkeypatch):
 
 def test_import_loads_no_kernels():
     """Importing comera_fx (and the kernels package) neither defines the triton ops nor fails without triton."""
-    code = ("import sys, comera_fx, comera_fx.runtime.kernels as k; "
-            "print('comera_fx.runtime.kernels._triton' in sys.modules, hasattr(__import__('torch').ops.comera_fx, "
+    code = ("import sys, comera_fx, comera_fx.tt.kernels as k; "
+            "print('comera_fx.tt.kernels._triton' in sys.modules, hasattr(__import__('torch').ops.comera_fx, "
             "'ttm_lookup'))")
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)

@@ -1,4 +1,4 @@
-"""The contraction planner (comera_fx/tt/plan.py) against independent references.
+"""The contraction planner (comera_fx/tt/plan/) against independent references.
 
 * Execution: any contraction tree (drawn at random, or every tree of small networks) computes x @ M and x @ Mᵀ and
   their gradients equal to a dense float64 reference built with opt_einsum from the cores.

@@ -1,4 +1,4 @@
-"""Runtime pieces used during training (rank-adaptive optimizer hook, kernels)."""
+"""Runtime pieces used during training (the rank-adaptive optimizer hook; the Triton kernels live in tt/kernels/)."""
 
 from .rank_adaptive import RankAdaptive, param_groups
 

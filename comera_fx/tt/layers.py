@@ -163,9 +163,9 @@ class TTMatrix(nn.Module):
     def take_rows(self, index: Tensor) -> Tensor:
         if self.is_zero:
             return self.cores[0].new_zeros(tuple(index.shape) + (self.cols,))
-        # Imported here: comera_fx.runtime imports this module. The kernels run on CUDA when triton is there (the
-        # gates folded into the merges, never as a separate pass); everywhere else this is ops.take_rows.
-        from ..runtime import kernels
+        # The kernels run on CUDA when triton is there (the gates folded into the merges, never as a separate
+        # pass); everywhere else this is ops.take_rows.
+        from . import kernels
 
         return kernels.take_rows(index, list(self.cores), self.layout, list(self.gates))
 

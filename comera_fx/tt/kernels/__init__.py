@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ...tt import ops
-from ...tt.layout import TTFormat, TTLayout
+from .. import ops
+from ..layout import TTFormat, TTLayout
 
 __all__ = ["ENABLED", "gated_ttm_merge", "kernel_path", "take_rows", "triton_available"]
 

@@ -1,0 +1,169 @@
+"""The planned backward: ``PlanRunner`` (forward and backward as plain functions) and the custom
+``torch.autograd.Function`` built from it (``_make_function``, ``execute_function``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from .. import ops
+from ..layout import TTLayout
+from .execution import _as_matrix, execute
+
+if TYPE_CHECKING:
+    from .plans import Plan
+
+
+def _permuted_shape(view: tuple, dims: tuple[int, ...], batched: bool) -> tuple[int, ...]:
+    """Shape of ``t.reshape(lead + dims).permute(perm)`` in ``_as_matrix`` (the batch as -1, always leading)."""
+    perm = view[1]
+    if batched:
+        return (-1,) + tuple(dims[p - 1] for p in perm[1:])
+    return tuple(dims[p] for p in perm)
+
+
+def _unview(grad, view: tuple, dims: tuple[int, ...], rows: int, cols: int, batched: bool):
+    """The gradient of a stored tensor from the gradient of its matrix view (the inverse of ``_as_matrix``),
+    in the stored tensor's element order; a permute's inverse is not a view of that order (a copy follows)."""
+    if view[0] == "view":
+        return grad
+    if view[0] == "t":
+        return grad.t()
+    inverse = tuple(sorted(range(len(view[1])), key=view[1].__getitem__))
+    return grad.reshape(_permuted_shape(view, dims, batched)).permute(inverse)
+
+
+# MKL (torch 2.13 CPU, 2 threads) computes Aᵀ·dC for a tall A (m × k) and a narrow dC (m × n) 5–10× slower when
+# n < 12 than as (dCᵀ·A)ᵀ: [1536×2048]·[2048×n] took 20–30 ms for n = 4..11, 3 ms for n = 12, and 2–4 ms the
+# other way round. Pruned TT bonds land on such ranks, which made pruned layers slower than unpruned ones.
+_NARROW_GRADIENT = 12
+
+
+class PlanRunner:
+    """The planned forward (optionally keeping each step's operands) and the planned backward of one plan, as
+    plain functions of tensors — what ``Plan.function`` runs, reusable by ops that feed the backward other inputs
+    (``comera_fx.rmm`` runs the core gradients on a sketch of x and of dy).
+
+    Per step, backward needs the left operand A (for dB = Aᵀ·dC; b-dependent exactly when the step is batched,
+    which is what the cost model counts as saved) and the right operand B (for dA = dC·Bᵀ; never b-dependent: x
+    is always on the left). Backward runs the steps in reverse, one GEMM per gradient, and undoes each operand's
+    view (a transposed view back, a permute back: the copy the model counts).
+    """
+
+    def __init__(self, chosen: "Plan"):
+        net, layout = chosen.network, chosen.network.layout
+        self.steps, self.instructions = chosen.steps, chosen.program.instructions
+        self.n_in, self.n_out = (layout.rows, layout.cols) if net.op == "matmul" else (layout.cols, layout.rows)
+        self.pad_in, self.pad_out = math.prod(net.in_modes), math.prod(net.out_modes)
+        self.core_shapes = layout.core_shapes
+        self.n_leaves = net.n_tensors
+        self.final_perm, self.final_dims = chosen.program.final_perm, chosen.program.final_dims
+
+    def forward(self, x, cores: Sequence, keep: bool = True):
+        """(y, lefts, rights): y = x @ M (or x @ Mᵀ) of shape (..., n_out); the operands when ``keep``."""
+        x2 = x.reshape(-1, self.n_in)
+        if self.pad_in != self.n_in:
+            x2 = F.pad(x2, (0, self.pad_in - self.n_in))
+        stored = [x2, *cores]
+        lefts, rights = [], []
+        for step, inst in zip(self.steps, self.instructions):
+            left = _as_matrix(stored[step.left], inst.left_view, inst.left_dims, step.m, step.k, step.batched)
+            right = _as_matrix(stored[step.right], inst.right_view, inst.right_dims, step.k, step.n, False)
+            if keep:
+                lefts.append(left)
+                rights.append(right)
+            stored.append(torch.mm(left, right))
+        out = stored[-1]
+        if self.final_perm is not None:
+            out = out.reshape((-1,) + self.final_dims).permute(self.final_perm)
+        out = ops._trim_cols(out.reshape(-1, self.pad_out), self.n_out, self.pad_out)
+        return out.reshape(x.shape[:-1] + (self.n_out,)), lefts, rights
+
+    def backward(self, lefts: Sequence, rights: Sequence, dy, need_x: bool = True):
+        """(dx or None, [d core_k]) from the kept operands and the output gradient dy (..., n_out)."""
+        steps, instructions = self.steps, self.instructions
+        n_steps = len(steps)
+        grad = dy.reshape(-1, self.n_out)
+        if self.pad_out != self.n_out:
+            grad = F.pad(grad, (0, self.pad_out - self.n_out))
+        if self.final_perm is not None:
+            inverse = tuple(sorted(range(len(self.final_perm)), key=self.final_perm.__getitem__))
+            shape = (-1,) + tuple(self.final_dims[p - 1] for p in self.final_perm[1:])
+            grad = grad.reshape(shape).permute(inverse)
+        grads: list = [None] * (self.n_leaves + n_steps)
+        grads[steps[-1].result] = grad
+        for i in range(n_steps - 1, -1, -1):
+            step, inst = steps[i], instructions[i]
+            d_out = grads[step.result].reshape(-1 if step.batched else step.m, step.n)
+            grads[step.result] = None
+            if step.left != 0 or need_x:
+                d_left = _mm(d_out, rights[i].t())
+                grads[step.left] = _unview(d_left, inst.left_view, inst.left_dims, step.m, step.k, step.batched)
+            if step.n < _NARROW_GRADIENT:  # Aᵀ·dC with few columns: as (dCᵀ·A)ᵀ, the same numbers
+                d_right = _mm(d_out.t(), lefts[i]).t()
+            else:
+                d_right = _mm(lefts[i].t(), d_out)
+            grads[step.right] = _unview(d_right, inst.right_view, inst.right_dims, step.k, step.n, False)
+        dx = None
+        if need_x:
+            dx = grads[0].reshape(-1, self.pad_in)
+            if self.pad_in != self.n_in:
+                dx = dx[:, :self.n_in]
+            dx = dx.reshape(dy.shape[:-1] + (self.n_in,))
+        return dx, [grads[k + 1].reshape(self.core_shapes[k]) for k in range(self.n_leaves - 1)]
+
+
+def _mm(a, b):
+    """torch.mm in the wider of the two dtypes: under autocast the forward's GEMMs ran in bf16 on fp32 cores, so
+    backward meets a bf16 gradient and fp32 operands (autograd casts each gradient back to its input's dtype)."""
+    if a.dtype != b.dtype:
+        dtype = torch.promote_types(a.dtype, b.dtype)
+        a, b = a.to(dtype), b.to(dtype)
+    return torch.mm(a, b)
+
+
+def _make_function(chosen: "Plan") -> type:
+    """A torch.autograd.Function running ``chosen`` forward and its planned backward (``PlanRunner``).
+
+    Forward saves, per step, the two operands its backward needs and nothing else: intermediates that are only
+    step results are not saved.
+    """
+    runner = chosen.runner
+    n_steps = len(chosen.steps)
+
+    class PlannedProduct(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, *cores):
+            out, lefts, rights = runner.forward(x, cores)
+            ctx.save_for_backward(*lefts, *rights)
+            return out
+
+        @staticmethod
+        def backward(ctx, dy):
+            saved = ctx.saved_tensors
+            dx, core_grads = runner.backward(saved[:n_steps], saved[n_steps:], dy, ctx.needs_input_grad[0])
+            return (dx, *core_grads)
+
+    PlannedProduct.__name__ = PlannedProduct.__qualname__ = "PlannedProduct"
+    return PlannedProduct
+
+
+def execute_function(chosen: "Plan", x, cores: Sequence, layout: TTLayout):
+    """``execute`` through a custom ``torch.autograd.Function`` (``Plan.function``): the same forward, and a backward
+    that runs the planned gradient GEMMs and keeps only the operands the cost model counts. Real tensors only (use
+    ``execute`` on ``torch.fx`` proxies); traces under ``torch.compile`` (Dynamo) without graph breaks."""
+    if layout != chosen.network.layout:
+        raise ValueError(f"the plan was made for {chosen.network.layout}, not {layout}; plan again for the new "
+                         f"layout (ranks change when a TT is pruned)")
+    if len(cores) != layout.n_cores:
+        raise ValueError(f"expected {layout.n_cores} cores for this layout, got {len(cores)}")
+    if not torch.is_grad_enabled():
+        # Nothing to save: the plain executor. (Also sidesteps Dynamo, which under no_grad inlines two such Functions
+        # of different layouts in one graph wrongly: their forwards share one code object, only the closures differ.)
+        return execute(chosen, x, cores, layout)
+    return chosen.function.apply(x, *cores)
