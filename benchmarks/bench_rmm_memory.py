@@ -18,7 +18,10 @@ Configurations (``--configs``, comma-separated; default all):
 * ``tt_all_rmm0.25_ckpt`` — both;
 * ``tt_all_compiled``, ``tt_all_rmm0.25_compiled``, ``..._budget0.5`` — under
   ``torch.compile(backend=comera_fx.make_backend())`` (Inductor, min-cut partitioner), with
-  ``torch._functorch.config.activation_memory_budget`` patched to the given value during the compile. A compiled
+  ``torch._functorch.config.activation_memory_budget`` patched to the given value during the compile;
+* ``..._mincut``, ``..._mincut_budget0.1`` — the same partitioner without Inductor: ``torch.compile(backend=
+  "aot_eager_decomp_partition")`` (compiles in seconds, not minutes; ``comera_fx.make_backend(inductor=False)``
+  uses AOTAutograd's default partitioner, where the budget does nothing). A compiled
   configuration first runs one forward + backward (no optimizer step; gradients dropped) to compile, then resets the
   peak: its "RSS before" therefore also holds what the compile and that step left allocated.
 
@@ -52,32 +55,34 @@ from torch import nn  # noqa: E402
 # This checkout's comera_fx (a script's sys.path starts at benchmarks/, which would find an installed copy).
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 from bench_equal_time import _proc_status, loadavg, reset_peak_rss  # noqa: E402
-from rmm_common import (comera_randomize_backward_, group_by_kind, rmm_missing,  # noqa: E402
-                        saved_bytes_by_op)
+from rmm_common import comera_randomize_backward_, rmm_missing, saved_bytes_by_op  # noqa: E402
 
 DEFAULT_CONFIGS = ("dense", "tt_enc", "tt_all", "tt_all_rmm0.5", "tt_all_rmm0.25", "tt_all_rmm0.1", "tt_all_ckpt",
                    "tt_all_rmm0.25_ckpt", "tt_all_rmm0.1_ckpt", "tt_all_compiled", "tt_all_rmm0.25_compiled",
                    "tt_all_rmm0.25_compiled_budget0.5", "tt_all_rmm0.25_compiled_budget0.1")
-CONFIG_RE = re.compile(r"^(dense|tt_enc|tt_all)(?:_rmm([0-9.]+))?(_ckpt)?(_compiled)?(?:_budget([0-9.]+))?$")
+CONFIG_RE = re.compile(r"^(dense|tt_enc|tt_all)(?:_rmm([0-9.]+))?(_ckpt)?(_compiled|_mincut)?(?:_budget([0-9.]+))?$")
 
 
 def parse_config(name: str) -> dict:
     m = CONFIG_RE.match(name)
     if not m:
         raise SystemExit(f"unknown configuration {name!r}: base dense|tt_enc|tt_all, then optional _rmm<rho>, "
-                         "_ckpt, _compiled, _budget<fraction> (budget needs _compiled)")
+                         "_ckpt, _compiled or _mincut, _budget<fraction> (budget needs one of those)")
     base, rho, ckpt, compiled, budget = m.groups()
     if budget and not compiled:
-        raise SystemExit(f"{name}: _budget needs _compiled (the budget acts in the compiler's partitioner)")
-    return {"base": base, "rho": float(rho) if rho else None, "ckpt": bool(ckpt), "compiled": bool(compiled),
+        raise SystemExit(f"{name}: _budget needs _compiled or _mincut (the budget acts in AOTAutograd's partitioner)")
+    return {"base": base, "rho": float(rho) if rho else None, "ckpt": bool(ckpt), "compiled": compiled,
             "budget": float(budget) if budget else None}
 
 
-def build_model(seq: int):
+def build_model(seq: int, layers: int = 6):
     from transformers import BertConfig, BertForSequenceClassification
 
-    config = BertConfig(vocab_size=30522, hidden_size=768, num_hidden_layers=6, num_attention_heads=12,
+    config = BertConfig(vocab_size=30522, hidden_size=768, num_hidden_layers=layers, num_attention_heads=12,
                         intermediate_size=3072, max_position_embeddings=512, num_labels=2)
+    # Set what the model's first call would: Hugging Face writes problem_type into the config then, and under
+    # torch.compile that write fails a guard and recompiles inside the measured steps.
+    config.problem_type = "single_label_classification"
     torch.manual_seed(0)
     return BertForSequenceClassification(config)
 
@@ -95,9 +100,13 @@ def tensorize(model, base: str, ids) -> object:
 
 
 def child(opts) -> dict:
+    import resource
+
+    limit = int(opts.max_gib * 2**30)  # a runaway configuration fails alone instead of starting the OOM killer
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     torch.set_num_threads(opts.threads)
     cfg = parse_config(opts.child)
-    model = build_model(opts.seq)
+    model = build_model(opts.seq, opts.layers)
     model.train()
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 30522, (opts.batch, opts.seq), generator=gen)
@@ -116,12 +125,17 @@ def child(opts) -> dict:
     if cfg["ckpt"]:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     info["setup_seconds"] = time.perf_counter() - t0
+    torch._dynamo.reset()  # tensorize_ / randomize_backward_ captured the model with Dynamo under no_grad
     step_model = model
-    if cfg["compiled"]:
+    if cfg["budget"] is not None:  # read when AOTAutograd partitions (first call, and any recompile): set for good
+        torch._functorch.config.activation_memory_budget = cfg["budget"]
+    if cfg["compiled"] == "_compiled":
         import comera_fx
 
         torch._inductor.config.force_disable_caches = True
         step_model = torch.compile(model, backend=comera_fx.make_backend())
+    elif cfg["compiled"] == "_mincut":  # AOTAutograd's min-cut partitioner, graphs run eagerly (no Inductor)
+        step_model = torch.compile(model, backend="aot_eager_decomp_partition")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
     def loss_of(m):
@@ -129,9 +143,7 @@ def child(opts) -> dict:
 
     if cfg["compiled"]:  # compile fw + bw outside the measured steps
         t0 = time.perf_counter()
-        patch = ({"activation_memory_budget": cfg["budget"]} if cfg["budget"] is not None else {})
-        with torch._functorch.config.patch(**patch):
-            loss_of(step_model).backward()
+        loss_of(step_model).backward()
         model.zero_grad(set_to_none=True)
         info["compile_seconds"] = time.perf_counter() - t0
     rss_before = _proc_status("VmRSS")
@@ -154,20 +166,19 @@ def child(opts) -> dict:
     state += sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values()
                  if torch.is_tensor(v))
     optimizer.zero_grad(set_to_none=True)
-    saved = saved_bytes_by_op(lambda: loss_of(step_model), params)
+    saved = saved_bytes_by_op(lambda: loss_of(step_model), params, attribute=not cfg["compiled"])
     return {"name": opts.child, "batch": opts.batch, "rss_before": rss_before, "peak": peak if reset_ok else None,
             "peak_above_before": (peak - rss_before) if reset_ok else None, "state_bytes": state,
             "params": sum(p.numel() for p in params), "losses": losses, "per_step_hwm_rss": per_step, "step_seconds": step_seconds,
-            "load_start": load_start, "load_end": load_end, "saved": saved,
-            "saved_groups": group_by_kind(saved["by_op"]), **info}
+            "load_start": load_start, "load_end": load_end, "saved": saved, **info}
 
 
 def spawn(name: str, batch: int, opts) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "r.json"
         cmd = [sys.executable, __file__, "--child", name, "--child-out", str(out), "--batch", str(batch),
-               "--seq", str(opts.seq), "--steps", str(opts.steps), "--threads", str(opts.threads),
-               "--sketch", opts.sketch]
+               "--seq", str(opts.seq), "--steps", str(opts.steps), "--layers", str(opts.layers), "--threads", str(opts.threads),
+               "--sketch", opts.sketch, "--max-gib", str(opts.max_gib)]
         started = time.perf_counter()
         try:
             env = {**os.environ, **dict(kv.split("=", 1) for kv in opts.child_env)}
@@ -199,7 +210,7 @@ def report(results: list[dict]) -> str:
         if "skipped" in r:
             continue
         lines.append(f"\nSaved for backward, {r['name']}, batch {r['batch']} (MiB; parameters saved: "
-                     f"{mib(r['saved']['params'])}, unattributed {mib(r['saved']['unattributed'])}):\n")
+                     f"{mib(r['saved']['params'])}):\n")
         for name, nbytes in sorted(r["saved"]["by_op"].items(), key=lambda kv: -kv[1]):
             if nbytes >= 2**19:
                 lines.append(f"- {name}: {nbytes / 2**20:.1f}")
@@ -214,8 +225,10 @@ def parse(argv):
     ap.add_argument("--batch", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--layers", type=int, default=6, help="encoder layers (6: the CoMERA configuration)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--sketch", default="gaussian")
+    ap.add_argument("--max-gib", type=float, default=8.0, help="address-space limit of each configuration's process")
     ap.add_argument("--child-timeout", type=float, default=900.0,
                     help="seconds before a configuration's process is killed (compiled ones compile first)")
     ap.add_argument("--child-env", action="append", default=[], metavar="KEY=VALUE",

@@ -7,8 +7,8 @@
   command line (``--fewbit PATH``, a plain copy of the repository outside this one). Its package ``__init__`` loads a
   compiled extension (``libfewbit.so``) and its activations need it; its linear does not, so the two modules it needs
   (``fewbit/fft.py``, ``fewbit/functional/linear.py``) are loaded under stub parent packages.
-* ``saved_bytes_by_op``: the bytes a forward saves for backward, unique storages, grouped by the autograd node that
-  saved them.
+* ``saved_bytes_by_op``: the bytes a forward saves for backward, unique storages, grouped by the module and the
+  torch call that saved them.
 * System readings (VmRSS / VmHWM / load average), reused from ``bench_equal_time.py``.
 """
 
@@ -108,92 +108,77 @@ def exact_linear(x, weight, bias, rho=None):
 # ------------------------------------------------------------------------------------ bytes saved for backward
 
 
-def _is_linear_node(name: str) -> bool:
-    return any(k in name for k in ("Addmm", "Mm", "Linear", "Rmm", "RMM", "Sketch"))
+class _Where(torch.overrides.TorchFunctionMode):
+    """Names the outermost torch-level call running now (e.g. ``linear``, ``layer_norm``,
+    ``scaled_dot_product_attention``); calls inside it are not seen, as the mode is off while it runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.current = None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        previous, self.current = self.current, getattr(func, "__name__", str(func))
+        try:
+            return func(*args, **(kwargs or {}))
+        finally:
+            self.current = previous
 
 
-def saved_bytes_by_op(run_forward: Callable[[], torch.Tensor], params) -> dict:
-    """Run ``run_forward()`` (returning the loss) under ``saved_tensors_hooks`` and group what it saves.
+def saved_bytes_by_op(run_forward: Callable[[], torch.Tensor], params, attribute: bool = True) -> dict:
+    """Run ``run_forward()`` (returning the loss) under ``saved_tensors_hooks`` and group what autograd saves.
 
-    Totals come from the pack hook (every tensor autograd saves, unique storages by data pointer; parameter
-    storages counted apart). The grouping walks the autograd graph from the loss: each node's ``_saved_*``
-    attributes (built-in nodes) or ``saved_tensors`` / tensor attributes (custom Functions) name the storages
-    it holds; a storage held by several nodes is reported under all their names joined by '+'. Returns
-    ``{"total": bytes, "params": bytes, "by_op": {name: bytes}, "unattributed": bytes, "count": n}``."""
+    Unique storages (by data pointer, largest size seen), parameter storages counted apart. With ``attribute``
+    each storage is labelled, when first saved, ``<innermost module class>:<outermost torch call>`` (a module stack
+    from global forward hooks, the call from a ``TorchFunctionMode``; a custom ``autograd.Function`` shows as
+    ``<module>:Function``); leave it off under ``torch.compile`` (the compiled graph saves all as one node).
+    Nothing saved is unpacked, so checkpointed regions are not recomputed; inside them checkpoint's own hooks
+    take over and what they hold (the regions' inputs) is not counted.
+    Returns ``{"total": bytes, "params": bytes, "by_op": {label: bytes}, "count": n}``."""
     param_ptrs = {p.untyped_storage().data_ptr() for p in params}
-    packed: dict[int, int] = {}
+    sizes: dict[int, int] = {}
+    labels: dict[int, str] = {}
+    modules: list[str] = []
+    where = _Where() if attribute else None
 
     def pack(t):
-        if isinstance(t, torch.Tensor) and t.layout == torch.strided and t.device.type != "meta":
+        if isinstance(t, torch.Tensor) and t.layout == torch.strided:
             try:
                 st = t.untyped_storage()
-                packed[st.data_ptr()] = max(packed.get(st.data_ptr(), 0), st.nbytes())
+                ptr = st.data_ptr()
             except (RuntimeError, NotImplementedError):  # e.g. a tensor subclass without storage
-                pass
+                return t
+            sizes[ptr] = max(sizes.get(ptr, 0), st.nbytes())
+            if ptr not in labels:
+                labels[ptr] = f"{modules[-1] if modules else '-'}:{(where and where.current) or 'Function'}"
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = run_forward()
+    handles = []
+    if attribute:
+        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
-    holders: dict[int, set[str]] = defaultdict(set)
+        def enter(module, args):
+            modules.append(type(module).__name__)
 
-    def note(value, name):
-        if isinstance(value, torch.Tensor):
-            try:
-                holders[value.untyped_storage().data_ptr()].add(name)
-            except (RuntimeError, NotImplementedError):
-                pass
-        elif isinstance(value, (list, tuple)):
-            for v in value:
-                note(v, name)
+        def leave(module, args, output):  # returns None: a forward hook's return value would replace the output
+            if modules:
+                modules.pop()
 
-    seen, stack = set(), [loss.grad_fn]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        name = type(node).__name__
-        for attr in dir(node):
-            if attr.startswith("_saved_"):
-                try:
-                    note(getattr(node, attr), name)
-                except RuntimeError:  # already freed / not accessible
-                    pass
-        if hasattr(node, "saved_tensors"):  # custom autograd.Function (its ctx is the node)
-            try:
-                note(node.saved_tensors, name)
-            except RuntimeError:
-                pass
-            for value in getattr(node, "__dict__", {}).values():
-                note(value, name)
-        stack.extend(fn for fn, _ in node.next_functions if fn is not None)
-
-    by_op: dict[str, int] = defaultdict(int)
-    unattributed = 0
-    for ptr, nbytes in packed.items():
-        if ptr in param_ptrs:
-            continue
-        names = holders.get(ptr)
-        if names:
-            by_op["+".join(sorted(names))] += nbytes
-        else:
-            unattributed += nbytes
-    activations = sum(n for p, n in packed.items() if p not in param_ptrs)
-    params_saved = sum(n for p, n in packed.items() if p in param_ptrs)
+        handles = [register_module_forward_pre_hook(enter), register_module_forward_hook(leave)]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            if where is not None:
+                with where:
+                    loss = run_forward()
+            else:
+                loss = run_forward()
+    finally:
+        for h in handles:
+            h.remove()
     del loss
-    return {"total": activations, "params": params_saved, "by_op": dict(by_op), "unattributed": unattributed,
-            "count": len(packed)}
-
-
-def group_by_kind(by_op: dict[str, int]) -> dict[str, int]:
-    """Coarser groups of ``saved_bytes_by_op``'s names: a storage any linear-like node holds is 'linear inputs'."""
-    out: dict[str, int] = defaultdict(int)
-    for name, nbytes in by_op.items():
-        parts = name.split("+")
-        if any(_is_linear_node(p) for p in parts):
-            key = "linear-like (" + "+".join(sorted({p for p in parts if _is_linear_node(p)})) + ")"
-        else:
-            key = name
-        out[key] += nbytes
-    return dict(out)
+    by_op: dict[str, int] = defaultdict(int)
+    for ptr, nbytes in sizes.items():
+        if ptr not in param_ptrs:
+            by_op[labels.get(ptr, "-")] += nbytes
+    return {"total": sum(n for p, n in sizes.items() if p not in param_ptrs),
+            "params": sum(n for p, n in sizes.items() if p in param_ptrs), "by_op": dict(by_op),
+            "count": len(sizes)}
