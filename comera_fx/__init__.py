@@ -7,14 +7,17 @@ Public API::
     comera_fx.plan(layer, batch=4096)                         # the contraction order chosen per batch interval
     comera_fx.passes.tensorize(gm, config)                    # GraphModule -> GraphModule for custom compilers
     comera_fx.RankAdaptive(model, optimizer, target_ratio=0.2) # rank adaptation through optimizer hooks
+    comera_fx.randomize_backward_(model, rho=0.25)            # RMM: linear backward keeps a sketch of its input
     torch.compile(model, backend=comera_fx.backend)          # or backend="comera_fx"; comera_fx.compile(model, config)
 """
 
 from . import passes
 from .backend import BackendConfig, ComeraBackend, DenseWeightsWarning, backend, compile, make_backend
 from .config import Init, LayerSettings, TensorizeConfig
+from .passes.rmm import RandomizeSummary, randomize_backward_, restore_backward_
 from .passes.tensorize import TensorizeSummary, tensorize_
 from .report import Report, report
+from .rmm import RMMConfig
 from .runtime import RankAdaptive, param_groups
 from .tt import TTEmbedding, TTFormat, TTLinear, TTMatrix
 from .tt.plan import plan
@@ -31,6 +34,8 @@ __all__ = [
     "Init",
     "RankAdaptive",
     "LayerSettings",
+    "RMMConfig",
+    "RandomizeSummary",
     "Report",
     "TTEmbedding",
     "TTFormat",
@@ -41,6 +46,8 @@ __all__ = [
     "param_groups",
     "plan",
     "passes",
+    "randomize_backward_",
     "report",
+    "restore_backward_",
     "tensorize_",
 ]

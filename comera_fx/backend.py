@@ -15,6 +15,9 @@ What runs, per graph Dynamo captures:
    are reported once, naming ``comera_fx.tensorize_``. TT modules need no rewrite here: Dynamo traces their
    forward, which already emits the planner's pairwise reshape / permute / mm steps, with the plan chosen by
    comparisons of the batch size against the breakpoints (one graph per planner interval under dynamic shapes).
+   With ``rmm`` set, ``passes.randomize_backward`` gives the large dense linear-like ops a randomized backward
+   (TT layers get theirs from ``comera_fx.randomize_backward_`` on the model); ``passes.share_sketches`` always
+   runs, so randomized layers reading one tensor keep one sketch of it.
 2. AOTAutograd splits the forward and backward graphs (aten ops); ``BackendConfig.post_aot_passes`` run on each,
    knowing which one it is.
 3. Inductor compiles each (C++/OpenMP on CPU, Triton on GPU) — or, with ``inductor=False``, the aten graphs run
@@ -40,6 +43,8 @@ from torch import fx, nn
 from .config import TensorizeConfig
 from .passes.find import UseKind, classify_use
 from .passes.recognize import contract_reconstructed_tt, node_values
+from .passes.rmm import randomize_backward, share_sketches
+from .rmm import RMMConfig
 
 GraphPass = Callable[[fx.GraphModule], fx.GraphModule]
 # An after-AOTAutograd pass may also take ``is_backward=...`` (see ``BackendConfig.post_aot_passes``).
@@ -62,6 +67,8 @@ class BackendConfig:
         post_aot_passes: functions GraphModule -> GraphModule run on the forward and the backward aten graphs
             before Inductor; a pass with an ``is_backward`` keyword parameter is told which graph it gets.
         inductor_options: Inductor config patches, as ``torch.compile(options=...)`` takes them.
+        rmm: randomized backward for the large dense linear-like ops in the graph (``RMMConfig``, or a float ρ for
+            ``RMMConfig(rho=ρ)``); None (default) keeps every backward exact.
     """
 
     inductor: bool = True
@@ -70,6 +77,13 @@ class BackendConfig:
     large: TensorizeConfig = field(default_factory=TensorizeConfig)
     post_aot_passes: tuple[GraphPass, ...] = ()
     inductor_options: Mapping[str, Any] = field(default_factory=dict)
+    rmm: RMMConfig | float | None = None
+
+    def __post_init__(self) -> None:
+        if self.rmm is not None and not isinstance(self.rmm, RMMConfig):
+            if isinstance(self.rmm, bool) or not isinstance(self.rmm, (int, float)):
+                raise ValueError(f"rmm must be None, an RMMConfig or a float rho in (0, 1], got {self.rmm!r}")
+            object.__setattr__(self, "rmm", RMMConfig(rho=self.rmm))
 
     def with_options(self, options: Mapping[str, Any] | None) -> "BackendConfig":
         """``torch.compile(..., options={...})``: our field names set fields, anything else goes to Inductor."""
@@ -94,6 +108,8 @@ class BackendStats:
     graphs: int = 0
     reconstructed_contracted: int = 0
     dense_reported: list[str] = field(default_factory=list)
+    rmm_rewritten: int = 0         # linear-like ops given a randomized backward by ``BackendConfig.rmm``
+    sketches_shared: int = 0       # sketches merged into another of the same input (``passes.share_sketches``)
     pass_seconds: float = 0.0      # in comera_fx's own passes (both stages)
     compile_seconds: float = 0.0   # in the backend calls: passes, AOTAutograd, Inductor's forward (Inductor
     #                                lowers the backward lazily, at the first backward call, outside this figure)
@@ -120,6 +136,12 @@ class ComeraBackend:
             self.stats.reconstructed_contracted += gm.meta.get("comera_fx_reconstructed", 0)
         if config.warn_dense:
             self._report_dense(gm, example_inputs, config.large)
+        if config.rmm is not None:
+            gm = randomize_backward(gm, config.rmm.rho, config.rmm.sketch, min_numel=config.rmm.min_numel,
+                                    example_inputs=example_inputs)
+            self.stats.rmm_rewritten += gm.meta.get("comera_fx_rmm_rewritten", 0)
+        gm = share_sketches(gm)
+        self.stats.sketches_shared += gm.meta.get("comera_fx_sketches_shared", 0)
         self.stats.pass_seconds += time.perf_counter() - started
         if config.inductor:
             from torch._inductor import list_mode_options

@@ -27,6 +27,7 @@ class LayerRow:
     params: int
     dense_params: int
     plan: str | None = None  # the contraction order at the report's batch size (None: not asked, or a lookup)
+    backward: str = "exact"  # "rmm rho=0.25, gaussian" when randomize_backward_ randomized a layer using it
 
     @property
     def compression(self) -> float:
@@ -35,10 +36,21 @@ class LayerRow:
 
 
 @dataclass(frozen=True)
+class RandomizedRow:
+    """A layer whose backward ``randomize_backward_`` randomized (dense or TT)."""
+
+    fqn: str
+    module: str
+    rho: float
+    sketch: str
+
+
+@dataclass(frozen=True)
 class Report:
     layers: tuple[LayerRow, ...]
     model_params: int
     batch: int | None = None
+    randomized: tuple[RandomizedRow, ...] = ()
 
     @property
     def tt_params(self) -> int:
@@ -59,6 +71,7 @@ class Report:
             "total": {"tt_params": self.tt_params, "dense_params": self.dense_params,
                       "compression": self.dense_params / max(self.tt_params, 1),
                       "model_params": self.model_params, "dense_model_params": self.dense_model_params},
+            "randomized_backward": [asdict(r) for r in self.randomized],
         }
 
     def __str__(self) -> str:
@@ -79,6 +92,10 @@ class Report:
         if self.batch is not None:
             lines.append(f"\ncontraction order at {self.batch} tokens (comera_fx.plan):")
             lines += [f"  {r.fqn}: {r.plan or 'row lookup (not planned)'}" for r in self.layers]
+        if self.randomized:
+            lines.append("\nrandomized backward (comera_fx.randomize_backward_: weight gradients from a sketch of "
+                         "rho of the tokens):")
+            lines += [f"  {r.fqn or '<root>'} ({r.module}): rho={r.rho:g}, {r.sketch}" for r in self.randomized]
         return "\n".join(lines)
 
 
@@ -98,6 +115,22 @@ def _layer_name(tt_path: str) -> str:
     return tt_path[:-3] if tt_path.endswith("_tt") else tt_path
 
 
+def _randomized(model: nn.Module) -> tuple[RandomizedRow, ...]:
+    from .rmm.modules import RandomizedBackward
+
+    return tuple(RandomizedRow(name, module._rmm_base.__name__, module.rmm.rho, module.rmm.sketch)
+                 for name, module in model.named_modules() if isinstance(module, RandomizedBackward))
+
+
+def _backward_of(model: nn.Module, tt: TTMatrix) -> str:
+    from .rmm.modules import RandomizedBackward
+
+    for module in model.modules():
+        if isinstance(module, RandomizedBackward) and getattr(module, "tt", None) is tt:
+            return f"rmm {module.rmm.describe()}"
+    return "exact"
+
+
 def _product_op(model: nn.Module, tt: TTMatrix) -> str | None:
     """Which product the model runs with ``tt``: that of the first TTLinear using it, else None (lookups only)."""
     for module in model.modules():
@@ -108,7 +141,8 @@ def _product_op(model: nn.Module, tt: TTMatrix) -> str | None:
 
 def report(model: nn.Module, *, batch: int | None = None,
            gate_threshold: float = DEFAULT_GATE_THRESHOLD) -> Report:
-    """Report every TT matrix in ``model`` once (a tied matrix lists all modules using it).
+    """Report every TT matrix in ``model`` once (a tied matrix lists all modules using it), and every layer whose
+    backward ``randomize_backward_`` randomized (with its ρ and sketch).
 
     ``live_ranks`` counts gate entries above ``gate_threshold``; ``ranks`` are the stored core sizes. With
     ``batch`` (tokens per call), each layer also shows the contraction order the planner chooses there.
@@ -127,6 +161,6 @@ def report(model: nn.Module, *, batch: int | None = None,
         op = _product_op(model, tt) if batch is not None and not tt.is_zero else None
         chosen = str(planned_envelope(layout, op).choose(batch)) if op is not None else None
         rows.append(LayerRow(name, tuple(users[key]), layout.format.value, layout.describe_modes(), layout.ranks,
-                             live, params, layout.dense_params, chosen))
+                             live, params, layout.dense_params, chosen, _backward_of(model, tt)))
     model_params = sum(p.numel() for p in model.parameters())
-    return Report(tuple(rows), model_params, batch)
+    return Report(tuple(rows), model_params, batch, _randomized(model))

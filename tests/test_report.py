@@ -131,12 +131,14 @@ def test_totals(models):
 def test_to_dict(models):
     _, model, _ = models
     data = comera_fx.report(model).to_dict()
-    assert set(data) == {"layers", "total"}
+    assert set(data) == {"layers", "total", "randomized_backward"}
+    assert data["randomized_backward"] == []
     assert set(data["total"]) == {"tt_params", "dense_params", "compression", "model_params", "dense_model_params"}
     assert len(data["layers"]) == len(LAYERS)
     for layer in data["layers"]:
         assert set(layer) == {"fqn", "used_by", "format", "modes", "ranks", "live_ranks", "params", "dense_params", "plan",
-                              "compression"}
+                              "backward", "compression"}
+        assert layer["backward"] == "exact"
         assert layer["compression"] == pytest.approx(layer["dense_params"] / layer["params"])
     total = data["total"]
     assert total["tt_params"] == sum(layer["params"] for layer in data["layers"])

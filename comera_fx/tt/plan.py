@@ -51,6 +51,7 @@ __all__ = [
     "EnvelopePiece",
     "Plan",
     "PlanEnvelope",
+    "PlanRunner",
     "Step",
     "TTNetwork",
     "Tree",
@@ -727,6 +728,11 @@ class Plan:
         return _compile(self)
 
     @cached_property
+    def runner(self) -> "PlanRunner":
+        """The planned forward and backward as plain functions (``PlanRunner``)."""
+        return PlanRunner(self)
+
+    @cached_property
     def function(self) -> type:
         """A ``torch.autograd.Function`` that runs this plan with its planned backward (``execute_function``)."""
         return _make_function(self)
@@ -1127,79 +1133,101 @@ def _unview(grad, view: tuple, dims: tuple[int, ...], rows: int, cols: int, batc
 _NARROW_GRADIENT = 12
 
 
-def _make_function(chosen: "Plan") -> type:
-    """A torch.autograd.Function running ``chosen`` forward and its planned backward.
+class PlanRunner:
+    """The planned forward (optionally keeping each step's operands) and the planned backward of one plan, as
+    plain functions of tensors — what ``Plan.function`` runs, reusable by ops that feed the backward other inputs
+    (``comera_fx.rmm`` runs the core gradients on a sketch of x and of dy).
 
-    Forward runs the steps like ``execute`` and saves, per step, the two matrices its backward needs: the left
-    operand A (for dB = Aᵀ·dC; b-dependent exactly when the step is batched, which is what the cost model counts as
-    saved) and the right operand B (for dA = dC·Bᵀ; never b-dependent: x is always on the left). Nothing else is
-    kept: intermediates that are only step results are not saved. Backward runs the steps in reverse, one GEMM per
-    gradient, and undoes each operand's view (a transposed view back, a permute back: the copy the model counts).
+    Per step, backward needs the left operand A (for dB = Aᵀ·dC; b-dependent exactly when the step is batched,
+    which is what the cost model counts as saved) and the right operand B (for dA = dC·Bᵀ; never b-dependent: x
+    is always on the left). Backward runs the steps in reverse, one GEMM per gradient, and undoes each operand's
+    view (a transposed view back, a permute back: the copy the model counts).
     """
-    net, layout = chosen.network, chosen.network.layout
-    program = chosen.program
-    steps, instructions = chosen.steps, program.instructions
-    n_in, n_out = (layout.rows, layout.cols) if net.op == "matmul" else (layout.cols, layout.rows)
-    pad_in, pad_out = math.prod(net.in_modes), math.prod(net.out_modes)
-    core_shapes = layout.core_shapes
-    n_steps, n_leaves = len(steps), net.n_tensors
-    final_perm, final_dims = program.final_perm, program.final_dims
-    last = steps[-1]
+
+    def __init__(self, chosen: "Plan"):
+        net, layout = chosen.network, chosen.network.layout
+        self.steps, self.instructions = chosen.steps, chosen.program.instructions
+        self.n_in, self.n_out = (layout.rows, layout.cols) if net.op == "matmul" else (layout.cols, layout.rows)
+        self.pad_in, self.pad_out = math.prod(net.in_modes), math.prod(net.out_modes)
+        self.core_shapes = layout.core_shapes
+        self.n_leaves = net.n_tensors
+        self.final_perm, self.final_dims = chosen.program.final_perm, chosen.program.final_dims
+
+    def forward(self, x, cores: Sequence, keep: bool = True):
+        """(y, lefts, rights): y = x @ M (or x @ Mᵀ) of shape (..., n_out); the operands when ``keep``."""
+        x2 = x.reshape(-1, self.n_in)
+        if self.pad_in != self.n_in:
+            x2 = F.pad(x2, (0, self.pad_in - self.n_in))
+        stored = [x2, *cores]
+        lefts, rights = [], []
+        for step, inst in zip(self.steps, self.instructions):
+            left = _as_matrix(stored[step.left], inst.left_view, inst.left_dims, step.m, step.k, step.batched)
+            right = _as_matrix(stored[step.right], inst.right_view, inst.right_dims, step.k, step.n, False)
+            if keep:
+                lefts.append(left)
+                rights.append(right)
+            stored.append(torch.mm(left, right))
+        out = stored[-1]
+        if self.final_perm is not None:
+            out = out.reshape((-1,) + self.final_dims).permute(self.final_perm)
+        out = ops._trim_cols(out.reshape(-1, self.pad_out), self.n_out, self.pad_out)
+        return out.reshape(x.shape[:-1] + (self.n_out,)), lefts, rights
+
+    def backward(self, lefts: Sequence, rights: Sequence, dy, need_x: bool = True):
+        """(dx or None, [d core_k]) from the kept operands and the output gradient dy (..., n_out)."""
+        steps, instructions = self.steps, self.instructions
+        n_steps = len(steps)
+        grad = dy.reshape(-1, self.n_out)
+        if self.pad_out != self.n_out:
+            grad = F.pad(grad, (0, self.pad_out - self.n_out))
+        if self.final_perm is not None:
+            inverse = tuple(sorted(range(len(self.final_perm)), key=self.final_perm.__getitem__))
+            shape = (-1,) + tuple(self.final_dims[p - 1] for p in self.final_perm[1:])
+            grad = grad.reshape(shape).permute(inverse)
+        grads: list = [None] * (self.n_leaves + n_steps)
+        grads[steps[-1].result] = grad
+        for i in range(n_steps - 1, -1, -1):
+            step, inst = steps[i], instructions[i]
+            d_out = grads[step.result].reshape(-1 if step.batched else step.m, step.n)
+            grads[step.result] = None
+            if step.left != 0 or need_x:
+                d_left = torch.mm(d_out, rights[i].t())
+                grads[step.left] = _unview(d_left, inst.left_view, inst.left_dims, step.m, step.k, step.batched)
+            if step.n < _NARROW_GRADIENT:  # Aᵀ·dC with few columns: as (dCᵀ·A)ᵀ, the same numbers
+                d_right = torch.mm(d_out.t(), lefts[i]).t()
+            else:
+                d_right = torch.mm(lefts[i].t(), d_out)
+            grads[step.right] = _unview(d_right, inst.right_view, inst.right_dims, step.k, step.n, False)
+        dx = None
+        if need_x:
+            dx = grads[0].reshape(-1, self.pad_in)
+            if self.pad_in != self.n_in:
+                dx = dx[:, :self.n_in]
+            dx = dx.reshape(dy.shape[:-1] + (self.n_in,))
+        return dx, [grads[k + 1].reshape(self.core_shapes[k]) for k in range(self.n_leaves - 1)]
+
+
+def _make_function(chosen: "Plan") -> type:
+    """A torch.autograd.Function running ``chosen`` forward and its planned backward (``PlanRunner``).
+
+    Forward saves, per step, the two operands its backward needs and nothing else: intermediates that are only
+    step results are not saved.
+    """
+    runner = chosen.runner
+    n_steps = len(chosen.steps)
 
     class PlannedProduct(torch.autograd.Function):
         @staticmethod
         def forward(ctx, x, *cores):
-            x2 = x.reshape(-1, n_in)
-            if pad_in != n_in:
-                x2 = F.pad(x2, (0, pad_in - n_in))
-            stored = [x2, *cores]
-            lefts, rights = [], []
-            for step, inst in zip(steps, instructions):
-                left = _as_matrix(stored[step.left], inst.left_view, inst.left_dims, step.m, step.k, step.batched)
-                right = _as_matrix(stored[step.right], inst.right_view, inst.right_dims, step.k, step.n, False)
-                lefts.append(left)
-                rights.append(right)
-                stored.append(torch.mm(left, right))
+            out, lefts, rights = runner.forward(x, cores)
             ctx.save_for_backward(*lefts, *rights)
-            out = stored[-1]
-            if final_perm is not None:
-                out = out.reshape((-1,) + final_dims).permute(final_perm)
-            out = ops._trim_cols(out.reshape(-1, pad_out), n_out, pad_out)
-            return out.reshape(x.shape[:-1] + (n_out,))
+            return out
 
         @staticmethod
         def backward(ctx, dy):
             saved = ctx.saved_tensors
-            lefts, rights = saved[:n_steps], saved[n_steps:]
-            grad = dy.reshape(-1, n_out)
-            if pad_out != n_out:
-                grad = F.pad(grad, (0, pad_out - n_out))
-            if final_perm is not None:
-                inverse = tuple(sorted(range(len(final_perm)), key=final_perm.__getitem__))
-                shape = (-1,) + tuple(final_dims[p - 1] for p in final_perm[1:])
-                grad = grad.reshape(shape).permute(inverse)
-            grads: list = [None] * (n_leaves + n_steps)
-            grads[last.result] = grad
-            need_x = ctx.needs_input_grad[0]
-            for i in range(n_steps - 1, -1, -1):
-                step, inst = steps[i], instructions[i]
-                d_out = grads[step.result].reshape(-1 if step.batched else step.m, step.n)
-                grads[step.result] = None
-                if step.left != 0 or need_x:
-                    d_left = torch.mm(d_out, rights[i].t())
-                    grads[step.left] = _unview(d_left, inst.left_view, inst.left_dims, step.m, step.k, step.batched)
-                if step.n < _NARROW_GRADIENT:  # Aᵀ·dC with few columns: as (dCᵀ·A)ᵀ, the same numbers
-                    d_right = torch.mm(d_out.t(), lefts[i]).t()
-                else:
-                    d_right = torch.mm(lefts[i].t(), d_out)
-                grads[step.right] = _unview(d_right, inst.right_view, inst.right_dims, step.k, step.n, False)
-            dx = None
-            if need_x:
-                dx = grads[0].reshape(-1, pad_in)
-                if pad_in != n_in:
-                    dx = dx[:, :n_in]
-                dx = dx.reshape(dy.shape[:-1] + (n_in,))
-            return (dx, *[grads[k + 1].reshape(core_shapes[k]) for k in range(n_leaves - 1)])
+            dx, core_grads = runner.backward(saved[:n_steps], saved[n_steps:], dy, ctx.needs_input_grad[0])
+            return (dx, *core_grads)
 
     PlannedProduct.__name__ = PlannedProduct.__qualname__ = "PlannedProduct"
     return PlannedProduct
