@@ -60,7 +60,8 @@ def run(method: str, opts, data) -> dict:
         example = demo.get_batch(train_data, p.batch, p.seq_len, torch.Generator().manual_seed(0),
                                  torch.device("cpu"))[0]
         summary = comera_randomize_backward_(model, rho=float(method[3:]), sketch=opts.sketch,
-                                             example_inputs=(example,), filter_fn=in_blocks)
+                                             example_inputs=(example,), filter_fn=in_blocks,
+                                             min_numel=p.min_numel)  # the tiny preset's 64-wide layers too
         info["summary"] = str(summary)[:1500]
     elif method.startswith("topk"):
         info["replaced"] = compress_linears_(model, "topk", float(method[4:]), in_blocks)
@@ -68,7 +69,7 @@ def run(method: str, opts, data) -> dict:
         info["replaced"] = compress_linears_(model, "int8", None, in_blocks)
     elif method != "exact":
         raise SystemExit(f"unknown method {method!r}: exact, rmm<rho>, topk<rho>, int8")
-    torch.manual_seed(1234)  # the RMM seeds come from the global generator: the same stream for every method
+    torch.manual_seed(opts.rng_seed)  # RMM's sketch seeds come from the global generator: one stream per method
     optimizer = demo.make_dense_optimizer(model, args)
     result = demo.RunResult(method)
     load_start = loadavg()
@@ -85,15 +86,16 @@ def parse(argv):
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--methods", default=DEFAULT_METHODS)
     ap.add_argument("--sketch", default="gaussian")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rng-seed", type=int, default=1234, help="global RNG seed set before training (RMM's seeds)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: the preset's, else 2)")
     ap.add_argument("--json", default=None)
     return ap.parse_args(argv)
 
 
 def main(argv=None):
     opts = parse(sys.argv[1:] if argv is None else argv)
-    torch.set_num_threads(opts.threads)
     p = demo.PRESETS[opts.preset]
+    torch.set_num_threads(opts.threads or p.threads or 2)
     train_data, val_data, _ = demo.load_stdlib(p.data_bytes)
     val_gen = torch.Generator().manual_seed(1234)
     val_set = [demo.get_batch(val_data, p.batch, p.seq_len, val_gen, torch.device("cpu"))

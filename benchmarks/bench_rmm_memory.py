@@ -10,9 +10,11 @@ construction and ``tensorize_`` do not.
 Configurations (``--configs``, comma-separated; default all):
 
 * ``dense``             — the model as built;
-* ``tt_enc``            — ``tensorize_(max_rank=30)`` of the encoder linears (``init="random"``), dense embeddings;
+* ``tt_enc``            — ``tensorize_(max_rank=30)`` of the encoder linears (``init="random"``, module scan), dense
+                          embeddings;
 * ``tt_all``            — encoder linears and the word embedding in TT;
-* ``tt_all_rmm0.5`` (and any ρ: ``tt_all_rmm0.25``, ``tt_all_rmm0.1``) — ``tt_all`` + ``randomize_backward_(ρ)``;
+* ``tt_all_rmm0.5`` (and any ρ: ``tt_all_rmm0.25``, ``tt_all_rmm0.1``) — ``tt_all`` + ``randomize_backward_(ρ)``
+                          (module scan: every TTLinear and the pooler; the 768×2 classifier is under min_numel);
 * ``tt_all_ckpt``       — ``tt_all`` + ``torch.utils.checkpoint`` per encoder layer (non-reentrant, through
                           ``model.gradient_checkpointing_enable``);
 * ``tt_all_rmm0.25_ckpt`` — both;
@@ -95,8 +97,10 @@ def tensorize(model, base: str, ids) -> object:
     else:
         keep = lambda m, fqn: ((isinstance(m, nn.Linear) and ".encoder." in f".{fqn}.")  # noqa: E731
                                or fqn.endswith("word_embeddings"))
+    # A module scan (no example inputs): this model has no functional weight use, and a Dynamo capture of it
+    # costs a minute per configuration on a loaded 2-core machine.
     return comera_fx.tensorize_(model, comera_fx.TensorizeConfig(max_rank=30, init="random", seed=0),
-                                example_inputs=(ids,), filter_fn=keep)
+                                filter_fn=keep)
 
 
 def child(opts) -> dict:
@@ -120,7 +124,7 @@ def child(opts) -> dict:
         why = rmm_missing()
         if why:
             return {"name": opts.child, "skipped": why}
-        summary = comera_randomize_backward_(model, rho=cfg["rho"], sketch=opts.sketch, example_inputs=(ids,))
+        summary = comera_randomize_backward_(model, rho=cfg["rho"], sketch=opts.sketch)  # module scan, as above
         info["rmm_summary"] = str(summary)[:2000]
     if cfg["ckpt"]:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
