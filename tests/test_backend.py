@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers  # a test dependency (pyproject's [test] extra)
 from torch import nn
 
 import comera_fx
@@ -329,7 +330,6 @@ def test_inductor_training_matches_eager(inductor_training):
 @pytest.mark.parametrize("name", ["gpt2", "bert"])
 def test_backend_on_transformers_models(name):
     """GPT-2 (Conv1D weights, tied wte / lm_head) and BERT, full rank in float64: compiled = dense model."""
-    transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     if name == "gpt2":
         config = transformers.GPT2Config(n_layer=2, n_embd=128, n_head=4, vocab_size=1000, n_positions=64,

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 import torch
+import transformers  # a test dependency (pyproject's [test] extra): missing, the suite fails here, loudly
 from torch import nn
 
 import comera_fx
@@ -364,7 +365,6 @@ def test_embedding_with_max_norm_is_skipped_with_a_reason():
 
 # ---------------------------------------------------------------------------------- transformers models
 
-transformers = pytest.importorskip("transformers")
 
 
 def tiny_gpt2():
