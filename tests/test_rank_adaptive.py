@@ -12,11 +12,14 @@ import math
 
 import pytest
 import torch
+from hypothesis import assume, given
+from hypothesis import strategies as st
 from torch import nn
 
 import comera_fx
 from comera_fx.runtime import RankAdaptive, param_groups
 from comera_fx.runtime.rank_adaptive import EARLY, LATE, achievement_lambda, tt_matrices
+from comera_fx.testing import assert_rewrite_equivalent, strategies
 from comera_fx.tt import TTMatrix
 
 CONFIG = comera_fx.TensorizeConfig(max_rank=8, min_numel=1, min_dim=1)
@@ -310,6 +313,80 @@ def test_shrinking_preserves_the_function_and_removes_the_expected_parameters():
     in_optimizer = [p for g in optimizer.param_groups for p in g["params"]]
     assert [id(p) for p in in_optimizer] == [id(p) for p in model.parameters()]  # same positions, new objects
     assert hook.prune() == []  # nothing dead any more
+
+
+THRESHOLD = 1e-2
+# A gate entry is kept (a random value in [0.5, 1.5]) or dead: exactly 0, below the threshold, or at it.
+GATE_FATES = st.sampled_from(["live", "zero", "below", "at"])
+
+
+@given(case=strategies.models(num_inputs=2), max_rank=st.integers(1, 5), data=st.data())
+def test_pruning_dead_slices_of_random_models_keeps_the_function_and_the_optimizer_state_aligned(
+        case, max_rank, data):
+    """Random models tensorized at random ranks, random gate entries dead (exactly 0, below or at the threshold).
+
+    Reference: the same model with every dead gate set to exactly 0 (built by the test with plain indexing),
+    whose function pruning must keep (outputs and gradients, two batches). The rewrite puts the small dead values
+    back and prunes through an Adam optimizer whose moments are tagged exp_avg = p, exp_avg_sq = p²: after
+    pruning every surviving parameter must still carry its own tags, which holds only if each state tensor was
+    sliced exactly like its parameter."""
+    model, example_inputs = case
+    comera_fx.tensorize_(model, comera_fx.TensorizeConfig(max_rank=max_rank, min_numel=1, min_dim=1))
+    matrices = tt_matrices(model)
+    assume(matrices)
+    small: dict[tuple[str, int, int], float] = {}  # (matrix, bond, entry) -> the dead value the rewrite restores
+    live: dict[str, list[int]] = {}
+    generator = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1), label="gate seed"))
+    with torch.no_grad():
+        for entry in matrices:
+            counts = []
+            for k, gate in enumerate(entry.tt.gates):
+                fates = data.draw(st.lists(GATE_FATES, min_size=gate.numel(), max_size=gate.numel()),
+                                  label=f"{entry.name} gate {k}")
+                values = 0.5 + torch.rand(gate.shape, generator=generator, dtype=gate.dtype)
+                for i, fate in enumerate(fates):
+                    if fate != "live":
+                        small[(entry.name, k, i)] = {"zero": 0.0, "below": -0.5 * THRESHOLD, "at": THRESHOLD}[fate]
+                        values[i] = 0.0
+                gate.copy_(values)
+                counts.append(fates.count("live"))
+            live[entry.name] = counts
+    optimizers = []
+
+    def prune(m: nn.Module) -> None:
+        with torch.no_grad():
+            for e in tt_matrices(m):
+                for (name, k, i), value in small.items():
+                    if name == e.name:
+                        e.tt.gates[k][i] = value
+        optimizer = torch.optim.Adam(m.parameters(), lr=0.0)
+        for p in m.parameters():
+            p.grad = torch.ones_like(p)
+        optimizer.step()  # Adam's own state layout (step, exp_avg, exp_avg_sq); lr 0 leaves p as it was
+        with torch.no_grad():
+            for p in m.parameters():
+                optimizer.state[p]["exp_avg"].copy_(p)
+                optimizer.state[p]["exp_avg_sq"].copy_(p * p)
+        hook = RankAdaptive(m, optimizer, prune_every=None, threshold=THRESHOLD)
+        hook.prune()
+        hook.remove()
+        optimizers.append(optimizer)
+
+    pruned = assert_rewrite_equivalent(model, prune, example_inputs, graph=False, extra_inputs=case.more_inputs)
+    optimizer = optimizers[0]
+    params = list(pruned.parameters())
+    assert [id(p) for g in optimizer.param_groups for p in g["params"]] == [id(p) for p in params]
+    for p in params:
+        state = optimizer.state[p]
+        assert torch.equal(state["exp_avg"], p.detach()) and torch.equal(state["exp_avg_sq"], p.detach() ** 2)
+        assert float(state["step"]) == 1.0
+    for e in tt_matrices(pruned):
+        counts = live[e.name]
+        expected = (1, *counts, 1) if 0 not in counts else (1, *[0] * len(counts), 1)
+        assert e.tt.ranks == expected, (e.name, e.tt.ranks, counts)
+    for p in params:  # and the optimizer steps on the shrunk parameters
+        p.grad = torch.ones_like(p)
+    optimizer.step()
 
 
 def test_a_bond_at_rank_zero_leaves_only_the_bias():

@@ -8,6 +8,7 @@ differentiates a model, and every failure is shrunk. The library's own propertie
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import subprocess
@@ -329,6 +330,182 @@ def test_tolerances_follow_the_dtype_and_can_be_loosened():
     with pytest.raises(RewriteMismatch):
         assert_rewrite_equivalent(model, nudge, torch.randn(2, 4))
     assert_rewrite_equivalent(model, nudge, torch.randn(2, 4), atol=1e-4)
+
+
+# ------------------------------------------------------------------------------------ outputs and tolerances
+
+
+@dataclasses.dataclass
+class PlainOutput:  # a dataclass pytree does not know: its fields must still be compared and differentiated
+    y: torch.Tensor
+    count: int
+
+
+class DataclassOut(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return PlainOutput(self.a(x), 3)
+
+
+def _scale_weight(model: nn.Module) -> nn.Module:
+    with torch.no_grad():
+        model.a.weight.mul_(2)
+    return model
+
+
+def test_tensors_inside_an_unregistered_dataclass_output_are_compared():
+    with pytest.raises(RewriteMismatch, match="output"):
+        assert_rewrite_equivalent(DataclassOut(), _scale_weight, torch.randn(2, 3), graph=False)
+
+
+def test_tensors_inside_a_dataclass_output_are_differentiated():
+    def detach_output(model: nn.Module) -> nn.Module:
+        forward = model.forward
+        model.forward = lambda x: PlainOutput(forward(x).y.detach(), 3)
+        return model
+
+    with pytest.raises(RewriteMismatch) as info:
+        assert_rewrite_equivalent(DataclassOut(), detach_output, torch.randn(2, 3), graph=False)
+    assert info.value.divergence.what in ("input gradient", "parameter gradient")
+
+
+class WithNonTensors(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(3, 3)
+
+    def forward(self, x):
+        y = self.a(x)
+        return {"y": y, "aux": None, "pair": (y.argmax(-1), 3, "ok"), "total": float(y.detach().sum())}
+
+
+def test_python_floats_in_outputs_get_the_tolerance_and_other_values_equality():
+    def nudge_bias(model: nn.Module) -> nn.Module:
+        with torch.no_grad():
+            model.a.bias.add_(1e-13)  # changes the float's last digits, not beyond float64 rounding
+        return model
+
+    assert_rewrite_equivalent(WithNonTensors(), nudge_bias, torch.randn(2, 3), graph=False)
+
+    def change_constant(model: nn.Module) -> nn.Module:
+        forward = model.forward
+        model.forward = lambda x: {**forward(x), "pair": (forward(x)["pair"][0], 4, "ok")}
+        return model
+
+    with pytest.raises(RewriteMismatch, match="3 vs 4"):
+        assert_rewrite_equivalent(WithNonTensors(), change_constant, torch.randn(2, 3), graph=False)
+
+
+def _add_relative_noise(scale: float):
+    """A rewrite whose output error is ``scale`` times the output norm, spread evenly over the elements (so
+    elements near zero get an element-wise relative error far above ``scale``)."""
+    def rewrite(model: nn.Module) -> nn.Module:
+        forward = model.forward
+
+        def noisy(x):
+            y = forward(x)
+            noise = torch.ones_like(y) / math.sqrt(max(y.numel(), 1))
+            return y + scale * float(torch.linalg.vector_norm(y.detach())) * noise
+        model.forward = noisy
+        return model
+    return rewrite
+
+
+def test_norm_relative_tolerance_bounds_the_error_norm_not_each_element():
+    torch.manual_seed(0)
+    model, x = nn.Linear(6, 6), torch.randn(50, 6)
+    with pytest.raises(RewriteMismatch):
+        assert_rewrite_equivalent(model, _add_relative_noise(1e-7), x, graph=False, grads=False)
+    assert_rewrite_equivalent(model, _add_relative_noise(1e-7), x, graph=False, grads=False, norm_rtol=1e-6)
+    with pytest.raises(RewriteMismatch, match="relative norm error 1e-05"):
+        assert_rewrite_equivalent(model, _add_relative_noise(1e-5), x, graph=False, grads=False, norm_rtol=1e-6)
+    with pytest.raises(ValueError, match="norm_rtol"):
+        assert_rewrite_equivalent(model, lambda m: m, x, graph=False, norm_rtol=-1.0)
+
+
+def test_extra_inputs_check_the_one_rewrite_on_each():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    assert_rewrite_equivalent(model, wrong_for_batch_one, torch.randn(3, 4), extra_inputs=[torch.randn(5, 4)])
+    with pytest.raises(RewriteMismatch, match="on extra input 2") as info:
+        assert_rewrite_equivalent(model, wrong_for_batch_one, torch.randn(3, 4),
+                                  extra_inputs=[torch.randn(5, 4), torch.randn(1, 4)])
+    assert info.value.divergence.node  # located on the input that shows it
+
+
+def test_models_draw_further_inputs_and_check_pass_uses_them():
+    batches = set()
+
+    @STRATEGY
+    @given(case=strategies.models(num_inputs=3))
+    def look(case):
+        model, (x,) = case
+        assert len(case.more_inputs) == 2
+        for (other,) in case.more_inputs:
+            assert other.dtype == x.dtype and other.dim() == x.dim()
+            assert other.shape[2:] == x.shape[2:]  # same features (and no sequence axis where x has none)
+            model(other)
+        batches.update(other.shape[0] for (other,) in case.more_inputs)
+
+    look()
+    assert len(batches) > 1
+    # The first input never has batch size 1 here; only the further inputs can show the bug.
+    exc = _check_pass_failure(wrong_for_batch_one, batch_sizes=st.sampled_from([3, 1]), num_inputs=3)
+    assert any(inputs[0].shape[0] == 1 for inputs in (exc.case.example_inputs, *exc.case.more_inputs))
+    with pytest.raises(ValueError, match="num_inputs"):
+        strategies.models(num_inputs=0)
+
+
+# ------------------------------------------------------------------------------------------- compiled check
+
+
+def _counting_backend():
+    calls = []
+
+    def backend(gm, example_inputs):
+        calls.append(gm)
+        return gm.forward
+    return backend, calls
+
+
+def test_compiled_check_leaves_the_callers_compiled_code_alone():
+    backend, calls = _counting_backend()
+    user_model = nn.Sequential(nn.Linear(3, 3))
+    users_compiled = torch.compile(user_model, backend=backend)
+    x = torch.randn(2, 3)
+    users_compiled(x)
+    assert len(calls) == 1
+    torch.manual_seed(0)
+    assert_rewrite_equivalent(nn.Sequential(nn.Linear(6, 2)), identity, torch.randn(4, 6),
+                              compile_backend="aot_eager")
+    users_compiled(x)
+    assert len(calls) == 1, "the check wiped the caller's compiled code (a recompile happened)"
+
+
+def test_compiled_check_compiles_every_model_of_a_shared_forward():
+    """Twelve models sharing nn.Sequential.forward: past Dynamo's recompile limit (8) each is still compiled."""
+    backend, calls = _counting_backend()
+    for width in range(2, 14):
+        assert_rewrite_equivalent(nn.Sequential(nn.Linear(width, 3)), identity, torch.randn(2, width),
+                                  compile_backend=backend, grads=False)
+    assert len(calls) == 12
+
+
+def test_compiled_check_compares_parameter_gradients():
+    """A backend that computes the right outputs but detaches the parameters: only parameter gradients show it."""
+    def detaching_backend(gm, example_inputs):
+        def run(*inputs):
+            return gm(*[x.detach() if isinstance(x, nn.Parameter) else x for x in inputs])
+        return run
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3))
+    with pytest.raises(RewriteMismatch, match="gradient w.r.t. parameter") as info:
+        assert_rewrite_equivalent(model, identity, torch.randn(2, 4), compile_backend=detaching_backend)
+    assert info.value.divergence.what == "compiled"
 
 
 def _fixed_spec():

@@ -8,6 +8,7 @@ floats: examples stay fast and exactly replayable.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -246,16 +247,26 @@ def _default_batch_sizes() -> st.SearchStrategy[int]:
 # ------------------------------------------------------------------------------------------------------- models
 
 
-class ModelCase(NamedTuple):
-    """What ``models()`` draws: unpack as ``model, example_inputs = case``; prints as the model's grammar."""
+@dataclasses.dataclass(frozen=True, repr=False)
+class ModelCase:
+    """What ``models()`` draws: unpack as ``model, example_inputs = case``; prints as the model's grammar.
+
+    ``more_inputs``: further example inputs for the same model (``models(num_inputs=...)``), each a 1-tuple like
+    ``example_inputs``; ``check_pass`` checks the rewrite on all of them.
+    """
 
     model: nn.Module
     example_inputs: tuple
+    more_inputs: tuple = ()
+
+    def __iter__(self):  # unpacks as (model, example_inputs), whatever more_inputs holds
+        return iter((self.model, self.example_inputs))
 
     def __repr__(self) -> str:
         spec = getattr(self.model, "spec", None)
-        shapes = ", ".join(_describe_tensor(x) for x in self.example_inputs)
         what = spec.describe() if spec is not None else type(self.model).__name__
+        shapes = "; ".join(", ".join(_describe_tensor(x) for x in inputs)
+                           for inputs in (self.example_inputs, *self.more_inputs))
         return f"ModelCase({what}; inputs: {shapes})"
 
     def _repr_pretty_(self, printer, cycle) -> None:  # Hypothesis prints falsifying examples with this
@@ -318,11 +329,10 @@ def _tie_sources(linears: list[tuple[int, int]], width: int) -> list[int]:
     return [i for i, (d_in, _) in enumerate(linears) if d_in == width]
 
 
-@st.composite
-def models(draw, *, dtype: torch.dtype = torch.float64, batch_sizes=None, block_kinds: Sequence[str] = BLOCK_KINDS,
+def models(*, dtype: torch.dtype = torch.float64, batch_sizes=None, block_kinds: Sequence[str] = BLOCK_KINDS,
            min_blocks: int = 1, max_blocks: int = 4, min_features: int = 4, max_features: int = 48,
            ties: bool | None = None, seq_lens: Sequence[int | None] = (None, 1, 2, 3, 4),
-           memory_layouts: Sequence[str] = MEMORY_LAYOUTS) -> ModelCase:
+           memory_layouts: Sequence[str] = MEMORY_LAYOUTS, num_inputs: int = 1) -> st.SearchStrategy[ModelCase]:
     """Small random models and an example input: ``model, example_inputs = draw(models())``.
 
     The model is a ``RandomModel``: an optional embedding stem, ``min_blocks`` to ``max_blocks`` blocks of
@@ -332,10 +342,22 @@ def models(draw, *, dtype: torch.dtype = torch.float64, batch_sizes=None, block_
     no sequence axis; attention needs one). ``ties``: None draws tied weights sometimes, True always includes
     one, False never. ``batch_sizes`` is a strategy or an int (default: ``batch_sizes((2,), include_zero=True)``,
     i.e. 0..3). Weights and inputs come from a drawn seed; ``example_inputs`` is a 1-tuple (token ids or features).
+    ``num_inputs`` > 1 adds ``num_inputs - 1`` further inputs in ``case.more_inputs``: same features, each with
+    its own batch size, sequence length (when there is a sequence axis), memory layout and values.
     """
+    if not isinstance(num_inputs, int) or num_inputs < 1:
+        raise ValueError(f"num_inputs must be an int >= 1, got {num_inputs!r}")
     unknown = set(block_kinds) - set(BLOCK_KINDS)
     if unknown:
         raise ValueError(f"unknown block kinds {sorted(unknown)}; known: {BLOCK_KINDS}")
+    return _models(dtype=dtype, batch_sizes=batch_sizes, block_kinds=tuple(block_kinds), min_blocks=min_blocks,
+                   max_blocks=max_blocks, min_features=min_features, max_features=max_features, ties=ties,
+                   seq_lens=tuple(seq_lens), memory_layouts=tuple(memory_layouts), num_inputs=num_inputs)
+
+
+@st.composite
+def _models(draw, *, dtype, batch_sizes, block_kinds, min_blocks, max_blocks, min_features, max_features, ties,
+            seq_lens, memory_layouts, num_inputs) -> ModelCase:
     sizes = feature_sizes(min_features, max_features)
     seed = draw(_SEEDS)
     stem = "tokens" if ties else draw(st.sampled_from(["features", "tokens"]))
@@ -372,4 +394,11 @@ def models(draw, *, dtype: torch.dtype = torch.float64, batch_sizes=None, block_
     d_head = draw(sizes) if head == "linear" else 0
     input_layout = draw(st.sampled_from(list(memory_layouts)))
     spec = ModelSpec(stem, d_model, vocab, tuple(blocks), head, d_head, batch, seq_len, input_layout, seed)
-    return ModelCase(build_model(spec, dtype), (make_example_input(spec, dtype),))
+    more = []
+    for _ in range(num_inputs - 1):
+        other_seq = seq_len if seq_len is None else draw(st.sampled_from([s for s in seq_lens if s is not None]))
+        other = dataclasses.replace(spec, batch=draw(_as_strategy(batch_sizes, _default_batch_sizes())),
+                                    seq_len=other_seq, input_layout=draw(st.sampled_from(list(memory_layouts))),
+                                    seed=draw(_SEEDS))
+        more.append((make_example_input(other, dtype),))
+    return ModelCase(build_model(spec, dtype), (make_example_input(spec, dtype),), tuple(more))
