@@ -372,15 +372,8 @@ def test_embedding_with_max_norm_is_skipped_with_a_reason():
 EXACT = TensorizeConfig(max_rank=10**9, min_numel=1, min_dim=1)  # every weight "large", full rank: exact
 
 
-def reuses_a_functional_linear(spec) -> bool:
-    """A FunctionalLinear block called twice: tensorize_ crashes on it (test below, xfail); properties skip it."""
-    return any(b.kind == "shared" and spec.blocks[b.source].kind == "functional_linear" for b in spec.blocks)
-
-
-@pytest.mark.xfail(strict=True, reason="bug in passes/tensorize.py: a module holding a functional weight that is "
-                   "called twice (two aliases, one module) gets the TT property attached twice -> KeyError 'weight', "
-                   "and the model is left half converted")
 def test_functional_linear_called_twice_is_converted_once():
+    """One module registered twice (two aliases of its weight) got the TT property attached twice: KeyError."""
     spec = ModelSpec("features", 11, 0, (BlockSpec("functional_linear", 11, 11), BlockSpec("shared", 11, 11, source=0)),
                      "none", 0, batch=2, seq_len=None, seed=0)
     model, x = build_model(spec), make_example_input(spec)
@@ -394,7 +387,6 @@ def test_full_rank_tensorize_of_random_models_equals_the_dense_model(case, captu
     full rank by module scan or by Dynamo capture, computes what the dense model computes: outputs, gradients
     w.r.t. inputs and every parameter left dense, on the capture's input and on another batch."""
     model, example_inputs = case
-    assume(not (capture and reuses_a_functional_linear(model.spec)))  # the xfail test above
     summaries = []
 
     def rewrite(m: nn.Module) -> None:

@@ -268,6 +268,8 @@ def _replace_holder(model: nn.Module, module: nn.Module, path: str, attr: str, t
     """Swap a known module for its TT twin, or give any other module a reconstructing property."""
     swap = _swap_kind(module, attr, kind, transposed_m)
     if swap is None:
+        if module._modules.get(f"{attr}_tt") is tt:
+            return  # one module registered under two names (a block used twice): its property is attached
         journal.touch(module)
         journal.added_property(tt)
         attach_tt_property(module, attr, tt, transposed=transposed_m)
