@@ -560,3 +560,19 @@ def test_cpu_autocast_bf16_matches_float32():
     for p, q in zip(model.parameters(), reference.parameters()):
         assert p.grad.dtype == q.dtype
         assert float((p.grad - q.grad).norm() / q.grad.norm()) < 0.02
+
+
+def test_a_checkpointed_randomized_layer_pickles_and_restores():
+    """A swap over a swap: the made class names its whole chain (Linear, Randomized, Checkpointed) to pickle."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
+    comera_fx.randomize_backward_(model, min_numel=0, checkpoint=(nn.Linear,))
+    assert type(model[0]).__name__ == "CheckpointedRandomizedLinear"
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert type(loaded[0]) is type(model[0])
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(loaded(x), model(x))
+    assert comera_fx.restore_backward_(loaded) == 4 and [type(m) for m in loaded] == [nn.Linear, nn.GELU, nn.Linear]

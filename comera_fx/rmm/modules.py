@@ -3,7 +3,7 @@
 ``randomize_backward_`` changes ``module.__class__`` to ``Randomized<Base>`` (a subclass made once per base
 class) and sets ``module.rmm``; parameters, buffers, hooks and state_dict keys stay exactly as they were, so the
 optimizer and checkpoints need nothing. ``restore_backward_`` puts the base class back. The classes pickle and
-deep-copy by naming their base class (``__reduce_ex__``), so ``torch.save(model)`` works.
+deep-copy by naming their base class (``swap.py``), so ``torch.save(model)`` works.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from torch import Tensor, nn
 
 from .functions import rmm_linear, rmm_tt_product
 from .sketch import check_sketch, rho_ratio
+from .swap import SwappedClass, mixed_class
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,7 @@ def supported_kind_of_class(cls: type) -> str | None:
     return None
 
 
-class RandomizedBackward:
+class RandomizedBackward(SwappedClass):
     """Mixin placed before the module's own class: a forward with an exact output and a sketched weight gradient.
 
     Training mode with grad enabled only; in eval mode or under ``torch.no_grad()`` the forward is the base
@@ -65,6 +66,7 @@ class RandomizedBackward:
 
     rmm: RMMConfig
     _rmm_base: type
+    prefix, base_attr = "Randomized", "_rmm_base"
 
     def forward(self, x: Tensor) -> Tensor:
         if not self.training:
@@ -84,26 +86,10 @@ class RandomizedBackward:
         base = self._rmm_base.extra_repr(self)
         return f"{base}, rmm=({self.rmm.describe()})" if base else f"rmm=({self.rmm.describe()})"
 
-    def __reduce_ex__(self, protocol):
-        return (_rebuild, (self._rmm_base,), self.__dict__)
-
-
-_CLASSES: dict[type, type] = {}
-
 
 def randomized_class(base: type) -> type:
     """``Randomized<Base>``: the mixin over ``base``, made once per base class."""
-    cls = _CLASSES.get(base)
-    if cls is None:
-        cls = type(f"Randomized{base.__name__}", (RandomizedBackward, base),
-                   {"_rmm_base": base, "__module__": __name__})
-        _CLASSES[base] = cls
-    return cls
-
-
-def _rebuild(base: type) -> nn.Module:
-    cls = randomized_class(base)
-    return cls.__new__(cls)
+    return mixed_class(RandomizedBackward, base)
 
 
 def randomize_module(module: nn.Module, config: RMMConfig) -> None:

@@ -18,12 +18,15 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from .swap import SwappedClass, mixed_class
 
-class CheckpointedForward:
+
+class CheckpointedForward(SwappedClass):
     """Mixin before the module's class: in training mode with grad enabled, its forward runs under non-reentrant
     ``torch.utils.checkpoint``; otherwise it is the base class's forward."""
 
     _checkpoint_base: type
+    prefix, base_attr = "Checkpointed", "_checkpoint_base"
 
     def forward(self, *args, **kwargs):
         base_forward = self._checkpoint_base.forward
@@ -31,25 +34,9 @@ class CheckpointedForward:
             return base_forward(self, *args, **kwargs)
         return checkpoint(base_forward, self, *args, use_reentrant=False, **kwargs)
 
-    def __reduce_ex__(self, protocol):
-        return (_rebuild, (self._checkpoint_base,), self.__dict__)
-
-
-_CLASSES: dict[type, type] = {}
-
 
 def checkpointed_class(base: type) -> type:
-    cls = _CLASSES.get(base)
-    if cls is None:
-        cls = type(f"Checkpointed{base.__name__}", (CheckpointedForward, base),
-                   {"_checkpoint_base": base, "__module__": __name__})
-        _CLASSES[base] = cls
-    return cls
-
-
-def _rebuild(base: type) -> nn.Module:
-    cls = checkpointed_class(base)
-    return cls.__new__(cls)
+    return mixed_class(CheckpointedForward, base)
 
 
 Selector = Callable[[nn.Module, str], bool] | type | tuple
