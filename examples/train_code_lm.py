@@ -20,7 +20,9 @@ its start by ``--prune-by`` of the budget, the least important rank directions r
 ``--schedule comera``: CoMERA's ℓ1 pull and late stage instead). Each run gets the same training wall-clock budget; validation (nats/byte on a fixed
 set of held-out batches) runs every ``--eval-every`` seconds of training time, outside the budget clock.
 
-Both runs are eager PyTorch: comera_fx has no ``torch.compile`` backend yet. Run as a script it sets
+Both runs are eager PyTorch: comera_fx's ``torch.compile`` backend exists, but every prune changes the cores' shapes
+and costs one Inductor recompile (24-130 s on 2 cores, ``benchmarks/bench_recompile.py``), more than a 2-minute
+budget gains. Run as a script it sets
 ``OMP_WAIT_POLICY=PASSIVE`` unless the environment sets it (see the comment at the imports); ``--threads 1`` can
 still be faster on a machine that other jobs keep busy.
 
@@ -569,8 +571,11 @@ def plot_ranks(tt: RunResult, path: Path) -> None:
     plt.close(fig)
 
 
-EAGER_NOTE = ("Both runs are **eager PyTorch**: comera_fx has no `torch.compile` backend yet (that and the "
-              "contraction planner are open issues). A TT layer runs as a chain of small matmuls — per call its "
+EAGER_NOTE = ("Both runs are **eager PyTorch**. comera_fx's `torch.compile` backend "
+              "(`torch.compile(model, backend=comera_fx.backend)`) is not used here: every prune changes the cores' "
+              "shapes and costs one Inductor recompile (24-130 s on 2 CPU cores, benchmarks/bench_recompile.py), "
+              "more than this budget gains. The contraction order of every TT product is the planner's "
+              "(`comera_fx.plan`). A TT layer runs as a chain of small matmuls — per call its "
               "cores are merged into two thin factors L (in × r) and R (r × out) and the input goes through x·L·R — "
               "with one kernel launch per small op, and pruned ranks only pay off as far as these eager ops get "
               "cheaper. Step-time and tokens/s figures are therefore eager figures, not what a compiled/fused TT "
