@@ -11,6 +11,7 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import assume, given
 from hypothesis import strategies as st
 import transformers  # a test dependency (pyproject's [test] extra): missing, the suite fails here, loudly
@@ -511,3 +512,23 @@ def test_hf_default_config_reduces_parameters(name):
     with torch.no_grad():  # rank 32 approximates random weights, but the model still runs end to end
         out = hf_out(name, model, input_ids=hf_ids())
     assert out.shape == hf_out(name, dense, input_ids=hf_ids()).shape and torch.isfinite(out).all()
+
+
+def test_symbolic_trace_of_a_model_with_a_reconstructed_weight():
+    """``fx.symbolic_trace`` hands out proxies for parameters; TTMatrix read its ranks from them and raised a
+    TraceError ("symbolically traced variables cannot be used as inputs to control flow")."""
+
+    class Functional(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(32, 16, dtype=torch.float64))
+
+        def forward(self, x):
+            return F.linear(x, self.w)
+
+    model = Functional()
+    x = torch.randn(4, 16, dtype=torch.float64)
+    expected = model(x)
+    comera_fx.tensorize_(model, EXACT, example_inputs=(x,))
+    traced = torch.fx.symbolic_trace(model)
+    torch.testing.assert_close(traced(x), expected)

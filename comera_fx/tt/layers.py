@@ -92,8 +92,13 @@ class TTMatrix(nn.Module):
 
     @property
     def layout(self) -> TTLayout:
-        ranks = (1,) + tuple(core.shape[-1] for core in self.cores)
+        ranks = (1,) + tuple(core.shape[-1] for core in self._stored_cores())
         return TTLayout(self.format, self.rows, self.cols, self.row_modes, self.col_modes, ranks)
+
+    def _stored_cores(self) -> list[Tensor]:
+        """The core tensors themselves, for their shapes: read past ``nn.Module.__getattr__``, which
+        ``torch.fx.symbolic_trace`` patches to hand out proxies (a proxy's shape cannot drive Python control flow)."""
+        return list(self.cores._parameters.values())
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -103,7 +108,7 @@ class TTMatrix(nn.Module):
     def is_zero(self) -> bool:
         """True when a bond has rank 0 (rank adaptation removed all its slices): M is exactly zero, and the
         contraction code, which needs ranks >= 1, is bypassed."""
-        return any(core.numel() == 0 for core in self.cores)
+        return any(core.numel() == 0 for core in self._stored_cores())
 
     @property
     def full_ranks(self) -> tuple[int, ...]:
