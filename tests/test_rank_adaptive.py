@@ -367,7 +367,7 @@ def test_pruning_dead_slices_of_random_models_keeps_the_function_and_the_optimiz
             for p in m.parameters():
                 optimizer.state[p]["exp_avg"].copy_(p)
                 optimizer.state[p]["exp_avg_sq"].copy_(p * p)
-        hook = RankAdaptive(m, optimizer, prune_every=None, threshold=THRESHOLD)
+        hook = RankAdaptive(m, optimizer, schedule="comera", prune_every=None, threshold=THRESHOLD)  # dead-slice pruning
         hook.prune()
         hook.remove()
         optimizers.append(optimizer)
