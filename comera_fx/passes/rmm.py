@@ -63,7 +63,8 @@ class RandomizeSummary:
             what = "randomized" if d.randomized else f"exact     : {d.reason}"
             lines.append(f"  {d.fqn or '<root>'} [{d.kind} {d.shape}] {what}")
         if self.checkpointed:
-            lines.append(f"  recomputed in backward (torch.utils.checkpoint): {', '.join(f or '<root>' for f in self.checkpointed)}")
+            blocks = ", ".join(f or "<root>" for f in self.checkpointed)
+            lines.append(f"  recomputed in backward (torch.utils.checkpoint): {blocks}")
         return "\n".join(lines)
 
 
@@ -119,7 +120,8 @@ def randomize_backward_(model: nn.Module, rho: float = 0.25, sketch: str = "gaus
                 param = params[cand.fqn]
                 if any(u.kind in (UseKind.LINEAR, UseKind.MATMUL) for u in cand.uses):
                     seen_in_graph.add(id(param))
-                    if id(param) not in holders and all(u.kind is not UseKind.EMBEDDING for u in cand.uses):
+                    if (id(param) not in holders and param.numel() >= min_numel
+                            and all(u.kind is not UseKind.EMBEDDING for u in cand.uses)):
                         summary.layers.append(RMMDecision(
                             cand.fqn, "functional", cand.shape, False,
                             "read by a functional linear op (F.linear / matmul on the raw parameter): use "
