@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 
 from torch import nn
 
+from .rmm.modules import RandomizedBackward
 from .tt.layers import TTLinear, TTMatrix, planned_envelope
 
 # A gate entry at or below this magnitude counts as dead (CoMERA's code uses 1e-2).
@@ -116,15 +117,11 @@ def _layer_name(tt_path: str) -> str:
 
 
 def _randomized(model: nn.Module) -> tuple[RandomizedRow, ...]:
-    from .rmm.modules import RandomizedBackward
-
     return tuple(RandomizedRow(name, module._rmm_base.__name__, module.rmm.rho, module.rmm.sketch)
                  for name, module in model.named_modules() if isinstance(module, RandomizedBackward))
 
 
 def _backward_of(model: nn.Module, tt: TTMatrix) -> str:
-    from .rmm.modules import RandomizedBackward
-
     for module in model.modules():
         if isinstance(module, RandomizedBackward) and getattr(module, "tt", None) is tt:
             return f"rmm {module.rmm.describe()}"

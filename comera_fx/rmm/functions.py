@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..tt import layers
+from ..tt import plan as planner
 from .sketch import check_sketch, draw_seed, projected_rows, rho_ratio, sketch_rows
 
 
@@ -151,8 +153,6 @@ class RandomizedTTProduct(torch.autograd.Function):
 
 def _envelope(layout, op: str):
     """The planner's training envelope for (layout, op): the one every TT product uses (``tt.layers``)."""
-    from ..tt import layers
-
     if torch.compiler.is_compiling():
         envelope = layers._ENVELOPES.get((layout, op))
         if envelope is None:
@@ -175,8 +175,6 @@ def _inference_envelope(layout, op: str):
     envelope = _INFERENCE_ENVELOPES.get(key)
     if envelope is not None or torch.compiler.is_compiling():
         return envelope if envelope is not None else _envelope(layout, op)
-    from ..tt import plan as planner
-
     envelope = planner.plan(layout, op=op, backward=False)
     for piece in envelope.pieces:
         piece.plan.runner  # made now, outside any traced region
@@ -206,16 +204,14 @@ def rmm_tt_product(x: Tensor, tt, *, transposed: bool = False, rho: float | tupl
     if tt.is_zero or not torch.is_grad_enabled() or not any(p.requires_grad for p in tt.parameters()):
         return tt.matmul_t(x) if transposed else tt.matmul(x)
     _needs_token_dim(x, "rmm_tt_product")
-    from ..tt.layers import choose_plan
-
     op, other = ("matmul_t", "matmul") if transposed else ("matmul", "matmul_t")
     layout = tt.layout
     n_in = layout.cols if transposed else layout.rows
     x2d = x.reshape(-1, n_in)
     tokens = x2d.shape[0]
     rows = projected_rows(tokens, ratio)
-    runners = (choose_plan(_inference_envelope(layout, op), tokens).runner,
-               choose_plan(_inference_envelope(layout, other), tokens).runner,
-               choose_plan(_envelope(layout, op), rows).runner)
+    runners = (layers.choose_plan(_inference_envelope(layout, op), tokens).runner,
+               layers.choose_plan(_inference_envelope(layout, other), tokens).runner,
+               layers.choose_plan(_envelope(layout, op), rows).runner)
     x_sketch, seed = shared_sketch(x2d, rows, sketch, share_key)
     return RandomizedTTProduct.apply(x, x_sketch, seed, runners, sketch, *tt.gated_cores())

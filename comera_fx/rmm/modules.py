@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from torch import Tensor, nn
 
+from ..tt.layers import TTLinear
 from .functions import rmm_linear, rmm_tt_product
 from .sketch import check_sketch, rho_ratio
 from .swap import SwappedClass, mixed_class
@@ -46,8 +47,6 @@ def supported_kind(module: nn.Module) -> str | None:
 
 def supported_kind_of_class(cls: type) -> str | None:
     """As ``supported_kind``, for a class: subclasses qualify only while they keep the base class's forward."""
-    from ..tt.layers import TTLinear  # here: tt.layers must not import comera_fx.rmm at import time
-
     if issubclass(cls, TTLinear) and cls.forward is TTLinear.forward:
         return "tt_linear"
     if issubclass(cls, nn.Linear) and cls.forward is nn.Linear.forward:
