@@ -431,6 +431,19 @@ def test_functional_use_is_reported_and_the_graph_pass_randomizes_it():
 # -- compiled ------------------------------------------------------------------------------------------------------
 
 
+def _assert_matches_reference(compiled, reference, inputs) -> None:
+    """Outputs and input gradients equal on every input; parameter gradients (summed over them) at the end."""
+    for x in inputs:
+        x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+        y, y_ref = compiled(x1), reference(x2)
+        torch.testing.assert_close(y, y_ref)
+        y.sum().backward()
+        y_ref.sum().backward()
+        torch.testing.assert_close(x1.grad, x2.grad)
+    for p, q in zip(compiled.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-4)
+
+
 def test_backend_option_randomizes_dense_linears_with_one_graph_over_token_counts():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
@@ -438,16 +451,8 @@ def test_backend_option_randomizes_dense_linears_with_one_graph_over_token_count
     backend = comera_fx.make_backend(comera_fx.BackendConfig(rmm=comera_fx.RMMConfig(rho=1.0, sketch="srht",
                                                                                      min_numel=0), inductor=False))
     compiled = torch.compile(model, backend=backend, dynamic=True, fullgraph=True)
-    for tokens in (16, 32, 64):  # powers of two: SRHT at rho 1 is exact, so the weight gradients are checkable
-        x = torch.randn(tokens, 32)
-        x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
-        y, y_ref = compiled(x1), reference(x2)
-        torch.testing.assert_close(y, y_ref)
-        y.sum().backward()
-        y_ref.sum().backward()
-        torch.testing.assert_close(x1.grad, x2.grad)
-    for p, q in zip(model.parameters(), reference.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-4)
+    # powers of two: SRHT at rho 1 is exact, so the weight gradients are checkable
+    _assert_matches_reference(compiled, reference, [torch.randn(tokens, 32) for tokens in (16, 32, 64)])
     assert backend.stats.graphs == 1 and backend.stats.rmm_rewritten == 2
 
 
@@ -467,16 +472,7 @@ def test_compiled_randomized_block_shares_sketches_and_tt_compiles():
     reference = copy.deepcopy(layer)
     comera_fx.randomize_backward_(layer, rho=1.0, sketch="srht")
     compiled_tt = torch.compile(layer, backend=comera_fx.make_backend(inductor=False), fullgraph=True, dynamic=True)
-    for tokens in (16, 32):
-        x = torch.randn(tokens, 64)
-        x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
-        y, y_ref = compiled_tt(x1), reference(x2)
-        torch.testing.assert_close(y, y_ref)
-        y.sum().backward()
-        y_ref.sum().backward()
-        torch.testing.assert_close(x1.grad, x2.grad)
-    for p, q in zip(layer.parameters(), reference.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-4)
+    _assert_matches_reference(compiled_tt, reference, [torch.randn(tokens, 64) for tokens in (16, 32)])
 
 
 def test_inductor_compiles_the_randomized_backward():

@@ -20,10 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from ..rmm.functions import RandomizedLinearFunction, prepare_rmm_plans
+from ..rmm.functions import RandomizedLinearFunction, prepare_rmm_plans, shared_sketch
 from ..rmm.modules import RMMConfig, randomize_module, restore_module, supported_kind
 from ..rmm.recompute import Selector, checkpoint_modules, restore_checkpointed
-from ..rmm.sketch import check_sketch, draw_seed, projected_rows, rho_ratio, sketch_rows
+from ..rmm.sketch import check_sketch, projected_rows, rho_ratio
 from .find import UseKind, classify_use, find
 from .recognize import node_values
 
@@ -164,9 +164,8 @@ def graph_sketch(x, features: int, rho_num: int, rho_den: int, kind: str):
     """(S·x, seed) for the linears of a rewritten graph reading ``x``; None without grad (nothing to keep)."""
     if not torch.is_grad_enabled():
         return None
-    x2d = x.detach().reshape(-1, features)
-    seed = draw_seed(x2d)
-    return sketch_rows(x2d, seed, projected_rows(x2d.shape[0], (rho_num, rho_den)), kind), seed
+    x2d = x.reshape(-1, features)
+    return shared_sketch(x2d, projected_rows(x2d.shape[0], (rho_num, rho_den)), kind)  # no user: a fresh draw
 
 
 def graph_linear(x, weight, bias, sketched, kind: str, weight_is_in_by_out: bool):

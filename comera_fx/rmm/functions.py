@@ -188,8 +188,7 @@ def prepare_rmm_plans(tt) -> None:
     """Plan what ``rmm_tt_product`` runs for ``tt``'s current ranks (both orientations), before ``torch.compile``."""
     for op in ("matmul", "matmul_t"):
         _inference_envelope(tt.layout, op)
-        for piece in _envelope(tt.layout, op).pieces:
-            piece.plan.runner
+        _envelope(tt.layout, op)  # planned_envelope builds each plan's Function, and with it its runner
 
 
 def rmm_tt_product(x: Tensor, tt, *, transposed: bool = False, rho: float | tuple[int, int] = 0.25,
