@@ -8,11 +8,13 @@ Public API::
     comera_fx.passes.tensorize(gm, config)                    # GraphModule -> GraphModule for custom compilers
     comera_fx.RankAdaptive(model, optimizer, target_ratio=0.2, total_steps=n)  # rank adaptation (optimizer hooks)
     comera_fx.randomize_backward_(model, rho=0.25)            # RMM: linear backward keeps a sketch of its input
+    comera_fx.distill_(student, teacher, batches, target_ratio=0.25, budget_seconds=600)  # compress a trained model
     torch.compile(model, backend=comera_fx.backend)          # or backend="comera_fx"; comera_fx.compile(model, config)
 """
 
 from . import passes
 from .backend import BackendConfig, ComeraBackend, DenseWeightsWarning, backend, compile, make_backend
+from .distill import DistillSummary, distill_
 from .config import Init, LayerSettings, TensorizeConfig
 from .passes.rmm import RandomizeSummary, randomize_backward_, restore_backward_
 from .passes.tensorize import TensorizeSummary, tensorize_
@@ -28,8 +30,10 @@ __all__ = [
     "BackendConfig",
     "ComeraBackend",
     "DenseWeightsWarning",
+    "DistillSummary",
     "backend",
     "compile",
+    "distill_",
     "make_backend",
     "Init",
     "RankAdaptive",

@@ -1,0 +1,455 @@
+"""Compress a trained model: tensorize a dense copy of it, then train the copy to match the original.
+
+``distill_(student, teacher, batches, target_ratio=0.25, budget_seconds=600)`` is the whole recipe: TT-SVD of the
+student's large linear weights at the size target, then AdamW on the distance between the student's and the
+teacher's outputs (and optionally hidden states) on the user's batches, until the budget is spent. Only the student
+changes; the teacher runs under ``torch.no_grad`` in eval mode and is restored exactly.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .config import TensorizeConfig
+from .passes.find import find_in_model
+from .passes.tensorize import TensorizeSummary, stores_transpose, tensorize_
+from .runtime.rank_adaptive import RankAdaptive, tt_matrices
+from .runtime.shrink import physical_params
+from .tt.layers import TTLinear, _chain_dims, choose_layout_modes
+from .tt.layout import TTLayout
+from .tt.shapes import capped_ranks
+
+Batches = Iterable[Any] | Callable[[], Any]
+LossFn = Callable[[Tensor, Tensor], Tensor]
+
+
+def relative_mse(student: Tensor, teacher: Tensor) -> Tensor:
+    """‖s − t‖² / ‖t‖² (mean over elements): scale-free, 1.0 for a student that outputs zeros."""
+    return (student - teacher).pow(2).mean() / teacher.pow(2).mean().clamp_min(1e-12)
+
+
+def default_output(outputs: Any) -> Tensor:
+    """The tensor to match: the output itself, ``last_hidden_state``, or the first tensor of a tuple / dict."""
+    if isinstance(outputs, Tensor):
+        return outputs
+    hidden = getattr(outputs, "last_hidden_state", None)
+    if isinstance(hidden, Tensor):
+        return hidden
+    values = outputs.values() if isinstance(outputs, Mapping) else outputs if isinstance(outputs, (tuple, list)) else ()
+    for value in values:
+        if isinstance(value, Tensor):
+            return value
+    raise ValueError(f"cannot find a tensor to match in the model's output of type {type(outputs).__name__}; "
+                     f"pass output_fn=lambda outputs: <the tensor to match>")
+
+
+@dataclass
+class DistillSummary:
+    """What ``distill_`` did. ``ratio`` = TT parameters (cores + gates) / dense parameters of the converted linear
+    weights; ``losses`` holds the training loss of every step; seconds are wall clock."""
+
+    target_ratio: float
+    ratio: float
+    tt_params: int
+    dense_params: int
+    ranks: dict[str, tuple[int, ...]]
+    steps: int
+    losses: list[float]
+    seconds: float
+    setup_seconds: float
+    strategy: str
+    start_ratio: float
+    tensorize: TensorizeSummary
+    rank_summary: Any = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def compression(self) -> float:
+        return self.dense_params / self.tt_params if self.tt_params else math.inf
+
+    def __str__(self) -> str:
+        first = f"{self.losses[0]:.4g}" if self.losses else "-"
+        last = f"{sum(self.losses[-10:]) / len(self.losses[-10:]):.4g}" if self.losses else "-"
+        lines = [f"comera_fx.distill_: {len(self.ranks)} linear weights in TT form, {self.dense_params:,} -> "
+                 f"{self.tt_params:,} params (ratio {self.ratio:.3f}, target {self.target_ratio:.3f}, "
+                 f"{self.compression:.1f}x smaller); {self.strategy} from ratio {self.start_ratio:.3f}",
+                 f"  {self.steps} steps in {self.seconds:.1f} s (+ {self.setup_seconds:.1f} s tensorize); "
+                 f"loss {first} -> {last} (mean of the last 10 steps)"]
+        lines += [f"  {name}: ranks {ranks}" for name, ranks in self.ranks.items()]
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------- checks
+
+
+def _check_args(student, teacher, target_ratio, start_ratio, budget_seconds, steps, lr, hidden_weight) -> None:
+    number = (int, float)
+    if isinstance(target_ratio, bool) or not isinstance(target_ratio, number) or not 0 < target_ratio <= 1:
+        raise ValueError(f"target_ratio must be a float in (0, 1] (TT size / dense size of the linear weights, "
+                         f"e.g. 0.25 for 4x smaller); got {target_ratio!r}")
+    if start_ratio is not None and (isinstance(start_ratio, bool) or not isinstance(start_ratio, number)
+                                    or not target_ratio < start_ratio <= 1):
+        raise ValueError(f"start_ratio must be a float in (target_ratio, 1] = ({target_ratio}, 1] or None; "
+                         f"got {start_ratio!r}")
+    if budget_seconds is None and steps is None:
+        raise ValueError("distill_ needs a budget: pass steps= (optimizer steps) and/or budget_seconds= "
+                         "(wall clock of the training loop)")
+    if budget_seconds is not None and (isinstance(budget_seconds, bool) or not isinstance(budget_seconds, number)
+                                       or not budget_seconds > 0):
+        raise ValueError(f"budget_seconds must be a number > 0 or None; got {budget_seconds!r}")
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+        raise ValueError(f"steps must be an int >= 1 or None; got {steps!r}")
+    if not (isinstance(lr, number) and lr > 0):
+        raise ValueError(f"lr must be a number > 0; got {lr!r}")
+    if not (isinstance(hidden_weight, number) and hidden_weight >= 0):
+        raise ValueError(f"hidden_weight must be a number >= 0; got {hidden_weight!r}")
+    if student is teacher:
+        raise ValueError("student is the teacher itself; pass a copy: distill_(copy.deepcopy(teacher), teacher, ...)")
+    if any(isinstance(m, TTLinear) for m in student.modules()) or tt_matrices(student):
+        raise ValueError("student already holds TT layers; distill_ tensorizes a dense copy of the teacher: "
+                         "pass copy.deepcopy(teacher)")
+    s_params, t_params = dict(student.named_parameters()), dict(teacher.named_parameters())
+    if s_params.keys() != t_params.keys():
+        missing, extra = sorted(t_params.keys() - s_params.keys()), sorted(s_params.keys() - t_params.keys())
+        raise ValueError(f"student is not a copy of teacher: parameters missing {missing[:3]}, extra {extra[:3]}; "
+                         f"pass copy.deepcopy(teacher)")
+    for name, p in s_params.items():
+        t = t_params[name]
+        if p.shape != t.shape:
+            raise ValueError(f"student is not a copy of teacher: {name} has shape {tuple(p.shape)}, the teacher's "
+                             f"{tuple(t.shape)}; pass copy.deepcopy(teacher)")
+        if p.data_ptr() == t.data_ptr() and p.numel():
+            raise ValueError(f"student shares parameter {name} with teacher (training would change the teacher); "
+                             f"pass copy.deepcopy(teacher)")
+
+
+# ------------------------------------------------------------------------------------------------ batches
+
+
+class _BatchStream:
+    """Batches from a callable (one call per batch) or an iterable (restarted when exhausted, if it can be)."""
+
+    def __init__(self, batches: Batches):
+        if callable(batches) and not isinstance(batches, (Sequence, nn.Module)):
+            self._call, self._iterable = batches, None
+        elif isinstance(batches, Iterable):
+            self._call, self._iterable = None, batches
+        else:
+            raise ValueError(f"batches must be an iterable of model inputs or a callable returning one; "
+                             f"got {type(batches).__name__}")
+        self._it = None
+        self.exhausted = False
+
+    def next(self) -> Any | None:
+        """The next batch, or None when a one-shot iterator is used up."""
+        if self._call is not None:
+            return self._call()
+        for attempt in range(2):
+            if self._it is None:
+                self._it = iter(self._iterable)
+            try:
+                return next(self._it)
+            except StopIteration:
+                self._it = None
+                if self._iterable is iter(self._iterable) or attempt:  # a one-shot iterator, or an empty iterable
+                    self.exhausted = True
+                    return None
+        return None
+
+
+def _call(model: nn.Module, batch: Any) -> Any:
+    if isinstance(batch, Mapping):
+        return model(**batch)
+    if isinstance(batch, (tuple, list)):
+        return model(*batch)
+    if isinstance(batch, Tensor):
+        return model(batch)
+    raise ValueError(f"a batch must be a dict of keyword inputs, a tuple of positional inputs or a tensor; "
+                     f"got {type(batch).__name__}")
+
+
+class _Capture:
+    """Forward hooks keeping the first tensor output of the named modules (hidden-state matching)."""
+
+    def __init__(self, model: nn.Module, names: Sequence[str]):
+        modules = dict(model.named_modules())
+        unknown = [n for n in names if n not in modules]
+        if unknown:
+            raise ValueError(f"hidden_modules {unknown} are not modules of the model; names are those of "
+                             f"model.named_modules(), e.g. {list(modules)[1:4]}")
+        self.outputs: dict[str, Tensor] = {}
+        self._handles = [modules[n].register_forward_hook(self._hook(n)) for n in names]
+
+    def _hook(self, name: str):
+        def keep(module, args, output):
+            self.outputs[name] = default_output(output)
+        return keep
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+# -------------------------------------------------------------------------------------------------- sizing
+
+
+def _linear_candidates(model: nn.Module, config: TensorizeConfig, filter_fn) -> list:
+    """The candidates ``tensorize_`` would convert among linear-like weights (embeddings are left dense)."""
+    found = find_in_model(model, None)
+    modules = dict(model.named_modules())
+    out = []
+    for cand in found.candidates:
+        if cand.kind != "linear" or not config.is_large(cand.shape) or any(config.is_skipped(a) for a in cand.aliases):
+            continue
+        if filter_fn is not None and not all(filter_fn(modules[a.rpartition(".")[0]], a.rpartition(".")[0])
+                                             for a in cand.aliases):
+            continue
+        out.append(cand)
+    return out
+
+
+def _tt_size(cand, config: TensorizeConfig, max_rank: int) -> tuple[int, int]:
+    """(TT params at ``max_rank``, dense params) of one candidate, from shapes alone (no decomposition)."""
+    settings = config.settings_for(cand.fqn)
+    rows, cols = cand.shape[::-1] if stores_transpose(cand) else cand.shape
+    fmt = settings.linear_format
+    if settings.row_modes is not None and settings.col_modes is not None:
+        row_modes, col_modes = settings.row_modes, settings.col_modes
+    else:
+        row_modes, col_modes = choose_layout_modes(rows, cols, fmt, settings.num_modes, settings.max_pad_fraction)
+    ranks = capped_ranks(_chain_dims(fmt, row_modes, col_modes), max_rank, settings.rank_ratio)
+    return TTLayout(fmt, rows, cols, row_modes, col_modes, ranks).num_params, rows * cols
+
+
+def uniform_max_rank(model: nn.Module, config: TensorizeConfig, ratio: float, filter_fn=None) -> int:
+    """The largest uniform ``max_rank`` whose linear TT sizes (cores + gates) sum to at most ``ratio`` × dense."""
+    cands = _linear_candidates(model, config, filter_fn)
+    if not cands:
+        raise ValueError("the model has no linear weight large enough to tensorize (TensorizeConfig.min_numel / "
+                         "min_dim); nothing to distill")
+    dense = sum(math.prod(c.shape) for c in cands)
+
+    def size(r: int) -> int:
+        return sum(_tt_size(c, config, r)[0] for c in cands)
+
+    low, high = 1, max(max(c.shape) for c in cands)
+    if size(low) > ratio * dense:
+        raise ValueError(f"target ratio {ratio} is below what rank 1 everywhere needs ({size(1) / dense:.4f}); "
+                         f"raise target_ratio")
+    while low < high:
+        mid = (low + high + 1) // 2
+        if size(mid) <= ratio * dense:
+            low = mid
+        else:
+            high = mid - 1
+    return low
+
+
+def linear_sizes(model: nn.Module) -> tuple[int, int]:
+    """(TT params, dense params) of the model's TT linear weights (cores + gates; a tied matrix once)."""
+    tt = dense = 0
+    for entry in tt_matrices(model):
+        tt += physical_params(entry.tt)
+        dense += entry.tt.rows * entry.tt.cols
+    return tt, dense
+
+
+# ---------------------------------------------------------------------------------------------- the recipe
+
+
+def _tensorize_at(student, ratio, config, filter_fn, allocation, calibration) -> TensorizeSummary:
+    if allocation != "uniform" or calibration is not None:
+        raise NotImplementedError("allocation / calibration need comera_fx.calibrate (issue 15, in progress)")
+    rank = uniform_max_rank(student, config, ratio, filter_fn)
+    return tensorize_(student, config.replace(max_rank=rank), filter_fn=_linear_only(filter_fn))
+
+
+def _linear_only(filter_fn):
+    def accept(module: nn.Module, fqn: str) -> bool:
+        return not isinstance(module, nn.Embedding) and (filter_fn is None or filter_fn(module, fqn))
+    return accept
+
+
+def _lr_factor(progress: float, warmup: float = 0.05) -> float:
+    """Linear warm-up over the first 5 % of the budget, then cosine decay to 10 % of the peak."""
+    if progress < warmup:
+        return (progress + 1e-3) / warmup
+    p = min(1.0, (progress - warmup) / (1 - warmup))
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * p))
+
+
+class _Modes:
+    """Puts every module of a model in eval mode and restores each module's own flag afterwards."""
+
+    def __init__(self, model: nn.Module):
+        self._flags = [(m, m.training) for m in model.modules()]
+        model.eval()
+
+    def restore(self) -> None:
+        for m, flag in self._flags:
+            m.training = flag
+
+
+def distill_(
+    student: nn.Module,
+    teacher: nn.Module,
+    batches: Batches,
+    *,
+    target_ratio: float,
+    budget_seconds: float | None = None,
+    steps: int | None = None,
+    output_fn: Callable[[Any], Tensor] | None = None,
+    loss_fn: LossFn = relative_mse,
+    hidden_modules: Sequence[str] = (),
+    hidden_weight: float = 1.0,
+    lr: float = 5e-4,
+    weight_decay: float = 0.0,
+    start_ratio: float | None = None,
+    config: TensorizeConfig | None = None,
+    filter_fn: Callable[[nn.Module, str], bool] | None = None,
+    allocation: str = "uniform",
+    calibration: Any = None,
+    progress: bool = True,
+) -> DistillSummary:
+    """Tensorize ``student`` (a dense copy of ``teacher``) in place and train it to reproduce the teacher.
+
+    Args:
+        student: ``copy.deepcopy(teacher)`` (same parameter names and shapes, no shared storage); its large linear
+            weights (``config``'s size threshold; embeddings stay dense) become TT layers.
+        teacher: the trained model. Never modified: it runs under ``torch.no_grad`` in eval mode and every module's
+            training flag is restored; its parameters, ``requires_grad`` and buffers are untouched.
+        batches: model inputs — an iterable (restarted when exhausted; a one-shot iterator ends the run early)
+            or a callable returning one batch per call. A batch is a dict of keyword inputs, a tuple of
+            positional inputs or a tensor; the same batch goes to both models.
+        target_ratio: final TT size (cores + gates) / dense size of the converted linear weights, in (0, 1].
+        budget_seconds / steps: the training budget (wall clock of the loop, not counting the tensorization, and/or
+            optimizer steps); at least one; with both the first one reached ends the run.
+        output_fn: ``output_fn(outputs) -> Tensor``, what to match; default: the output if it is a tensor, else
+            ``last_hidden_state``, else the first tensor of a tuple / dict.
+        loss_fn: ``loss_fn(student_out, teacher_out)``; default ``relative_mse`` (‖s − t‖² / ‖t‖²).
+        hidden_modules: names (``named_modules()``) of modules whose first tensor output is also matched
+            (relative MSE, weight ``hidden_weight``), e.g. ``[f"encoder.layer.{i}" for i in range(6)]``.
+        lr / weight_decay: AdamW on every trainable parameter of the student (cores, gates, biases, norms, the
+            dense embedding); the learning rate warms up over 5 % of the budget, then follows a cosine to 10 %.
+        start_ratio: ``None`` (default): tensorize at ``target_ratio`` directly. A value in (target_ratio, 1]:
+            tensorize at that size and shrink to the target during training with ``RankAdaptive``'s budget
+            schedule (same horizon as the training budget). Measured on all-MiniLM-L6-v2 (benchmarks/RESULTS.md,
+            "Pretrained compression"), direct was not worse at CPU-minute budgets, and it spends the whole budget
+            at the final size, so it is the default.
+        config: base ``TensorizeConfig`` (size threshold, skip, overrides, format); its ``max_rank`` is replaced
+            by the rank that meets the size target.
+        filter_fn: as in ``tensorize_``.
+        allocation / calibration: how ranks are chosen under the size target (``"uniform"``: one max rank for all).
+        progress: show a tqdm bar (if tqdm is installed).
+
+    The student is left in its original training mode(s) with every TT layer's contraction plans prepared, ready
+    for ``eval()``, ``state_dict()`` and ``torch.compile(backend=comera_fx.backend)``. Frozen parameters stay frozen
+    (TT cores of a frozen weight are frozen too) and are not trained.
+
+    Random numbers: ``distill_`` draws none itself — TT-SVD and TT rounding are deterministic and both models run
+    in eval mode (no dropout) — so the global RNG advances only by what a ``batches`` callable draws.
+
+    Returns a ``DistillSummary`` (ranks per layer, size, loss per step, time).
+    """
+    _check_args(student, teacher, target_ratio, start_ratio, budget_seconds, steps, lr, hidden_weight)
+    config = config or TensorizeConfig()
+    output_fn = output_fn or default_output
+    stream = _BatchStream(batches)
+    notes: list[str] = []
+
+    setup_start = time.perf_counter()
+    first_ratio = start_ratio or target_ratio
+    tensorized = _tensorize_at(student, first_ratio, config, filter_fn, allocation, calibration)
+    _, dense = linear_sizes(student)
+    setup_seconds = time.perf_counter() - setup_start
+
+    trainable = [p for p in student.parameters() if p.requires_grad]
+    if not trainable:
+        raise ValueError("the student has no trainable parameter (every weight is frozen); nothing to distill")
+    optimizer = torch.optim.AdamW(trainable, lr=lr, weight_decay=weight_decay)
+    hook = None
+    if start_ratio is not None:
+        horizon = dict(total_steps=steps) if steps is not None else dict(budget_seconds=budget_seconds)
+        hook = RankAdaptive(student, optimizer, target_params=int(target_ratio * dense), history_every=None,
+                            **horizon)
+
+    teacher_modes, student_modes = _Modes(teacher), _Modes(student)
+    t_capture = _Capture(teacher, hidden_modules) if hidden_modules else None
+    s_capture = _Capture(student, hidden_modules) if hidden_modules else None
+    bar = _progress_bar(progress, steps, budget_seconds)
+    losses: list[float] = []
+    start = time.perf_counter()
+    try:
+        while True:
+            elapsed = time.perf_counter() - start
+            done = [len(losses) / steps if steps else 0.0, elapsed / budget_seconds if budget_seconds else 0.0]
+            if max(done) >= 1.0:
+                break
+            batch = stream.next()
+            if batch is None:
+                notes.append(f"the batch iterator ran out after {len(losses)} steps, before the budget was spent")
+                break
+            for group in optimizer.param_groups:
+                group["lr"] = lr * _lr_factor(max(done))
+            with torch.no_grad():
+                target = output_fn(_call(teacher, batch)).detach()
+                t_hidden = {k: v.detach() for k, v in t_capture.outputs.items()} if t_capture else {}
+            loss = loss_fn(output_fn(_call(student, batch)), target)
+            for name, value in t_hidden.items():
+                loss = loss + hidden_weight * relative_mse(s_capture.outputs[name], value)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            if hook is not None:
+                hook.observe(loss)
+            optimizer.step()
+            losses.append(float(loss.detach()))
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{losses[-1]:.4f}", ratio=f"{linear_sizes(student)[0] / dense:.3f}")
+    finally:
+        if t_capture:
+            t_capture.remove()
+            s_capture.remove()
+        teacher_modes.restore()
+        student_modes.restore()
+        if bar is not None:
+            bar.close()
+    seconds = time.perf_counter() - start
+    if not losses:
+        raise ValueError("batches yielded no batch; pass an iterable of model inputs or a callable returning one")
+
+    rank_summary = None
+    if hook is not None:
+        if linear_sizes(student)[0] > target_ratio * dense:
+            hook.prune_to(target_ratio * dense)
+            notes.append("the budget ended before the rank schedule reached the target; pruned to it at the end "
+                         "(without training after that cut)")
+        rank_summary = hook.summary()
+        hook.remove()
+    for entry in tt_matrices(student):
+        if not entry.tt.is_zero:
+            entry.tt.prepare_plans()
+    tt, dense = linear_sizes(student)
+    ranks = {e.name: e.tt.ranks for e in tt_matrices(student)}
+    return DistillSummary(target_ratio, tt / dense, tt, dense, ranks, len(losses), losses, seconds, setup_seconds,
+                          "shrink" if hook is not None else "direct", first_ratio, tensorized, rank_summary, notes)
+
+
+def _progress_bar(progress: bool, steps: int | None, budget_seconds: float | None):
+    if not progress:
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return None
+    desc = "distill" + (f" ({budget_seconds:.0f} s)" if budget_seconds else "")
+    return tqdm(total=steps, desc=desc, unit="step")

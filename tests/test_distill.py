@@ -1,0 +1,240 @@
+"""comera_fx.distill_: a tensorized copy trained to match its teacher.
+
+Reference numbers come from the teacher's outputs computed before distillation and from parameter shapes; sizes are
+counted from the student's parameters, not from the summary under test.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import comera_fx
+from comera_fx import TensorizeConfig, TTLinear
+
+transformers = pytest.importorskip("transformers")
+
+SMALL = TensorizeConfig(min_numel=1, min_dim=1)  # the tiny BERT's linears are below the default size threshold
+VOCAB, SEQ = 100, 8
+
+
+def tiny_bert(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    cfg = transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                  intermediate_size=64, max_position_embeddings=SEQ, attn_implementation="eager",
+                                  initializer_range=0.2)  # weights large enough that the linears shape the output
+    return transformers.BertModel(cfg, add_pooling_layer=False).eval()
+
+
+def make_batches(n: int, seed: int) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    return [{"input_ids": torch.randint(0, VOCAB, (4, SEQ), generator=g)} for _ in range(n)]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny problems: with several OpenMP threads on a busy 2-core machine thread spin-up dominates (a step costs
+    ~50x more). Restores the previous setting afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def teacher() -> nn.Module:
+    return tiny_bert()
+
+
+def linear_weight_names(model: nn.Module) -> list[str]:
+    return [f"{name}.weight" for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+
+
+def tt_size(student: nn.Module) -> int:
+    """Cores + gates of every TT linear, from the parameters themselves."""
+    return sum(p.numel() for m in student.modules() if isinstance(m, TTLinear) for p in m.tt.parameters())
+
+
+def dense_size(teacher: nn.Module, student: nn.Module) -> int:
+    """Dense parameters of the teacher's linear weights that became TT layers in the student."""
+    converted = {name for name, m in student.named_modules() if isinstance(m, TTLinear)}
+    return sum(m.weight.numel() for name, m in teacher.named_modules() if isinstance(m, nn.Linear) and name in converted)
+
+
+def relative_error(model: nn.Module, batches: list[dict], reference: list[torch.Tensor]) -> float:
+    with torch.no_grad():
+        num = sum(float((model(**b).last_hidden_state - r).pow(2).sum()) for b, r in zip(batches, reference))
+    return num / sum(float(r.pow(2).sum()) for r in reference)
+
+
+def test_distillation_beats_tt_svd_alone_at_equal_size(teacher):
+    held_out = make_batches(4, seed=99)
+    with torch.no_grad():
+        reference = [teacher(**b).last_hidden_state.clone() for b in held_out]
+    student = copy.deepcopy(teacher)
+    summary = comera_fx.distill_(student, teacher, make_batches(8, seed=1), target_ratio=0.3, steps=40, lr=3e-3,
+                                 config=SMALL, progress=False)
+    svd_only = copy.deepcopy(teacher)
+    rank = max(max(r) for r in summary.ranks.values())
+    comera_fx.tensorize_(svd_only, SMALL.replace(max_rank=rank), filter_fn=lambda m, n: isinstance(m, nn.Linear))
+    assert tt_size(svd_only) == tt_size(student)  # equal parameters
+    before, after = relative_error(svd_only, held_out, reference), relative_error(student, held_out, reference)
+    print(f"relative error: TT-SVD only {before:.4g}, distilled {after:.4g}")
+    assert after < 0.5 * before, (before, after)
+    assert summary.steps == 40 and len(summary.losses) == 40
+
+
+@pytest.mark.parametrize("target, start", [(0.5, None), (0.25, None), (0.3, 0.8)])
+def test_target_ratio_is_reached(teacher, target, start):
+    student = copy.deepcopy(teacher)
+    summary = comera_fx.distill_(student, teacher, make_batches(4, seed=2), target_ratio=target, start_ratio=start,
+                                 steps=12, config=SMALL, progress=False)
+    converted = [name for name, m in student.named_modules() if isinstance(m, TTLinear)]
+    assert len(converted) == len(linear_weight_names(teacher))  # every linear, no embedding
+    assert not any(isinstance(m, comera_fx.TTEmbedding) for m in student.modules())
+    ratio = tt_size(student) / dense_size(teacher, student)
+    assert 0.7 * target <= ratio <= target, ratio
+    assert summary.ratio == pytest.approx(ratio)
+
+
+def snapshot(model: nn.Module):
+    return ({k: v.clone() for k, v in model.state_dict(keep_vars=False).items()},
+            {k: p.requires_grad for k, p in model.named_parameters()},
+            {k: m.training for k, m in model.named_modules()},
+            sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()))
+
+
+def test_teacher_is_untouched_and_frozen_parameters_stay_frozen():
+    teacher = tiny_bert(seed=3)
+    teacher.train()
+    teacher.encoder.layer[1].train(False)  # mixed flags must come back as they were
+    teacher.embeddings.word_embeddings.weight.requires_grad_(False)
+    teacher.encoder.layer[0].attention.self.query.weight.requires_grad_(False)
+    before = snapshot(teacher)
+    student = copy.deepcopy(teacher)
+    frozen_embedding = student.embeddings.word_embeddings.weight.detach().clone()
+    comera_fx.distill_(student, teacher, make_batches(4, seed=4), target_ratio=0.5, steps=6, lr=1e-2,
+                       hidden_modules=["encoder.layer.0"], config=SMALL, progress=False)
+    after = snapshot(teacher)
+    assert before[0].keys() == after[0].keys()
+    for key in before[0]:
+        assert torch.equal(before[0][key], after[0][key]), key
+    assert before[1:] == after[1:]
+    # frozen in the teacher -> frozen and untrained in the student; the rest trained
+    assert not student.embeddings.word_embeddings.weight.requires_grad
+    assert torch.equal(student.embeddings.word_embeddings.weight, frozen_embedding)
+    query = student.encoder.layer[0].attention.self.query
+    assert isinstance(query, TTLinear)
+    assert not any(p.requires_grad for p in query.tt.parameters()) and query.bias.requires_grad
+    key = student.encoder.layer[0].attention.self.key
+    assert all(p.requires_grad for p in key.tt.parameters())
+    # the student's own modes are restored too
+    assert student.training and not student.encoder.layer[1].training
+
+
+def test_batches_as_callable_iterable_tuple_and_one_shot_iterator(teacher):
+    calls = []
+
+    def draw():
+        calls.append(1)
+        return {"input_ids": torch.randint(0, VOCAB, (4, SEQ))}
+
+    s = comera_fx.distill_(copy.deepcopy(teacher), teacher, draw, target_ratio=0.5, steps=5, config=SMALL,
+                           progress=False)
+    assert len(calls) == 5 and s.steps == 5
+    tuples = [(b["input_ids"],) for b in make_batches(2, seed=5)]  # positional inputs, reused across passes
+    s = comera_fx.distill_(copy.deepcopy(teacher), teacher, tuples, target_ratio=0.5, steps=5, config=SMALL,
+                           progress=False)
+    assert s.steps == 5 and all(torch.isfinite(torch.tensor(s.losses)))
+    tensors = [b["input_ids"] for b in make_batches(2, seed=6)]
+    s = comera_fx.distill_(copy.deepcopy(teacher), teacher, tensors, target_ratio=0.5, steps=3, config=SMALL,
+                           progress=False)
+    assert s.steps == 3
+    one_shot = iter(make_batches(3, seed=7))
+    s = comera_fx.distill_(copy.deepcopy(teacher), teacher, one_shot, target_ratio=0.5, steps=10, config=SMALL,
+                           progress=False)
+    assert s.steps == 3 and any("ran out" in n for n in s.notes)
+
+
+def test_output_fn_and_global_rng_untouched(teacher):
+    batches = make_batches(2, seed=8)
+    seen = []
+
+    def pooled(outputs):
+        seen.append(1)
+        return outputs.last_hidden_state.mean(dim=1)
+
+    state = torch.random.get_rng_state()
+    s = comera_fx.distill_(copy.deepcopy(teacher), teacher, batches, target_ratio=0.5, steps=3, output_fn=pooled,
+                           config=SMALL, progress=False)
+    assert torch.equal(state, torch.random.get_rng_state())
+    assert len(seen) == 6 and s.steps == 3  # teacher and student, per step
+
+
+def test_student_works_after_distillation(teacher):
+    student = copy.deepcopy(teacher)
+    comera_fx.distill_(student, teacher, make_batches(2, seed=9), target_ratio=0.5, steps=2, config=SMALL,
+                       progress=False)
+    student.eval()
+    x = make_batches(1, seed=10)[0]
+    with torch.no_grad():
+        out = student(**x).last_hidden_state
+    fresh = copy.deepcopy(teacher)
+    comera_fx.tensorize_(fresh, SMALL.replace(max_rank=64), filter_fn=lambda m, n: isinstance(m, nn.Linear))
+    fresh.load_state_dict(student.state_dict())  # TT matrices adopt the checkpoint's ranks
+    with torch.no_grad():
+        torch.testing.assert_close(fresh.eval()(**x).last_hidden_state, out)
+
+
+@pytest.mark.slow
+def test_compiles_with_the_backend_after_distillation(teacher):
+    student = copy.deepcopy(teacher)
+    comera_fx.distill_(student, teacher, make_batches(2, seed=11), target_ratio=0.5, steps=2, config=SMALL,
+                       progress=False)
+    x = make_batches(1, seed=12)[0]["input_ids"]
+    with torch.no_grad():
+        expected = student.eval()(x).last_hidden_state
+        compiled = torch.compile(student, backend=comera_fx.backend)
+        torch.testing.assert_close(compiled(x).last_hidden_state, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_errors_name_the_fix(teacher):
+    batches = make_batches(1, seed=13)
+    ok = dict(steps=1, config=SMALL, progress=False)
+    for bad in (0, 0.0, 1.5, -0.1, "0.5", True):
+        with pytest.raises(ValueError, match="target_ratio must be a float in"):
+            comera_fx.distill_(copy.deepcopy(teacher), teacher, batches, target_ratio=bad, **ok)
+    with pytest.raises(ValueError, match="needs a budget: pass steps="):
+        comera_fx.distill_(copy.deepcopy(teacher), teacher, batches, target_ratio=0.5, config=SMALL)
+    with pytest.raises(ValueError, match="budget_seconds must be"):
+        comera_fx.distill_(copy.deepcopy(teacher), teacher, batches, target_ratio=0.5, budget_seconds=0)
+    with pytest.raises(ValueError, match="start_ratio must be"):
+        comera_fx.distill_(copy.deepcopy(teacher), teacher, batches, target_ratio=0.5, start_ratio=0.4, **ok)
+    with pytest.raises(ValueError, match="pass a copy"):
+        comera_fx.distill_(teacher, teacher, batches, target_ratio=0.5, **ok)
+    with pytest.raises(ValueError, match="shares parameter"):
+        comera_fx.distill_(copy.copy(teacher), teacher, batches, target_ratio=0.5, **ok)
+    other = transformers.BertModel(transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1,
+                                                           num_attention_heads=2, intermediate_size=64),
+                                   add_pooling_layer=False)
+    with pytest.raises(ValueError, match="not a copy of teacher"):
+        comera_fx.distill_(other, teacher, batches, target_ratio=0.5, **ok)
+    wide = tiny_bert()
+    wide.encoder.layer[0].output.dense = nn.Linear(64, 33)  # same parameter names, one shape differs
+    with pytest.raises(ValueError, match="has shape"):
+        comera_fx.distill_(wide, teacher, batches, target_ratio=0.5, **ok)
+    done = copy.deepcopy(teacher)
+    comera_fx.tensorize_(done, SMALL)
+    with pytest.raises(ValueError, match="already holds TT layers"):
+        comera_fx.distill_(done, teacher, batches, target_ratio=0.5, **ok)
+    with pytest.raises(ValueError, match="a batch must be a dict"):
+        comera_fx.distill_(copy.deepcopy(teacher), teacher, ["text"], target_ratio=0.5, **ok)
+    with pytest.raises(ValueError, match="yielded no batch"):
+        comera_fx.distill_(copy.deepcopy(teacher), teacher, [], target_ratio=0.5, **ok)
+    with pytest.raises(ValueError, match="hidden_modules"):
+        comera_fx.distill_(copy.deepcopy(teacher), teacher, batches, target_ratio=0.5, hidden_modules=["nope"], **ok)
+    with pytest.raises(ValueError, match="raise target_ratio"):
+        comera_fx.distill_(copy.deepcopy(teacher), teacher, batches, target_ratio=1e-4, **ok)
