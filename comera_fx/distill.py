@@ -19,13 +19,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .config import TensorizeConfig
-from .passes.find import find_in_model
-from .passes.tensorize import TensorizeSummary, stores_transpose, tensorize_
+from .calibrate import Calibration, calibrate
+from .passes.tensorize import TensorizeSummary, tensorize_
 from .runtime.rank_adaptive import RankAdaptive, tt_matrices
 from .runtime.shrink import physical_params
-from .tt.layers import TTLinear, _chain_dims, choose_layout_modes
-from .tt.layout import TTLayout
-from .tt.shapes import capped_ranks
+from .tt.layers import TTLinear
 
 Batches = Iterable[Any] | Callable[[], Any]
 LossFn = Callable[[Tensor, Tensor], Tensor]
@@ -91,7 +89,8 @@ class DistillSummary:
 # ---------------------------------------------------------------------------------------------------- checks
 
 
-def _check_args(student, teacher, target_ratio, start_ratio, budget_seconds, steps, lr, hidden_weight) -> None:
+def _check_args(student, teacher, target_ratio, start_ratio, budget_seconds, steps, lr, hidden_weight,
+                calibration_batches) -> None:
     number = (int, float)
     if isinstance(target_ratio, bool) or not isinstance(target_ratio, number) or not 0 < target_ratio <= 1:
         raise ValueError(f"target_ratio must be a float in (0, 1] (TT size / dense size of the linear weights, "
@@ -110,6 +109,8 @@ def _check_args(student, teacher, target_ratio, start_ratio, budget_seconds, ste
         raise ValueError(f"steps must be an int >= 1 or None; got {steps!r}")
     if not (isinstance(lr, number) and lr > 0):
         raise ValueError(f"lr must be a number > 0; got {lr!r}")
+    if isinstance(calibration_batches, bool) or not isinstance(calibration_batches, int) or calibration_batches < 0:
+        raise ValueError(f"calibration_batches must be an int >= 0; got {calibration_batches!r}")
     if not (isinstance(hidden_weight, number) and hidden_weight >= 0):
         raise ValueError(f"hidden_weight must be a number >= 0; got {hidden_weight!r}")
     if student is teacher:
@@ -147,10 +148,22 @@ class _BatchStream:
             raise ValueError(f"batches must be an iterable of model inputs or a callable returning one; "
                              f"got {type(batches).__name__}")
         self._it = None
+        self._replay: list[Any] = []
         self.exhausted = False
+
+    def push_back(self, batches: Sequence[Any]) -> None:
+        """Hand these batches out again first (the calibration batches also serve for training)."""
+        self._replay = list(batches) + self._replay
 
     def next(self) -> Any | None:
         """The next batch, or None when a one-shot iterator is used up."""
+        batch = self._replay.pop(0) if self._replay else self._draw()
+        if batch is not None and not isinstance(batch, (Mapping, tuple, list, Tensor)):
+            raise ValueError(f"a batch must be a dict of keyword inputs, a tuple of positional inputs or a tensor; "
+                             f"got {type(batch).__name__}")
+        return batch
+
+    def _draw(self) -> Any | None:
         if self._call is not None:
             return self._call()
         for attempt in range(2):
@@ -202,58 +215,6 @@ class _Capture:
 # -------------------------------------------------------------------------------------------------- sizing
 
 
-def _linear_candidates(model: nn.Module, config: TensorizeConfig, filter_fn) -> list:
-    """The candidates ``tensorize_`` would convert among linear-like weights (embeddings are left dense)."""
-    found = find_in_model(model, None)
-    modules = dict(model.named_modules())
-    out = []
-    for cand in found.candidates:
-        if cand.kind != "linear" or not config.is_large(cand.shape) or any(config.is_skipped(a) for a in cand.aliases):
-            continue
-        if filter_fn is not None and not all(filter_fn(modules[a.rpartition(".")[0]], a.rpartition(".")[0])
-                                             for a in cand.aliases):
-            continue
-        out.append(cand)
-    return out
-
-
-def _tt_size(cand, config: TensorizeConfig, max_rank: int) -> tuple[int, int]:
-    """(TT params at ``max_rank``, dense params) of one candidate, from shapes alone (no decomposition)."""
-    settings = config.settings_for(cand.fqn)
-    rows, cols = cand.shape[::-1] if stores_transpose(cand) else cand.shape
-    fmt = settings.linear_format
-    if settings.row_modes is not None and settings.col_modes is not None:
-        row_modes, col_modes = settings.row_modes, settings.col_modes
-    else:
-        row_modes, col_modes = choose_layout_modes(rows, cols, fmt, settings.num_modes, settings.max_pad_fraction)
-    ranks = capped_ranks(_chain_dims(fmt, row_modes, col_modes), max_rank, settings.rank_ratio)
-    return TTLayout(fmt, rows, cols, row_modes, col_modes, ranks).num_params, rows * cols
-
-
-def uniform_max_rank(model: nn.Module, config: TensorizeConfig, ratio: float, filter_fn=None) -> int:
-    """The largest uniform ``max_rank`` whose linear TT sizes (cores + gates) sum to at most ``ratio`` × dense."""
-    cands = _linear_candidates(model, config, filter_fn)
-    if not cands:
-        raise ValueError("the model has no linear weight large enough to tensorize (TensorizeConfig.min_numel / "
-                         "min_dim); nothing to distill")
-    dense = sum(math.prod(c.shape) for c in cands)
-
-    def size(r: int) -> int:
-        return sum(_tt_size(c, config, r)[0] for c in cands)
-
-    low, high = 1, max(max(c.shape) for c in cands)
-    if size(low) > ratio * dense:
-        raise ValueError(f"target ratio {ratio} is below what rank 1 everywhere needs ({size(1) / dense:.4f}); "
-                         f"raise target_ratio")
-    while low < high:
-        mid = (low + high + 1) // 2
-        if size(mid) <= ratio * dense:
-            low = mid
-        else:
-            high = mid - 1
-    return low
-
-
 def linear_sizes(model: nn.Module) -> tuple[int, int]:
     """(TT params, dense params) of the model's TT linear weights (cores + gates; a tied matrix once)."""
     tt = dense = 0
@@ -267,10 +228,14 @@ def linear_sizes(model: nn.Module) -> tuple[int, int]:
 
 
 def _tensorize_at(student, ratio, config, filter_fn, allocation, calibration) -> TensorizeSummary:
-    if allocation != "uniform" or calibration is not None:
-        raise NotImplementedError("allocation / calibration need comera_fx.calibrate (issue 15, in progress)")
-    rank = uniform_max_rank(student, config, ratio, filter_fn)
-    return tensorize_(student, config.replace(max_rank=rank), filter_fn=_linear_only(filter_fn))
+    config = config.replace(param_budget=float(ratio), allocation=allocation, max_rank=None, rank_ratio=None,
+                            rel_tol=None)
+    try:
+        return tensorize_(student, config, filter_fn=_linear_only(filter_fn), calibration=calibration)
+    except ValueError as exc:
+        if "param_budget" not in str(exc):
+            raise
+        raise ValueError(f"target/start ratio {ratio}: {exc} (distill_: raise target_ratio)") from None
 
 
 def _linear_only(filter_fn):
@@ -316,8 +281,9 @@ def distill_(
     start_ratio: float | None = None,
     config: TensorizeConfig | None = None,
     filter_fn: Callable[[nn.Module, str], bool] | None = None,
-    allocation: str = "uniform",
-    calibration: Any = None,
+    allocation: str = "energy",
+    calibration: Calibration | None = None,
+    calibration_batches: int = 8,
     progress: bool = True,
 ) -> DistillSummary:
     """Tensorize ``student`` (a dense copy of ``teacher``) in place and train it to reproduce the teacher.
@@ -348,7 +314,12 @@ def distill_(
         config: base ``TensorizeConfig`` (size threshold, skip, overrides, format); its ``max_rank`` is replaced
             by the rank that meets the size target.
         filter_fn: as in ``tensorize_``.
-        allocation / calibration: how ranks are chosen under the size target (``"uniform"``: one max rank for all).
+        allocation: how the size target is split over the layers (``TensorizeConfig.allocation``): ``"energy"``
+            (default: ranks per layer and bond from the activation-weighted spectra) or ``"uniform"`` (one max rank).
+        calibration / calibration_batches: activation-aware (whitened) TT-SVD: a ``comera_fx.calibrate`` result, or
+            None to calibrate the student (still dense) on the first ``calibration_batches`` batches (default 8;
+            0: plain TT-SVD). Those batches are drawn from ``batches`` first and are the first training batches
+            too, so a callable is called max(steps, calibration_batches) times in a run of ``steps`` steps.
         progress: show a tqdm bar (if tqdm is installed).
 
     The student is left in its original training mode(s) with every TT layer's contraction plans prepared, ready
@@ -360,13 +331,20 @@ def distill_(
 
     Returns a ``DistillSummary`` (ranks per layer, size, loss per step, time).
     """
-    _check_args(student, teacher, target_ratio, start_ratio, budget_seconds, steps, lr, hidden_weight)
+    _check_args(student, teacher, target_ratio, start_ratio, budget_seconds, steps, lr, hidden_weight,
+                calibration_batches)
     config = config or TensorizeConfig()
     output_fn = output_fn or default_output
     stream = _BatchStream(batches)
     notes: list[str] = []
 
     setup_start = time.perf_counter()
+    if calibration is None and calibration_batches:
+        drawn = [b for b in (stream.next() for _ in range(calibration_batches)) if b is not None]
+        if not drawn:
+            raise ValueError("batches yielded no batch; pass an iterable of model inputs or a callable returning one")
+        calibration = calibrate(student, drawn, config=config, filter_fn=_linear_only(filter_fn))
+        stream.push_back(drawn)
     first_ratio = start_ratio or target_ratio
     tensorized = _tensorize_at(student, first_ratio, config, filter_fn, allocation, calibration)
     _, dense = linear_sizes(student)

@@ -76,7 +76,7 @@ def test_distillation_beats_tt_svd_alone_at_equal_size(teacher):
         reference = [teacher(**b).last_hidden_state.clone() for b in held_out]
     student = copy.deepcopy(teacher)
     summary = comera_fx.distill_(student, teacher, make_batches(8, seed=1), target_ratio=0.3, steps=40, lr=3e-3,
-                                 config=SMALL, progress=False)
+                                 config=SMALL, allocation="uniform", calibration_batches=0, progress=False)
     svd_only = copy.deepcopy(teacher)
     rank = max(max(r) for r in summary.ranks.values())
     comera_fx.tensorize_(svd_only, SMALL.replace(max_rank=rank), filter_fn=lambda m, n: isinstance(m, nn.Linear))
@@ -87,11 +87,12 @@ def test_distillation_beats_tt_svd_alone_at_equal_size(teacher):
     assert summary.steps == 40 and len(summary.losses) == 40
 
 
-@pytest.mark.parametrize("target, start", [(0.5, None), (0.25, None), (0.3, 0.8)])
-def test_target_ratio_is_reached(teacher, target, start):
+@pytest.mark.parametrize("target, start, allocation", [(0.5, None, "energy"), (0.25, None, "uniform"),
+                                                     (0.25, None, "energy"), (0.3, 0.8, "energy")])
+def test_target_ratio_is_reached(teacher, target, start, allocation):
     student = copy.deepcopy(teacher)
     summary = comera_fx.distill_(student, teacher, make_batches(4, seed=2), target_ratio=target, start_ratio=start,
-                                 steps=12, config=SMALL, progress=False)
+                                 allocation=allocation, steps=12, config=SMALL, progress=False)
     converted = [name for name, m in student.named_modules() if isinstance(m, TTLinear)]
     assert len(converted) == len(linear_weight_names(teacher))  # every linear, no embedding
     assert not any(isinstance(m, comera_fx.TTEmbedding) for m in student.modules())
@@ -144,6 +145,10 @@ def test_batches_as_callable_iterable_tuple_and_one_shot_iterator(teacher):
 
     s = comera_fx.distill_(copy.deepcopy(teacher), teacher, draw, target_ratio=0.5, steps=5, config=SMALL,
                            progress=False)
+    assert len(calls) == 8 and s.steps == 5  # 8 calibration batches, which also serve as the first training batches
+    calls.clear()
+    s = comera_fx.distill_(copy.deepcopy(teacher), teacher, draw, target_ratio=0.5, steps=5, calibration_batches=0,
+                           config=SMALL, progress=False)
     assert len(calls) == 5 and s.steps == 5
     tuples = [(b["input_ids"],) for b in make_batches(2, seed=5)]  # positional inputs, reused across passes
     s = comera_fx.distill_(copy.deepcopy(teacher), teacher, tuples, target_ratio=0.5, steps=5, config=SMALL,
