@@ -350,15 +350,71 @@ def distill_(
     _, dense = linear_sizes(student)
     setup_seconds = time.perf_counter() - setup_start
 
+    hook_box: list[RankAdaptive] = []
+
+    def attach(optimizer: torch.optim.Optimizer) -> None:
+        if start_ratio is not None:
+            horizon = dict(total_steps=steps) if steps is not None else dict(budget_seconds=budget_seconds)
+            hook_box.append(RankAdaptive(student, optimizer, target_params=int(target_ratio * dense),
+                                         history_every=None, **horizon))
+
+    losses, seconds, loop_notes = match_teacher(
+        student, teacher, stream, steps=steps, budget_seconds=budget_seconds, output_fn=output_fn, loss_fn=loss_fn,
+        hidden_modules=hidden_modules, hidden_weight=hidden_weight, lr=lr, weight_decay=weight_decay,
+        progress=progress, on_optimizer=attach, observe=lambda loss: hook_box and hook_box[0].observe(loss),
+        postfix=lambda: {"ratio": f"{linear_sizes(student)[0] / dense:.3f}"})
+    notes += loop_notes
+    hook = hook_box[0] if hook_box else None
+
+    rank_summary = None
+    if hook is not None:
+        if linear_sizes(student)[0] > target_ratio * dense:
+            hook.prune_to(target_ratio * dense)
+            notes.append("the budget ended before the rank schedule reached the target; pruned to it at the end "
+                         "(without training after that cut)")
+        rank_summary = hook.summary()
+        hook.remove()
+    for entry in tt_matrices(student):
+        if not entry.tt.is_zero:
+            entry.tt.prepare_plans()
+    tt, dense = linear_sizes(student)
+    ranks = {e.name: e.tt.ranks for e in tt_matrices(student)}
+    return DistillSummary(target_ratio, tt / dense, tt, dense, ranks, len(losses), losses, seconds, setup_seconds,
+                          "shrink" if hook is not None else "direct", first_ratio, tensorized, rank_summary, notes)
+
+
+def match_teacher(
+    student: nn.Module,
+    teacher: nn.Module,
+    batches: Batches,
+    *,
+    steps: int | None,
+    budget_seconds: float | None,
+    output_fn: Callable[[Any], Tensor] | None = None,
+    loss_fn: LossFn = relative_mse,
+    hidden_modules: Sequence[str] = (),
+    hidden_weight: float = 1.0,
+    lr: float = 5e-4,
+    weight_decay: float = 0.0,
+    progress: bool = True,
+    on_optimizer: Callable[[torch.optim.Optimizer], None] | None = None,
+    observe: Callable[[Tensor], Any] | None = None,
+    postfix: Callable[[], dict] | None = None,
+) -> tuple[list[float], float, list[str]]:
+    """The training loop of ``distill_`` for any student (no tensorization): AdamW on ``loss_fn`` between the
+    student's and the teacher's outputs (+ hidden states) until ``steps`` and/or ``budget_seconds`` are spent.
+    ``on_optimizer(optimizer)`` runs once the optimizer exists (attach a ``RankAdaptive`` there); ``observe(loss)``
+    before every ``optimizer.step()``. Both models run in eval mode; their training flags are restored.
+    Returns (loss per step, seconds, notes)."""
+    stream = batches if isinstance(batches, _BatchStream) else _BatchStream(batches)
+    output_fn = output_fn or default_output
+    notes: list[str] = []
     trainable = [p for p in student.parameters() if p.requires_grad]
     if not trainable:
         raise ValueError("the student has no trainable parameter (every weight is frozen); nothing to distill")
     optimizer = torch.optim.AdamW(trainable, lr=lr, weight_decay=weight_decay)
-    hook = None
-    if start_ratio is not None:
-        horizon = dict(total_steps=steps) if steps is not None else dict(budget_seconds=budget_seconds)
-        hook = RankAdaptive(student, optimizer, target_params=int(target_ratio * dense), history_every=None,
-                            **horizon)
+    if on_optimizer is not None:
+        on_optimizer(optimizer)
 
     teacher_modes, student_modes = _Modes(teacher), _Modes(student)
     t_capture = _Capture(teacher, hidden_modules) if hidden_modules else None
@@ -386,13 +442,13 @@ def distill_(
                 loss = loss + hidden_weight * relative_mse(s_capture.outputs[name], value)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            if hook is not None:
-                hook.observe(loss)
+            if observe is not None:
+                observe(loss)
             optimizer.step()
             losses.append(float(loss.detach()))
             if bar is not None:
                 bar.update(1)
-                bar.set_postfix(loss=f"{losses[-1]:.4f}", ratio=f"{linear_sizes(student)[0] / dense:.3f}")
+                bar.set_postfix(loss=f"{losses[-1]:.4f}", **(postfix() if postfix else {}))
     finally:
         if t_capture:
             t_capture.remove()
@@ -405,21 +461,7 @@ def distill_(
     if not losses:
         raise ValueError("batches yielded no batch; pass an iterable of model inputs or a callable returning one")
 
-    rank_summary = None
-    if hook is not None:
-        if linear_sizes(student)[0] > target_ratio * dense:
-            hook.prune_to(target_ratio * dense)
-            notes.append("the budget ended before the rank schedule reached the target; pruned to it at the end "
-                         "(without training after that cut)")
-        rank_summary = hook.summary()
-        hook.remove()
-    for entry in tt_matrices(student):
-        if not entry.tt.is_zero:
-            entry.tt.prepare_plans()
-    tt, dense = linear_sizes(student)
-    ranks = {e.name: e.tt.ranks for e in tt_matrices(student)}
-    return DistillSummary(target_ratio, tt / dense, tt, dense, ranks, len(losses), losses, seconds, setup_seconds,
-                          "shrink" if hook is not None else "direct", first_ratio, tensorized, rank_summary, notes)
+    return losses, seconds, notes
 
 
 def _progress_bar(progress: bool, steps: int | None, budget_seconds: float | None):
