@@ -80,8 +80,8 @@ def weighted_errors(dense, compressed, held_out):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=["real", "random"], default="real")
-    parser.add_argument("--calib", type=int, default=256, help="calibration texts / random sequences")
-    parser.add_argument("--held-out", type=int, default=128)
+    parser.add_argument("--calib", type=int, default=128, help="calibration texts / random sequences")
+    parser.add_argument("--held-out", type=int, default=64)
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.25, 0.125])
     args = parser.parse_args()
     torch.manual_seed(0)

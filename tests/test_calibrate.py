@@ -48,6 +48,27 @@ def test_second_moments_match_the_inputs():
         torch.testing.assert_close(stats.second_moment, x.T @ x / x.shape[0], rtol=1e-5, atol=1e-7)
 
 
+class SharedInput(nn.Module):
+    """q and k read the same tensor (one XᵀX is shared), v reads another of the same shape and address pattern."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(128, 512), nn.Linear(128, 512), nn.Linear(128, 512)
+
+    def forward(self, x):
+        return self.q(x) + self.k(x) + self.v(torch.tanh(x))
+
+
+def test_layers_sharing_an_input_get_the_right_moments():
+    model = SharedInput()
+    batches = make_batches(3)
+    cal = comera_fx.calibrate(model, batches)
+    x = torch.cat([b.reshape(-1, 128) for b in batches]).double()
+    for fqn, inputs in (("q.weight", x), ("k.weight", x), ("v.weight", torch.tanh(x))):
+        torch.testing.assert_close(cal[fqn].second_moment, inputs.T @ inputs / x.shape[0], rtol=1e-5, atol=1e-7)
+        assert cal[fqn].tokens == x.shape[0]
+
+
 def test_calibrate_leaves_the_model_and_rng_alone():
     model = nn.Sequential(nn.Linear(128, 512), nn.Dropout(0.5), nn.Linear(512, 128))
     model.train()
