@@ -173,3 +173,22 @@ def test_small_bert_keys_match_tensorize():
     with torch.no_grad():
         out = model(**batches[0]).last_hidden_state
     assert torch.isfinite(out).all()
+
+
+def test_gpt2_conv1d_inputs_are_recorded():
+    """transformers' Conv1D (y = x W + b, W stored in × out): its inputs are recorded and its weight whitened."""
+    config = transformers.GPT2Config(n_layer=1, n_embd=128, n_head=4, vocab_size=300, n_positions=32)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    ids = torch.randint(0, 300, (2, 12))
+    cal = comera_fx.calibrate(model, [ids], config=TensorizeConfig(min_numel=10_000))
+    assert set(cal) == {f"transformer.h.0.{n}.weight" for n in ("attn.c_attn", "attn.c_proj", "mlp.c_fc",
+                                                                 "mlp.c_proj")}
+    with torch.no_grad():
+        hidden = model.transformer.h[0].ln_1(model.transformer.wte(ids) + model.transformer.wpe(torch.arange(12)))
+    x = hidden.reshape(-1, 128).double()  # the input of c_attn: ln_1 of the embeddings
+    torch.testing.assert_close(cal["transformer.h.0.attn.c_attn.weight"].second_moment, x.T @ x / 24,
+                               rtol=1e-5, atol=1e-7)
+    summary = comera_fx.tensorize_(model, TensorizeConfig(min_numel=10_000, max_rank=8), calibration=cal)
+    whitened = {d.fqn for d in summary.converted if any("activation-aware" in n for n in d.notes)}
+    assert whitened == set(cal)
