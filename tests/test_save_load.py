@@ -134,9 +134,17 @@ def test_torch_save_fallback(tmp_path, monkeypatch):
     ids = torch.randint(0, 300, (2, 4))
     with torch.no_grad():
         assert torch.equal(loaded(ids), model(ids))
+    torch.save({"x": torch.ones(1)}, tmp_path / "other.pt")
     with pytest.raises(ValueError, match="save_tensorized"):
-        torch.save({"x": torch.ones(1)}, tmp_path / "other.pt")
         comera_fx.load_tensorized(tmp_path / "other.pt", TiedLM)
+
+
+def test_foreign_safetensors_file_is_refused(tmp_path):
+    from safetensors.torch import save_file
+
+    save_file({"x": torch.ones(2)}, str(tmp_path / "plain.safetensors"))
+    with pytest.raises(ValueError, match="save_tensorized"):
+        comera_fx.load_tensorized(tmp_path / "plain.safetensors", TiedLM)
 
 
 def test_bert_non_persistent_buffers_and_calibrated_model(tmp_path):
