@@ -9,6 +9,7 @@ such inputs (``comera_fx.tt.whiten``), and weighs the rank allocation by it (``c
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -119,14 +120,24 @@ def calibrate(
     holders = _linear_holders(model, config, filter_fn)
     sums: dict[str, Tensor] = {}
     counts: dict[str, int] = {}
+    # Layers reading the same input tensor (Q, K, V) share one XᵀX per batch; cleared after every batch.
+    # Held through weak references (a batch's activations are not kept alive); the identity check below also
+    # guards against a freed tensor's address being reused.
+    seen_inputs: dict[tuple, tuple[weakref.ref, Tensor, int]] = {}
 
     def make_hook(fqn: str, d_in: int):
         def hook(module, args, kwargs, output):
             x = args[0] if args else next(iter(kwargs.values()))
-            x = x.detach().reshape(-1, d_in).to(torch.float64)
-            gram = x.T @ x
-            sums[fqn] = sums[fqn] + gram if fqn in sums else gram
-            counts[fqn] = counts.get(fqn, 0) + x.shape[0]
+            ident = (x.data_ptr(), tuple(x.shape), x.stride(), x.dtype, d_in)
+            cached = seen_inputs.get(ident)
+            if cached is not None and cached[0]() is x:
+                gram, rows = cached[1], cached[2]
+            else:
+                flat = x.detach().reshape(-1, d_in).to(torch.float64)
+                gram, rows = flat.T @ flat, flat.shape[0]
+                seen_inputs[ident] = (weakref.ref(x), gram, rows)
+            sums[fqn] = sums[fqn] + gram if fqn in sums else gram.clone()
+            counts[fqn] = counts.get(fqn, 0) + rows
         return hook
 
     handles = [module.register_forward_hook(make_hook(fqn, d_in), with_kwargs=True)
@@ -141,6 +152,7 @@ def calibrate(
             for batch in _iterate(batches, max_batches):
                 args, kwargs = split_example_inputs(batch)
                 model(*args, **kwargs)
+                seen_inputs.clear()
                 n_batches += 1
     finally:
         for handle in handles:

@@ -118,12 +118,16 @@ def _read(path: str | Path) -> tuple[dict, dict[str, Tensor]]:
         safe_open = None
     if safe_open is not None:
         try:
-            with safe_open(str(path), framework="pt") as f:
-                metadata = f.metadata() or {}
-                if "comera_fx" in metadata:
-                    return json.loads(metadata["comera_fx"]), {k: f.get_tensor(k) for k in f.keys()}
+            handle = safe_open(str(path), framework="pt")
         except Exception:  # not a safetensors file: written by the torch.save fallback
-            pass
+            handle = None
+        if handle is not None:
+            with handle as f:
+                metadata = f.metadata() or {}
+                if "comera_fx" not in metadata:
+                    raise ValueError(f"{path} is a safetensors file without comera_fx's manifest; it was not "
+                                     f"written by comera_fx.save_tensorized")
+                return json.loads(metadata["comera_fx"]), {k: f.get_tensor(k) for k in f.keys()}
     data = torch.load(path, weights_only=True, map_location="cpu")
     if not isinstance(data, dict) or "manifest" not in data:
         raise ValueError(f"{path} is not a file written by comera_fx.save_tensorized")

@@ -8,6 +8,7 @@ calibration ``tensorize_`` does not come here and builds exactly as before.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -111,7 +112,7 @@ def plan_fits(items, config: TensorizeConfig, calibration) -> tuple[dict[str, La
     except allocate.BudgetTooSmall as exc:
         raise ValueError(f"TensorizeConfig.param_budget: {exc}; raise the budget or convert fewer layers") from None
     for name, r in zip(names, ranks):
-        fits[name] = LayerFit(**{**planned[name].__dict__, "ranks": tuple(r)})
+        fits[name] = dataclasses.replace(planned[name], ranks=tuple(r))
     return fits, info, notes
 
 
