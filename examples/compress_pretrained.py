@@ -201,7 +201,8 @@ def distill_loss(student_out, teacher_out):
 
 
 def hidden_layers(model: nn.Module) -> list[str]:
-    return [name for name, m in model.named_modules() if name.startswith("bert.encoder.layer.") and name.count(".") == 3]
+    return [name for name, _ in model.named_modules()
+            if name.startswith("bert.encoder.layer.") and name.count(".") == 3]
 
 
 # ---------------------------------------------------------------------------------------------- runs
@@ -327,7 +328,7 @@ def main(argv=None, extra: dict | None = None) -> dict:
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     if args.quick:
-        args.max_files, args.eval_texts, args.retrieval = 40, 64, 48
+        args.max_files, args.eval_texts, args.retrieval = args.max_files or 40, 64, 48
         args.budget_seconds, args.steps, args.ratios = min(args.budget_seconds, 10.0), args.steps or 3, [0.25]
         args.batch_size = min(args.batch_size, 8)
     torch.set_num_threads(args.threads)
@@ -379,7 +380,8 @@ def write_report(out, name, args, data, teacher_eval, results, saved, dense_byte
              f"{args.budget_seconds:.0f} s per run{f', {args.steps} steps' if args.steps else ''}, batch "
              f"{args.batch_size}, lr {args.lr}.", "",
              f"Teacher: retrieval top-1 {teacher_eval['top1']:.3f} (cosine 1 by definition).", "",
-             "| method | compression | mean cosine | retrieval top-1 | steps | time (s) |", "|---|---:|---:|---:|---:|---:|"]
+             "| method | compression | mean cosine | retrieval top-1 | steps | time (s) |",
+             "|---|---:|---:|---:|---:|---:|"]
     for r in results:
         lines.append(f"| {r['method']} | {1 / r['ratio']:.1f}x | {r['cosine']:.4f} | {r['top1']:.3f} | {r['steps']} "
                      f"| {r['total_s']:.0f} |")

@@ -61,7 +61,8 @@ def tt_size(student: nn.Module) -> int:
 def dense_size(teacher: nn.Module, student: nn.Module) -> int:
     """Dense parameters of the teacher's linear weights that became TT layers in the student."""
     converted = {name for name, m in student.named_modules() if isinstance(m, TTLinear)}
-    return sum(m.weight.numel() for name, m in teacher.named_modules() if isinstance(m, nn.Linear) and name in converted)
+    return sum(m.weight.numel() for name, m in teacher.named_modules()
+               if isinstance(m, nn.Linear) and name in converted)
 
 
 def relative_error(model: nn.Module, batches: list[dict], reference: list[torch.Tensor]) -> float:
@@ -243,3 +244,26 @@ def test_errors_name_the_fix(teacher):
         comera_fx.distill_(copy.deepcopy(teacher), teacher, batches, target_ratio=0.5, hidden_modules=["nope"], **ok)
     with pytest.raises(ValueError, match="raise target_ratio"):
         comera_fx.distill_(copy.deepcopy(teacher), teacher, batches, target_ratio=1e-4, **ok)
+
+
+def test_compress_pretrained_example_quick(tmp_path):
+    """Smoke run of examples/compress_pretrained.py on a tiny random BERT (no package needed): every cell runs,
+    the report and plots are written, and the saved student loads back to the same embeddings."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("matplotlib")
+    path = Path(__file__).resolve().parents[1] / "examples" / "compress_pretrained.py"
+    spec = importlib.util.spec_from_file_location("compress_pretrained", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    out = module.main(["--quick", "--tiny", "--max-files", "12", "--threads", "1", "--no-progress",
+                       "--out", str(tmp_path)])
+    assert {r["method"] for r in out["results"]} == set(module.METHODS)
+    for r in out["results"]:
+        assert r["ratio"] <= 0.25 and -1 <= r["cosine"] <= 1 and 0 <= r["top1"] <= 1
+    assert out["saved"]["max_abs_diff"] < 1e-5
+    report = (tmp_path / "report.md").read_text()
+    assert "cosine_vs_compression.png" in report and (tmp_path / "ranks_per_layer.png").exists()
