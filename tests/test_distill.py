@@ -259,7 +259,7 @@ def test_compress_pretrained_example_quick(tmp_path):
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
-    out = module.main(["--quick", "--tiny", "--max-files", "12", "--threads", "1", "--no-progress",
+    out = module.main(["--quick", "--tiny", "--max-files", "30", "--threads", "1", "--no-progress",
                        "--out", str(tmp_path)])
     assert {r["method"] for r in out["results"]} == set(module.METHODS)
     for r in out["results"]:
