@@ -133,7 +133,11 @@ class RankSync:
 
     @classmethod
     def for_model(cls, model: nn.Module) -> tuple["RankSync | None", nn.Module]:
-        """(the sync object or None, the module to find TT matrices in) for the model given to RankAdaptive."""
+        """(the sync object or None, the module to find TT matrices in) for the model given to RankAdaptive.
+
+        A bare module while a process group of several ranks exists is taken to be replicated on every rank of the
+        default group (data parallel, e.g. the module of a DDP model): decisions are still broadcast. Models that
+        differ between ranks (pipeline stages) are not supported."""
         if is_fsdp2(model):
             raise NotImplementedError(FSDP2_REFUSAL)
         if isinstance(model, DistributedDataParallel):
@@ -141,6 +145,11 @@ class RankSync:
         if _group_size(None) > 1:  # the module of a DDP model, or a replicated model trained by hand
             return cls(None), model
         return None, model
+
+    def check(self) -> None:
+        """Raise now (before a prune removes anything) if the wrapper could not be rebuilt afterwards."""
+        if self.wrapper is not None and self.wrap is None:
+            _settings(self.wrapper)
 
     @property
     def size(self) -> int:

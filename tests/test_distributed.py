@@ -230,9 +230,67 @@ def scenario_rmm(rank, world):
     return {"params": params_of(model), "local_grads": local_grads}
 
 
+def scenario_rank0_decides(rank, world):
+    """Ranks that disagree (dead gates on one rank only; a clock that runs three times faster on rank 1) still
+    prune the same slices at the same steps: rank 0's."""
+    model = DDP(make_net())
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    hook = RankAdaptive(model, opt, schedule="comera", l1_weight=0.0, prune_every=None)
+    loss_fn(hook.model, local_batch(0, rank)).backward()
+    opt.step()  # Adam moments exist: a prune slices them
+    opt.zero_grad()
+    first = hook.matrices[0].tt
+    before = first.ranks
+    with torch.no_grad():
+        first.gates[0][rank] = 0.0  # rank 0 kills slice 0 of the first bond, rank 1 slice 1
+    hook.prune()
+    out = {"comera_before": before, "comera_ranks": first.ranks, "comera_params": params_of(hook.model),
+           "comera_state": [{k: v.clone() for k, v in opt.state[p].items()} for p in first.parameters()]}
+    hook.remove()
+
+    model = DDP(make_net())
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    now = [0.0]
+    hook = RankAdaptive(model, opt, target_ratio=0.5, budget_seconds=6.0, clock=lambda: now[0],
+                        warmup_fraction=0.0, final_fraction=0.5, prunes=2)
+    for step in range(6):
+        loss_fn(hook.model, local_batch(step, rank)).backward()
+        opt.step()
+        opt.zero_grad()
+        now[0] += 1.0 + 2.0 * rank
+    out.update(budget_pruned_at=[e.step for e in hook.history if e.shrunk], budget_params=params_of(hook.model))
+    return out
+
+
+def scenario_compile_prune(rank, world):
+    """The budget schedule on a compiled DDP model: recompile the rebuilt wrapper after each prune."""
+    torch._dynamo.reset()
+    backend = comera_fx.make_backend(comera_fx.BackendConfig(inductor=False))
+    model = DDP(make_net())
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    hook = RankAdaptive(model, opt, **PRUNE)
+    compiled = [torch.compile(hook.model, backend=backend)]
+    stale = compiled[0]
+    hook.distributed.on_prune(lambda new: compiled.__setitem__(0, torch.compile(new, backend=backend)))
+    params = []
+    for step in range(PRUNE["total_steps"]):
+        loss_fn(compiled[0], local_batch(step, rank)).backward()
+        opt.step()
+        opt.zero_grad()
+        params.append(params_of(hook.model))
+    stale_error = None
+    try:
+        stale(local_batch(0, rank)[0])
+    except RuntimeError as err:
+        stale_error = str(err)
+    return {"params": params, "stale_error": stale_error}
+
+
 SCENARIOS = {f.__name__.removeprefix("scenario_"): f for f in
-             (scenario_ddp, scenario_ddp_prune, scenario_compile, scenario_fsdp2, scenario_rmm)}
+             (scenario_ddp, scenario_ddp_prune, scenario_compile, scenario_fsdp2, scenario_rmm,
+              scenario_rank0_decides, scenario_compile_prune)}
 DEFAULT = ("ddp", "ddp_prune", "compile", "fsdp2", "rmm")
+SLOW = ("rank0_decides", "compile_prune")
 
 # --------------------------------------------------------------------------------------------------- harness
 
@@ -357,3 +415,101 @@ def test_rmm_under_ddp_ranks_agree(group):
     assert_close(res[1]["params"], res[0]["params"], tol=0.0, what="rank 1 vs rank 0")
     # the sketches did differ between the ranks (same data, un-averaged gradients)
     assert any(not torch.equal(res[0]["local_grads"][k], res[1]["local_grads"][k]) for k in res[0]["local_grads"])
+
+
+# ---------------------------------------------------------------------------------------------- slow scenarios
+
+
+@pytest.fixture(scope="module")
+def slow_group(tmp_path_factory):
+    return run_group(tmp_path_factory.mktemp("dist_slow"), SLOW)
+
+
+@pytest.mark.slow
+def test_rank0_decides_the_slices_and_the_prune_steps(slow_group):
+    res = _results(slow_group, "rank0_decides")
+    r0, r1 = res
+    assert r0["comera_ranks"] == r1["comera_ranks"]
+    want = list(r0["comera_before"])
+    want[1] -= 1
+    assert r0["comera_ranks"] == tuple(want), "one slice (rank 0's dead one) removed"
+    assert_close(r1["comera_params"], r0["comera_params"], tol=0.0, what="after prune()")
+    for s0, s1 in zip(r0["comera_state"], r1["comera_state"]):  # Adam's moments sliced alike
+        assert_close(s1, s0, tol=0.0, what="optimizer state")
+    # after step k rank 0's clock reads k - 1 s (progress (k-1)/6: the first prune point, 0.25, at step 3), rank
+    # 1's 3(k - 1) s (progress (k-1)/2: both points, 0.25 and 0.5, at step 2)
+    assert r0["budget_pruned_at"] == r1["budget_pruned_at"]
+    assert r0["budget_pruned_at"][0] == 3
+    assert_close(r1["budget_params"], r0["budget_params"], tol=0.0, what="budget_seconds run")
+
+
+@pytest.mark.slow
+def test_compiled_ddp_with_pruning_matches_one_process(slow_group):
+    want = reference_prune()
+    for rank, r in enumerate(_results(slow_group, "compile_prune")):
+        for step in range(PRUNE["total_steps"]):
+            assert_close(r["params"][step], want["params"][step], tol=1e-9, what=f"rank {rank} step {step}")
+        assert "hook.model" in r["stale_error"]
+
+
+# ------------------------------------------------------------------------------- one process, one-rank group
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """A gloo group of one rank in this process (cheap), destroyed afterwards."""
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store1"), 1), rank=0, world_size=1,
+                            timeout=COLLECTIVE_TIMEOUT)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ddp_rebuilt_after_prune_and_refusals(one_rank_group):
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    ddp = DDP(make_net(), bucket_cap_mb=1)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    hook = RankAdaptive(ddp, opt, target_ratio=0.5, total_steps=10)
+    assert hook.model is ddp and hook.module is ddp.module
+    loss_fn(ddp, global_batch(0)).backward()
+    opt.step()
+    hook.prune_to(0.7 * hook.tt_params())
+    assert hook.model is not ddp and hook.model.module is ddp.module and hook.distributed.rewraps == 1
+    assert hook.model.bucket_bytes_cap == ddp.bucket_bytes_cap
+    with pytest.raises(RuntimeError, match=r"hook\.model.*12603|12603.*hook\.model"):
+        ddp(global_batch(0)[0])
+    # the rebuilt wrapper's reducer holds the new parameters
+    new_params = {id(p) for p in hook.module.parameters()}
+    assert {id(p) for p in hook.model.parameters()} == new_params
+    assert {id(p) for g in opt.param_groups for p in g["params"]} == new_params
+
+    # a communication hook cannot be rebuilt from attributes: refused before anything is removed
+    hook.model.register_comm_hook(None, default_hooks.allreduce_hook)
+    ranks = {m.name: m.tt.ranks for m in hook.matrices}
+    with pytest.raises(NotImplementedError, match="wrap="):
+        hook.prune_to(0.5 * hook.tt_params())
+    assert {m.name: m.tt.ranks for m in hook.matrices} == ranks
+    built = []
+
+    def wrap(module):
+        new = DDP(module)
+        new.register_comm_hook(None, default_hooks.allreduce_hook)
+        built.append(new)
+        return new
+
+    hook.distributed.wrap = wrap
+    hook.prune_to(0.5 * hook.tt_params())
+    assert built and hook.model is built[-1]
+
+
+def test_rank_adaptive_refuses_fsdp2(one_rank_group):
+    from torch.distributed.fsdp import fully_shard
+
+    model = make_net()
+    fully_shard(model)
+    with pytest.raises(NotImplementedError, match="FSDP2.*DistributedDataParallel.*checkpoint boundary"):
+        RankAdaptive(model, torch.optim.SGD(model.parameters(), lr=0.1), target_ratio=0.5, total_steps=10)

@@ -268,6 +268,10 @@ class RankAdaptive:
     Removal is physical, optimizer state included. ``history`` holds one ``HistoryEntry`` per ``history_every``
     steps and per pruning. The parameters of shrunk matrices are new objects: read ``model.parameters()`` afresh
     after a pruning step (do not keep lists of them across steps).
+
+    **Distributed** (docs/distributed.md): give it the ``DistributedDataParallel`` model. Every prune is decided on
+    rank 0 and broadcast, the observed loss is averaged over the ranks, and after a prune the wrapper is rebuilt:
+    call the model through ``hook.model`` (the old wrapper raises). FSDP2 models are refused (NotImplementedError).
     """
 
     def __init__(
@@ -404,6 +408,8 @@ class RankAdaptive:
 
     def prune(self) -> list[ShrinkRecord]:
         """Remove every dead slice (|g| <= threshold) now (CoMERA's schedule does it every ``prune_every``)."""
+        if self.distributed is not None:
+            self.distributed.check()  # refuse before removing anything if the wrapper cannot be rebuilt
         records = []
         for m in self.matrices:
             if m.shrinkable:
@@ -426,6 +432,8 @@ class RankAdaptive:
         if self.importance is None:
             raise RuntimeError("RankAdaptive: prune_to() ranks slices by importance, which only the budget "
                                "schedule measures; with schedule='comera' use prune()")
+        if self.distributed is not None:
+            self.distributed.check()
         s = self.settings
         entries = [m for m in self.matrices if m.shrinkable and not m.tt.is_zero]
         fixed = self.tt_params() - sum(physical_params(m.tt) for m in entries)
