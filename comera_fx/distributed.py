@@ -83,8 +83,9 @@ def _settings(old: DistributedDataParallel) -> dict[str, Any]:
         problems.append("device_mesh")
     if problems:
         raise NotImplementedError(f"rewrap_ddp: cannot rebuild a DistributedDataParallel with {', '.join(problems)} "
-                                  f"from its attributes; pass wrap=lambda module: DistributedDataParallel(module, "
-                                  f"...) to RankSync / rewrap_ddp to build it yourself")
+                                  f"from its attributes; build it yourself: hook.distributed.wrap = lambda module: "
+                                  f"DistributedDataParallel(module, ...) for RankAdaptive, or rewrap_ddp(old, "
+                                  f"wrap=...)")
     caps = list(old.bucket_bytes_cap_list)
     kwargs = dict(device_ids=old.device_ids, output_device=old.output_device, dim=old.dim,
                   process_group=old.process_group, find_unused_parameters=old.find_unused_parameters,
