@@ -15,24 +15,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import comera_fx
 from comera_fx import TensorizeConfig
 
-from helpers_models import Mixed, TiedLM
+from helpers_models import Big, Mixed, TiedLM
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
-
-
-class Big(nn.Module):
-    """The converted weights (512 × 1024) are far larger than anything that stays dense."""
-
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(1000, 64, padding_idx=0)
-        self.up = nn.Linear(64, 1024)
-        self.mid = nn.Linear(1024, 512)
-        self.down = nn.Linear(512, 64)
-
-    def forward(self, ids):
-        return self.down(torch.relu(self.mid(torch.relu(self.up(self.emb(ids))))))
 
 
 class LargestAllocation(TorchDispatchMode):
@@ -80,7 +66,7 @@ def test_round_trip_in_a_fresh_process(tmp_path):
     script = (
         "import sys, torch, comera_fx\n"
         f"sys.path.insert(0, {str(TESTS)!r})\n"
-        "from test_save_load import Big\n"
+        "from helpers_models import Big\n"
         f"m = comera_fx.load_tensorized({str(tmp_path / 'm.safetensors')!r}, Big)\n"
         f"ids = torch.load({str(tmp_path / 'ids.pt')!r})\n"
         "with torch.no_grad():\n"
