@@ -329,7 +329,8 @@ class TTLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         y = self.tt.matmul_t(x) if self.transposed else self.tt.matmul(x)
-        return y + self.bias if self.bias is not None else y
+        # under autocast y is in the autocast dtype: cast the bias as F.linear does, or y would be promoted back
+        return y + self.bias.to(y.dtype) if self.bias is not None else y
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
