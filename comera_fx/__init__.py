@@ -8,12 +8,17 @@ Public API::
     comera_fx.passes.tensorize(gm, config)                    # GraphModule -> GraphModule for custom compilers
     comera_fx.RankAdaptive(model, optimizer, target_ratio=0.2, total_steps=n)  # rank adaptation (optimizer hooks)
     comera_fx.randomize_backward_(model, rho=0.25)            # RMM: linear backward keeps a sketch of its input
+    cal = comera_fx.calibrate(model, batches)                 # input statistics for activation-aware TT-SVD
+    comera_fx.tensorize_(model, TensorizeConfig(param_budget=0.25, allocation="energy"), calibration=cal)
+    comera_fx.save_tensorized(model, path); comera_fx.load_tensorized(path, build_fn)  # no dense weights on load
     torch.compile(model, backend=comera_fx.backend)          # or backend="comera_fx"; comera_fx.compile(model, config)
 """
 
 from . import passes
 from .backend import BackendConfig, ComeraBackend, DenseWeightsWarning, backend, compile, make_backend
-from .config import Init, LayerSettings, TensorizeConfig
+from .calibrate import Calibration, InputStats, calibrate
+from .checkpoint import load_tensorized, save_tensorized
+from .config import Allocation, Init, LayerSettings, TensorizeConfig
 from .passes.rmm import RandomizeSummary, randomize_backward_, restore_backward_
 from .passes.tensorize import TensorizeSummary, tensorize_
 from .report import Report, report
@@ -25,6 +30,12 @@ from .tt.plan import plan
 __version__ = "0.1.0"
 
 __all__ = [
+    "Allocation",
+    "Calibration",
+    "InputStats",
+    "calibrate",
+    "load_tensorized",
+    "save_tensorized",
     "BackendConfig",
     "ComeraBackend",
     "DenseWeightsWarning",

@@ -17,6 +17,14 @@ from typing import Any
 from .tt.layout import TTFormat
 
 
+class Allocation(str, enum.Enum):
+    """How ``TensorizeConfig.param_budget`` is split over the layers: one ``max_rank`` for all (UNIFORM), or ranks
+    per layer and per bond, greedily where the (activation-weighted) energy per parameter is largest (ENERGY)."""
+
+    UNIFORM = "uniform"
+    ENERGY = "energy"
+
+
 class Init(str, enum.Enum):
     """How the cores start: TT-SVD of the current weights, or random with the dense layer's init variance."""
 
@@ -132,6 +140,11 @@ class TensorizeConfig(LayerSettings):
             ``{"skip": True}`` excludes the matching layers.
         skip: regexes of FQNs never to convert (``re.search``).
         seed: seed of the generator for ``init="random"`` (``None``: the global RNG).
+        param_budget: total parameters (TT cores + gates) of the layers this call converts, as an int, or as a
+            float in (0, 1] the fraction of those layers' dense size. The ranks then come from ``allocation``
+            (``max_rank`` / ``rank_ratio``, also in overrides, are not used); ``rel_tol`` must be None.
+        allocation: ``"uniform"`` (one max_rank, the largest whose total fits the budget) or ``"energy"`` (ranks per
+            layer and per bond, see ``comera_fx.tt.allocate``; needs ``init="svd"``).
     """
 
     min_numel: int = 2**16
@@ -139,10 +152,20 @@ class TensorizeConfig(LayerSettings):
     overrides: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     skip: tuple[str, ...] = ()
     seed: int | None = None
+    param_budget: int | float | None = None
+    allocation: Allocation = Allocation.UNIFORM
 
     def __post_init__(self) -> None:
         owner = type(self).__name__
         super().__post_init__()
+        _check_budget(owner, self.param_budget)
+        object.__setattr__(self, "allocation", _coerce_enum(owner, "allocation", self.allocation, Allocation))
+        if self.param_budget is not None and self.rel_tol is not None:
+            raise ValueError(f"{owner}.rel_tol must be None when param_budget is set (the budget decides the "
+                             f"ranks); got rel_tol={self.rel_tol!r}")
+        if self.allocation is Allocation.ENERGY and self.init is not Init.SVD:
+            raise ValueError(f"{owner}.allocation='energy' needs init='svd' (it reads the weights' spectra); "
+                             f"got init={self.init.value!r}")
         if isinstance(self.skip, str) or not isinstance(self.skip, (list, tuple)):
             raise ValueError(f"{owner}.skip must be a list or tuple of regex strings; got {self.skip!r}")
         for pattern in self.skip:
@@ -219,6 +242,17 @@ class TensorizeConfig(LayerSettings):
             if values.get(name) is not None:
                 values[name] = tuple(values[name])
         return cls(**values)
+
+
+def _check_budget(owner: str, value: Any) -> None:
+    if value is None:
+        return
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return
+    if isinstance(value, float) and 0.0 < value <= 1.0:
+        return
+    raise ValueError(f"{owner}.param_budget must be an int >= 1 (parameters) or a float in (0, 1] (fraction of "
+                     f"the converted layers' dense size) or None; got {value!r}")
 
 
 def _compile(owner: str, name: str, pattern: Any) -> re.Pattern:

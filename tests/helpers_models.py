@@ -80,6 +80,21 @@ class MLP(nn.Module):
         return self.fc2(torch.tanh(self.fc1(x)))
 
 
+class Big(nn.Module):
+    """For the save/load tests (a fresh process imports it too): the converted weights (512 × 1024 the largest)
+    are far larger than anything that stays dense."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(1000, 64, padding_idx=0)
+        self.up = nn.Linear(64, 1024)
+        self.mid = nn.Linear(1024, 512)
+        self.down = nn.Linear(512, 64)
+
+    def forward(self, ids):
+        return self.down(torch.relu(self.mid(torch.relu(self.up(self.emb(ids))))))
+
+
 class FunctionalLinear(nn.Module):
     """F.linear on raw nn.Parameters: no nn.Linear module anywhere."""
 

@@ -83,25 +83,29 @@ def test_function_gradients_match_dense_float64(data, spec, op):
 
 
 @pytest.mark.parametrize("transposed", [False, True])
-def test_module_uses_the_function_and_matches_dense(monkeypatch, transposed):
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_module_uses_the_function_and_matches_dense(monkeypatch, transposed, with_bias):
     monkeypatch.setattr(layers, "CUSTOM_AUTOGRAD", True)
     tt = TTMatrix.random(30, 20, format=TTFormat.TT, row_modes=(3, 5, 2), col_modes=(4, 5), max_rank=4, std=1.0,
                          dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         for gate in tt.gates:
             gate.uniform_(0.5, 1.5)
-    linear = TTLinear(tt, transposed=transposed)
+    out_features = tt.rows if transposed else tt.cols
+    bias = torch.randn(out_features, dtype=torch.float64) if with_bias else None
+    linear = TTLinear(tt, bias, transposed=transposed)
     x = torch.randn(7, 3, linear.in_features, dtype=torch.float64, requires_grad=True)
     y = linear(x)
     assert y.grad_fn.name().startswith("PlannedProduct"), y.grad_fn.name()
-    params = [x, *tt.cores, *tt.gates]
+    params = [x, *tt.cores, *tt.gates] + ([linear.bias] if with_bias else [])
     dy = torch.randn(y.shape, dtype=torch.float64)
     got = torch.autograd.grad(y, params, dy)
     n = len(tt.cores)
 
     def reference(x, *p):
-        m = dense_reference(p[:n], p[n:], tt.layout)
-        return x @ (m.t() if transposed else m)
+        m = dense_reference(p[:n], p[n:2 * n - 1], tt.layout)
+        y = x @ (m.t() if transposed else m)
+        return y + p[-1] if with_bias else y
 
     leaves = [p.detach().requires_grad_() for p in params]
     want_y = reference(*leaves)
@@ -109,6 +113,43 @@ def test_module_uses_the_function_and_matches_dense(monkeypatch, transposed):
     assert_rel_close(y, want_y)
     for g, w in zip(got, want):
         assert_rel_close(g, w)
+
+
+def aten_calls(fn, *args) -> list[str]:
+    """The aten ops ``fn(*args)`` dispatches, by name."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            calls.append(func.__name__.split(".")[0])
+            return func(*args, **(kwargs or {}))
+
+    calls: list[str] = []
+    with Record():
+        fn(*args)
+    return calls
+
+
+@pytest.mark.parametrize("grad", [True, False])
+def test_bias_rides_in_the_last_gemm_when_the_plan_writes_y(monkeypatch, grad):
+    """The bias goes into addmm (as nn.Linear's does) instead of a separate pass over y; the numbers match a float64
+    dense x·W + b. Where the last GEMM does not write y (output padding trimmed), a plain add remains."""
+    monkeypatch.setattr(layers, "CUSTOM_AUTOGRAD", True)
+    torch.manual_seed(0)
+    for out_features, expect_fold in ((96, True), (97, False)):  # 97 is padded to 98 = 2·7·7 (trimmed after)
+        dense = torch.nn.Linear(120, out_features, dtype=torch.float64)
+        linear = TTLinear.from_dense(dense, max_rank=4, col_modes=(4, 4, 6) if expect_fold else (2, 7, 7),
+                                     row_modes=(4, 5, 6))
+        x = torch.randn(50, 120, dtype=torch.float64)
+        chosen = layers.choose_plan(layers.planned_envelope(linear.tt.layout, "matmul"), 50)
+        assert planner.folds_bias(chosen) is expect_fold
+        with torch.set_grad_enabled(grad):
+            calls = aten_calls(linear, x)
+            y = linear(x)
+        assert ("addmm" in calls) is expect_fold and ("add" not in calls) is expect_fold, calls
+        tt = linear.tt
+        m = dense_reference(list(tt.cores), list(tt.gates), tt.layout)
+        assert_rel_close(y, x @ m + dense.bias)
 
 
 # -------------------------------------------------------------------------------------------- saved tensors

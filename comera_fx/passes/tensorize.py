@@ -26,6 +26,7 @@ from ..tt import ops
 from ..tt import plan as planner
 from ..tt.layers import TTEmbedding, TTLinear, TTMatrix, choose_plan, make_tt_matrix, planned_envelope
 from ..tt.shapes import NoBalancedModes
+from .budget import BudgetInfo, LayerFit, build_fitted, plan_fits
 from .find import Candidate, FindResult, UseKind, find_in_graph, find_in_model
 from .holders import PROPERTY_MATRICES, Journal, attach_tt_property, hook_problem, move_hooks  # noqa: F401
 
@@ -59,6 +60,12 @@ class TensorizeSummary:
     layers: list[LayerDecision]
     method: str
     fallback_reason: str | None = None
+    budget: BudgetInfo | None = None  # param_budget: asked, reached, allocation (None without a budget)
+
+    @property
+    def ranks(self) -> dict[str, tuple[int, ...]]:
+        """Bond ranks of every layer converted by this call, by parameter FQN."""
+        return {d.fqn: d.ranks for d in self.converted}
 
     @property
     def converted(self) -> list[LayerDecision]:
@@ -71,6 +78,8 @@ class TensorizeSummary:
     def __str__(self) -> str:
         lines = [f"comera_fx.tensorize_: {len(self.converted)} of {len(self.layers)} candidate parameters converted "
                  f"(found by {self.method}{'; ' + self.fallback_reason if self.fallback_reason else ''})"]
+        if self.budget is not None:
+            lines.append(f"  {self.budget}")
         for d in self.layers:
             uses = ", ".join(d.uses)
             if d.converted:
@@ -107,8 +116,12 @@ def stores_transpose(cand: Candidate) -> bool:
     return cand.kind == "linear" and any(u.kind is UseKind.LINEAR for u in cand.uses)
 
 
-def build_tt(param: Tensor, cand: Candidate, config: TensorizeConfig, index: int) -> tuple[TTMatrix, list[str]]:
+def build_tt(param: Tensor, cand: Candidate, config: TensorizeConfig, index: int,
+             fit: LayerFit | None = None) -> tuple[TTMatrix, list[str]]:
     """The TTMatrix for one candidate plus notes for the summary (clamped ranks, padding).
+
+    ``fit`` (a parameter budget or a calibration, ``passes/budget.py``) fixes the modes, every bond's cap and the
+    input statistics; without it the layer settings decide as they always did.
 
     The cores and gates get the parameter's dtype, device and ``requires_grad`` (a frozen weight stays frozen).
     """
@@ -121,12 +134,15 @@ def build_tt(param: Tensor, cand: Candidate, config: TensorizeConfig, index: int
     generator = None
     if config.seed is not None:
         generator = torch.Generator(device=param.device).manual_seed(config.seed + index)
-    tt = make_tt_matrix(matrix, kind=cand.kind, generator=generator, **settings.tt_options(cand.kind))
+    if fit is None:
+        tt = make_tt_matrix(matrix, kind=cand.kind, generator=generator, **settings.tt_options(cand.kind))
+    else:
+        tt = build_fitted(matrix, cand.kind, fit, generator)
     tt.to(device=param.device, dtype=param.dtype).requires_grad_(param.requires_grad)
     tt.made_with = (cand.kind, settings.tt_options(cand.kind))  # what a later tensorize_ call compares against
     notes = []
     full = max(tt.full_ranks)
-    if settings.max_rank is not None and settings.max_rank > full:
+    if fit is None and settings.max_rank is not None and settings.max_rank > full:
         notes.append(f"max_rank {settings.max_rank} exceeds this layer's largest feasible rank {full}; "
                      f"clamped to the full ranks {tt.full_ranks}")
     layout = tt.layout
@@ -135,13 +151,18 @@ def build_tt(param: Tensor, cand: Candidate, config: TensorizeConfig, index: int
     return tt, notes
 
 
-def build_or_skip(param: Tensor, cand: Candidate, decision: LayerDecision, config: TensorizeConfig, index: int):
+def no_modes_reason(exc) -> str:
+    return (f"no balanced factorisation ({exc}); raise TensorizeConfig.max_pad_fraction, or give "
+            f"this layer row_modes / col_modes or num_modes through overrides")
+
+
+def build_or_skip(param: Tensor, cand: Candidate, decision: LayerDecision, config: TensorizeConfig, index: int,
+                  fit: LayerFit | None = None):
     """``build_tt``, or None with ``decision.reason`` set for a size without balanced modes; errors name the layer."""
     try:
-        return build_tt(param, cand, config, index)
+        return build_tt(param, cand, config, index, fit)
     except NoBalancedModes as exc:
-        decision.reason = (f"no balanced factorisation ({exc}); raise TensorizeConfig.max_pad_fraction, or give "
-                           f"this layer row_modes / col_modes or num_modes through overrides")
+        decision.reason = no_modes_reason(exc)
         return None
     except (ValueError, TypeError) as exc:
         raise type(exc)(f"cannot tensorize {cand.fqn} {cand.shape}: {exc}") from exc
@@ -194,6 +215,7 @@ def tensorize_(
     *,
     example_inputs=None,
     filter_fn: FilterFn | None = None,
+    calibration=None,
 ) -> TensorizeSummary:
     """Convert a model's large linear-like and embedding weights to TT form, in place.
 
@@ -206,6 +228,9 @@ def tensorize_(
             buffers, the RNG state and Dynamo's caches as they were.
         filter_fn: ``filter_fn(module, module_fqn) -> bool``; a parameter is converted only if it accepts every
             module holding it.
+        calibration: a ``comera_fx.calibrate(model, batches)`` result. Linear-like weights it has statistics for
+            are decomposed activation-aware (``comera_fx.tt.whiten``: small ||X(W - Ŵ)ᵀ|| on such inputs rather
+            than small ||W - Ŵ||), and an energy allocation weighs their bonds by it. Embeddings are unaffected.
 
     Cores and gates take the dtype, device and ``requires_grad`` of the weight they replace; a swapped module's
     bias (the same parameter) and forward / backward hooks move to its TT twin. TT layers made by an earlier call
@@ -236,11 +261,29 @@ def tensorize_(
                 raise ValueError("tensorize_ cannot replace the root module itself; wrap it in a parent module")
             plans.append((cand, decision, holders))
 
+    # Budget / calibration: modes and ranks of all layers decided together (the budget is global).
+    params = dict(model.named_parameters())
+    fits, budget = {}, None
+    if config.param_budget is not None or calibration is not None:
+        if calibration is not None and config.rel_tol is not None:
+            raise ValueError("tensorize_ with a calibration needs TensorizeConfig.rel_tol=None (the whitened "
+                             "TT-SVD truncates to ranks, not to a tolerance)")
+        items = [(cand.fqn, cand.kind, _tt_matrix_of(params[cand.fqn], cand), config.settings_for(cand.fqn))
+                 for cand, _, _ in plans]
+        fits, budget, fit_notes = plan_fits(items, config, calibration)
+        kept = []
+        for cand, decision, holders in plans:
+            decision.notes.extend(fit_notes.get(cand.fqn, []))
+            if isinstance(fits.get(cand.fqn), str):
+                decision.reason = no_modes_reason(fits[cand.fqn])
+            else:
+                kept.append((cand, decision, holders))
+        plans = kept
+
     # Build every TT matrix before touching the model, so an error leaves it unchanged.
     built = []
-    params = dict(model.named_parameters())
     for index, (cand, decision, holders) in enumerate(plans):
-        made = build_or_skip(params[cand.fqn], cand, decision, config, index)
+        made = build_or_skip(params[cand.fqn], cand, decision, config, index, fits.get(cand.fqn))
         if made is not None:
             built.append((cand, decision, holders, *made))
 
@@ -260,7 +303,14 @@ def tensorize_(
         decision.notes.extend(notes)
         decision.ranks = tt.ranks
         decision.params = tt.layout.num_params
-    return TensorizeSummary(decisions + earlier, result.method, result.fallback_reason)
+    if budget is not None:
+        budget.reached = sum(tt.layout.num_params for *_, tt, _ in built)
+    return TensorizeSummary(decisions + earlier, result.method, result.fallback_reason, budget)
+
+
+def _tt_matrix_of(param: Tensor, cand: Candidate) -> Tensor:
+    """M for a candidate: Pᵀ for a linear-first weight (rows = input features), P otherwise."""
+    return param.detach().t() if stores_transpose(cand) else param.detach()
 
 
 def _replace_holder(model: nn.Module, module: nn.Module, path: str, attr: str, tt: TTMatrix, kind: str,
@@ -418,6 +468,9 @@ def tensorize(gm: fx.GraphModule, config: TensorizeConfig | None = None) -> fx.G
     converted is left in ``gm.meta["comera_fx"]``.
     """
     config = config or TensorizeConfig()
+    if config.param_budget is not None:
+        raise ValueError("TensorizeConfig.param_budget is supported by tensorize_ (in place), not yet by the graph "
+                         "pass tensorize(gm, ...); use tensorize_, or max_rank / rank_ratio here")
     _normalize_modules(gm)
     result = find_in_graph(gm)
     decisions, built = [], []

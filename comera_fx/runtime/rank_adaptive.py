@@ -32,6 +32,7 @@ import torch
 from torch import Tensor, fx, nn
 
 from ..report import DEFAULT_GATE_THRESHOLD, _layer_name
+from ..distributed import RankSync
 from ..tt.layers import TTMatrix
 from .comera import EARLY, LATE, PlateauDetector, achievement_lambda, add_gate_penalty_, scale_grads_
 from .history import HistoryEntry, RankSummary
@@ -267,6 +268,10 @@ class RankAdaptive:
     Removal is physical, optimizer state included. ``history`` holds one ``HistoryEntry`` per ``history_every``
     steps and per pruning. The parameters of shrunk matrices are new objects: read ``model.parameters()`` afresh
     after a pruning step (do not keep lists of them across steps).
+
+    **Distributed** (docs/distributed.md): give it the ``DistributedDataParallel`` model. Every prune is decided on
+    rank 0 and broadcast, the observed loss is averaged over the ranks, and after a prune the wrapper is rebuilt:
+    call the model through ``hook.model`` (the old wrapper raises). FSDP2 models are refused (NotImplementedError).
     """
 
     def __init__(
@@ -307,8 +312,11 @@ class RankAdaptive:
         common = dict(threshold=threshold, history_every=history_every, target_ratio=target_ratio,
                       target_params=target_params)
         self.settings = s = _Settings.resolve(schedule, common, given)
-        self.model, self.optimizer = model, optimizer
-        self.matrices = tt_matrices(model)
+        # Under torch.distributed (comera_fx.distributed): decisions agreed across ranks, DDP rebuilt after a prune
+        self.distributed, module = RankSync.for_model(model)
+        self.model, self.optimizer = model, optimizer  # self.model: the current DDP wrapper after a prune
+        self.module = module
+        self.matrices = tt_matrices(module)
         self._check_model()
         self.initial_tt_params = sum(physical_params(m.tt) for m in self.matrices)
         self.step = 0
@@ -372,6 +380,8 @@ class RankAdaptive:
         """Pass this step's loss; call once per step, before ``optimizer.step()`` (it applies to that step).
         Reads the value to the host (one synchronisation)."""
         self._pending_loss = float(loss.detach()) if torch.is_tensor(loss) else float(loss)
+        if self.distributed is not None:  # CoMERA's λ and plateau read it: the same value on every rank
+            self._pending_loss = self.distributed.mean(self._pending_loss, self._device())
 
     def tt_params(self) -> int:
         """Stored TT parameters (cores + gates) now."""
@@ -398,13 +408,20 @@ class RankAdaptive:
 
     def prune(self) -> list[ShrinkRecord]:
         """Remove every dead slice (|g| <= threshold) now (CoMERA's schedule does it every ``prune_every``)."""
+        if self.distributed is not None:
+            self.distributed.check()  # refuse before removing anything if the wrapper cannot be rebuilt
         records = []
         for m in self.matrices:
             if m.shrinkable:
-                record = shrink_(m.tt, threshold=self.settings.threshold, optimizer=self.optimizer, name=m.name)
+                if self.distributed is None:
+                    record = shrink_(m.tt, threshold=self.settings.threshold, optimizer=self.optimizer, name=m.name)
+                else:  # rank 0's dead slices on every rank
+                    masks = self.distributed.masks([g.detach().abs() > self.settings.threshold for g in m.tt.gates])
+                    record = remove_slices_(m.tt, masks, optimizer=self.optimizer, name=m.name)
                 if record is not None:
                     self._after_shrink(record, "its gates fell below the threshold")
                     records.append(record)
+        self._after_prune(records)
         return records
 
     def prune_to(self, size: float) -> list[ShrinkRecord]:
@@ -415,6 +432,8 @@ class RankAdaptive:
         if self.importance is None:
             raise RuntimeError("RankAdaptive: prune_to() ranks slices by importance, which only the budget "
                                "schedule measures; with schedule='comera' use prune()")
+        if self.distributed is not None:
+            self.distributed.check()
         s = self.settings
         entries = [m for m in self.matrices if m.shrinkable and not m.tt.is_zero]
         fixed = self.tt_params() - sum(physical_params(m.tt) for m in entries)
@@ -434,9 +453,12 @@ class RankAdaptive:
             ranks = m.tt.layout.internal_ranks
             layers.append(LayerSlices(_mids(m.tt), tuple(slice_importance(sens, sig, r) for sens, sig, r in
                                                          zip(sensitivity[m.name], sigmas, ranks)), floor))
-        records = []
-        for m, keep in zip(entries, allocate(layers, size, fixed)):
-            record = round_to_ranks_(m.tt, [len(kept) for kept in keep], optimizer=self.optimizer, name=m.name)
+        records, decided = [], [[len(kept) for kept in keep] for keep in allocate(layers, size, fixed)]
+        if self.distributed is not None:  # rank 0's ranks on every rank
+            flat = iter(self.distributed.ints([r for ranks in decided for r in ranks], self._device()))
+            decided = [[next(flat) for _ in ranks] for ranks in decided]
+        for m, ranks in zip(entries, decided):
+            record = round_to_ranks_(m.tt, ranks, optimizer=self.optimizer, name=m.name)
             if record is not None:
                 self._after_shrink(record, reasons.get(m.name, ""))
                 records.append(record)
@@ -445,7 +467,16 @@ class RankAdaptive:
             warnings.warn(f"RankAdaptive: the scheduled size {size:,.0f} is below what the rank floors allow "
                           f"(min_rank={s.min_rank}); the TT size stays at {self.tt_params():,}. Lower min_rank or "
                           f"raise the target", stacklevel=2)
+        self._after_prune(records)
         return records
+
+    def _device(self) -> torch.device:
+        return next((g.device for g in self._gates()), torch.device("cpu"))
+
+    def _after_prune(self, records: Sequence[ShrinkRecord]) -> None:
+        """Distributed: rebuild the DDP wrapper around the new parameters (``self.model`` is the new one)."""
+        if records and self.distributed is not None:
+            self.model = self.distributed.after_prune(self.module)
 
     def _after_shrink(self, record: ShrinkRecord, why: str) -> None:
         if record.zeroed:
@@ -555,6 +586,8 @@ class RankAdaptive:
         records, budget = [], None
         if s.schedule == BUDGET:
             progress = self.progress()
+            if self.distributed is not None and s.budget_seconds is not None:  # rank 0's clock decides
+                progress = self.distributed.value(progress, self._device())
             budget, self.stage = self.schedule.budget(progress), self.schedule.phase(progress)
             points, due = self.schedule.prune_points(), self._next_prune
             while due < len(points) and progress >= points[due] - 1e-9:

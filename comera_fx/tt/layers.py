@@ -131,17 +131,18 @@ class TTMatrix(nn.Module):
             return self.cores[0].new_zeros(self.rows, self.cols)
         return ops.to_dense(self.gated_cores(), self.layout)
 
-    def matmul(self, x: Tensor) -> Tensor:
-        """x @ M in the order the planner chose for this batch size (see ``comera_fx.plan``)."""
+    def matmul(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
+        """x @ M (+ bias) in the order the planner chose for this batch size (see ``comera_fx.plan``); the bias
+        rides in the last GEMM where the order allows, as in nn.Linear's addmm."""
         if self.is_zero:
-            return _zero_product(x, self.cols)
-        return self._planned_product(x, "matmul")
+            return _with_bias(_zero_product(x, self.cols), bias)
+        return self._planned_product(x, "matmul", bias)
 
-    def matmul_t(self, x: Tensor) -> Tensor:
-        """x @ Mᵀ (a tied output head), planned like ``matmul``."""
+    def matmul_t(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
+        """x @ Mᵀ (+ bias) (a tied output head), planned like ``matmul``."""
         if self.is_zero:
-            return _zero_product(x, self.rows)
-        return self._planned_product(x, "matmul_t")
+            return _with_bias(_zero_product(x, self.rows), bias)
+        return self._planned_product(x, "matmul_t", bias)
 
     def prepare_plans(self) -> None:
         """Plan both products for the current ranks now. Call before ``torch.compile`` if the module has not run
@@ -149,7 +150,7 @@ class TTMatrix(nn.Module):
         for op in planner.OPS:
             planned_envelope(self.layout, op)
 
-    def _planned_product(self, x: Tensor, op: str) -> Tensor:
+    def _planned_product(self, x: Tensor, op: str, bias: Tensor | None = None) -> Tensor:
         layout = self.layout
         cores = self.gated_cores()
         if torch.compiler.is_compiling():
@@ -158,12 +159,12 @@ class TTMatrix(nn.Module):
             envelope = planned_envelope(layout, op)
         if envelope is None:  # compiled before any plan was made: CoMERA's fixed order
             fixed = ops.matmul if op == "matmul" else ops.matmul_t
-            return fixed(x, cores, layout)
+            return _with_bias(fixed(x, cores, layout), bias)
         batch = x.numel() // (layout.rows if op == "matmul" else layout.cols)
         chosen = choose_plan(envelope, batch)
         if CUSTOM_AUTOGRAD:
-            return planner.execute_function(chosen, x, cores, layout)
-        return planner.execute(chosen, x, cores, layout)
+            return planner.execute_function(chosen, x, cores, layout, bias)
+        return planner.execute(chosen, x, cores, layout, bias)
 
     def take_rows(self, index: Tensor) -> Tensor:
         if self.is_zero:
@@ -216,6 +217,12 @@ class TTMatrix(nn.Module):
                     f"(neighbouring cores and gates must agree on each rank, the end ranks must be 1); the model's "
                     f"cores are {mine}")
         return None
+
+
+def _with_bias(y: Tensor, bias: Tensor | None) -> Tensor:
+    if bias is None:
+        return y
+    return y + (bias.to(y.dtype) if torch.is_autocast_enabled(y.device.type) else bias)  # as F.linear casts it
 
 
 def _zero_product(x: Tensor, n_out: int) -> Tensor:
@@ -328,9 +335,7 @@ class TTLinear(nn.Module):
         return cls(tt, linear.bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        y = self.tt.matmul_t(x) if self.transposed else self.tt.matmul(x)
-        # under autocast y is in the autocast dtype: cast the bias as F.linear does, or y would be promoted back
-        return y + self.bias.to(y.dtype) if self.bias is not None else y
+        return self.tt.matmul_t(x, self.bias) if self.transposed else self.tt.matmul(x, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

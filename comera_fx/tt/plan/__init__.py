@@ -35,7 +35,7 @@ Where things live (each module imports only those listed above it)::
 This package only re-exports them: ``from comera_fx.tt import plan as planner; planner.plan(...)`` as before.
 """
 
-from .autograd import PlanRunner, execute_function
+from .autograd import PlanRunner, execute_function, folds_bias
 from .cost import DEFAULT_ALPHA, DEFAULT_BETA, DEFAULT_GAMMA, CostModel, CostTerms
 from .envelope import EnvelopePiece, PlanEnvelope, plan
 from .execution import execute
@@ -61,6 +61,7 @@ __all__ = [
     "build_network",
     "execute",
     "execute_function",
+    "folds_bias",
     "plan",
     "search",
 ]

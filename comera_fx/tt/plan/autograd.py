@@ -57,6 +57,7 @@ class PlanRunner:
 
     def __init__(self, chosen: "Plan"):
         net, layout = chosen.network, chosen.network.layout
+        self.plan = chosen
         self.steps, self.instructions = chosen.steps, chosen.program.instructions
         self.n_in, self.n_out = (layout.rows, layout.cols) if net.op == "matmul" else (layout.cols, layout.rows)
         self.pad_in, self.pad_out = math.prod(net.in_modes), math.prod(net.out_modes)
@@ -64,24 +65,33 @@ class PlanRunner:
         self.n_leaves = net.n_tensors
         self.final_perm, self.final_dims = chosen.program.final_perm, chosen.program.final_dims
 
-    def forward(self, x, cores: Sequence, keep: bool = True):
-        """(y, lefts, rights): y = x @ M (or x @ Mᵀ) of shape (..., n_out); the operands when ``keep``."""
+    def forward(self, x, cores: Sequence, keep: bool = True, bias=None):
+        """(y, lefts, rights): y = x @ M (or x @ Mᵀ) + bias of shape (..., n_out); the operands when ``keep``.
+
+        The bias goes into the last GEMM (addmm) when that GEMM writes y itself (``folds_bias``), as nn.Linear's
+        does: a separate add would read and write all of y once more."""
         x2 = x.reshape(-1, self.n_in)
         if self.pad_in != self.n_in:
             x2 = F.pad(x2, (0, self.pad_in - self.n_in))
         stored = [x2, *cores]
         lefts, rights = [], []
-        for step, inst in zip(self.steps, self.instructions):
+        # Fold only where addmm sees the dtypes mm would (autocast casts all three alike; else bias must match).
+        foldable = bias is not None and folds_bias(self.plan) and (bias.dtype == x2.dtype or _autocasting(x2))
+        fold = bias if foldable else None
+        last = len(self.steps) - 1
+        for i, (step, inst) in enumerate(zip(self.steps, self.instructions)):
             left = _as_matrix(stored[step.left], inst.left_view, inst.left_dims, step.m, step.k, step.batched)
             right = _as_matrix(stored[step.right], inst.right_view, inst.right_dims, step.k, step.n, False)
             if keep:
                 lefts.append(left)
                 rights.append(right)
-            stored.append(torch.mm(left, right))
+            stored.append(torch.addmm(fold, left, right) if fold is not None and i == last else torch.mm(left, right))
         out = stored[-1]
         if self.final_perm is not None:
             out = out.reshape((-1,) + self.final_dims).permute(self.final_perm)
         out = ops._trim_cols(out.reshape(-1, self.pad_out), self.n_out, self.pad_out)
+        if bias is not None and fold is None:  # under autocast cast the bias as F.linear does (else float32 out)
+            out = out + (bias.to(out.dtype) if _autocasting(out) else bias)
         return out.reshape(x.shape[:-1] + (self.n_out,)), lefts, rights
 
     def backward(self, lefts: Sequence, rights: Sequence, dy, need_x: bool = True):
@@ -118,6 +128,22 @@ class PlanRunner:
         return dx, [grads[k + 1].reshape(self.core_shapes[k]) for k in range(self.n_leaves - 1)]
 
 
+#: Fold a bias into the last GEMM where the plan allows it (``folds_bias``); False adds it separately (the A/B switch
+#: of benchmarks/bench_tt_module.py).
+FOLD_BIAS = True
+
+
+def folds_bias(chosen: "Plan") -> bool:
+    """Does the plan's last GEMM write y itself, (b × n_out) with nothing after it, so a bias can ride in addmm?"""
+    last, net = chosen.steps[-1], chosen.network
+    return (FOLD_BIAS and last.batched and last.m == 1 and chosen.program.final_perm is None
+            and math.prod(net.out_modes) == (net.layout.cols if net.op == "matmul" else net.layout.rows))
+
+
+def _autocasting(t) -> bool:
+    return torch.is_autocast_enabled(t.device.type)
+
+
 def _mm(a, b):
     """torch.mm in the wider of the two dtypes: under autocast the forward's GEMMs ran in bf16 on fp32 cores, so
     backward meets a bf16 gradient and fp32 operands (autograd casts each gradient back to its input's dtype)."""
@@ -138,8 +164,8 @@ def _make_function(chosen: "Plan") -> type:
 
     class PlannedProduct(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, x, *cores):
-            out, lefts, rights = runner.forward(x, cores)
+        def forward(ctx, x, bias, *cores):
+            out, lefts, rights = runner.forward(x, cores, bias=bias)
             ctx.save_for_backward(*lefts, *rights)
             return out
 
@@ -147,23 +173,25 @@ def _make_function(chosen: "Plan") -> type:
         def backward(ctx, dy):
             saved = ctx.saved_tensors
             dx, core_grads = runner.backward(saved[:n_steps], saved[n_steps:], dy, ctx.needs_input_grad[0])
-            return (dx, *core_grads)
+            d_bias = dy.reshape(-1, dy.shape[-1]).sum(0) if ctx.needs_input_grad[1] else None
+            return (dx, d_bias, *core_grads)
 
     PlannedProduct.__name__ = PlannedProduct.__qualname__ = "PlannedProduct"
     return PlannedProduct
 
 
-def execute_function(chosen: "Plan", x, cores: Sequence, layout: TTLayout):
+def execute_function(chosen: "Plan", x, cores: Sequence, layout: TTLayout, bias=None):
     """``execute`` through a custom ``torch.autograd.Function`` (``Plan.function``): the same forward, and a backward
-    that runs the planned gradient GEMMs and keeps only the operands the cost model counts. Real tensors only (use
-    ``execute`` on ``torch.fx`` proxies); traces under ``torch.compile`` (Dynamo) without graph breaks."""
+    that runs the planned gradient GEMMs and keeps only the operands the cost model counts. ``bias`` (n_out,) is
+    added inside the last GEMM where the plan allows (``folds_bias``). Real tensors only (use ``execute`` on
+    ``torch.fx`` proxies); traces under ``torch.compile`` (Dynamo) without graph breaks."""
     if layout != chosen.network.layout:
         raise ValueError(f"the plan was made for {chosen.network.layout}, not {layout}; plan again for the new "
                          f"layout (ranks change when a TT is pruned)")
     if len(cores) != layout.n_cores:
         raise ValueError(f"expected {layout.n_cores} cores for this layout, got {len(cores)}")
     if not torch.is_grad_enabled():
-        # Nothing to save: the plain executor. (Also sidesteps Dynamo, which under no_grad inlines two such Functions
+        # Nothing to save: the forward alone. (Also sidesteps Dynamo, which under no_grad inlines two such Functions
         # of different layouts in one graph wrongly: their forwards share one code object, only the closures differ.)
-        return execute(chosen, x, cores, layout)
-    return chosen.function.apply(x, *cores)
+        return chosen.runner.forward(x, cores, keep=False, bias=bias)[0]
+    return chosen.function.apply(x, bias, *cores)

@@ -161,8 +161,9 @@ def _as_matrix(t, view: tuple, dims: tuple[int, ...], rows: int, cols: int, batc
     return t.reshape(lead + dims).permute(view[1]).reshape(-1 if batched else rows, cols)
 
 
-def execute(chosen: Plan, x, cores: Sequence, layout: TTLayout):
-    """Run ``chosen`` on x (..., in) and the (gated) cores -> (..., out), like ``ops.matmul`` / ``ops.matmul_t``.
+def execute(chosen: Plan, x, cores: Sequence, layout: TTLayout, bias=None):
+    """Run ``chosen`` on x (..., in) and the (gated) cores -> (..., out), like ``ops.matmul`` / ``ops.matmul_t``,
+    plus ``bias`` (n_out,) if given (a plain add: on proxies the dtypes that decide an addmm fold are unknown).
 
     Only reshape / permute / t / mm / pad / slicing; every size comes from ``layout`` and the batch is always -1,
     so it traces on ``torch.fx.Proxy`` objects as well as running eagerly.
@@ -188,4 +189,6 @@ def execute(chosen: Plan, x, cores: Sequence, layout: TTLayout):
     if program.final_perm is not None:
         out = out.reshape((-1,) + program.final_dims).permute(program.final_perm)
     out = ops._trim_cols(out.reshape(-1, pad_out), n_out, pad_out)
+    if bias is not None:
+        out = out + bias
     return out.reshape(x.shape[:-1] + (n_out,))

@@ -1,0 +1,170 @@
+"""The TT layer as users call it: ``TTLinear`` *with bias* against ``nn.Linear`` with bias, forward + backward.
+
+``bench_tt_linear.py`` times the planner's orders on raw cores without bias; real models have a bias, and the module
+is what ``tensorize_`` puts in them. Here, per shape, one process, columns interleaved (each round times every column
+once, ``--repeats`` rounds, median reported):
+
+* ``dense``       — ``nn.Linear(in, out)`` (bias fused into addmm by aten);
+* ``tt``          — ``TTLinear`` (random init at the shape's rank, gates = 1, custom planned autograd), bias folded
+                    into the plan's last GEMM where the plan allows it (``comera_fx.tt.plan.folds_bias``);
+* ``tt_no_fold``  — the same module with the fold switched off (``autograd.FOLD_BIAS = False``): the separate add;
+* ``tt_no_bias``  — the same cores without bias (what ``bench_tt_linear.py`` measures).
+
+Each step is ``y = layer(x); y.backward(dy)`` with a real (random) dy and x requiring grad. Ratios are dense time
+over TT time (> 1: TT faster). ``--ranks`` adds the pruned-rank check: the 768×768 layer at each rank, time per
+planned FLOP relative to rank 16 (the issue's "pruned ranks no slower per FLOP than 16").
+
+Usage::
+
+    flock /tmp/comera_timing.lock .venv/bin/python benchmarks/bench_tt_module.py
+    .venv/bin/python benchmarks/bench_tt_module.py --shapes 768x768:30 --repeats 5   # a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP: idle threads must not spin
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from comera_fx.tt import TTLinear, layers  # noqa: E402
+from comera_fx.tt.plan import autograd as planned_autograd  # noqa: E402
+
+SHAPES = "4096x4096:32,768x768:30,768x3072:30"
+PRUNED_RANKS = "7,11,13,16"
+
+
+def parse_shapes(text: str) -> list[tuple[int, int, int]]:
+    shapes = []
+    for item in text.split(","):
+        dims, rank = item.split(":")
+        n_in, n_out = dims.split("x")
+        shapes.append((int(n_in), int(n_out), int(rank)))
+    return shapes
+
+
+def step_fn(layer: nn.Module, x: torch.Tensor, dy: torch.Tensor, fold: bool = True):
+    def run() -> None:
+        planned_autograd.FOLD_BIAS = fold
+        try:
+            for p in layer.parameters():
+                p.grad = None
+            x.grad = None
+            layer(x).backward(dy)
+        finally:
+            planned_autograd.FOLD_BIAS = True
+    return run
+
+
+def time_columns(columns: dict, repeats: int, inner: int) -> dict[str, float]:
+    """Median seconds per call of each column, columns interleaved within every round."""
+    samples: dict[str, list[float]] = {name: [] for name in columns}
+    for fn in columns.values():  # warm-up: plans, allocator, first-touch pages
+        fn()
+        fn()
+    for _ in range(repeats):
+        for name, fn in columns.items():
+            start = time.perf_counter()
+            for _ in range(inner):
+                fn()
+            samples[name].append((time.perf_counter() - start) / inner)
+    return {name: statistics.median(v) for name, v in samples.items()}
+
+
+def tt_pair(n_in: int, n_out: int, rank: int, seed: int) -> tuple[nn.Linear, TTLinear, TTLinear]:
+    torch.manual_seed(seed)
+    dense = nn.Linear(n_in, n_out)
+    tt = TTLinear.from_dense(dense, init="random", max_rank=rank)
+    no_bias = TTLinear(tt.tt, None)
+    return dense, tt, no_bias
+
+
+def measure_shape(n_in: int, n_out: int, rank: int, tokens: int, repeats: int, seed: int) -> dict:
+    dense, tt, no_bias = tt_pair(n_in, n_out, rank, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(tokens, n_in, generator=gen).requires_grad_()
+    dy = torch.randn(tokens, n_out, generator=gen)
+    chosen = layers.choose_plan(layers.planned_envelope(tt.tt.layout, "matmul"), tokens)
+    inner = 1 if n_in * n_out > 4_000_000 else 3
+    times = time_columns({"dense": step_fn(dense, x, dy), "tt": step_fn(tt, x, dy),
+                          "tt_no_fold": step_fn(tt, x, dy, fold=False), "tt_no_bias": step_fn(no_bias, x, dy)},
+                         repeats, inner)
+    dense_flops = 3 * 2 * tokens * n_in * n_out
+    return dict(shape=f"{n_in}x{n_out}", rank=rank, ranks=list(tt.tt.ranks), tokens=tokens,
+                folds=planned_autograd.folds_bias(chosen), seconds=times,
+                flop_ratio=dense_flops / float(chosen.flops(tokens, backward=True)),
+                speedup={name: times["dense"] / t for name, t in times.items() if name != "dense"})
+
+
+def measure_pruned(ranks: list[int], tokens: int, repeats: int, seed: int) -> list[dict]:
+    """The 768×768 layer at each rank: seconds per planned GFLOP (forward + backward), interleaved."""
+    columns, flops, modules = {}, {}, {}
+    gen = torch.Generator().manual_seed(seed + 2)
+    x = torch.randn(tokens, 768, generator=gen).requires_grad_()
+    dy = torch.randn(tokens, 768, generator=gen)
+    for rank in ranks:
+        _, tt, _ = tt_pair(768, 768, rank, seed)
+        chosen = layers.choose_plan(layers.planned_envelope(tt.tt.layout, "matmul"), tokens)
+        columns[f"r{rank}"], flops[f"r{rank}"], modules[f"r{rank}"] = step_fn(tt, x, dy), chosen.flops(
+            tokens, backward=True), tt
+    times = time_columns(columns, repeats, 3)
+    rows = []
+    for name, seconds in times.items():
+        rows.append(dict(rank=int(name[1:]), ranks=list(modules[name].tt.ranks), seconds=seconds,
+                         gflops=float(flops[name]) / 1e9, s_per_gflop=seconds / (float(flops[name]) / 1e9)))
+    reference = next((r for r in rows if r["rank"] == 16), rows[-1])
+    for row in rows:
+        row["per_flop_vs_16"] = row["s_per_gflop"] / reference["s_per_gflop"]
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default=SHAPES, help="comma list of INxOUT:RANK")
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--ranks", default=PRUNED_RANKS, help="pruned-rank check at 768x768 ('' to skip)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, {args.threads} threads, {args.tokens} tokens, load "
+          f"{open('/proc/loadavg').read().split()[:3]}")
+    results = {"shapes": [], "pruned": []}
+    print("| shape | rank | folds | dense ms | TT ms | TT no-fold ms | TT no-bias ms | dense/TT | dense/no-fold "
+          "| dense/no-bias | FLOP ratio |")
+    print("|---|---:|:---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for n_in, n_out, rank in parse_shapes(args.shapes):
+        r = measure_shape(n_in, n_out, rank, args.tokens, args.repeats, args.seed)
+        results["shapes"].append(r)
+        t, s = r["seconds"], r["speedup"]
+        print(f"| {r['shape']} | {rank} | {'yes' if r['folds'] else 'no'} | {t['dense'] * 1e3:.2f} | "
+              f"{t['tt'] * 1e3:.2f} | {t['tt_no_fold'] * 1e3:.2f} | {t['tt_no_bias'] * 1e3:.2f} | "
+              f"{s['tt']:.2f}x | {s['tt_no_fold']:.2f}x | {s['tt_no_bias']:.2f}x | {r['flop_ratio']:.1f}x |",
+              flush=True)
+    if args.ranks:
+        ranks = [int(r) for r in args.ranks.split(",")]
+        results["pruned"] = measure_pruned(ranks, args.tokens, args.repeats, args.seed)
+        print("\n| rank (768x768) | bond ranks | ms | planned GFLOP | ms per GFLOP | per FLOP vs rank 16 |")
+        print("|---:|---|---:|---:|---:|---:|")
+        for row in results["pruned"]:
+            print(f"| {row['rank']} | {row['ranks']} | {row['seconds'] * 1e3:.2f} | {row['gflops']:.3f} | "
+                  f"{row['s_per_gflop'] * 1e3:.1f} | {row['per_flop_vs_16']:.2f} |")
+    print(f"load after: {open('/proc/loadavg').read().split()[:3]}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

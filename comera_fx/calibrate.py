@@ -1,0 +1,179 @@
+"""Calibration: the input second moments C = XᵀX / n of a model's linear-like layers, for activation-aware TT-SVD.
+
+``calibrate(model, batches)`` runs the model without gradients in eval mode and, through forward hooks on the
+modules holding the weights ``tensorize_`` would convert (``nn.Linear``, transformers' ``Conv1D``), accumulates
+each layer's XᵀX in float64. The result is keyed by the parameter FQN that ``tensorize_`` reports, and
+``tensorize_(model, config, calibration=...)`` then decomposes those weights so that ||X(M - M̂)|| is small on
+such inputs (``comera_fx.tt.whiten``), and weighs the rank allocation by it (``comera_fx.tt.allocate``).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from .config import TensorizeConfig
+from .passes.find import find_in_model, split_example_inputs
+
+FilterFn = Callable[[nn.Module, str], bool]
+
+
+@dataclass
+class InputStats:
+    """One layer's inputs: C = XᵀX / n (d_in × d_in, float64) over ``tokens`` = n input rows."""
+
+    second_moment: Tensor
+    tokens: int
+
+    @property
+    def in_features(self) -> int:
+        return self.second_moment.shape[0]
+
+
+class Calibration(Mapping):
+    """Parameter FQN -> ``InputStats``. ``torch.save(calibration, path)`` pickles it (load with
+    ``weights_only=False``); ``save`` / ``load`` use a plain dict of tensors, which ``weights_only`` loading accepts."""
+
+    def __init__(self, stats: Mapping[str, InputStats], batches: int = 0):
+        self._stats = dict(stats)
+        self.batches = batches
+
+    def __getitem__(self, fqn: str) -> InputStats:
+        return self._stats[fqn]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._stats)
+
+    def __len__(self) -> int:
+        return len(self._stats)
+
+    def __repr__(self) -> str:
+        tokens = sorted({s.tokens for s in self._stats.values()})
+        return f"Calibration({len(self)} layers, {self.batches} batches, tokens per layer {tokens})"
+
+    def to_dict(self) -> dict:
+        return {"batches": self.batches,
+                "stats": {k: {"second_moment": s.second_moment, "tokens": s.tokens} for k, s in self._stats.items()}}
+
+    @classmethod
+    def from_dict(cls, data: Mapping) -> "Calibration":
+        return cls({k: InputStats(v["second_moment"], int(v["tokens"])) for k, v in data["stats"].items()},
+                   int(data.get("batches", 0)))
+
+    def save(self, path: str | Path) -> None:
+        torch.save(self.to_dict(), path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Calibration":
+        return cls.from_dict(torch.load(path, weights_only=True))
+
+
+def _linear_holders(model: nn.Module, config: TensorizeConfig, filter_fn: FilterFn | None):
+    """(module path, module, parameter FQN, d_in) of every linear-like module a conversion would read."""
+    result = find_in_model(model, None)  # module scan: the modules whose inputs hooks can see
+    out = []
+    for cand in result.candidates:
+        if cand.kind != "linear" or not config.is_large(cand.shape) or any(config.is_skipped(a) for a in cand.aliases):
+            continue
+        for use in cand.uses:
+            module = model.get_submodule("" if use.node == "<root>" else use.node)
+            if filter_fn is not None and not filter_fn(module, use.node):
+                continue
+            d_in = module.weight.shape[1] if isinstance(module, nn.Linear) else module.weight.shape[0]
+            out.append((use.node, module, cand.fqn, d_in))
+    return out
+
+
+def calibrate(
+    model: nn.Module,
+    batches,
+    *,
+    max_batches: int | None = None,
+    filter_fn: FilterFn | None = None,
+    config: TensorizeConfig | None = None,
+) -> Calibration:
+    """Record C = XᵀX / n (float64) of the inputs of every large linear-like weight of ``model``.
+
+    Args:
+        model: the dense model, before ``tensorize_``.
+        batches: an iterable of batches, or a callable returning one batch (called ``max_batches`` times, once if
+            that is None). A batch is a dict of keyword inputs, a tuple/list of positional inputs, or a tensor.
+        max_batches: stop after this many batches.
+        filter_fn: ``filter_fn(module, module_fqn) -> bool``; only accepted modules are recorded.
+        config: which weights are "large" and not skipped (``TensorizeConfig.min_numel`` / ``min_dim`` / ``skip``;
+            default thresholds if None). Weights read by functional ops only (``F.linear`` on a raw parameter) are
+            not seen by hooks; ``tensorize_`` decomposes them by plain TT-SVD and says so.
+
+    Every input row counts, padding tokens included (a hook cannot see an attention mask). The model runs under
+    ``torch.no_grad()`` in eval mode; each module's training flag and the global RNG state are restored afterwards,
+    and the hooks are removed even if a batch fails.
+    """
+    if max_batches is not None and (isinstance(max_batches, bool) or not isinstance(max_batches, int)
+                                    or max_batches < 1):
+        raise ValueError(f"max_batches must be an int >= 1 or None; got {max_batches!r}")
+    config = config or TensorizeConfig()
+    holders = _linear_holders(model, config, filter_fn)
+    sums: dict[str, Tensor] = {}
+    counts: dict[str, int] = {}
+    # Layers reading the same input tensor (Q, K, V) share one XᵀX per batch; cleared after every batch.
+    # Held through weak references (a batch's activations are not kept alive); the identity check below also
+    # guards against a freed tensor's address being reused.
+    seen_inputs: dict[tuple, tuple[weakref.ref, Tensor, int]] = {}
+
+    def make_hook(fqn: str, d_in: int):
+        def hook(module, args, kwargs, output):
+            x = args[0] if args else next(iter(kwargs.values()))
+            ident = (x.data_ptr(), tuple(x.shape), x.stride(), x.dtype, d_in)
+            cached = seen_inputs.get(ident)
+            if cached is not None and cached[0]() is x:
+                gram, rows = cached[1], cached[2]
+            else:
+                flat = x.detach().reshape(-1, d_in).to(torch.float64)
+                gram, rows = flat.T @ flat, flat.shape[0]
+                seen_inputs[ident] = (weakref.ref(x), gram, rows)
+            sums[fqn] = sums[fqn] + gram if fqn in sums else gram.clone()
+            counts[fqn] = counts.get(fqn, 0) + rows
+        return hook
+
+    handles = [module.register_forward_hook(make_hook(fqn, d_in), with_kwargs=True)
+               for _, module, fqn, d_in in holders]
+    flags = [(m, m.training) for m in model.modules()]
+    rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    n_batches = 0
+    try:
+        model.eval()
+        with torch.no_grad():
+            for batch in _iterate(batches, max_batches):
+                args, kwargs = split_example_inputs(batch)
+                model(*args, **kwargs)
+                seen_inputs.clear()
+                n_batches += 1
+    finally:
+        for handle in handles:
+            handle.remove()
+        for module, training in flags:
+            module.training = training
+        torch.set_rng_state(rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+    if n_batches == 0:
+        raise ValueError("calibrate got no batches; pass an iterable of batches or a callable returning one")
+    stats = {fqn: InputStats((sums[fqn] / counts[fqn]).cpu(), counts[fqn]) for fqn in sums if counts[fqn] > 0}
+    return Calibration(stats, n_batches)
+
+
+def _iterate(batches, max_batches: int | None):
+    if callable(batches):
+        for _ in range(max_batches or 1):
+            yield batches()
+        return
+    for index, batch in enumerate(batches):
+        if max_batches is not None and index >= max_batches:
+            return
+        yield batch
