@@ -438,3 +438,16 @@ def test_extra_repr_mentions_modes_ranks_and_compression():
     assert f"compression={13 * 24 / params:.1f}x" in text
     assert "format=tt" in text
     assert "modes=" in repr(tt) and "ranks=" in repr(tt)
+
+
+def test_tt_linear_under_bf16_autocast_returns_what_nn_linear_returns():
+    """The bias was added in float32 after the bf16 contraction, promoting the output back to float32 (BERT's
+    biased MLM decoder under autocast gave float32 logits where the dense model gives bf16)."""
+    torch.manual_seed(0)
+    dense = torch.nn.Linear(64, 96)
+    layer = TTLinear.from_dense(dense, max_rank=10**9)
+    x = torch.randn(5, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, expected = layer(x), dense(x)
+    assert y.dtype == expected.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), expected.float(), rtol=0, atol=0.05)

@@ -220,7 +220,9 @@ class TTMatrix(nn.Module):
 
 
 def _with_bias(y: Tensor, bias: Tensor | None) -> Tensor:
-    return y if bias is None else y + bias
+    if bias is None:
+        return y
+    return y + (bias.to(y.dtype) if torch.is_autocast_enabled(y.device.type) else bias)  # as F.linear casts it
 
 
 def _zero_product(x: Tensor, n_out: int) -> Tensor:

@@ -90,8 +90,8 @@ class PlanRunner:
         if self.final_perm is not None:
             out = out.reshape((-1,) + self.final_dims).permute(self.final_perm)
         out = ops._trim_cols(out.reshape(-1, self.pad_out), self.n_out, self.pad_out)
-        if bias is not None and fold is None:
-            out = out + bias
+        if bias is not None and fold is None:  # under autocast cast the bias as F.linear does (else float32 out)
+            out = out + (bias.to(out.dtype) if _autocasting(out) else bias)
         return out.reshape(x.shape[:-1] + (self.n_out,)), lefts, rights
 
     def backward(self, lefts: Sequence, rights: Sequence, dy, need_x: bool = True):
