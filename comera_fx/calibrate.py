@@ -65,6 +65,46 @@ class Calibration(Mapping):
         return cls({k: InputStats(v["second_moment"], int(v["tokens"])) for k, v in data["stats"].items()},
                    int(data.get("batches", 0)))
 
+    def all_reduce_(self, group=None) -> "Calibration":
+        """Make this calibration the one of all ranks' batches together (a collective: call it on every rank).
+
+        Under ``torch.distributed`` with ranks that calibrated on different data, each layer's C becomes
+        Σ_r n_r C_r / Σ_r n_r (the token-weighted sums are reduced in float64, then rank 0's result is broadcast, so
+        every rank holds bitwise the same statistics and decomposes to the same TT shapes); ``tokens`` and
+        ``batches`` become the totals. Nothing happens without an initialized process group of more than one rank.
+        Every rank must hold the same layers (the same model and filter). Returns ``self``."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+            return self
+        world = dist.get_world_size(group)
+        keys = sorted(self._stats)
+        shapes = [(k, tuple(self._stats[k].second_moment.shape)) for k in keys]
+        gathered: list = [None] * world
+        dist.all_gather_object(gathered, shapes, group=group)
+        if any(g != shapes for g in gathered):
+            differ = next(r for r, g in enumerate(gathered) if g != shapes)
+            raise ValueError(f"Calibration.all_reduce_: rank {differ} calibrated other layers than this rank "
+                             f"({len(gathered[differ])} vs {len(shapes)}); calibrate the same model with the same "
+                             f"filter_fn / config on every rank")
+        device = (torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(dist.get_backend(group))
+                  else torch.device("cpu"))
+        src = dist.get_global_rank(group, 0) if group is not None else 0
+
+        def agree(t: Tensor) -> Tensor:  # the sum on rank 0, then rank 0's bits everywhere
+            dist.reduce(t, dst=src, group=group)
+            dist.broadcast(t, src=src, group=group)
+            return t
+
+        counts = agree(torch.tensor([self._stats[k].tokens for k in keys] + [self.batches], dtype=torch.int64,
+                                    device=device)).tolist()
+        for key, total in zip(keys, counts):
+            s = self._stats[key]
+            summed = agree((s.second_moment.to(device, torch.float64) * s.tokens).contiguous())
+            self._stats[key] = InputStats((summed / total).to(s.second_moment.device), int(total))
+        self.batches = int(counts[-1])
+        return self
+
     def save(self, path: str | Path) -> None:
         torch.save(self.to_dict(), path)
 

@@ -15,10 +15,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
 
 from .config import TensorizeConfig
 from .calibrate import Calibration, calibrate
+from .distributed import RankSync
 from .passes.tensorize import TensorizeSummary, tensorize_
 from .runtime.rank_adaptive import RankAdaptive, tt_matrices
 from .runtime.shrink import physical_params
@@ -112,6 +115,9 @@ def _check_args(student, teacher, target_ratio, start_ratio, budget_seconds, ste
         raise ValueError(f"calibration_batches must be an int >= 0; got {calibration_batches!r}")
     if not (isinstance(hidden_weight, number) and hidden_weight >= 0):
         raise ValueError(f"hidden_weight must be a number >= 0; got {hidden_weight!r}")
+    if isinstance(student, DistributedDataParallel):
+        raise ValueError("pass the bare student, not a DistributedDataParallel wrapper: distill_ tensorizes it first "
+                         "and wraps it itself when torch.distributed is initialized (docs/distributed.md)")
     if student is teacher:
         raise ValueError("student is the teacher itself; pass a copy: distill_(copy.deepcopy(teacher), teacher, ...)")
     if any(isinstance(m, TTLinear) for m in student.modules()) or tt_matrices(student):
@@ -289,6 +295,7 @@ def distill_(
     calibration: Calibration | None = None,
     calibration_batches: int = 8,
     progress: bool = True,
+    clock: Callable[[], float] | None = None,
 ) -> DistillSummary:
     """Tensorize ``student`` (a dense copy of ``teacher``) in place and train it to reproduce the teacher.
 
@@ -326,7 +333,16 @@ def distill_(
             None to calibrate the student (still dense) on the first ``calibration_batches`` batches (default 8;
             0: plain TT-SVD). Those batches are drawn from ``batches`` first and are the first training batches
             too, so a callable is called max(steps, calibration_batches) times in a run of ``steps`` steps.
-        progress: show a tqdm bar (if tqdm is installed).
+        progress: show a tqdm bar (if tqdm is installed; on rank 0 only under ``torch.distributed``).
+        clock: seconds for ``budget_seconds`` (default ``time.perf_counter``; also ``start_ratio``'s schedule).
+
+    **Distributed** (docs/distributed.md): with an initialized process group of several ranks, call it on every rank
+    with that rank's own batches. The calibration it computes is all-reduced (``Calibration.all_reduce_``), so all
+    ranks decompose from the same statistics; a ``calibration=`` given is used as is (give the same one everywhere).
+    The training loop wraps the student in ``DistributedDataParallel`` (gradients averaged; the student you hold
+    stays the bare module); rank 0's clock decides the end of a ``budget_seconds`` run, and a batch iterator that
+    runs out on any rank ends the run on all of them. The summary is the same on every rank: losses averaged over
+    the ranks, rank 0's seconds.
 
     The student is left in its original training mode(s) with every TT layer's contraction plans prepared, ready
     for ``eval()``, ``state_dict()`` and ``torch.compile(backend=comera_fx.backend)``. Frozen parameters stay frozen
@@ -339,6 +355,7 @@ def distill_(
     """
     _check_args(student, teacher, target_ratio, start_ratio, budget_seconds, steps, lr, hidden_weight,
                 calibration_batches, hidden_modules)
+    distributed = _world_size() > 1
     config = config or TensorizeConfig()
     output_fn = output_fn or default_output
     stream = _BatchStream(batches)
@@ -350,25 +367,34 @@ def distill_(
         if not drawn:
             raise ValueError("batches yielded no batch; pass an iterable of model inputs or a callable returning one")
         calibration = calibrate(student, drawn, config=config, filter_fn=_linear_only(filter_fn))
+        if distributed:
+            calibration.all_reduce_()  # every rank decomposes from the statistics of all ranks' batches
         stream.push_back(drawn)
     first_ratio = start_ratio or target_ratio
     tensorized = _tensorize_at(student, first_ratio, config, filter_fn, allocation, calibration)
     _, dense = linear_sizes(student)
+    if distributed:
+        _check_same_ranks(student)
     setup_seconds = time.perf_counter() - setup_start
+    if distributed:
+        setup_seconds = RankSync(None).value(setup_seconds, _device(student))
 
     hook_box: list[RankAdaptive] = []
 
-    def attach(optimizer: torch.optim.Optimizer) -> None:
+    def attach(optimizer: torch.optim.Optimizer, model: nn.Module):
         if start_ratio is not None:
-            horizon = dict(total_steps=steps) if steps is not None else dict(budget_seconds=budget_seconds)
-            hook_box.append(RankAdaptive(student, optimizer, target_params=int(target_ratio * dense),
+            horizon = (dict(total_steps=steps) if steps is not None
+                       else dict(budget_seconds=budget_seconds, clock=clock))
+            hook_box.append(RankAdaptive(model, optimizer, target_params=int(target_ratio * dense),
                                          history_every=None, **horizon))
+            return lambda: hook_box[0].model  # rebuilt after every prune under DDP
+        return None
 
     losses, seconds, loop_notes = match_teacher(
         student, teacher, stream, steps=steps, budget_seconds=budget_seconds, output_fn=output_fn, loss_fn=loss_fn,
         hidden_modules=hidden_modules, hidden_weight=hidden_weight, lr=lr, weight_decay=weight_decay,
         progress=progress, on_optimizer=attach, observe=lambda loss: hook_box and hook_box[0].observe(loss),
-        postfix=lambda: {"ratio": f"{linear_sizes(student)[0] / dense:.3f}"})
+        postfix=lambda: {"ratio": f"{linear_sizes(student)[0] / dense:.3f}"}, clock=clock)
     notes += loop_notes
     hook = hook_box[0] if hook_box else None
 
@@ -403,47 +429,66 @@ def match_teacher(
     lr: float = 5e-4,
     weight_decay: float = 0.0,
     progress: bool = True,
-    on_optimizer: Callable[[torch.optim.Optimizer], None] | None = None,
+    on_optimizer: Callable[[torch.optim.Optimizer, nn.Module], Callable[[], nn.Module] | None] | None = None,
     observe: Callable[[Tensor], Any] | None = None,
     postfix: Callable[[], dict] | None = None,
+    clock: Callable[[], float] | None = None,
 ) -> tuple[list[float], float, list[str]]:
     """The training loop of ``distill_`` for any student (no tensorization): AdamW on ``loss_fn`` between the
-    student's and the teacher's outputs (+ hidden states) until ``steps`` and/or ``budget_seconds`` are spent.
-    ``on_optimizer(optimizer)`` runs once the optimizer exists (attach a ``RankAdaptive`` there); ``observe(loss)``
-    before every ``optimizer.step()``. Both models run in eval mode; their training flags are restored.
-    Returns (loss per step, seconds, notes)."""
+    student's and the teacher's outputs (+ hidden states) until ``steps`` and/or ``budget_seconds`` (on ``clock``,
+    default ``time.perf_counter``) are spent. ``on_optimizer(optimizer, model)`` runs once the optimizer exists, with
+    the model the loop calls (attach a ``RankAdaptive`` to it there); it may return a callable giving the model to
+    call from then on (``lambda: hook.model``). ``observe(loss)`` runs before every ``optimizer.step()``. Both models
+    run in eval mode; their training flags are restored.
+
+    Under ``torch.distributed`` (an initialized group of several ranks; every rank calls it with its own batches)
+    the student is wrapped in ``DistributedDataParallel(student, find_unused_parameters=True)`` for the loop (its
+    constructor broadcasts rank 0's parameters and buffers), rank 0's clock decides the end of a
+    ``budget_seconds`` run, the run ends on every rank when any rank's batches run out, and the losses returned are
+    the mean over the ranks, the seconds rank 0's. Returns (loss per step, seconds, notes)."""
     stream = batches if isinstance(batches, _BatchStream) else _BatchStream(batches)
     output_fn = output_fn or default_output
+    clock = clock or time.perf_counter
     notes: list[str] = []
     trainable = [p for p in student.parameters() if p.requires_grad]
     if not trainable:
         raise ValueError("the student has no trainable parameter (every weight is frozen); nothing to distill")
+    sync = RankSync(None) if _world_size() > 1 else None
+    device = _device(student)
+    # find_unused_parameters: a part of the model the matched output does not depend on (BERT's pooler) gets no
+    # gradient; DDP would otherwise raise at the next step
+    runner = DistributedDataParallel(student, find_unused_parameters=True) if sync is not None else student
     optimizer = torch.optim.AdamW(trainable, lr=lr, weight_decay=weight_decay)
-    if on_optimizer is not None:
-        on_optimizer(optimizer)
+    current = on_optimizer(optimizer, runner) if on_optimizer is not None else None
 
     teacher_modes, student_modes = _Modes(teacher), _Modes(student)
     t_capture = _Capture(teacher, hidden_modules) if hidden_modules else None
     s_capture = _Capture(student, hidden_modules) if hidden_modules else None
-    bar = _progress_bar(progress, steps, budget_seconds)
+    bar = _progress_bar(progress and (sync is None or dist.get_rank() == 0), steps, budget_seconds)
     losses: list[float] = []
-    start = time.perf_counter()
+    start = clock()
     try:
         while True:
-            elapsed = time.perf_counter() - start
+            elapsed = clock() - start
+            if sync is not None and budget_seconds:
+                elapsed = sync.value(elapsed, device)  # rank 0's clock: every rank stops at the same step
             done = [len(losses) / steps if steps else 0.0, elapsed / budget_seconds if budget_seconds else 0.0]
             if max(done) >= 1.0:
                 break
             batch = stream.next()
-            if batch is None:
+            ran_out = batch is None
+            if sync is not None:
+                ran_out = sync.mean(float(ran_out), device) > 0  # any rank's iterator ends the run on all
+            if ran_out:
                 notes.append(f"the batch iterator ran out after {len(losses)} steps, before the budget was spent")
                 break
+            model = current() if current is not None else runner
             for group in optimizer.param_groups:
                 group["lr"] = lr * _lr_factor(max(done))
             with torch.no_grad():
                 target = output_fn(_call(teacher, batch)).detach()
                 t_hidden = {k: v.detach() for k, v in t_capture.outputs.items()} if t_capture else {}
-            loss = loss_fn(output_fn(_call(student, batch)), target)
+            loss = loss_fn(output_fn(_call(model, batch)), target)
             for name, value in t_hidden.items():
                 loss = loss + hidden_weight * relative_mse(s_capture.outputs[name], value)
             optimizer.zero_grad(set_to_none=True)
@@ -463,11 +508,38 @@ def match_teacher(
         student_modes.restore()
         if bar is not None:
             bar.close()
-    seconds = time.perf_counter() - start
+    seconds = clock() - start
     if not losses:
         raise ValueError("batches yielded no batch; pass an iterable of model inputs or a callable returning one")
-
+    if sync is not None:
+        seconds = sync.value(seconds, device)
+        mean = torch.tensor(losses, dtype=torch.float64, device=device)
+        dist.all_reduce(mean)
+        losses = (mean / sync.size).tolist()
     return losses, seconds, notes
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _device(model: nn.Module) -> torch.device:
+    """Where collectives' tensors go: the model's (NCCL needs CUDA tensors, gloo takes CPU ones)."""
+    first = next(iter(model.parameters()), None)
+    return first.device if first is not None else torch.device("cpu")
+
+
+def _check_same_ranks(student: nn.Module) -> None:
+    """Refuse (on every rank, before DDP fails with a shape error) TT shapes that differ between ranks."""
+    ranks = [(e.name, tuple(e.tt.ranks)) for e in tt_matrices(student)]
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, ranks)
+    differ = [r for r, g in enumerate(gathered) if g != gathered[0]]
+    if differ:
+        raise ValueError(f"distill_ under torch.distributed: rank {differ[0]} tensorized to other TT ranks than rank "
+                         f"0 ({gathered[differ[0]][:2]} vs {gathered[0][:2]}); give every rank the same model, "
+                         f"config and calibration (distill_ all-reduces the calibration it computes itself; a "
+                         f"calibration= passed in must be the same on every rank: Calibration.all_reduce_())")
 
 
 def _progress_bar(progress: bool, steps: int | None, budget_seconds: float | None):
