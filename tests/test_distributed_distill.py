@@ -42,9 +42,11 @@ class Net(nn.Module):
         self.up = nn.Linear(WIDTH, 2 * WIDTH)
         self.down = nn.Linear(2 * WIDTH, WIDTH)
         self.head = nn.Linear(WIDTH, 8)
+        self.pool = nn.Linear(WIDTH, WIDTH)  # like BERT's pooler: computed, but not in the matched output
 
     def forward(self, x):
-        return self.head(x + self.down(torch.tanh(self.up(x))))
+        hidden = x + self.down(torch.tanh(self.up(x)))
+        return self.head(hidden), self.pool(hidden)  # distill_ matches the first tensor
 
 
 def make_teacher() -> Net:
@@ -118,7 +120,20 @@ def scenario_clock(rank):
     return out
 
 
-SCENARIOS = {"direct": scenario_direct, "shrink": scenario_shrink, "clock": scenario_clock}
+def scenario_own_calibration(rank):
+    """Each rank passes its own calibration (not all-reduced): the ranks' TT shapes differ, refused on both."""
+    teacher = make_teacher()
+    cal = comera_fx.calibrate(teacher, [local_batch(s, rank) for s in range(2)], config=SMALL)
+    try:
+        comera_fx.distill_(copy.deepcopy(teacher), teacher, [local_batch(0, rank)], target_ratio=0.5, steps=1,
+                           calibration=cal, config=SMALL, progress=False)
+    except ValueError as err:
+        return {"refusal": str(err)}
+    return {"refusal": None}
+
+
+SCENARIOS = {"direct": scenario_direct, "shrink": scenario_shrink, "clock": scenario_clock,
+             "own_calibration": scenario_own_calibration}
 
 # --------------------------------------------------------------------------------------------------- harness
 
@@ -228,6 +243,11 @@ def test_budget_seconds_rank0_clock_decides_and_iterator_end_stops_all(group):
     for r in res:
         assert r["ran_out"]["steps"] == 3 and any("ran out after 3 steps" in n for n in r["ran_out"]["notes"])
     assert_params(res[1]["ran_out"]["params"], res[0]["ran_out"]["params"], tol=0.0, what="ran out rank 1 vs 0")
+
+
+def test_other_shapes_per_rank_refused_on_every_rank(group):
+    for r in _results(group, "own_calibration"):
+        assert r["refusal"] is not None and "other TT ranks" in r["refusal"] and "all_reduce_" in r["refusal"]
 
 
 def test_all_reduce_without_a_group_is_a_no_op():
