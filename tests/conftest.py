@@ -5,6 +5,8 @@ Select with HYPOTHESIS_PROFILE=dev. torch's thread count is deliberately left as
 
 import os
 
+import pytest
+import torch
 from hypothesis import HealthCheck, settings
 
 settings.register_profile(
@@ -12,3 +14,13 @@ settings.register_profile(
 )
 settings.register_profile("dev", max_examples=25, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture
+def one_thread():
+    """torch on one thread for the test (a module opts in with ``pytestmark = pytest.mark.usefixtures(...)``): tiny
+    GEMMs and SVDs on a busy 2-core machine spend 10-100x longer in OpenMP spin-up than in the work."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

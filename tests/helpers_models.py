@@ -59,6 +59,18 @@ def relative_tolerance(model: nn.Module, example_inputs, rel: float) -> dict:
     return dict(rtol=0.0, atol=rel * float(floats.pow(2).mean().sqrt()))
 
 
+def assert_bf16_autocast_grads_close(model: nn.Module, reference: nn.Module, x: Tensor, rel: float = 0.02) -> None:
+    """``model`` under CPU bf16 autocast gives every parameter a gradient of the parameter's dtype within ``rel``
+    (relative norm) of ``reference``'s in float32 (the same loss, y.sum())."""
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = model(x)
+    y.float().sum().backward()
+    reference(x).sum().backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert p.grad.dtype == q.dtype
+        assert float((p.grad - q.grad).norm() / q.grad.norm()) < rel
+
+
 def num_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 

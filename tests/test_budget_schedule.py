@@ -24,12 +24,7 @@ from comera_fx.tt import TTMatrix
 CONFIG32 = comera_fx.TensorizeConfig(max_rank=32, min_numel=1, min_dim=1)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def teacher_problem(seed: int = 0, d: int = 64):

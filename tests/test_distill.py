@@ -34,14 +34,7 @@ def make_batches(n: int, seed: int) -> list[dict]:
     return [{"input_ids": torch.randint(0, VOCAB, (4, SEQ), generator=g)} for _ in range(n)]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny problems: with several OpenMP threads on a busy 2-core machine thread spin-up dominates (a step costs
-    ~50x more). Restores the previous setting afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

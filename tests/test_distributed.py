@@ -11,14 +11,12 @@ from __future__ import annotations
 import copy
 import datetime
 import os
-import time
 import traceback
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -26,6 +24,7 @@ import comera_fx
 from comera_fx.distributed import unwrap
 from comera_fx.runtime import RankAdaptive
 from comera_fx.runtime.rank_adaptive import tt_matrices
+from helpers_distributed import run_spawned
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="torch built without gloo")
@@ -316,21 +315,7 @@ def run_group(tmp: Path, names: tuple[str, ...]) -> dict[str, list[dict]]:
     """Run ``names`` on WORLD spawned processes; {scenario: [rank 0's result, rank 1's, ...]}."""
     out = tmp / "results"
     out.mkdir()
-    ctx = mp.start_processes(_worker, args=(WORLD, str(tmp / "store"), str(out), names), nprocs=WORLD,
-                             join=False, start_method="spawn")
-    deadline = time.monotonic() + SPAWN_TIMEOUT_S
-    try:
-        while not ctx.join(timeout=2):
-            if time.monotonic() > deadline:
-                pytest.fail(f"the distributed group did not finish within {SPAWN_TIMEOUT_S} s (a hang?)")
-    finally:
-        for proc in ctx.processes:
-            if proc.is_alive():
-                proc.terminate()
-    results = {}
-    for name in names:
-        results[name] = [torch.load(out / f"{name}.{rank}.pt", weights_only=False) for rank in range(WORLD)]
-    return results
+    return run_spawned(_worker, (WORLD, str(tmp / "store"), str(out), names), out, names, WORLD, SPAWN_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")

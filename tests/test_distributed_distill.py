@@ -13,21 +13,21 @@ from __future__ import annotations
 import copy
 import datetime
 import os
-import time
 import traceback
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 import comera_fx
 from comera_fx.runtime.rank_adaptive import tt_matrices
+from helpers_distributed import run_spawned
 
-pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
-                                reason="torch built without gloo")
+pytestmark = [pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                 reason="torch built without gloo"),
+              pytest.mark.usefixtures("one_thread")]
 
 WORLD = 2
 SMALL = comera_fx.TensorizeConfig(min_numel=1, min_dim=1)
@@ -160,19 +160,7 @@ def group(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dist_distill")
     out = tmp / "results"
     out.mkdir()
-    ctx = mp.start_processes(_worker, args=(str(tmp / "store"), str(out)), nprocs=WORLD, join=False,
-                             start_method="spawn")
-    deadline = time.monotonic() + SPAWN_TIMEOUT_S
-    try:
-        while not ctx.join(timeout=2):
-            if time.monotonic() > deadline:
-                pytest.fail(f"the distributed group did not finish within {SPAWN_TIMEOUT_S} s (a hang?)")
-    finally:
-        for proc in ctx.processes:
-            if proc.is_alive():
-                proc.terminate()
-    return {name: [torch.load(out / f"{name}.{r}.pt", weights_only=False) for r in range(WORLD)]
-            for name in SCENARIOS}
+    return run_spawned(_worker, (str(tmp / "store"), str(out)), out, SCENARIOS, WORLD, SPAWN_TIMEOUT_S)
 
 
 def _results(group, name):
@@ -195,12 +183,6 @@ def differs(a: dict, b: dict, by: float) -> bool:
         float((a["params"][k] - b["params"][k]).abs().max()) > by for k in b["params"])
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 # ------------------------------------------------------------------------------------------------------ tests
 

@@ -20,7 +20,7 @@ from comera_fx.testing.strategies import tt_inputs, tt_specs
 from comera_fx.tt import TTFormat, TTLayout, TTLinear, TTMatrix, layers
 from comera_fx.tt import ops
 from comera_fx.tt import plan as planner
-from helpers_models import random_trees
+from helpers_models import assert_bf16_autocast_grads_close, random_trees
 
 BOND, ROW, COL = 0, 100, 200
 
@@ -247,11 +247,4 @@ def test_backward_under_cpu_autocast_matches_float32():
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(),
                                 comera_fx.TTLinear.from_dense(torch.nn.Linear(128, 64), max_rank=4))
     reference = copy.deepcopy(model)
-    x = torch.randn(32, 64)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        y = model(x)
-    y.float().sum().backward()
-    reference(x).sum().backward()
-    for p, q in zip(model.parameters(), reference.parameters()):
-        assert p.grad.dtype == q.dtype
-        assert float((p.grad - q.grad).norm() / q.grad.norm()) < 0.02
+    assert_bf16_autocast_grads_close(model, reference, torch.randn(32, 64))

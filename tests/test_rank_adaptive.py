@@ -25,14 +25,7 @@ from comera_fx.tt import TTMatrix
 CONFIG = comera_fx.TensorizeConfig(max_rank=8, min_numel=1, min_dim=1)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """These problems are tiny: with several OpenMP threads on a busy 2-core machine, thread spin-up dominates and
-    a step costs 20x more. Restores the previous setting afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ------------------------------------------------------------------------------------------------------- models

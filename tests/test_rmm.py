@@ -15,6 +15,7 @@ from torch import nn
 import comera_fx
 from comera_fx.rmm import rmm_linear, rmm_tt_product, sketch_matrix
 from comera_fx.rmm.sketch import _hadamard_selected, hadamard_rows
+from helpers_models import assert_bf16_autocast_grads_close
 
 SKETCHES = ("gaussian", "rademacher", "srht")
 
@@ -47,13 +48,6 @@ class QKV(nn.Module):
         return self.q(x) + self.k(x) + self.v(x)
 
 
-@pytest.fixture
-def one_thread():
-    """Monte-Carlo loops of tiny ops: a second OpenMP thread only adds spin-waiting (10-100x on a loaded machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _block(dtype=torch.float64, seed: int = 0) -> Block:
@@ -548,14 +542,7 @@ def test_cpu_autocast_bf16_matches_float32():
                           comera_fx.TTLinear.from_dense(nn.Linear(128, 64), max_rank=4))
     reference = copy.deepcopy(model)
     comera_fx.randomize_backward_(model, rho=1.0, sketch="srht", min_numel=0)  # exact at rho 1: comparable
-    x = torch.randn(32, 64)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        y = model(x)
-    y.float().sum().backward()
-    reference(x).sum().backward()
-    for p, q in zip(model.parameters(), reference.parameters()):
-        assert p.grad.dtype == q.dtype
-        assert float((p.grad - q.grad).norm() / q.grad.norm()) < 0.02
+    assert_bf16_autocast_grads_close(model, reference, torch.randn(32, 64))
 
 
 def test_a_checkpointed_randomized_layer_pickles_and_restores():
