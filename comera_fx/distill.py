@@ -222,6 +222,55 @@ class _Capture:
             h.remove()
 
 
+def _input_slot(args: tuple, kwargs: dict) -> int | str | None:
+    """Where a block's input hidden states sit in its call: the first tensor argument, else ``hidden_states=``."""
+    for i, value in enumerate(args):
+        if isinstance(value, Tensor):
+            return i
+    return "hidden_states" if isinstance(kwargs.get("hidden_states"), Tensor) else None
+
+
+class _TeacherInputs:
+    """Block-wise distillation: while ``active``, each named block of the student runs on the teacher's input to
+    the same block instead of its own predecessor's output, so every block learns its own map from correct inputs
+    (its error is not compounded by the blocks before it, and its gradient does not pass through them)."""
+
+    def __init__(self, teacher: nn.Module, student: nn.Module, names: Sequence[str]):
+        t_modules, s_modules = dict(teacher.named_modules()), dict(student.named_modules())
+        self.active = False
+        self.inputs: dict[str, Tensor] = {}
+        self._handles = []
+        for name in names:
+            self._handles.append(t_modules[name].register_forward_pre_hook(self._keep(name), with_kwargs=True))
+            self._handles.append(s_modules[name].register_forward_pre_hook(self._feed(name), with_kwargs=True))
+
+    def _keep(self, name: str):
+        def keep(module, args, kwargs):
+            slot = _input_slot(args, kwargs)
+            if slot is None:
+                raise ValueError(f"blockwise distillation: module {name!r} was called without a tensor input; "
+                                 f"name blocks whose first argument (or hidden_states=) is the hidden state, "
+                                 f"or pass blockwise_fraction=0")
+            self.inputs[name] = (args[slot] if isinstance(slot, int) else kwargs[slot]).detach()
+        return keep
+
+    def _feed(self, name: str):
+        def feed(module, args, kwargs):
+            if not self.active or name not in self.inputs:
+                return None
+            slot = _input_slot(args, kwargs)
+            if isinstance(slot, int):
+                args = args[:slot] + (self.inputs[name],) + args[slot + 1:]
+            else:
+                kwargs = {**kwargs, slot: self.inputs[name]}
+            return args, kwargs
+        return feed
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
 # -------------------------------------------------------------------------------------------------- sizing
 
 
@@ -286,6 +335,7 @@ def distill_(
     loss_fn: LossFn = relative_mse,
     hidden_modules: Sequence[str] = (),
     hidden_weight: float = 1.0,
+    blockwise_fraction: float = 0.0,
     lr: float = 5e-4,
     weight_decay: float = 0.0,
     start_ratio: float | None = None,
@@ -315,6 +365,10 @@ def distill_(
         loss_fn: ``loss_fn(student_out, teacher_out)``; default ``relative_mse`` (‖s − t‖² / ‖t‖²).
         hidden_modules: names (``named_modules()``) of modules whose first tensor output is also matched
             (relative MSE, weight ``hidden_weight``), e.g. ``[f"encoder.layer.{i}" for i in range(6)]``.
+        blockwise_fraction: for this first fraction of the budget (0 to 1, default 0), every ``hidden_modules``
+            block of the student runs on the teacher's input to that block (block-wise distillation: each block
+            learns its own map from correct inputs; errors do not compound across blocks); end to end after it.
+            The blocks' first tensor argument (or ``hidden_states=``) is the input replaced.
         lr / weight_decay: AdamW on every trainable parameter of the student (cores, gates, biases, norms, the
             dense embedding); the learning rate warms up over 5 % of the budget, then follows a cosine to 10 %.
         start_ratio: ``None`` (default): tensorize at ``target_ratio`` directly. A value in (target_ratio, 1]:
@@ -355,6 +409,7 @@ def distill_(
     """
     _check_args(student, teacher, target_ratio, start_ratio, budget_seconds, steps, lr, hidden_weight,
                 calibration_batches, hidden_modules)
+    _check_blockwise(blockwise_fraction, hidden_modules)
     distributed = _world_size() > 1
     config = config or TensorizeConfig()
     output_fn = output_fn or default_output
@@ -392,8 +447,8 @@ def distill_(
 
     losses, seconds, loop_notes = match_teacher(
         student, teacher, stream, steps=steps, budget_seconds=budget_seconds, output_fn=output_fn, loss_fn=loss_fn,
-        hidden_modules=hidden_modules, hidden_weight=hidden_weight, lr=lr, weight_decay=weight_decay,
-        progress=progress, on_optimizer=attach, observe=lambda loss: hook_box and hook_box[0].observe(loss),
+        hidden_modules=hidden_modules, hidden_weight=hidden_weight, blockwise_fraction=blockwise_fraction, lr=lr,
+        weight_decay=weight_decay, progress=progress, on_optimizer=attach, observe=lambda loss: hook_box and hook_box[0].observe(loss),
         postfix=lambda: {"ratio": f"{linear_sizes(student)[0] / dense:.3f}"}, clock=clock)
     notes += loop_notes
     hook = hook_box[0] if hook_box else None
@@ -426,6 +481,7 @@ def match_teacher(
     loss_fn: LossFn = relative_mse,
     hidden_modules: Sequence[str] = (),
     hidden_weight: float = 1.0,
+    blockwise_fraction: float = 0.0,
     lr: float = 5e-4,
     weight_decay: float = 0.0,
     progress: bool = True,
@@ -439,13 +495,15 @@ def match_teacher(
     default ``time.perf_counter``) are spent. ``on_optimizer(optimizer, model)`` runs once the optimizer exists, with
     the model the loop calls (attach a ``RankAdaptive`` to it there); it may return a callable giving the model to
     call from then on (``lambda: hook.model``). ``observe(loss)`` runs before every ``optimizer.step()``. Both models
-    run in eval mode; their training flags are restored.
+    run in eval mode; their training flags are restored. ``blockwise_fraction``: as in ``distill_`` (the first part
+    of the budget feeds each ``hidden_modules`` block of the student the teacher's input to it).
 
     Under ``torch.distributed`` (an initialized group of several ranks; every rank calls it with its own batches)
     the student is wrapped in ``DistributedDataParallel(student, find_unused_parameters=True)`` for the loop (its
     constructor broadcasts rank 0's parameters and buffers), rank 0's clock decides the end of a
     ``budget_seconds`` run, the run ends on every rank when any rank's batches run out, and the losses returned are
     the mean over the ranks, the seconds rank 0's. Returns (loss per step, seconds, notes)."""
+    _check_blockwise(blockwise_fraction, hidden_modules)
     stream = batches if isinstance(batches, _BatchStream) else _BatchStream(batches)
     output_fn = output_fn or default_output
     clock = clock or time.perf_counter
@@ -464,6 +522,7 @@ def match_teacher(
     teacher_modes, student_modes = _Modes(teacher), _Modes(student)
     t_capture = _Capture(teacher, hidden_modules) if hidden_modules else None
     s_capture = _Capture(student, hidden_modules) if hidden_modules else None
+    feed = _TeacherInputs(teacher, student, hidden_modules) if blockwise_fraction else None
     bar = _progress_bar(progress and (sync is None or dist.get_rank() == 0), steps, budget_seconds)
     losses: list[float] = []
     start = clock()
@@ -485,6 +544,8 @@ def match_teacher(
             model = current() if current is not None else runner
             for group in optimizer.param_groups:
                 group["lr"] = lr * _lr_factor(max(done))
+            if feed is not None:
+                feed.active = max(done) < blockwise_fraction
             with torch.no_grad():
                 target = output_fn(_call(teacher, batch)).detach()
                 t_hidden = {k: v.detach() for k, v in t_capture.outputs.items()} if t_capture else {}
@@ -504,6 +565,8 @@ def match_teacher(
         if t_capture:
             t_capture.remove()
             s_capture.remove()
+        if feed is not None:
+            feed.remove()
         teacher_modes.restore()
         student_modes.restore()
         if bar is not None:
@@ -517,6 +580,14 @@ def match_teacher(
         dist.all_reduce(mean)
         losses = (mean / sync.size).tolist()
     return losses, seconds, notes
+
+
+def _check_blockwise(blockwise_fraction: float, hidden_modules: Sequence[str]) -> None:
+    if not (isinstance(blockwise_fraction, (int, float)) and 0 <= blockwise_fraction <= 1):
+        raise ValueError(f"blockwise_fraction must be a number in [0, 1]; got {blockwise_fraction!r}")
+    if blockwise_fraction and not hidden_modules:
+        raise ValueError("blockwise_fraction > 0 feeds the teacher's inputs to the hidden_modules blocks; pass "
+                         "hidden_modules=[...] (e.g. the encoder layers)")
 
 
 def _world_size() -> int:
