@@ -167,6 +167,9 @@ def parse_args():
     parser.add_argument("--rest", action="store_true", help="add the 'no linears' column (one more compile)")
     parser.add_argument("--all-tt", action="store_true",
                         help="add 'all-tt eager' / 'all-tt comera_fx': the word embedding tensorized too")
+    parser.add_argument("--inductor-rng", action="store_true",
+                        help="add 'tt comera_fx inductor-rng': the backend with Inductor's own CPU RNG "
+                             "(fallback_random=False), the A/B of the backend's CPU default")
     parser.add_argument("--fused-adamw", action="store_true", help="AdamW(fused=True) for every column")
     parser.add_argument("--columns", default=None,
                         help="comma-separated subset of the columns to run (e.g. 'tt eager,tt comera_fx')")
@@ -229,6 +232,10 @@ def main():
         "tt eager": lambda: tt,
         "tt comera_fx": lambda: torch.compile(copy.deepcopy(tt), backend=backends["tt comera_fx"]),
     }
+    if args.inductor_rng:
+        backends["tt comera_fx inductor-rng"] = comera_fx.make_backend(inductor_options={"fallback_random": False})
+        columns["tt comera_fx inductor-rng"] = lambda: torch.compile(
+            copy.deepcopy(tt), backend=backends["tt comera_fx inductor-rng"])
     if args.rest:
         columns["no linears"] = lambda: torch.compile(without_linears(dense))
     all_tt_summary = None
@@ -249,14 +256,20 @@ def main():
     fused = {"fused": True} if args.fused_adamw else {}
     optimizers = {name: torch.optim.AdamW(m.parameters(), lr=1e-4, **fused) for name, m in columns.items()}
 
+    phases = {name: [] for name in columns}  # (forward + loss, zero_grad + backward, optimizer) per timed step
+
     def step(name):
         model, optimizer = columns[name], optimizers[name]
         start = time.perf_counter()
         loss = loss_of(model)
+        forward = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        backward = time.perf_counter()
         optimizer.step()
-        return time.perf_counter() - start
+        end = time.perf_counter()
+        phases[name].append((forward - start, backward - forward, end - backward))
+        return end - start
 
     load_start = os.getloadavg()
     first = {name: step(name) for name in columns}  # compiles the compiled columns
@@ -267,13 +280,15 @@ def main():
     load_end = os.getloadavg()
 
     median = {name: statistics.median(t) for name, t in times.items()}
+    phase_median = {name: [statistics.median(p[i] for p in phases[name][1:]) for i in range(3)] for name in columns}
     base_name = "dense inductor" if "dense inductor" in median else next(iter(median))
     base = median[base_name]
     linear_dense = sum(m.weight.numel() for m in dense.modules() if isinstance(m, nn.Linear))
     linear_tt = sum(d.params for d in summary.converted)
     linear_dense_converted = sum(d.dense_params for d in summary.converted)
     ratios = {}
-    for slow, fast in (("tt eager", "tt comera_fx"), ("all-tt eager", "all-tt comera_fx"),
+    for slow, fast in (("tt eager", "tt comera_fx"), ("tt comera_fx inductor-rng", "tt comera_fx"),
+                       ("tt eager", "tt comera_fx inductor-rng"), ("all-tt eager", "all-tt comera_fx"),
                        ("dense eager", "dense inductor")):
         if slow in median and fast in median:
             ratios[f"{fast} vs {slow}"] = median[slow] / median[fast]
@@ -284,7 +299,7 @@ def main():
             for k, v in vars(args).items() if v is not None and v is not False),
         date=time.strftime("%Y-%m-%d %H:%M"), torch=torch.__version__, python=platform.python_version(),
         load_start=load_start, load_end=load_end,
-        median_step_s=median, first_step_s=first, step_s=times,
+        median_step_s=median, first_step_s=first, step_s=times, phase_median_s=phase_median,
         speedup_vs=base_name, speedup={name: base / t for name, t in median.items()}, ratios=ratios,
         compile_s={name: first[name] - median[name] for name in compiled},
         comera_fx_pass_s={name: b.stats.pass_seconds for name, b in backends.items() if name in columns},
@@ -299,9 +314,12 @@ def main():
 
     print(f"load {load_start} -> {load_end}; {len(summary.converted)} weights converted, "
           f"{linear_dense_converted:,} -> {linear_tt:,} params ({linear_dense_converted / linear_tt:.1f}x)")
-    print(f"{'column':18s} {'median step s':>14s} {'vs ' + base_name:>18s} {'first step s':>13s}")
+    print(f"{'column':26s} {'median step s':>14s} {'vs ' + base_name:>18s} {'first step s':>13s}  "
+          f"fwd / bwd / optimizer s")
     for name in columns:
-        print(f"{name:18s} {median[name]:14.3f} {base / median[name]:17.2f}x {first[name]:13.1f}")
+        fwd, bwd, opt = phase_median[name]
+        print(f"{name:26s} {median[name]:14.3f} {base / median[name]:17.2f}x {first[name]:13.1f}  "
+              f"{fwd:.3f} / {bwd:.3f} / {opt:.3f}")
     for name, ratio in ratios.items():
         print(f"{name}: {ratio:.2f}x")
     for name, seconds in result["compile_s"].items():
