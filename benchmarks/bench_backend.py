@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import os
 import platform
@@ -170,6 +171,10 @@ def parse_args():
     parser.add_argument("--inductor-rng", action="store_true",
                         help="add 'tt comera_fx inductor-rng': the backend with Inductor's own CPU RNG "
                              "(fallback_random=False), the A/B of the backend's CPU default")
+    parser.add_argument("--comera-path", default=None,
+                        help="a checkout of the public CoMERA code (github.com/ziyangjoy/CoMERA, unpacked outside "
+                             "this repository): adds 'comera tt eager', its own TT model (init_Transformer, dense "
+                             "word embedding), imported from that path at run time")
     parser.add_argument("--fused-adamw", action="store_true", help="AdamW(fused=True) for every column")
     parser.add_argument("--columns", default=None,
                         help="comma-separated subset of the columns to run (e.g. 'tt eager,tt comera_fx')")
@@ -205,6 +210,36 @@ def build(args):
 
         all_tt = None
     return dense, inputs, loss, (lambda module, fqn: isinstance(module, nn.Linear)), all_tt
+
+
+def comera_model(path: str, args, emb_tensorized: bool) -> nn.Module:
+    """The public CoMERA code's TT classifier (``init_Transformer`` in its utils.py, r = --max-rank), imported from
+    ``path``; its code is never copied into this repository."""
+    import importlib.util
+    import sys
+
+    if not os.path.isfile(os.path.join(path, "utils.py")):
+        raise SystemExit(f"--comera-path {path}: no utils.py there; unpack github.com/ziyangjoy/CoMERA into it")
+    if path not in sys.path:
+        sys.path.insert(0, path)  # its utils.py imports the package tensor_layers_CoMERA from there
+    spec = importlib.util.spec_from_file_location("comera_peer_utils", os.path.join(path, "utils.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    torch.manual_seed(0)
+    model = module.init_Transformer(emb_tensorized=emb_tensorized, encoder_tensorized=True, r=args.max_rank,
+                                    num_class=3, n_layers=args.layers)
+    return PeerModel(model.train())
+
+
+class PeerModel(nn.Module):
+    """The CoMERA classifier called as ours is: ``model(ids, seg)`` (its forward takes ``seg`` by keyword)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids, seg):
+        return self.model(ids, seg=seg)
 
 
 def tensorized(dense, args, inputs, filter_fn):
@@ -246,6 +281,12 @@ def main():
         backends["all-tt comera_fx"] = comera_fx.make_backend()
         columns["all-tt eager"] = lambda: all_tt
         columns["all-tt comera_fx"] = lambda: torch.compile(copy.deepcopy(all_tt), backend=backends["all-tt comera_fx"])
+    if args.comera_path:
+        if args.preset != "comera":
+            raise SystemExit("--comera-path needs --preset comera")
+        # Only its dense-embedding model: its TT embedding (TensorizedEmbedding_order4) moves an index table to
+        # 'cuda' when built, so it cannot run on a CPU-only torch.
+        columns["comera tt eager"] = functools.partial(comera_model, args.comera_path, args, False)
     if args.columns:
         wanted = [c.strip() for c in args.columns.split(",")]
         unknown = [c for c in wanted if c not in columns]
@@ -287,12 +328,13 @@ def main():
     linear_tt = sum(d.params for d in summary.converted)
     linear_dense_converted = sum(d.dense_params for d in summary.converted)
     ratios = {}
-    for slow, fast in (("tt eager", "tt comera_fx"), ("tt comera_fx inductor-rng", "tt comera_fx"),
+    for slow, fast in (("comera tt eager", "tt comera_fx"), ("comera tt eager", "tt eager"),
+                       ("tt eager", "tt comera_fx"), ("tt comera_fx inductor-rng", "tt comera_fx"),
                        ("tt eager", "tt comera_fx inductor-rng"), ("all-tt eager", "all-tt comera_fx"),
                        ("dense eager", "dense inductor")):
         if slow in median and fast in median:
             ratios[f"{fast} vs {slow}"] = median[slow] / median[fast]
-    compiled = [name for name in columns if name not in ("dense eager", "tt eager", "all-tt eager")]
+    compiled = [name for name in columns if not name.endswith(" eager")]
     result = dict(
         command="python benchmarks/bench_backend.py " + " ".join(
             f"--{k.replace('_', '-')}" + ("" if v is True else f" {v!r}" if isinstance(v, str) else f" {v}")
