@@ -68,9 +68,9 @@ class BackendConfig:
             before Inductor; a pass with an ``is_backward`` keyword parameter is told which graph it gets.
         inductor_options: Inductor config patches, as ``torch.compile(options=...)`` takes them. On CPU graphs
             the backend adds ``fallback_random=True`` unless given here: random ops (dropout) then run eager's
-            aten kernels instead of Inductor's generated RNG, which is slower on CPU (the dropout kernels of
-            benchmarks/bench_backend.py's CoMERA preset took ~2x eager's bernoulli), and the masks follow the
-            eager RNG stream (``torch.manual_seed`` gives eager's masks). GPU graphs keep Inductor's own RNG.
+            aten kernels instead of Inductor's generated RNG, which is slower on CPU (CoMERA's two dropout sites:
+            2.3-3.0x eager's time with it, 1.4-1.6x without; benchmarks/bench_cpu_dropout.py), and the masks
+            follow the eager RNG stream (``torch.manual_seed`` gives eager's masks). GPU graphs keep Inductor's.
         rmm: randomized backward for the large dense linear-like ops in the graph (``RMMConfig``, or a float ρ for
             ``RMMConfig(rho=ρ)``); None (default) keeps every backward exact.
         activation_memory_budget: AOTAutograd's recomputation budget (``torch._functorch.config.
