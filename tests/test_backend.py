@@ -349,7 +349,7 @@ def test_inductor_dropout_on_cpu_draws_eager_masks():
         expected, expected_dx, _ = outputs_and_grads(dense, x)
         torch.manual_seed(seed)
         got, got_dx, _ = outputs_and_grads(compiled, x)
-        assert (expected == 0).float().mean() > 0.3  # dropout is live: about 3/4 of the outputs are zero
+        assert (expected == 0).float().mean() > 0.3  # dropout is live: about half the outputs are zero
         torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-10)
         torch.testing.assert_close(got_dx, expected_dx, rtol=1e-9, atol=1e-10)
 
