@@ -66,7 +66,11 @@ class BackendConfig:
         large: what counts as large for that report (``TensorizeConfig.min_numel`` / ``min_dim``).
         post_aot_passes: functions GraphModule -> GraphModule run on the forward and the backward aten graphs
             before Inductor; a pass with an ``is_backward`` keyword parameter is told which graph it gets.
-        inductor_options: Inductor config patches, as ``torch.compile(options=...)`` takes them.
+        inductor_options: Inductor config patches, as ``torch.compile(options=...)`` takes them. On CPU graphs
+            the backend adds ``fallback_random=True`` unless given here: random ops (dropout) then run eager's
+            aten kernels instead of Inductor's generated RNG, which is slower on CPU (CoMERA's two dropout sites:
+            2.3-3.0x eager's time with it, 1.4-1.6x without; benchmarks/bench_cpu_dropout.py), and the masks
+            follow the eager RNG stream (``torch.manual_seed`` gives eager's masks). GPU graphs keep Inductor's.
         rmm: randomized backward for the large dense linear-like ops in the graph (``RMMConfig``, or a float ρ for
             ``RMMConfig(rho=ρ)``); None (default) keeps every backward exact.
         activation_memory_budget: AOTAutograd's recomputation budget (``torch._functorch.config.
@@ -168,6 +172,8 @@ class ComeraBackend:
             from torch._inductor.compile_fx import compile_fx
 
             patches = {**(list_mode_options(mode) if mode else {}), **config.inductor_options}
+            if "fallback_random" not in patches and _on_cpu(example_inputs):
+                patches["fallback_random"] = True
             inner = functools.partial(_inner_compile, passes=config.post_aot_passes, stats=self.stats)
             return compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches or None)
         return _aot_eager(gm, example_inputs, config.post_aot_passes, self.stats,
@@ -260,6 +266,12 @@ def _aot_eager(gm: fx.GraphModule, example_inputs, passes, stats: BackendStats, 
 
     partition = {"partition_fn": min_cut_rematerialization_partition} if min_cut else {}
     return aot_autograd(fw_compiler=compiler(False), bw_compiler=compiler(True), **partition)(gm, example_inputs)
+
+
+def _on_cpu(example_inputs) -> bool:
+    """Every tensor input of the graph (parameters included) on the CPU, and at least one tensor."""
+    devices = {t.device.type for t in example_inputs if isinstance(t, torch.Tensor)}
+    return devices == {"cpu"}
 
 
 def make_backend(config: BackendConfig | None = None, **fields) -> ComeraBackend:

@@ -326,6 +326,34 @@ def test_inductor_training_matches_eager(inductor_training):
     assert compiled.comera_fx_summary.converted
 
 
+class DropoutMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(64, 96), nn.Linear(96, 32)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x):
+        return self.drop(self.fc2(self.drop(torch.tanh(self.fc1(x)))))
+
+
+def test_inductor_dropout_on_cpu_draws_eager_masks():
+    """On CPU the backend has Inductor fall back to aten's random ops (``fallback_random``): after the same
+    ``torch.manual_seed`` the compiled TT model drops the units the dense float64 model drops in eager mode."""
+    torch.manual_seed(0)
+    dense = DropoutMLP().double().train()
+    x = torch.randn(8, 64, dtype=torch.float64)
+    tt_model = full_rank_copy(dense, x)
+    compiled = torch.compile(tt_model, backend=comera_fx.make_backend(warn_dense=False))
+    for seed in (1, 2):  # the first call compiles; the second runs the compiled code only
+        torch.manual_seed(seed)
+        expected, expected_dx, _ = outputs_and_grads(dense, x)
+        torch.manual_seed(seed)
+        got, got_dx, _ = outputs_and_grads(compiled, x)
+        assert (expected == 0).float().mean() > 0.3  # dropout is live: about half the outputs are zero
+        torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-10)
+        torch.testing.assert_close(got_dx, expected_dx, rtol=1e-9, atol=1e-10)
+
+
 # ------------------------------------------------------------------------------------------ random models
 
 EXACT = TensorizeConfig(min_numel=1, min_dim=1, max_rank=None)  # every weight converted, full rank: exact

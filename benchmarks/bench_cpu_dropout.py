@@ -1,0 +1,58 @@
+"""Dropout on CPU, eager vs Inductor with its own RNG vs Inductor with aten's (``fallback_random``).
+
+The two dropout sites of CoMERA's encoder at batch 8 × 128: softmax + dropout over the attention scores
+(8 × 12 × 128 × 128) and layer norm + dropout over the activations (8 × 128 × 768), forward + backward, 2 threads,
+the three variants interleaved, median of 30 rounds. comera_fx's backend sets ``fallback_random=True`` on CPU
+graphs because of this measurement (benchmarks/RESULTS.md, "Issue 14 item 2").
+
+Usage::
+
+    python benchmarks/bench_cpu_dropout.py            # ~1 minute (two small Inductor compiles per variant)
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+import torch
+import torch._inductor.config
+import torch.nn.functional as F
+
+
+def attention(x):
+    return F.dropout(torch.softmax(x, -1), 0.1, True)
+
+
+def norm(x, w, b):
+    return F.dropout(F.layer_norm(x, (x.shape[-1],), w, b), 0.1, True)
+
+
+def main():
+    torch.set_num_threads(2)
+    torch._inductor.config.force_disable_caches = True
+    scores = torch.randn(8, 12, 128, 128, requires_grad=True)
+    acts = torch.randn(8, 128, 768, requires_grad=True)
+    w, b = torch.ones(768, requires_grad=True), torch.zeros(768, requires_grad=True)
+    variants = {"eager": (attention, norm)}
+    for name, fallback in (("inductor, own RNG", False), ("inductor, aten RNG", True)):
+        options = {"fallback_random": fallback}
+        variants[name] = (torch.compile(attention, options=options), torch.compile(norm, options=options))
+    sites = {"softmax+dropout": lambda f: f[0](scores).sum(), "layernorm+dropout": lambda f: f[1](acts, w, b).sum()}
+    times = {(v, s): [] for v in variants for s in sites}
+    for rnd in range(32):
+        for v, fns in variants.items():
+            for s, run in sites.items():
+                start = time.perf_counter()
+                run(fns).backward()
+                if rnd >= 2:  # the first two rounds compile and warm up
+                    times[(v, s)].append(time.perf_counter() - start)
+    print(f"load {os.getloadavg()}")
+    print(f"{'variant':20s} " + " ".join(f"{s + ' ms':>20s}" for s in sites))
+    for v in variants:
+        print(f"{v:20s} " + " ".join(f"{1000 * statistics.median(times[(v, s)]):20.1f}" for s in sites))
+
+
+if __name__ == "__main__":
+    main()
