@@ -156,8 +156,9 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     teacher = cp.load_teacher(False)[0]
     data, reference, start, calibration = prepared(args, teacher)
-    print(f"start: {1 / linear_sizes(start)[0] * linear_sizes(start)[1]:.2f}x smaller, "
-          f"{cp.evaluate(start, data, reference)}", flush=True)
+    print(f"teacher {cp.evaluate(teacher, data, reference)}; start: "
+          f"{linear_sizes(start)[1] / linear_sizes(start)[0]:.2f}x smaller, {cp.evaluate(start, data, reference)}",
+          flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     for cell in args.cells:
         record = run_cell(cell, teacher, data, reference, start, calibration, args)

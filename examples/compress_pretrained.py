@@ -207,6 +207,14 @@ def distill_loss(student_out, teacher_out):
     return (1 - (student_out * teacher_out).sum(-1)).mean() + relative_mse(student_out, teacher_out)
 
 
+def freeze_word_embedding(student: nn.Module, args) -> None:
+    """The dense word embedding (30522 × 384, more parameters than all 36 linears) is not compressed and already
+    the teacher's; unless --train-embedding, it is not trained: AdamW over it cost ~15 % of a step for no measured
+    gain (benchmarks/RESULTS.md, "Issue 15: training recipe levers")."""
+    if not args.train_embedding:
+        student.bert.embeddings.word_embeddings.weight.requires_grad_(False)
+
+
 def hidden_layers(model: nn.Module) -> list[str]:
     return [name for name, _ in model.named_modules()
             if name.startswith("bert.encoder.layer.") and name.count(".") == 3]
@@ -245,7 +253,8 @@ def prepare(args) -> tuple:
 def run_tt(teacher, data, ratio: float, allocation: str, distill: bool, args) -> tuple[nn.Module, dict]:
     """One cell: TT-SVD (uniform or calibrated + energy) at ``ratio``, with or without distillation."""
     student = copy.deepcopy(teacher)
-    draw = batch_sampler(data["train_enc"], args.batch_size, seed=args.seed)
+    draw = batch_sampler(data["train_enc"], args.batch_size, seed=args.seed, by_length=args.by_length)
+    freeze_word_embedding(student, args)
     start = time.perf_counter()
     calibrated = allocation == "energy"
     if distill:
@@ -326,6 +335,9 @@ def main(argv=None, extra: dict | None = None) -> dict:
     parser.add_argument("--start-ratio", type=float, default=None, help="start larger and shrink (RankAdaptive)")
     parser.add_argument("--lr", type=float, default=5e-4)
     parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--by-length", action=argparse.BooleanOptionalAction, default=True,
+                        help="batches of texts of neighbouring lengths (less padding; default on)")
+    parser.add_argument("--train-embedding", action="store_true", help="also train the dense word embedding")
     parser.add_argument("--train-len", type=int, default=64, help="training texts are cut to this many tokens")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (1 is faster on a busy machine)")
     parser.add_argument("--max-files", type=int, default=None, help="mine only this many stdlib files")
@@ -388,7 +400,8 @@ def write_report(out, name, args, data, teacher_eval, results, saved, dense_byte
              f"{time.strftime('%Y-%m-%d %H:%M')}, torch {torch.__version__}, {args.threads} threads, load average "
              f"at the end {' '.join(load)}. Data: {data['counts']} (split by file). Distillation budget "
              f"{args.budget_seconds:.0f} s per run{f', {args.steps} steps' if args.steps else ''}, batch "
-             f"{args.batch_size}, lr {args.lr}.", "",
+             f"{args.batch_size}{' (texts of neighbouring lengths)' if args.by_length else ''}, lr {args.lr}, word "
+             f"embedding {'trained' if args.train_embedding else 'frozen'}.", "",
              f"Teacher: retrieval top-1 {teacher_eval['top1']:.3f} (cosine 1 by definition).", "",
              "| method | compression | mean cosine | retrieval top-1 | steps | time (s) |",
              "|---|---:|---:|---:|---:|---:|"]
