@@ -110,9 +110,9 @@ def run_cell(cell: str, teacher, data, reference, start, calibration, args) -> d
         t0[0] = clock() if t0[0] is None else t0[0]
         if marks and clock() - t0[0] >= marks[0]:
             marks.pop(0)
-            began = time.perf_counter()
+            at, began = clock() - t0[0], time.perf_counter()
             result = cp.evaluate(student, data, reference)
-            curve.append({"seconds": round(clock() - t0[0], 1), "steps": steps_seen[0], **result})
+            curve.append({"seconds": round(at, 1), "steps": steps_seen[0], **result})
             print("   ", curve[-1], flush=True)
             paused[0] += time.perf_counter() - began
         steps_seen[0] += 1
