@@ -251,6 +251,10 @@ class _TeacherInputs:
                 raise ValueError(f"blockwise distillation: module {name!r} was called without a tensor input; "
                                  f"name blocks whose first argument (or hidden_states=) is the hidden state, "
                                  f"or pass blockwise_fraction=0")
+            if name in self.inputs:  # a shared block (one module called several times) has no single input
+                raise ValueError(f"blockwise distillation: module {name!r} ran more than once in one forward "
+                                 f"(shared weights); name blocks that run once per forward, or pass "
+                                 f"blockwise_fraction=0")
             self.inputs[name] = (args[slot] if isinstance(slot, int) else kwargs[slot]).detach()
         return keep
 
@@ -265,6 +269,10 @@ class _TeacherInputs:
                 kwargs = {**kwargs, slot: self.inputs[name]}
             return args, kwargs
         return feed
+
+    def new_step(self) -> None:
+        """Forget the previous batch's inputs (called before the teacher's forward)."""
+        self.inputs.clear()
 
     def remove(self) -> None:
         for h in self._handles:
@@ -448,8 +456,8 @@ def distill_(
     losses, seconds, loop_notes = match_teacher(
         student, teacher, stream, steps=steps, budget_seconds=budget_seconds, output_fn=output_fn, loss_fn=loss_fn,
         hidden_modules=hidden_modules, hidden_weight=hidden_weight, blockwise_fraction=blockwise_fraction, lr=lr,
-        weight_decay=weight_decay, progress=progress, on_optimizer=attach, observe=lambda loss: hook_box and hook_box[0].observe(loss),
-        postfix=lambda: {"ratio": f"{linear_sizes(student)[0] / dense:.3f}"}, clock=clock)
+        weight_decay=weight_decay, progress=progress, on_optimizer=attach,
+        observe=lambda loss: hook_box and hook_box[0].observe(loss), postfix=lambda: {"ratio": f"{linear_sizes(student)[0] / dense:.3f}"}, clock=clock)
     notes += loop_notes
     hook = hook_box[0] if hook_box else None
 
@@ -546,6 +554,7 @@ def match_teacher(
                 group["lr"] = lr * _lr_factor(max(done))
             if feed is not None:
                 feed.active = max(done) < blockwise_fraction
+                feed.new_step()
             with torch.no_grad():
                 target = output_fn(_call(teacher, batch)).detach()
                 t_hidden = {k: v.detach() for k, v in t_capture.outputs.items()} if t_capture else {}

@@ -175,3 +175,25 @@ def test_blockwise_errors_name_the_fix():
     with pytest.raises(ValueError, match=r"blockwise_fraction must be a number in \[0, 1\]"):
         comera_fx.distill_(copy.deepcopy(teacher), teacher, [x], target_ratio=0.5, steps=1,
                            hidden_modules=NAMES, blockwise_fraction=-0.1, progress=False)
+
+
+class SharedStack(nn.Module):
+    """One block applied twice (ALBERT-style weight sharing): it has no single input to feed."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = Block(6)
+
+    def forward(self, x):
+        return self.block(self.block(x))
+
+
+def test_shared_block_is_refused():
+    torch.manual_seed(0)
+    teacher = SharedStack().double()
+    student = copy.deepcopy(teacher)
+    x = torch.randn(5, 6, dtype=torch.float64)
+    with pytest.raises(ValueError, match="ran more than once in one forward"):
+        match_teacher(student, teacher, [x], steps=1, budget_seconds=None, hidden_modules=["block"],
+                      blockwise_fraction=1.0, progress=False)
+    assert all(not m._forward_pre_hooks for m in list(teacher.modules()) + list(student.modules()))
