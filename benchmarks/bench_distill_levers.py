@@ -1,7 +1,8 @@
 """Which training recipe recovers a compressed all-MiniLM-L6-v2 fastest? One start, several recipes, equal budgets.
 
-Every cell starts from the same student (calibrated, whitened TT-SVD with energy-allocated ranks at ``--ratio``;
-computed once and cached under ``--cache``) and trains it with ``comera_fx.distill.match_teacher`` for
+Every cell starts from the same student (``--start``: ``energy`` = calibrated, whitened TT-SVD with
+energy-allocated ranks at ``--ratio``, the default; ``uniform`` = whitened with one max rank; ``plain`` = plain
+TT-SVD with one max rank; computed once and cached under ``--cache``) and trains it with ``comera_fx.distill.match_teacher`` for
 ``--budget-seconds``; only the recipe differs. Data, loss and evaluation are those of
 examples/compress_pretrained.py (held-out mean cosine to the teacher, docstring -> code retrieval top-1).
 
@@ -69,7 +70,9 @@ def timing_lock(path: str | None):
 def prepared(args, teacher):
     """(data, reference, tensorized start, calibration), cached: mining + tokenising + the start take minutes."""
     args.cache.mkdir(parents=True, exist_ok=True)
-    data_file, start_file = args.cache / "data.pt", args.cache / f"start_{args.ratio}.pt"
+    data_file = args.cache / "data.pt"
+    start_file = args.cache / (f"start_{args.ratio}.pt" if args.start == "energy" else
+                               f"start_{args.ratio}_{args.start}.pt")
     if data_file.exists():
         data, reference, calibration = torch.load(data_file, weights_only=False)
     else:
@@ -81,9 +84,10 @@ def prepared(args, teacher):
         start = torch.load(start_file, weights_only=False)
     else:
         start = copy.deepcopy(teacher)
-        config = comera_fx.TensorizeConfig(param_budget=args.ratio, allocation="energy", max_rank=None)
+        allocation = "energy" if args.start == "energy" else "uniform"
+        config = comera_fx.TensorizeConfig(param_budget=args.ratio, allocation=allocation, max_rank=None)
         comera_fx.tensorize_(start, config, filter_fn=lambda m, n: not isinstance(m, nn.Embedding),
-                             calibration=calibration)
+                             calibration=None if args.start == "plain" else calibration)
         torch.save(start, start_file)
     return data, reference, start, calibration
 
@@ -140,6 +144,8 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cells", nargs="+", default=["base", "base+frozen", "base+by-length+frozen+bs32"])
     parser.add_argument("--ratio", type=float, default=0.25)
+    parser.add_argument("--start", choices=["energy", "uniform", "plain"], default="energy",
+                        help="the start: calibrated + energy ranks, calibrated + one max rank, plain TT-SVD")
     parser.add_argument("--budget-seconds", type=float, default=150.0)
     parser.add_argument("--curve-every", type=float, default=0.0)
     parser.add_argument("--threads", type=int, default=1)
@@ -162,7 +168,7 @@ def main(argv=None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     for cell in args.cells:
         record = run_cell(cell, teacher, data, reference, start, calibration, args)
-        record.update(budget_s=args.budget_seconds, threads=args.threads)
+        record.update(budget_s=args.budget_seconds, threads=args.threads, start=args.start)
         print(json.dumps({k: v for k, v in record.items() if k != "curve"}), flush=True)
         with open(args.out / "cells.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
