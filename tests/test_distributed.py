@@ -9,9 +9,7 @@ in the test's temporary directory (no port to clash) and every collective has a 
 from __future__ import annotations
 
 import copy
-import datetime
 import os
-import traceback
 from pathlib import Path
 
 import pytest
@@ -24,15 +22,13 @@ import comera_fx
 from comera_fx.distributed import unwrap
 from comera_fx.runtime import RankAdaptive
 from comera_fx.runtime.rank_adaptive import tt_matrices
-from helpers_distributed import run_spawned
+from helpers_distributed import COLLECTIVE_TIMEOUT, run_scenarios, scenario_results
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="torch built without gloo")
 
 WORLD = 2
 CONFIG = comera_fx.TensorizeConfig(max_rank=4, min_numel=1, min_dim=1)
-SPAWN_TIMEOUT_S = 240  # the whole group; a collective gives up after COLLECTIVE_TIMEOUT
-COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=120)
 
 # ------------------------------------------------------------------------------------------------- model and data
 
@@ -295,41 +291,15 @@ SLOW = ("rank0_decides", "compile_prune")
 # --------------------------------------------------------------------------------------------------- harness
 
 
-def _worker(rank: int, world: int, store_path: str, out_dir: str, names: tuple[str, ...]) -> None:
-    torch.set_num_threads(1)
-    store = dist.FileStore(store_path, world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT)
-    try:
-        for name in names:
-            try:
-                result = SCENARIOS[name](rank, world)
-            except Exception:
-                result = {"error": traceback.format_exc()}
-            torch.save(result, Path(out_dir) / f"{name}.{rank}.pt")
-            dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
 def run_group(tmp: Path, names: tuple[str, ...]) -> dict[str, list[dict]]:
     """Run ``names`` on WORLD spawned processes; {scenario: [rank 0's result, rank 1's, ...]}."""
-    out = tmp / "results"
-    out.mkdir()
-    return run_spawned(_worker, (WORLD, str(tmp / "store"), str(out), names), out, names, WORLD, SPAWN_TIMEOUT_S)
+    return run_scenarios(__name__, names, tmp, WORLD)
 
 
 @pytest.fixture(scope="module")
 def group(tmp_path_factory):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     return run_group(tmp_path_factory.mktemp("dist"), DEFAULT)
-
-
-def _results(group, name):
-    per_rank = group[name]
-    for r, res in enumerate(per_rank):
-        if "error" in res:
-            pytest.fail(f"scenario {name!r} failed on rank {r}:\n{res['error']}")
-    return per_rank
 
 
 def assert_close(got: dict, want: dict, tol: float = 1e-10, what: str = ""):
@@ -343,13 +313,13 @@ def assert_close(got: dict, want: dict, tol: float = 1e-10, what: str = ""):
 
 def test_ddp_trains_like_one_process_on_the_global_batch(group):
     want = reference_train()
-    for rank, res in enumerate(_results(group, "ddp")):
+    for rank, res in enumerate(scenario_results(group, "ddp")):
         assert_close(res["params"], want, what=f"rank {rank}")
 
 
 def test_ddp_prune_same_slices_rebuilt_wrapper_averages_gradients(group):
     want = reference_prune()
-    res = _results(group, "ddp_prune")
+    res = scenario_results(group, "ddp_prune")
     assert want["pruned_at"], "the schedule must prune within the run"
     for rank, r in enumerate(res):
         assert r["pruned_at"] == want["pruned_at"]
@@ -381,14 +351,14 @@ def grads_of_local(step: int, rank: int):
 
 
 def test_compile_ddp_several_subgraphs_match_eager(group):
-    for rank, res in enumerate(_results(group, "compile")):
+    for rank, res in enumerate(scenario_results(group, "compile")):
         assert res["graphs"] >= 2, "DDPOptimizer should split the first forward at the bucket boundaries"
         assert_close(res["compiled"], res["eager"], tol=1e-10, what=f"rank {rank} compiled vs eager")
 
 
 def test_fsdp2_trains_like_one_process_and_full_state_dict_loads(group):
     want = reference_train()
-    res = _results(group, "fsdp2")
+    res = scenario_results(group, "fsdp2")
     fresh = make_net(seed=1)  # other values, same TT structure
     fresh.load_state_dict(res[0]["full"])
     assert_close(params_of(fresh), want, what="gathered FSDP2 state dict")
@@ -397,7 +367,7 @@ def test_fsdp2_trains_like_one_process_and_full_state_dict_loads(group):
 
 
 def test_rmm_under_ddp_ranks_agree(group):
-    res = _results(group, "rmm")
+    res = scenario_results(group, "rmm")
     assert_close(res[1]["params"], res[0]["params"], tol=0.0, what="rank 1 vs rank 0")
     # the sketches did differ between the ranks (same data, un-averaged gradients)
     assert any(not torch.equal(res[0]["local_grads"][k], res[1]["local_grads"][k]) for k in res[0]["local_grads"])
@@ -413,7 +383,7 @@ def slow_group(tmp_path_factory):
 
 @pytest.mark.slow
 def test_rank0_decides_the_slices_and_the_prune_steps(slow_group):
-    res = _results(slow_group, "rank0_decides")
+    res = scenario_results(slow_group, "rank0_decides")
     r0, r1 = res
     assert r0["comera_ranks"] == r1["comera_ranks"]
     want = list(r0["comera_before"])
@@ -432,7 +402,7 @@ def test_rank0_decides_the_slices_and_the_prune_steps(slow_group):
 @pytest.mark.slow
 def test_compiled_ddp_with_pruning_matches_one_process(slow_group):
     want = reference_prune()
-    for rank, r in enumerate(_results(slow_group, "compile_prune")):
+    for rank, r in enumerate(scenario_results(slow_group, "compile_prune")):
         for step in range(PRUNE["total_steps"]):
             assert_close(r["params"][step], want["params"][step], tol=1e-9, what=f"rank {rank} step {step}")
         assert "hook.model" in r["stale_error"]

@@ -11,10 +11,7 @@ collective times out, so a hang fails.
 from __future__ import annotations
 
 import copy
-import datetime
 import os
-import traceback
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,7 +20,7 @@ from torch import nn
 
 import comera_fx
 from comera_fx.runtime.rank_adaptive import tt_matrices
-from helpers_distributed import run_spawned
+from helpers_distributed import run_scenarios, scenario_results
 
 pytestmark = [pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                  reason="torch built without gloo"),
@@ -31,8 +28,6 @@ pytestmark = [pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_ava
 
 WORLD = 2
 SMALL = comera_fx.TensorizeConfig(min_numel=1, min_dim=1)
-SPAWN_TIMEOUT_S = 240
-COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=120)
 WIDTH = 16
 
 
@@ -96,15 +91,15 @@ def tensorized(calibration_batches, ratio):
 # --------------------------------------------------------------------------------------- scenarios (per rank)
 
 
-def scenario_direct(rank):
+def scenario_direct(rank, world):
     return run_distill([local_batch(s, rank) for s in range(4)], **DIRECT)
 
 
-def scenario_shrink(rank):
+def scenario_shrink(rank, world):
     return run_distill([local_batch(s, rank) for s in range(6)], **SHRINK)
 
 
-def scenario_clock(rank):
+def scenario_clock(rank, world):
     """A clock that runs three times faster on rank 1, then an iterator that runs out on rank 1 only."""
     now = [0.0]
 
@@ -120,7 +115,7 @@ def scenario_clock(rank):
     return out
 
 
-def scenario_own_calibration(rank):
+def scenario_own_calibration(rank, world):
     """Each rank passes its own calibration (not all-reduced): the ranks' TT shapes differ, refused on both."""
     teacher = make_teacher()
     cal = comera_fx.calibrate(teacher, [local_batch(s, rank) for s in range(2)], config=SMALL)
@@ -138,36 +133,10 @@ SCENARIOS = {"direct": scenario_direct, "shrink": scenario_shrink, "clock": scen
 # --------------------------------------------------------------------------------------------------- harness
 
 
-def _worker(rank: int, store_path: str, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, WORLD), rank=rank, world_size=WORLD,
-                            timeout=COLLECTIVE_TIMEOUT)
-    try:
-        for name, scenario in SCENARIOS.items():
-            try:
-                result = scenario(rank)
-            except Exception:
-                result = {"error": traceback.format_exc()}
-            torch.save(result, Path(out_dir) / f"{name}.{rank}.pt")
-            dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.fixture(scope="module")
 def group(tmp_path_factory):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    tmp = tmp_path_factory.mktemp("dist_distill")
-    out = tmp / "results"
-    out.mkdir()
-    return run_spawned(_worker, (str(tmp / "store"), str(out)), out, SCENARIOS, WORLD, SPAWN_TIMEOUT_S)
-
-
-def _results(group, name):
-    for r, res in enumerate(group[name]):
-        if "error" in res:
-            pytest.fail(f"scenario {name!r} failed on rank {r}:\n{res['error']}")
-    return group[name]
+    return run_scenarios(__name__, tuple(SCENARIOS), tmp_path_factory.mktemp("dist_distill"), WORLD)
 
 
 def assert_params(got: dict, want: dict, tol: float, what: str):
@@ -189,7 +158,7 @@ def differs(a: dict, b: dict, by: float) -> bool:
 
 @pytest.mark.parametrize("name, kwargs, n", [("direct", DIRECT, 4), ("shrink", SHRINK, 6)])
 def test_ranks_agree_and_equal_one_process_on_the_global_batches(group, name, kwargs, n):
-    res = _results(group, name)
+    res = scenario_results(group, name)
     want = run_distill([global_batch(s) for s in range(n)], **kwargs)
     # without the all-reduced calibration the ranks would start from other TT-SVDs: check that they would differ
     ratio = kwargs.get("start_ratio") or kwargs["target_ratio"]
@@ -214,7 +183,7 @@ def test_ranks_agree_and_equal_one_process_on_the_global_batches(group, name, kw
 
 
 def test_budget_seconds_rank0_clock_decides_and_iterator_end_stops_all(group):
-    res = _results(group, "clock")
+    res = scenario_results(group, "clock")
     # rank 0's clock advances 1 s per reading: elapsed k + 1 s before step k, so steps 0..3 run within 4.5 s and
     # the final reading is 6 s after the start; rank 1's clock (3 s per reading) alone would allow 1 step
     for rank, r in enumerate(res):
@@ -228,7 +197,7 @@ def test_budget_seconds_rank0_clock_decides_and_iterator_end_stops_all(group):
 
 
 def test_other_shapes_per_rank_refused_on_every_rank(group):
-    for r in _results(group, "own_calibration"):
+    for r in scenario_results(group, "own_calibration"):
         assert r["refusal"] is not None and "other TT ranks" in r["refusal"] and "all_reduce_" in r["refusal"]
 
 
