@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from .config import TensorizeConfig
+from .distributed import agreed_sum
 from .passes.find import find_in_model, split_example_inputs
 
 FilterFn = Callable[[nn.Module, str], bool]
@@ -87,21 +88,12 @@ class Calibration(Mapping):
             raise ValueError(f"Calibration.all_reduce_: rank {differ} calibrated other layers than this rank "
                              f"({len(gathered[differ])} vs {len(shapes)}); calibrate the same model with the same "
                              f"filter_fn / config on every rank")
-        device = (torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(dist.get_backend(group))
-                  else torch.device("cpu"))
-        src = dist.get_global_rank(group, 0) if group is not None else 0
-
-        def agree(t: Tensor) -> Tensor:  # the sum on rank 0, then rank 0's bits everywhere
-            dist.reduce(t, dst=src, group=group)
-            dist.broadcast(t, src=src, group=group)
-            return t
-
-        counts = agree(torch.tensor([self._stats[k].tokens for k in keys] + [self.batches], dtype=torch.int64,
-                                    device=device)).tolist()
+        counts = agreed_sum(torch.tensor([self._stats[k].tokens for k in keys] + [self.batches],
+                                         dtype=torch.int64), group).tolist()
         for key, total in zip(keys, counts):
             s = self._stats[key]
-            summed = agree((s.second_moment.to(device, torch.float64) * s.tokens).contiguous())
-            self._stats[key] = InputStats((summed / total).to(s.second_moment.device), int(total))
+            summed = agreed_sum((s.second_moment.to(torch.float64) * s.tokens).contiguous(), group)
+            self._stats[key] = InputStats(summed / total, int(total))
         self.batches = int(counts[-1])
         return self
 
@@ -136,6 +128,7 @@ def calibrate(
     max_batches: int | None = None,
     filter_fn: FilterFn | None = None,
     config: TensorizeConfig | None = None,
+    token_mask: Callable[[object], Tensor] | None = None,
 ) -> Calibration:
     """Record C = XᵀX / n (float64) of the inputs of every large linear-like weight of ``model``.
 
@@ -148,8 +141,12 @@ def calibrate(
         config: which weights are "large" and not skipped (``TensorizeConfig.min_numel`` / ``min_dim`` / ``skip``;
             default thresholds if None). Weights read by functional ops only (``F.linear`` on a raw parameter) are
             not seen by hooks; ``tensorize_`` decomposes them by plain TT-SVD and says so.
+        token_mask: ``token_mask(batch) -> Tensor`` of shape (batch, seq), nonzero at real tokens, e.g.
+            ``lambda b: b["attention_mask"]``: the rows of padding tokens are left out of every layer whose input has
+            those leading dims. Without it every input row counts, padding included (a hook cannot see an attention
+            mask), and on short texts padded to a batch's longest those rows can be most of the statistics.
 
-    Every input row counts, padding tokens included (a hook cannot see an attention mask). The model runs under
+    The model runs under
     ``torch.no_grad()`` in eval mode; each module's training flag and the global RNG state are restored afterwards,
     and the hooks are removed even if a batch fails.
     """
@@ -165,6 +162,8 @@ def calibrate(
     # guards against a freed tensor's address being reused.
     seen_inputs: dict[tuple, tuple[weakref.ref, Tensor, int]] = {}
 
+    mask: list[Tensor | None] = [None]  # the current batch's token mask
+
     def make_hook(fqn: str, d_in: int):
         def hook(module, args, kwargs, output):
             x = args[0] if args else next(iter(kwargs.values()))
@@ -174,6 +173,8 @@ def calibrate(
                 gram, rows = cached[1], cached[2]
             else:
                 flat = x.detach().reshape(-1, d_in).to(torch.float64)
+                if mask[0] is not None and tuple(mask[0].shape) == tuple(x.shape[:-1]):
+                    flat = flat[mask[0].reshape(-1).to(device=flat.device, dtype=torch.bool)]
                 gram, rows = flat.T @ flat, flat.shape[0]
                 seen_inputs[ident] = (weakref.ref(x), gram, rows)
             sums[fqn] = sums[fqn] + gram if fqn in sums else gram.clone()
@@ -191,6 +192,7 @@ def calibrate(
         with torch.no_grad():
             for batch in _iterate(batches, max_batches):
                 args, kwargs = split_example_inputs(batch)
+                mask[0] = token_mask(batch) if token_mask is not None else None
                 model(*args, **kwargs)
                 seen_inputs.clear()
                 n_batches += 1

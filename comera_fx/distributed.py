@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ["RankSync", "rewrap_ddp", "is_fsdp2", "unwrap"]
+__all__ = ["RankSync", "agreed_sum", "rewrap_ddp", "is_fsdp2", "unwrap"]
 
 _MB = 1024 * 1024
 
@@ -114,6 +114,25 @@ def rewrap_ddp(old: DistributedDataParallel, *, wrap: Callable[[nn.Module], Dist
 
 def _group_size(group: Any) -> int:
     return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+
+
+def agreed_sum(t: Tensor, group: Any = None) -> Tensor:
+    """The sum of ``t`` over the ranks, bitwise the same on every rank (in place; a collective).
+
+    Reduced on the group's first rank, then broadcast from it: an all-reduce may leave the ranks with sums that
+    differ in the last bits (summed in different orders), and statistics that decide TT shapes must agree exactly.
+    On NCCL the tensor travels through the current CUDA device. Without a group of several ranks: ``t`` itself."""
+    if _group_size(group) == 1:
+        return t
+    nccl = "nccl" in str(dist.get_backend(group))
+    work = t.to(torch.device("cuda", torch.cuda.current_device())) if nccl else t
+    work = work.contiguous()
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    dist.reduce(work, dst=src, group=group)
+    dist.broadcast(work, src=src, group=group)
+    if work is not t:
+        t.copy_(work)
+    return t
 
 
 class RankSync:
