@@ -10,6 +10,7 @@ Public API::
     comera_fx.randomize_backward_(model, rho=0.25)            # RMM: linear backward keeps a sketch of its input
     cal = comera_fx.calibrate(model, batches)                 # input statistics for activation-aware TT-SVD
     comera_fx.tensorize_(model, TensorizeConfig(param_budget=0.25, allocation="energy"), calibration=cal)
+    comera_fx.refit_sequential_(model, teacher, batches)      # refit layer by layer on the compressed model's inputs
     comera_fx.save_tensorized(model, path); comera_fx.load_tensorized(path, build_fn)  # no dense weights on load
     comera_fx.distill_(student, teacher, batches, target_ratio=0.25, budget_seconds=600)  # compress a trained model
     torch.compile(model, backend=comera_fx.backend)          # or backend="comera_fx"; comera_fx.compile(model, config)
@@ -23,6 +24,7 @@ from .config import Allocation, Init, LayerSettings, TensorizeConfig
 from .distill import DistillSummary, distill_
 from .passes.rmm import RandomizeSummary, randomize_backward_, restore_backward_
 from .passes.tensorize import TensorizeSummary, tensorize_
+from .refit import RefitSummary, refit_sequential_
 from .report import Report, report
 from .rmm import RMMConfig
 from .runtime import RankAdaptive, param_groups
@@ -46,11 +48,13 @@ __all__ = [
     "compile",
     "distill_",
     "make_backend",
+    "refit_sequential_",
     "Init",
     "RankAdaptive",
     "LayerSettings",
     "RMMConfig",
     "RandomizeSummary",
+    "RefitSummary",
     "Report",
     "TTEmbedding",
     "TTFormat",
