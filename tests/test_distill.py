@@ -239,6 +239,36 @@ def test_errors_name_the_fix(teacher):
         comera_fx.distill_(copy.deepcopy(teacher), teacher, batches, target_ratio=1e-4, **ok)
 
 
+def test_refit_runs_on_the_calibration_batches(teacher):
+    """distill_(refit=True): the summary's refit errors are the layers' real errors on the calibration batches
+    (measured here from the layers' outputs), and the refit student is closer to the teacher than the plain one."""
+    batches = make_batches(16, seed=21)
+    reference = [teacher(**b).last_hidden_state.detach() for b in batches]
+    kwargs = dict(target_ratio=0.4, steps=1, lr=1e-12, calibration_batches=16, config=SMALL, progress=False)
+    plain = copy.deepcopy(teacher)
+    comera_fx.distill_(plain, teacher, batches, **kwargs)
+    refit = copy.deepcopy(teacher)
+    summary = comera_fx.distill_(refit, teacher, batches, refit=True, **kwargs)
+    assert summary.refit is not None and len(summary.refit.layers) == 12 and summary.refit.batches == 16
+    assert any(n.startswith("refit_sequential_: 12 layers") for n in summary.notes)
+    for layer in summary.refit.layers[:3]:
+        outs = {}
+        for name, model in (("t", teacher), ("s", refit)):
+            seen = []
+            handle = model.get_submodule(layer.name).register_forward_hook(lambda m, a, o: seen.append(o))
+            with torch.no_grad():
+                for b in batches:
+                    model(**b)
+            handle.remove()
+            outs[name] = torch.cat([o.reshape(-1, o.shape[-1]) for o in seen]).double()
+        real = float((outs["s"] - outs["t"]).norm() / outs["t"].norm())
+        assert layer.error_after == pytest.approx(real, rel=1e-3)
+    assert relative_error(refit, batches, reference) < relative_error(plain, batches, reference)
+    with pytest.raises(ValueError, match="calibration_batches >= 1"):
+        comera_fx.distill_(copy.deepcopy(teacher), teacher, batches, **{**kwargs, "calibration_batches": 0},
+                           refit=True)
+
+
 def test_compress_pretrained_example_quick(tmp_path):
     """Smoke run of examples/compress_pretrained.py on a tiny random BERT (no package needed): every cell runs,
     the report and plots are written, and the saved student loads back to the same embeddings."""

@@ -127,8 +127,17 @@ def scenario_own_calibration(rank, world):
     return {"refusal": None}
 
 
+# lr ~ 0: the one training step (distill_ needs >= 1) leaves the refit cores as they are; Adam's first step is
+# lr·sign(g) and would turn last-bit gradient differences into lr-sized ones
+REFIT = dict(target_ratio=0.5, steps=1, calibration_batches=3, lr=1e-12, refit=True)
+
+
+def scenario_refit(rank, world):
+    return run_distill([local_batch(s, rank) for s in range(4)], **REFIT)
+
+
 SCENARIOS = {"direct": scenario_direct, "shrink": scenario_shrink, "clock": scenario_clock,
-             "own_calibration": scenario_own_calibration}
+             "own_calibration": scenario_own_calibration, "refit": scenario_refit}
 
 # --------------------------------------------------------------------------------------------------- harness
 
@@ -199,6 +208,33 @@ def test_budget_seconds_rank0_clock_decides_and_iterator_end_stops_all(group):
 def test_other_shapes_per_rank_refused_on_every_rank(group):
     for r in scenario_results(group, "own_calibration"):
         assert r["refusal"] is not None and "other TT ranks" in r["refusal"] and "all_reduce_" in r["refusal"]
+
+
+def refit_outputs(result) -> torch.Tensor:
+    """The distilled student of ``result`` (its state dict loaded into a tensorized skeleton) on a fresh batch."""
+    student = make_teacher()
+    comera_fx.tensorize_(student, SMALL.replace(max_rank=2))  # load_state_dict adopts the checkpoint's ranks
+    student.load_state_dict(result["params"])
+    with torch.no_grad():
+        return student(global_batch(99))[0]
+
+
+def test_refit_statistics_are_summed_over_the_ranks(group):
+    """distill_(refit=True) on each rank's halves = one process on the global batches; one rank's data alone
+    refits to another model (so the agreement is what makes them equal). Compared by the outputs: the whitened
+    TT-SVD is sensitive to the last bits of its statistics (the same batches with their rows in another order
+    move single cores by ~1e-4 in float64), the refit model's outputs by ~1e-5 relative."""
+    res = scenario_results(group, "refit")
+    want = run_distill([global_batch(s) for s in range(4)], **REFIT)
+    alone = run_distill([local_batch(s, 0) for s in range(4)], **REFIT)
+    reference = refit_outputs(want)
+    scale = float(reference.abs().max())
+    assert float((refit_outputs(alone) - reference).abs().max()) > 0.05 * scale
+    for rank, r in enumerate(res):
+        assert any("refit_sequential_: 4 layers" in n for n in r["notes"]), r["notes"]
+        assert r["ranks"] == want["ranks"]
+        assert float((refit_outputs(r) - reference).abs().max()) < 1e-3 * scale, f"rank {rank} vs one process"
+    assert_params(res[1]["params"], res[0]["params"], tol=0.0, what="refit rank 1 vs rank 0")
 
 
 def test_all_reduce_without_a_group_is_a_no_op():
