@@ -2,7 +2,8 @@
 
 Every cell starts from the same student (``--start``: ``energy`` = calibrated, whitened TT-SVD with
 energy-allocated ranks at ``--ratio``, the default; ``uniform`` = whitened with one max rank; ``plain`` = plain
-TT-SVD with one max rank; computed once and cached under ``--cache``) and trains it with ``comera_fx.distill.match_teacher`` for
+TT-SVD with one max rank; ``masked`` = calibrated without padding rows on ``--refit-batches`` batches, energy ranks;
+``refit`` = ``masked``, then ``comera_fx.refit_sequential_``; computed once and cached under ``--cache``) and trains it with ``comera_fx.distill.match_teacher`` for
 ``--budget-seconds``; only the recipe differs. Data, loss and evaluation are those of
 examples/compress_pretrained.py (held-out mean cosine to the teacher, docstring -> code retrieval top-1).
 
@@ -80,15 +81,33 @@ def prepared(args, teacher):
         draw = cp.batch_sampler(data["train_enc"], 16, seed=args.seed)
         calibration = comera_fx.calibrate(copy.deepcopy(teacher), [draw() for _ in range(8)])
         torch.save((data, reference, calibration), data_file)
+    if args.start in ("refit", "masked"):
+        start_file = args.cache / (f"start_{args.ratio}_{args.start}_{args.refit_batches}x{args.refit_batch_size}"
+                                   f"{'_by-length' if args.refit_by_length else ''}.pt")
     if start_file.exists():
-        start = torch.load(start_file, weights_only=False)
+        start, setup = torch.load(start_file, weights_only=False)
     else:
+        began = time.perf_counter()
         start = copy.deepcopy(teacher)
-        allocation = "energy" if args.start == "energy" else "uniform"
+        allocation = "uniform" if args.start in ("uniform", "plain") else "energy"
         config = comera_fx.TensorizeConfig(param_budget=args.ratio, allocation=allocation, max_rank=None)
-        comera_fx.tensorize_(start, config, filter_fn=lambda m, n: not isinstance(m, nn.Embedding),
-                             calibration=None if args.start == "plain" else calibration)
-        torch.save(start, start_file)
+        keep_linears = lambda m, n: not isinstance(m, nn.Embedding)  # noqa: E731
+        if args.start in ("refit", "masked"):  # calibration without padding rows on more batches (+ the refit)
+            draw = cp.batch_sampler(data["train_enc"], args.refit_batch_size, seed=args.seed + 1,
+                                    by_length=args.refit_by_length)
+            batches = [draw() for _ in range(args.refit_batches)]
+            mask = lambda b: b["attention_mask"]  # noqa: E731
+            own = comera_fx.calibrate(start, batches, token_mask=mask)
+            comera_fx.tensorize_(start, config, filter_fn=keep_linears, calibration=own)
+            if args.start == "refit":
+                print(comera_fx.refit_sequential_(start, teacher, batches, token_mask=mask,
+                                                  blocks=cp.hidden_layers(teacher)), flush=True)
+        else:
+            comera_fx.tensorize_(start, config, filter_fn=keep_linears,
+                                 calibration=None if args.start == "plain" else calibration)
+        setup = time.perf_counter() - began
+        torch.save((start, setup), start_file)
+    print(f"start {args.start}: set-up {setup:.1f} s (calibration of the 'energy' start not included)", flush=True)
     return data, reference, start, calibration
 
 
@@ -144,8 +163,13 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cells", nargs="+", default=["base", "base+frozen", "base+by-length+frozen+bs32"])
     parser.add_argument("--ratio", type=float, default=0.25)
-    parser.add_argument("--start", choices=["energy", "uniform", "plain"], default="energy",
-                        help="the start: calibrated + energy ranks, calibrated + one max rank, plain TT-SVD")
+    parser.add_argument("--start", choices=["energy", "uniform", "plain", "masked", "refit"], default="energy",
+                        help="the start: calibrated + energy ranks, calibrated + one max rank, plain TT-SVD; masked: "
+                             "calibrated without padding rows on --refit-batches, energy ranks; refit: masked, then "
+                             "refit_sequential_")
+    parser.add_argument("--refit-batches", type=int, default=32)
+    parser.add_argument("--refit-batch-size", type=int, default=32)
+    parser.add_argument("--refit-by-length", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--budget-seconds", type=float, default=150.0)
     parser.add_argument("--curve-every", type=float, default=0.0)
     parser.add_argument("--threads", type=int, default=1)

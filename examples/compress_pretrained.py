@@ -8,8 +8,9 @@ split by file into training and held-out files. For each size target the script 
 * mean cosine between the student's and the teacher's sentence embeddings;
 * retrieval: each held-out docstring must find its own function's source among all held-out functions (top-1);
 
-for TT-SVD only (uniform ranks, and calibrated + energy-allocated ranks) and after distillation (both rank
-choices), then saves the best student with ``save_tensorized`` and loads it back without the dense weights.
+for TT-SVD only (uniform ranks; calibrated + energy-allocated ranks; the same refit layer by layer on the compressed
+model's own inputs with ``refit_sequential_``) and after distillation (both rank choices), then saves the best
+student with ``save_tensorized`` and loads it back without the dense weights.
 Writes ``report.md`` and plots to ``--out``.
 
     python examples/compress_pretrained.py --budget-seconds 600 --ratios 0.25 0.125
@@ -215,6 +216,11 @@ def freeze_word_embedding(student: nn.Module, args) -> None:
         student.bert.embeddings.word_embeddings.weight.requires_grad_(False)
 
 
+def real_tokens(batch: dict) -> torch.Tensor:
+    """The calibration's token mask: padding rows are not statistics of real text."""
+    return batch["attention_mask"]
+
+
 def hidden_layers(model: nn.Module) -> list[str]:
     return [name for name, _ in model.named_modules()
             if name.startswith("bert.encoder.layer.") and name.count(".") == 3]
@@ -250,8 +256,10 @@ def prepare(args) -> tuple:
     return teacher, builder, name, data, reference
 
 
-def run_tt(teacher, data, ratio: float, allocation: str, distill: bool, args) -> tuple[nn.Module, dict]:
-    """One cell: TT-SVD (uniform or calibrated + energy) at ``ratio``, with or without distillation."""
+def run_tt(teacher, data, ratio: float, allocation: str, distill: bool, args,
+           refit: bool = False) -> tuple[nn.Module, dict]:
+    """One cell: TT-SVD (uniform or calibrated + energy) at ``ratio``, with or without distillation; ``refit``:
+    ``refit_sequential_`` after the TT-SVD."""
     student = copy.deepcopy(teacher)
     draw = batch_sampler(data["train_enc"], args.batch_size, seed=args.seed, by_length=args.by_length)
     freeze_word_embedding(student, args)
@@ -261,29 +269,35 @@ def run_tt(teacher, data, ratio: float, allocation: str, distill: bool, args) ->
         summary = comera_fx.distill_(
             student, teacher, draw, target_ratio=ratio, budget_seconds=args.budget_seconds, steps=args.steps,
             loss_fn=distill_loss, hidden_modules=hidden_layers(teacher), hidden_weight=1 / 6, lr=args.lr,
-            allocation=allocation, calibration_batches=8 if calibrated else 0, start_ratio=args.start_ratio,
-            progress=not args.no_progress)
+            allocation=allocation, calibration_batches=args.calibration_batches if calibrated else 0,
+            token_mask=real_tokens, refit=refit, start_ratio=args.start_ratio, progress=not args.no_progress)
         info = {"steps": summary.steps, "train_s": summary.seconds, "setup_s": summary.setup_seconds,
                 "ratio": summary.ratio, "ranks": {k: list(v) for k, v in summary.ranks.items()},
                 "loss_first": summary.losses[0], "loss_last": sum(summary.losses[-10:]) / len(summary.losses[-10:])}
     else:
         config = comera_fx.TensorizeConfig(param_budget=ratio, allocation=allocation, max_rank=None)
-        calibration = comera_fx.calibrate(student, [draw() for _ in range(8)]) if calibrated else None
+        batches = [draw() for _ in range(args.calibration_batches)] if calibrated else []
+        calibration = comera_fx.calibrate(student, batches, token_mask=real_tokens) if calibrated else None
         keep_linears = lambda m, n: not isinstance(m, nn.Embedding)  # noqa: E731
         summary = comera_fx.tensorize_(student, config, filter_fn=keep_linears, calibration=calibration)
+        if refit:
+            comera_fx.refit_sequential_(student, teacher, batches, token_mask=real_tokens,
+                                        blocks=hidden_layers(teacher))
         tt, dense = comera_fx.distill.linear_sizes(student)
         info = {"steps": 0, "train_s": 0.0, "setup_s": time.perf_counter() - start, "ratio": tt / dense,
                 "ranks": {d.fqn: list(d.ranks) for d in summary.converted}}
+    info["refit"] = refit
     info.update(evaluate(student, data, args.reference))
     info["total_s"] = time.perf_counter() - start
     return student, info
 
 
-METHODS = {  # name: (allocation, distill)
-    "tt-svd uniform": ("uniform", False),
-    "tt-svd calibrated+energy": ("energy", False),
-    "distill uniform": ("uniform", True),
-    "distill calibrated+energy": ("energy", True),
+METHODS = {  # name: (allocation, distill, refit)
+    "tt-svd uniform": ("uniform", False, False),
+    "tt-svd calibrated+energy": ("energy", False, False),
+    "tt-svd calibrated+energy+refit": ("energy", False, True),
+    "distill uniform": ("uniform", True, False),
+    "distill calibrated+energy": ("energy", True, False),
 }
 
 
@@ -338,6 +352,8 @@ def main(argv=None, extra: dict | None = None) -> dict:
     parser.add_argument("--by-length", action=argparse.BooleanOptionalAction, default=True,
                         help="batches of texts of neighbouring lengths (less padding; default on)")
     parser.add_argument("--train-embedding", action="store_true", help="also train the dense word embedding")
+    parser.add_argument("--calibration-batches", type=int, default=32,
+                        help="batches for the calibrated cells' statistics (padding rows left out) and the refit")
     parser.add_argument("--train-len", type=int, default=64, help="training texts are cut to this many tokens")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (1 is faster on a busy machine)")
     parser.add_argument("--max-files", type=int, default=None, help="mine only this many stdlib files")
@@ -353,6 +369,7 @@ def main(argv=None, extra: dict | None = None) -> dict:
         args.max_files, args.eval_texts, args.retrieval = args.max_files or 40, 64, 48
         args.budget_seconds, args.steps, args.ratios = min(args.budget_seconds, 10.0), args.steps or 3, [0.25]
         args.batch_size = min(args.batch_size, 8)
+        args.calibration_batches = min(args.calibration_batches, 4)
     torch.set_num_threads(args.threads)
     out = args.out or Path("runs") / f"compress_{time.strftime('%Y%m%d_%H%M%S')}"
     out.mkdir(parents=True, exist_ok=True)
@@ -368,8 +385,8 @@ def main(argv=None, extra: dict | None = None) -> dict:
             if method in extra:
                 student, distill, info = None, False, extra[method](teacher, data, ratio, args)
             else:
-                allocation, distill = METHODS[method]
-                student, info = run_tt(teacher, data, ratio, allocation, distill, args)
+                allocation, distill, refit = METHODS[method]
+                student, info = run_tt(teacher, data, ratio, allocation, distill, args, refit)
             info.update(method=method, target=ratio)
             results.append(info)
             print(f"  {method:28s} {1 / info['ratio']:5.1f}x  cosine {info['cosine']:.4f}  top-1 {info['top1']:.3f}"
@@ -401,7 +418,9 @@ def write_report(out, name, args, data, teacher_eval, results, saved, dense_byte
              f"at the end {' '.join(load)}. Data: {data['counts']} (split by file). Distillation budget "
              f"{args.budget_seconds:.0f} s per run{f', {args.steps} steps' if args.steps else ''}, batch "
              f"{args.batch_size}{' (texts of neighbouring lengths)' if args.by_length else ''}, lr {args.lr}, word "
-             f"embedding {'trained' if args.train_embedding else 'frozen'}.", "",
+             f"embedding {'trained' if args.train_embedding else 'frozen'}. Calibrated cells: statistics of "
+             f"{args.calibration_batches} batches without padding rows (+refit: then refit_sequential_, each layer "
+             f"refit on the compressed model's own inputs); set-up is in the time column.", "",
              f"Teacher: retrieval top-1 {teacher_eval['top1']:.3f} (cosine 1 by definition).", "",
              "| method | compression | mean cosine | retrieval top-1 | steps | time (s) |",
              "|---|---:|---:|---:|---:|---:|"]
