@@ -146,9 +146,8 @@ def calibrate(
             those leading dims. Without it every input row counts, padding included (a hook cannot see an attention
             mask), and on short texts padded to a batch's longest those rows can be most of the statistics.
 
-    The model runs under
-    ``torch.no_grad()`` in eval mode; each module's training flag and the global RNG state are restored afterwards,
-    and the hooks are removed even if a batch fails.
+    The model runs under ``torch.no_grad()`` in eval mode; each module's training flag and the global RNG state are
+    restored afterwards, and the hooks are removed even if a batch fails.
     """
     if max_batches is not None and (isinstance(max_batches, bool) or not isinstance(max_batches, int)
                                     or max_batches < 1):

@@ -125,7 +125,7 @@ def refit_sequential_(
             index = chain.index_of(group) if chain is not None else None
             if index is not None:
                 chain.advance_to(index)
-            stats = {name: _Moments() for name in group}
+            stats = {name: _Moments(pairs[name][0].tt.rows) for name in group}
             for b, batch in enumerate(drawn):
                 mask = token_mask(batch) if token_mask is not None else None
                 t_modules = {n: pairs[n][1] for n in group}
@@ -153,28 +153,27 @@ def refit_sequential_(
 class _Moments:
     """Running float64 sums of x_s x_sᵀ, x_s x_tᵀ, x_t x_tᵀ, x_s, x_t over paired token rows."""
 
-    def __init__(self):
+    def __init__(self, d_in: int):
         self.n = 0
-        self.ss = self.st = self.tt = self.s = self.t = None
+        square = lambda: torch.zeros(d_in, d_in, dtype=torch.float64)  # noqa: E731
+        self.ss, self.st, self.tt = square(), square(), square()
+        self.s, self.t = torch.zeros(d_in, dtype=torch.float64), torch.zeros(d_in, dtype=torch.float64)
 
     def add(self, xs: Tensor, xt: Tensor) -> None:
         if xs.shape != xt.shape:
             raise ValueError(f"student and teacher inputs differ in shape: {tuple(xs.shape)} vs {tuple(xt.shape)}")
-        xs, xt = xs.to(torch.float64), xt.to(torch.float64)
-        parts = (xs.T @ xs, xs.T @ xt, xt.T @ xt, xs.sum(0), xt.sum(0))
-        if self.ss is None:
-            self.ss, self.st, self.tt, self.s, self.t = parts
-        else:
-            for attr, value in zip(("ss", "st", "tt", "s", "t"), parts):
-                setattr(self, attr, getattr(self, attr) + value)
+        xs, xt = xs.to(torch.float64).cpu(), xt.to(torch.float64).cpu()
+        self.ss += xs.T @ xs
+        self.st += xs.T @ xt
+        self.tt += xt.T @ xt
+        self.s += xs.sum(0)
+        self.t += xt.sum(0)
         self.n += xs.shape[0]
 
     def agree(self) -> None:
         """Sum the moments over the ranks of the default process group (no-op in one process)."""
         if _world() == 1:
             return
-        if self.ss is None:
-            raise ValueError("refit_sequential_ under torch.distributed: a layer saw no input row on this rank")
         parts = [self.ss, self.st, self.tt, self.s, self.t]
         flat = torch.cat([p.reshape(-1) for p in parts] + [torch.tensor([float(self.n)], dtype=torch.float64)])
         agreed_sum(flat)
@@ -216,15 +215,18 @@ def local_error(m: Tensor, b: Tensor | None, m_hat: Tensor, b_hat: Tensor | None
 
 def _refit_layer(name: str, module: TTLinear, dense: nn.Module, mom: _Moments, eps: float) -> LayerRefit:
     tt = module.tt
-    m = _dense_matrix(dense).to(torch.float64)
-    b = dense.bias.detach().to(torch.float64) if getattr(dense, "bias", None) is not None else None
+    # the fit runs in float64 on the CPU (the moments live there), whatever the models' device
+    m = _dense_matrix(dense).to("cpu", torch.float64)
+    b = dense.bias.detach().to("cpu", torch.float64) if getattr(dense, "bias", None) is not None else None
     n = mom.n
+    if n == 0:
+        raise ValueError(f"refit_sequential_: {name} saw no input row (every token masked by token_mask?)")
     c_ss, c_st = mom.ss / n, mom.st / n
     if b is not None:  # the bias absorbs the means: fit on centred inputs
         mu_s, mu_t = mom.s / n, mom.t / n
         c_ss, c_st = c_ss - torch.outer(mu_s, mu_s), c_st - torch.outer(mu_s, mu_t)
-    old_m = tt.dense().detach().to(torch.float64)
-    old_b = module.bias.detach().to(torch.float64) if module.bias is not None else None
+    old_m = tt.dense().detach().to("cpu", torch.float64)
+    old_b = module.bias.detach().to("cpu", torch.float64) if module.bias is not None else None
     before = local_error(m, b, old_m, old_b, mom)
 
     target = compensated_target(m, c_ss, c_st, eps)

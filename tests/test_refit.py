@@ -141,6 +141,8 @@ def test_batches_callable_and_errors():
     with pytest.raises(ValueError, match="the teacher this student was"):
         comera_fx.refit_sequential_(student, other, batches(1))
     assert "no TT linear" in str(comera_fx.refit_sequential_(copy.deepcopy(teacher), teacher, batches(1)))
+    with pytest.raises(ValueError, match="saw no input row"):
+        comera_fx.refit_sequential_(student, teacher, batches(1), token_mask=lambda b: torch.zeros(b.shape[:2]))
 
 
 def tiny_bert():
