@@ -92,6 +92,21 @@ class MLP(nn.Module):
         return self.fc2(torch.tanh(self.fc1(x)))
 
 
+class Anisotropic(nn.Module):
+    """A fixed mixing (a buffer) before an MLP(128, 256, 100) makes fc1's inputs anisotropic: singular values
+    from 1 down to 10^-decay. fc1 and fc2 are large (128·256, 256·100)."""
+
+    def __init__(self, decay: float = 2.5):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        basis = torch.linalg.qr(torch.randn(128, 128, generator=g))[0]
+        self.register_buffer("mix", basis * torch.logspace(0, -decay, 128))
+        self.net = MLP(128, 256, 100)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net(x @ self.mix.T)
+
+
 class Big(nn.Module):
     """For the save/load tests (a fresh process imports it too): the converted weights (512 × 1024 the largest)
     are far larger than anything that stays dense."""

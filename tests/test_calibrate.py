@@ -10,21 +10,7 @@ from torch import nn
 import comera_fx
 from comera_fx import Calibration, TensorizeConfig
 
-from helpers_models import MLP
-
-
-class Anisotropic(nn.Module):
-    """A fixed mixing makes fc1's inputs strongly anisotropic; fc1 and fc2 are large (128·256, 256·100)."""
-
-    def __init__(self):
-        super().__init__()
-        g = torch.Generator().manual_seed(0)
-        basis = torch.linalg.qr(torch.randn(128, 128, generator=g))[0]
-        self.register_buffer("mix", basis * torch.logspace(0, -2.5, 128))
-        self.net = MLP(128, 256, 100)
-
-    def forward(self, x):
-        return self.net(x @ self.mix.T)
+from helpers_models import Anisotropic
 
 
 def make_batches(n=4, seed=1):

@@ -13,23 +13,14 @@ from torch import nn
 import comera_fx
 from comera_fx import TensorizeConfig
 
-from helpers_models import MLP
+from helpers_models import MLP, Anisotropic
 
 SMALL = TensorizeConfig(min_numel=1000)
 
 
-class Mixed(nn.Module):
+def mixed_model() -> Anisotropic:
     """A fixed input mixing (a buffer) before an MLP: a student with another mixing sees other inputs at fc1."""
-
-    def __init__(self):
-        super().__init__()
-        g = torch.Generator().manual_seed(0)
-        basis = torch.linalg.qr(torch.randn(128, 128, generator=g))[0]
-        self.register_buffer("mix", basis * torch.logspace(0, -1.5, 128))
-        self.net = MLP(128, 256, 100)
-
-    def forward(self, x):
-        return self.net(x @ self.mix.T)
+    return Anisotropic(decay=1.5)
 
 
 def batches(n=6, seed=1):
@@ -62,7 +53,7 @@ def test_full_rank_refit_is_the_least_squares_fit():
     """At full rank nothing is truncated: fc1 becomes the least-squares map from the student's inputs (with a bias
     column) to the teacher's outputs, which lstsq computes from the raw rows."""
     torch.manual_seed(0)
-    teacher = Mixed()
+    teacher = mixed_model()
     student = student_of(teacher, SMALL.replace(max_rank=10_000))
     data = batches()
     x_t, y_t = layer_io(teacher, "net.fc1", data)
@@ -83,7 +74,7 @@ def test_reported_errors_are_the_layers_real_errors(rank):
     """error_after of each layer equals ||teacher layer on teacher inputs - student layer on student inputs|| /
     ||teacher output||, measured on the refit model: the later layer was fit on the refit earlier layer's outputs."""
     torch.manual_seed(0)
-    teacher = Mixed()
+    teacher = mixed_model()
     student = student_of(teacher, SMALL.replace(max_rank=rank))
     data = batches()
     before = {}
@@ -110,7 +101,7 @@ def test_reported_errors_are_the_layers_real_errors(rank):
 
 def test_refit_leaves_the_teacher_flags_rng_and_requires_grad_alone():
     torch.manual_seed(0)
-    teacher = Mixed()
+    teacher = mixed_model()
     teacher.train()
     student = student_of(teacher, SMALL.replace(max_rank=6))
     student.train()
@@ -127,7 +118,7 @@ def test_refit_leaves_the_teacher_flags_rng_and_requires_grad_alone():
 
 def test_batches_callable_and_errors():
     torch.manual_seed(0)
-    teacher = Mixed()
+    teacher = mixed_model()
     student = student_of(teacher, SMALL.replace(max_rank=6))
     g = torch.Generator().manual_seed(3)
     summary = comera_fx.refit_sequential_(student, teacher, lambda: torch.randn(4, 128, generator=g), max_batches=3)
@@ -136,7 +127,7 @@ def test_batches_callable_and_errors():
         comera_fx.refit_sequential_(student, teacher, [])
     with pytest.raises(ValueError, match="max_batches"):
         comera_fx.refit_sequential_(student, teacher, batches(1), max_batches=0)
-    other = Mixed()
+    other = mixed_model()
     other.net.fc1 = nn.Linear(128, 128)
     with pytest.raises(ValueError, match="the teacher this student was"):
         comera_fx.refit_sequential_(student, other, batches(1))
