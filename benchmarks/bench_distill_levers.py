@@ -4,8 +4,9 @@ Every cell starts from the same student (``--start``: ``energy`` = calibrated, w
 energy-allocated ranks at ``--ratio``, the default; ``uniform`` = whitened with one max rank; ``plain`` = plain
 TT-SVD with one max rank; ``masked`` = calibrated without padding rows on ``--refit-batches`` batches, energy ranks;
 ``refit`` = ``masked``, then ``comera_fx.refit_sequential_``; computed once and cached under ``--cache``) and
-trains it with ``comera_fx.distill.match_teacher`` for ``--budget-seconds``; only the recipe differs. Data, loss and evaluation are those of
-examples/compress_pretrained.py (held-out mean cosine to the teacher, docstring -> code retrieval top-1).
+trains it with ``comera_fx.distill.match_teacher`` for ``--budget-seconds``; only the recipe differs. Data, loss
+and evaluation are those of examples/compress_pretrained.py (held-out mean cosine to the teacher, docstring -> code
+retrieval top-1).
 
 A cell is a recipe name plus optional ``+`` modifiers: ``+frozen`` (the dense word embedding is not trained),
 ``+by-length`` (batches of texts of similar length: less padding), ``+bsN`` (batch size N, default 16),
