@@ -22,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 from .config import TensorizeConfig
 from .calibrate import Calibration, calibrate
 from .distributed import RankSync
+from .module_calls import default_output, input_slot
 from .passes.tensorize import TensorizeSummary, tensorize_
 from .refit import refit_sequential_
 from .runtime.rank_adaptive import RankAdaptive, tt_matrices
@@ -35,21 +36,6 @@ LossFn = Callable[[Tensor, Tensor], Tensor]
 def relative_mse(student: Tensor, teacher: Tensor) -> Tensor:
     """‖s − t‖² / ‖t‖² (mean over elements): scale-free, 1.0 for a student that outputs zeros."""
     return (student - teacher).pow(2).mean() / teacher.pow(2).mean().clamp_min(1e-12)
-
-
-def default_output(outputs: Any) -> Tensor:
-    """The tensor to match: the output itself, ``last_hidden_state``, or the first tensor of a tuple / dict."""
-    if isinstance(outputs, Tensor):
-        return outputs
-    hidden = getattr(outputs, "last_hidden_state", None)
-    if isinstance(hidden, Tensor):
-        return hidden
-    values = outputs.values() if isinstance(outputs, Mapping) else outputs if isinstance(outputs, (tuple, list)) else ()
-    for value in values:
-        if isinstance(value, Tensor):
-            return value
-    raise ValueError(f"cannot find a tensor to match in the model's output of type {type(outputs).__name__}; "
-                     f"pass output_fn=lambda outputs: <the tensor to match>")
 
 
 @dataclass
@@ -224,14 +210,6 @@ class _Capture:
             h.remove()
 
 
-def _input_slot(args: tuple, kwargs: dict) -> int | str | None:
-    """Where a block's input hidden states sit in its call: the first tensor argument, else ``hidden_states=``."""
-    for i, value in enumerate(args):
-        if isinstance(value, Tensor):
-            return i
-    return "hidden_states" if isinstance(kwargs.get("hidden_states"), Tensor) else None
-
-
 class _TeacherInputs:
     """Block-wise distillation: while ``active``, each named block of the student runs on the teacher's input to
     the same block instead of its own predecessor's output, so every block learns its own map from correct inputs
@@ -248,7 +226,7 @@ class _TeacherInputs:
 
     def _keep(self, name: str):
         def keep(module, args, kwargs):
-            slot = _input_slot(args, kwargs)
+            slot = input_slot(args, kwargs)
             if slot is None:
                 raise ValueError(f"blockwise distillation: module {name!r} was called without a tensor input; "
                                  f"name blocks whose first argument (or hidden_states=) is the hidden state, "
@@ -264,7 +242,7 @@ class _TeacherInputs:
         def feed(module, args, kwargs):
             if not self.active or name not in self.inputs:
                 return None
-            slot = _input_slot(args, kwargs)
+            slot = input_slot(args, kwargs)
             if isinstance(slot, int):
                 args = args[:slot] + (self.inputs[name],) + args[slot + 1:]
             else:

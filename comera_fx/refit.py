@@ -32,7 +32,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from .distributed import agreed_sum
+from .calibrate import _iterate
+from .distributed import _group_size, agreed_sum
+from .module_calls import default_output, input_slot
 from .passes.find import split_example_inputs
 from .tt.layers import TTLinear
 from .tt.whiten import DEFAULT_EPS, regularized_gram, tt_chain_to_matrix, whitened_matrix_to_tt
@@ -128,10 +130,10 @@ def refit_sequential_(
             if index is not None:
                 chain.advance_to(index)
             stats = {name: _Moments(pairs[name][0].tt.rows) for name in group}
+            t_modules = {n: pairs[n][1] for n in group}
+            s_modules = {n: pairs[n][0] for n in group}
             for b, batch in enumerate(drawn):
                 mask = token_mask(batch) if token_mask is not None else None
-                t_modules = {n: pairs[n][1] for n in group}
-                s_modules = {n: pairs[n][0] for n in group}
                 if index is None:
                     t_rows = _capture(_call(teacher, batch), t_modules, mask)
                     s_rows = _capture(_call(student, batch), s_modules, mask)
@@ -174,7 +176,7 @@ class _Moments:
 
     def agree(self) -> None:
         """Sum the moments over the ranks of the default process group (no-op in one process)."""
-        if _world() == 1:
+        if _group_size(None) == 1:
             return
         parts = [self.ss, self.st, self.tt, self.s, self.t]
         flat = torch.cat([p.reshape(-1) for p in parts] + [torch.tensor([float(self.n)], dtype=torch.float64)])
@@ -182,12 +184,6 @@ class _Moments:
         chunks = flat[:-1].split([p.numel() for p in parts])
         self.ss, self.st, self.tt, self.s, self.t = (c.view(p.shape) for c, p in zip(chunks, parts))
         self.n = int(round(float(flat[-1])))
-
-
-def _world() -> int:
-    import torch.distributed as dist
-
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def compensated_target(m: Tensor, c_ss: Tensor, c_st: Tensor, eps: float = DEFAULT_EPS) -> Tensor:
@@ -305,8 +301,7 @@ def _groups(student: nn.Module, pairs: dict, batch) -> list[list[str]]:
 
     handles = [module.register_forward_hook(hook(name), with_kwargs=True) for name, (module, _) in pairs.items()]
     try:
-        args, kwargs = split_example_inputs(batch)
-        student(*args, **kwargs)
+        _call(student, batch)()
     finally:
         for handle in handles:
             handle.remove()
@@ -432,31 +427,16 @@ def _check_calls(calls: list, names: list[str]) -> str | None:
     for name, call in zip(names, calls):
         if call is None:
             return f"{name} ran other than once per forward"
-        if _slot(*call) is None:
+        if input_slot(*call) is None:
             return f"{name} was called without a tensor input"
     return None
-
-
-def _slot(args: tuple, kwargs: dict) -> int | str | None:
-    """Where a block's hidden state sits in its call: the first tensor argument, else ``hidden_states=``."""
-    for i, value in enumerate(args):
-        if isinstance(value, Tensor):
-            return i
-    return "hidden_states" if isinstance(kwargs.get("hidden_states"), Tensor) else None
-
-
-def _first_tensor(output) -> Tensor | None:
-    if isinstance(output, Tensor):
-        return output
-    values = output.values() if isinstance(output, dict) else output if isinstance(output, (tuple, list)) else ()
-    return next((v for v in values if isinstance(v, Tensor)), None)
 
 
 def _next_call(call: tuple, output) -> tuple:
     """The next block's (args, kwargs): this block's call with its hidden state replaced by the output."""
     args, kwargs = call
-    hidden = _first_tensor(output)
-    slot = _slot(args, kwargs)
+    hidden = default_output(output)
+    slot = input_slot(args, kwargs)
     if isinstance(slot, int):
         return args[:slot] + (hidden,) + args[slot + 1:], kwargs
     return args, {**kwargs, slot: hidden}
@@ -466,7 +446,10 @@ def _chain_problem(blocks: list[nn.Module], real: list, names: list[str]) -> str
     """Why calling the blocks in a chain from the first one's call would not reproduce the real forward, if so."""
     call = real[0]
     for i in range(1, len(blocks)):
-        call = _next_call(call, blocks[i - 1](*call[0], **call[1]))
+        try:
+            call = _next_call(call, blocks[i - 1](*call[0], **call[1]))
+        except ValueError:  # default_output found no tensor in the block's output
+            return f"the output of {names[i - 1]} holds no tensor"
         (args, kwargs), (want_args, want_kwargs) = call, real[i]
         if len(args) != len(want_args) or kwargs.keys() != want_kwargs.keys():
             return f"{names[i]} is called with other arguments than {names[0]}"
@@ -507,10 +490,7 @@ def _draw(batches, max_batches: int | None) -> list:
     if max_batches is not None and (isinstance(max_batches, bool) or not isinstance(max_batches, int)
                                     or max_batches < 1):
         raise ValueError(f"max_batches must be an int >= 1 or None; got {max_batches!r}")
-    if callable(batches):
-        drawn = [batches() for _ in range(max_batches or 8)]
-    else:
-        drawn = list(batches)[: max_batches] if max_batches is not None else list(batches)
+    drawn = list(_iterate(batches, max_batches or (8 if callable(batches) else None)))  # a callable: 8 by default
     if not drawn:
         raise ValueError("refit_sequential_ got no batches; pass a list of batches or a callable returning one")
     return drawn
