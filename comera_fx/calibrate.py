@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from .config import TensorizeConfig
 from .distributed import agreed_sum
+from .module_calls import eval_modes, preserved_rng
 from .passes.find import find_in_model, split_example_inputs
 
 FilterFn = Callable[[nn.Module, str], bool]
@@ -182,13 +183,9 @@ def calibrate(
 
     handles = [module.register_forward_hook(make_hook(fqn, d_in), with_kwargs=True)
                for _, module, fqn, d_in in holders]
-    flags = [(m, m.training) for m in model.modules()]
-    rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
     n_batches = 0
     try:
-        model.eval()
-        with torch.no_grad():
+        with eval_modes(model), preserved_rng(), torch.no_grad():
             for batch in _iterate(batches, max_batches):
                 args, kwargs = split_example_inputs(batch)
                 mask[0] = token_mask(batch) if token_mask is not None else None
@@ -198,11 +195,6 @@ def calibrate(
     finally:
         for handle in handles:
             handle.remove()
-        for module, training in flags:
-            module.training = training
-        torch.set_rng_state(rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
     if n_batches == 0:
         raise ValueError("calibrate got no batches; pass an iterable of batches or a callable returning one")
     stats = {fqn: InputStats((sums[fqn] / counts[fqn]).cpu(), counts[fqn]) for fqn in sums if counts[fqn] > 0}

@@ -8,6 +8,7 @@ changes; the teacher runs under ``torch.no_grad`` in eval mode and is restored e
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -22,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 from .config import TensorizeConfig
 from .calibrate import Calibration, calibrate
 from .distributed import RankSync
-from .module_calls import default_output, input_slot
+from .module_calls import default_output, eval_modes, input_slot
 from .passes.tensorize import TensorizeSummary, tensorize_
 from .refit import refit_sequential_
 from .runtime.rank_adaptive import RankAdaptive, tt_matrices
@@ -299,18 +300,6 @@ def _lr_factor(progress: float, warmup: float = 0.05) -> float:
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * p))
 
 
-class _Modes:
-    """Puts every module of a model in eval mode and restores each module's own flag afterwards."""
-
-    def __init__(self, model: nn.Module):
-        self._flags = [(m, m.training) for m in model.modules()]
-        model.eval()
-
-    def restore(self) -> None:
-        for m, flag in self._flags:
-            m.training = flag
-
-
 def distill_(
     student: nn.Module,
     teacher: nn.Module,
@@ -528,7 +517,9 @@ def match_teacher(
     optimizer = torch.optim.AdamW(trainable, lr=lr, weight_decay=weight_decay)
     current = on_optimizer(optimizer, runner) if on_optimizer is not None else None
 
-    teacher_modes, student_modes = _Modes(teacher), _Modes(student)
+    modes = contextlib.ExitStack()  # both models in eval mode for the loop, each module's flag restored after it
+    modes.enter_context(eval_modes(teacher))
+    modes.enter_context(eval_modes(student))
     t_capture = _Capture(teacher, hidden_modules) if hidden_modules else None
     s_capture = _Capture(student, hidden_modules) if hidden_modules else None
     feed = _TeacherInputs(teacher, student, hidden_modules) if blockwise_fraction else None
@@ -577,8 +568,7 @@ def match_teacher(
             s_capture.remove()
         if feed is not None:
             feed.remove()
-        teacher_modes.restore()
-        student_modes.restore()
+        modes.close()
         if bar is not None:
             bar.close()
     seconds = clock() - start

@@ -1,15 +1,18 @@
-"""How comera_fx reads a model's calls: the tensor in a module's output, and where a block's hidden state sits.
+"""How comera_fx calls a user's model: the tensor in a module's output, where a block's hidden state sits, and
+the state a call must leave as it found it (training flags, RNG).
 
-Shared by distillation (matching outputs and hidden states, feeding blocks the teacher's inputs) and the sequential
-refit (calling a transformer's blocks one at a time on cached inputs).
+Shared by calibration, distillation (matching outputs and hidden states, feeding blocks the teacher's inputs) and
+the sequential refit (calling a transformer's blocks one at a time on cached inputs).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
 from typing import Any
 
-from torch import Tensor
+import torch
+from torch import Tensor, nn
 
 
 def default_output(outputs: Any) -> Tensor:
@@ -33,3 +36,30 @@ def input_slot(args: tuple, kwargs: dict) -> int | str | None:
         if isinstance(value, Tensor):
             return i
     return "hidden_states" if isinstance(kwargs.get("hidden_states"), Tensor) else None
+
+
+@contextlib.contextmanager
+def eval_modes(model: nn.Module) -> Iterator[None]:
+    """Every module in eval mode inside; afterwards each module's own training flag, not ``model.train()``'s
+    (a user may keep a frozen part in eval mode inside a training model)."""
+    flags = [(module, module.training) for module in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for module, training in flags:
+            module.training = training
+
+
+@contextlib.contextmanager
+def preserved_rng() -> Iterator[None]:
+    """The global CPU (and initialised CUDA) RNG state restored afterwards: reading a model's statistics must not
+    shift the random numbers of the user's training run."""
+    cpu = torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)

@@ -34,7 +34,7 @@ from torch import Tensor, nn
 
 from .calibrate import _iterate
 from .distributed import _group_size, agreed_sum
-from .module_calls import default_output, input_slot
+from .module_calls import default_output, eval_modes, input_slot, preserved_rng
 from .passes.find import split_example_inputs
 from .tt.layers import TTLinear
 from .tt.whiten import DEFAULT_EPS, regularized_gram, tt_chain_to_matrix, whitened_matrix_to_tt
@@ -123,7 +123,7 @@ def refit_sequential_(
     summary = RefitSummary(batches=len(drawn))
     if not pairs:
         return summary
-    with _quiet(student), _quiet(teacher):
+    with eval_modes(student), eval_modes(teacher), preserved_rng(), torch.no_grad():
         chain = _BlockChain.build(student, teacher, blocks, drawn, summary.notes) if blocks else None
         for group in _groups(student, pairs, drawn[0]):
             index = chain.index_of(group) if chain is not None else None
@@ -464,26 +464,6 @@ def _chain_problem(blocks: list[nn.Module], real: list, names: list[str]) -> str
     return None
 
 
-class _quiet:
-    """Eval mode, no grad, RNG state restored: the models' state as it was afterwards."""
-
-    def __init__(self, model: nn.Module):
-        self.model = model
-
-    def __enter__(self):
-        self.flags = [(m, m.training) for m in self.model.modules()]
-        self.rng = torch.get_rng_state()
-        self.grad = torch.is_grad_enabled()
-        self.model.eval()
-        torch.set_grad_enabled(False)
-        return self
-
-    def __exit__(self, *exc):
-        for module, training in self.flags:
-            module.training = training
-        torch.set_rng_state(self.rng)
-        torch.set_grad_enabled(self.grad)
-        return False
 
 
 def _draw(batches, max_batches: int | None) -> list:
