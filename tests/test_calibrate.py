@@ -133,6 +133,30 @@ def test_tensorize_with_calibration_lowers_the_output_error(budget):
     assert errors["whitened"] < 0.7 * errors["plain"]  # ...and a clearly smaller error on real inputs
 
 
+def test_one_mode_per_side_is_the_whitened_low_rank_optimum():
+    """num_modes=1: two cores per weight, a rank-r matrix; with a calibration that matrix must be SVD-LLM's
+    optimum of the weighted error tr(E C Eᵀ), computed here from a Cholesky factor of C."""
+    torch.manual_seed(0)
+    dense = Anisotropic()
+    weights = {k: v.clone().double() for k, v in dense.state_dict().items()}
+    cal = comera_fx.calibrate(dense, make_batches(), config=TensorizeConfig(min_numel=1000))
+    rank = 6
+    model = Anisotropic()
+    model.load_state_dict(dense.state_dict())
+    comera_fx.tensorize_(model, TensorizeConfig(num_modes=1, max_rank=rank, min_numel=1000), calibration=cal)
+    for fqn, stats in cal.items():
+        layer = model.get_submodule(fqn.rpartition(".")[0])
+        assert len(layer.tt.cores) == 2 and layer.tt.cores[0].shape[-1] == rank  # one bond: a rank-6 matrix
+        w, c = weights[fqn], stats.second_moment
+        chol = torch.linalg.cholesky(c)  # C = L Lᵀ: tr(E C Eᵀ) = ||E L||²
+        u, s, vh = torch.linalg.svd(w @ chol)
+        best = torch.linalg.solve_triangular(chol, (u[:, :rank] * s[:rank]) @ vh[:rank], upper=False, left=False)
+        e_best, e_tt = w - best, w - layer.weight.detach().double()
+        optimum = float(torch.einsum("oi,ij,oj->", e_best, c, e_best))
+        reached = float(torch.einsum("oi,ij,oj->", e_tt, c, e_tt))
+        assert reached == pytest.approx(optimum, rel=1e-3), fqn
+
+
 def test_calibration_of_another_model_is_refused():
     cal = comera_fx.calibrate(nn.Sequential(nn.Linear(256, 512)), [torch.randn(3, 256)])
     model = nn.Sequential(nn.Linear(128, 512))

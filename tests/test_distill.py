@@ -270,8 +270,9 @@ def test_refit_runs_on_the_calibration_batches(teacher):
 
 
 def test_compress_pretrained_example_quick(tmp_path):
-    """Smoke run of examples/compress_pretrained.py on a tiny random BERT (no package needed): every cell runs,
-    the report and plots are written, and the saved student loads back to the same embeddings."""
+    """Smoke run of examples/compress_pretrained.py on a tiny random BERT (no package needed): every cell runs
+    (training batches mixed with code), the report and plots are written, and the saved student loads back to the
+    same embeddings."""
     import importlib.util
     import sys
     from pathlib import Path
@@ -283,7 +284,7 @@ def test_compress_pretrained_example_quick(tmp_path):
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     out = module.main(["--quick", "--tiny", "--max-files", "30", "--threads", "1", "--no-progress",
-                       "--out", str(tmp_path)])
+                       "--code-fraction", "0.3", "--out", str(tmp_path)])
     assert {r["method"] for r in out["results"]} == set(module.METHODS)
     for r in out["results"]:
         assert r["ratio"] <= 0.25 and -1 <= r["cosine"] <= 1 and 0 <= r["top1"] <= 1
