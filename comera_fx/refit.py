@@ -464,8 +464,6 @@ def _chain_problem(blocks: list[nn.Module], real: list, names: list[str]) -> str
     return None
 
 
-
-
 def _draw(batches, max_batches: int | None) -> list:
     if max_batches is not None and (isinstance(max_batches, bool) or not isinstance(max_batches, int)
                                     or max_batches < 1):

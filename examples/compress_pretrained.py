@@ -446,9 +446,10 @@ def write_report(out, name, args, data, teacher_eval, results, saved, dense_byte
              f"{time.strftime('%Y-%m-%d %H:%M')}, torch {torch.__version__}, {args.threads} threads, load average "
              f"at the end {' '.join(load)}. Data: {data['counts']} (split by file). Distillation budget "
              f"{args.budget_seconds:.0f} s per run{f', {args.steps} steps' if args.steps else ''}, batch "
-             f"{args.batch_size}{' (texts of neighbouring lengths)' if args.by_length else ''}, lr {args.lr}, word "
-             f"embedding {'trained' if args.train_embedding else 'frozen'}. Calibrated cells: statistics of "
-             f"{args.calibration_batches} batches without padding rows (+refit: then refit_sequential_, each layer "
+             f"{args.batch_size}{' (texts of neighbouring lengths)' if args.by_length else ''}"
+             f"{f', {args.code_fraction:.0%} of the batches function sources' if args.code_fraction else ''}, "
+             f"lr {args.lr}, word embedding {'trained' if args.train_embedding else 'frozen'}. Calibrated cells: "
+             f"statistics of {args.calibration_batches} batches without padding rows (+refit: then refit_sequential_, each layer "
              f"refit on the compressed model's own inputs); set-up is in the time column.", "",
              f"Teacher: retrieval top-1 {teacher_eval['top1']:.3f} (cosine 1 by definition).", "",
              "| method | compression | mean cosine | retrieval top-1 | steps | time (s) |",
