@@ -89,6 +89,18 @@ def test_loading_never_allocates_the_dense_weights(tmp_path):
     assert 0 < loading.largest < smallest_converted
 
 
+def test_low_rank_layout_round_trip(tmp_path):
+    """num_modes=1 (two cores per weight, the low-rank student of docs/pretrained.md) saves and loads like TT."""
+    model = tensorized(Big, max_rank=8, min_numel=10_000, num_modes=1)
+    assert all(len(m.tt.cores) == 2 for m in (model.up, model.mid, model.down))
+    ids = torch.randint(0, 1000, (2, 5))
+    comera_fx.save_tensorized(model, tmp_path / "m.safetensors")
+    loaded = comera_fx.load_tensorized(tmp_path / "m.safetensors", Big)
+    assert [len(m.tt.cores) for m in (loaded.up, loaded.mid, loaded.down)] == [2, 2, 2]
+    with torch.no_grad():
+        assert torch.equal(loaded(ids), model(ids))
+
+
 def test_pruned_ranks_round_trip(tmp_path):
     model = tensorized(Big, max_rank=8, min_numel=10_000)
     tt = model.mid.tt
