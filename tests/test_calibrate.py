@@ -185,6 +185,23 @@ def test_small_bert_keys_match_tensorize():
     assert torch.isfinite(out).all()
 
 
+def test_tokenizer_batch_encodings_are_keyword_inputs():
+    """A tokenizer's output (BatchEncoding: a Mapping, not a dict) is called as keyword inputs, like a dict."""
+    config = transformers.BertConfig(num_hidden_layers=1, hidden_size=64, num_attention_heads=2,
+                                     intermediate_size=256, vocab_size=100, max_position_embeddings=32)
+    torch.manual_seed(0)
+    model = transformers.BertModel(config)
+    plain = {"input_ids": torch.randint(0, 100, (2, 8)), "attention_mask": torch.ones(2, 8, dtype=torch.long)}
+    encoded = transformers.BatchEncoding(plain)
+    assert not isinstance(encoded, dict)
+    config = TensorizeConfig(min_numel=10_000)
+    want = comera_fx.calibrate(model, [plain], config=config)
+    got = comera_fx.calibrate(model, [encoded], config=config)
+    assert set(got) == set(want) and len(want) > 0
+    for fqn in want:
+        assert torch.equal(got[fqn].second_moment, want[fqn].second_moment)
+
+
 def test_gpt2_conv1d_inputs_are_recorded():
     """transformers' Conv1D (y = x W + b, W stored in × out): its inputs are recorded and its weight whitened."""
     config = transformers.GPT2Config(n_layer=1, n_embd=128, n_head=4, vocab_size=300, n_positions=32)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import operator
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -176,8 +176,9 @@ _CAPTURE_DYNAMO_CONFIG = dict(recompile_limit=2**20, accumulated_recompile_limit
 
 
 def split_example_inputs(example_inputs) -> tuple[tuple, dict]:
-    """(args, kwargs) from example inputs given as a tensor, a tuple/list of positional inputs or a kwargs dict."""
-    if isinstance(example_inputs, dict):
+    """(args, kwargs) from example inputs given as a tensor, a tuple/list of positional inputs or a kwargs mapping
+    (a dict, or a tokenizer's ``BatchEncoding``, which is a Mapping but not a dict)."""
+    if isinstance(example_inputs, Mapping):
         return (), dict(example_inputs)
     if isinstance(example_inputs, (tuple, list)):
         return tuple(example_inputs), {}
