@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from .config import TensorizeConfig
 from .distributed import agreed_sum
-from .module_calls import eval_modes, preserved_rng
+from .module_calls import eval_modes, first_input, preserved_rng, real_rows
 from .passes.find import find_in_model, split_example_inputs
 
 FilterFn = Callable[[nn.Module, str], bool]
@@ -150,9 +150,7 @@ def calibrate(
     The model runs under ``torch.no_grad()`` in eval mode; each module's training flag and the global RNG state are
     restored afterwards, and the hooks are removed even if a batch fails.
     """
-    if max_batches is not None and (isinstance(max_batches, bool) or not isinstance(max_batches, int)
-                                    or max_batches < 1):
-        raise ValueError(f"max_batches must be an int >= 1 or None; got {max_batches!r}")
+    _check_max_batches(max_batches)
     config = config or TensorizeConfig()
     holders = _linear_holders(model, config, filter_fn)
     sums: dict[str, Tensor] = {}
@@ -166,15 +164,13 @@ def calibrate(
 
     def make_hook(fqn: str, d_in: int):
         def hook(module, args, kwargs, output):
-            x = args[0] if args else next(iter(kwargs.values()))
+            x = first_input(args, kwargs)
             ident = (x.data_ptr(), tuple(x.shape), x.stride(), x.dtype, d_in)
             cached = seen_inputs.get(ident)
             if cached is not None and cached[0]() is x:
                 gram, rows = cached[1], cached[2]
             else:
-                flat = x.detach().reshape(-1, d_in).to(torch.float64)
-                if mask[0] is not None and tuple(mask[0].shape) == tuple(x.shape[:-1]):
-                    flat = flat[mask[0].reshape(-1).to(device=flat.device, dtype=torch.bool)]
+                flat = real_rows(x.detach(), mask[0], d_in).to(torch.float64)
                 gram, rows = flat.T @ flat, flat.shape[0]
                 seen_inputs[ident] = (weakref.ref(x), gram, rows)
             sums[fqn] = sums[fqn] + gram if fqn in sums else gram.clone()
@@ -199,6 +195,12 @@ def calibrate(
         raise ValueError("calibrate got no batches; pass an iterable of batches or a callable returning one")
     stats = {fqn: InputStats((sums[fqn] / counts[fqn]).cpu(), counts[fqn]) for fqn in sums if counts[fqn] > 0}
     return Calibration(stats, n_batches)
+
+
+def _check_max_batches(max_batches) -> None:
+    if max_batches is not None and (isinstance(max_batches, bool) or not isinstance(max_batches, int)
+                                    or max_batches < 1):
+        raise ValueError(f"max_batches must be an int >= 1 or None; got {max_batches!r}")
 
 
 def _iterate(batches, max_batches: int | None):

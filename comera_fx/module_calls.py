@@ -63,3 +63,17 @@ def preserved_rng() -> Iterator[None]:
         torch.set_rng_state(cpu)
         if cuda is not None:
             torch.cuda.set_rng_state_all(cuda)
+
+
+def first_input(args: tuple, kwargs: dict) -> Tensor:
+    """A layer's input in a forward hook: its first positional argument, else its first keyword argument."""
+    return args[0] if args else next(iter(kwargs.values()))
+
+
+def real_rows(x: Tensor, mask: Tensor | None, width: int) -> Tensor:
+    """``x`` as rows of ``width`` features, without the rows ``mask`` marks as padding (zero) when the mask has
+    ``x``'s leading dims (batch, seq); other inputs keep every row. Calibration and refit must drop the same rows."""
+    flat = x.reshape(-1, width)
+    if mask is not None and tuple(mask.shape) == tuple(x.shape[:-1]):
+        flat = flat[mask.reshape(-1).to(device=flat.device, dtype=torch.bool)]
+    return flat

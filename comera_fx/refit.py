@@ -32,9 +32,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from .calibrate import _iterate
+from .calibrate import _check_max_batches, _iterate
 from .distributed import _group_size, agreed_sum
-from .module_calls import default_output, eval_modes, input_slot, preserved_rng
+from .module_calls import default_output, eval_modes, first_input, input_slot, preserved_rng, real_rows
 from .passes.find import split_example_inputs
 from .tt.layers import TTLinear
 from .tt.whiten import DEFAULT_EPS, regularized_gram, tt_chain_to_matrix, whitened_matrix_to_tt
@@ -296,7 +296,7 @@ def _groups(student: nn.Module, pairs: dict, batch) -> list[list[str]]:
     def hook(name):
         def record(module, args, kwargs, output):
             if all(seen != name for seen, _ in order):
-                order.append((name, args[0] if args else next(iter(kwargs.values()))))
+                order.append((name, first_input(args, kwargs)))
         return record
 
     handles = [module.register_forward_hook(hook(name), with_kwargs=True) for name, (module, _) in pairs.items()]
@@ -328,11 +328,8 @@ def _capture(run: Callable[[], object], modules: dict[str, nn.Module], mask: Ten
 
     def hook(name):
         def record(module, args, kwargs, output):
-            x = (args[0] if args else next(iter(kwargs.values()))).detach()
-            flat = x.reshape(-1, x.shape[-1])
-            if mask is not None and tuple(mask.shape) == tuple(x.shape[:-1]):
-                flat = flat[mask.reshape(-1).to(torch.bool).to(flat.device)]
-            rows[name].append(flat)
+            x = first_input(args, kwargs).detach()
+            rows[name].append(real_rows(x, mask, x.shape[-1]))
             if all(rows.values()):
                 raise _Stop
         return record
@@ -465,9 +462,7 @@ def _chain_problem(blocks: list[nn.Module], real: list, names: list[str]) -> str
 
 
 def _draw(batches, max_batches: int | None) -> list:
-    if max_batches is not None and (isinstance(max_batches, bool) or not isinstance(max_batches, int)
-                                    or max_batches < 1):
-        raise ValueError(f"max_batches must be an int >= 1 or None; got {max_batches!r}")
+    _check_max_batches(max_batches)
     drawn = list(_iterate(batches, max_batches or (8 if callable(batches) else None)))  # a callable: 8 by default
     if not drawn:
         raise ValueError("refit_sequential_ got no batches; pass a list of batches or a callable returning one")
