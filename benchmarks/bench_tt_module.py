@@ -5,14 +5,17 @@ is what ``tensorize_`` puts in them. Here, per shape, one process, columns inter
 once, ``--repeats`` rounds, median reported):
 
 * ``dense``       — ``nn.Linear(in, out)`` (bias fused into addmm by aten);
-* ``tt``          — ``TTLinear`` (random init at the shape's rank, gates = 1, custom planned autograd), bias folded
-                    into the plan's last GEMM where the plan allows it (``comera_fx.tt.plan.folds_bias``);
-* ``tt_no_fold``  — the same module with the fold switched off (``autograd.FOLD_BIAS = False``): the separate add;
-* ``tt_no_bias``  — the same cores without bias (what ``bench_tt_linear.py`` measures).
+* ``tt``          — ``TTLinear`` as shipped (random init at the shape's rank, gates = 1, custom planned autograd): the
+                    bond between the two factors padded to ``kernel_rank`` on CPU, the bias carried in its spare
+                    slice (``autograd.PAD_RANKS`` / ``BIAS_IN_GEMM``), else folded into addmm;
+* ``tt_addmm``    — padded, the bias through addmm (``BIAS_IN_GEMM = False``);
+* ``tt_unpadded`` — neither (``PAD_RANKS = False``): the true rank, the bias through addmm (the previous default);
+* ``tt_no_bias``  — the shipped module's cores without bias (what ``bench_tt_linear.py`` measures).
 
 Each step is ``y = layer(x); y.backward(dy)`` with a real (random) dy and x requiring grad. Ratios are dense time
 over TT time (> 1: TT faster). ``--ranks`` adds the pruned-rank check: the 768×768 layer at each rank, time per
-planned FLOP relative to rank 16 (the issue's "pruned ranks no slower per FLOP than 16").
+planned FLOP (of the true rank) relative to rank 16 (the issue's "pruned ranks no slower per FLOP than 16"), padded
+as shipped and unpadded.
 
 Usage::
 
@@ -53,16 +56,16 @@ def parse_shapes(text: str) -> list[tuple[int, int, int]]:
     return shapes
 
 
-def step_fn(layer: nn.Module, x: torch.Tensor, dy: torch.Tensor, fold: bool = True):
+def step_fn(layer: nn.Module, x: torch.Tensor, dy: torch.Tensor, pad: bool = True, bias_in_gemm: bool = True):
     def run() -> None:
-        planned_autograd.FOLD_BIAS = fold
+        planned_autograd.PAD_RANKS, planned_autograd.BIAS_IN_GEMM = pad, bias_in_gemm
         try:
             for p in layer.parameters():
                 p.grad = None
             x.grad = None
             layer(x).backward(dy)
         finally:
-            planned_autograd.FOLD_BIAS = True
+            planned_autograd.PAD_RANKS = planned_autograd.BIAS_IN_GEMM = True
     return run
 
 
@@ -97,17 +100,21 @@ def measure_shape(n_in: int, n_out: int, rank: int, tokens: int, repeats: int, s
     chosen = layers.choose_plan(layers.planned_envelope(tt.tt.layout, "matmul"), tokens)
     inner = 1 if n_in * n_out > 4_000_000 else 3
     times = time_columns({"dense": step_fn(dense, x, dy), "tt": step_fn(tt, x, dy),
-                          "tt_no_fold": step_fn(tt, x, dy, fold=False), "tt_no_bias": step_fn(no_bias, x, dy)},
+                          "tt_addmm": step_fn(tt, x, dy, bias_in_gemm=False),
+                          "tt_unpadded": step_fn(tt, x, dy, pad=False, bias_in_gemm=False),
+                          "tt_no_bias": step_fn(no_bias, x, dy)},
                          repeats, inner)
     dense_flops = 3 * 2 * tokens * n_in * n_out
     return dict(shape=f"{n_in}x{n_out}", rank=rank, ranks=list(tt.tt.ranks), tokens=tokens,
+                padded_rank=chosen.runner.padded_rank(x), bias_in_gemm=chosen.runner.bias_in_gemm(x, tt.bias),
                 folds=planned_autograd.folds_bias(chosen), seconds=times,
                 flop_ratio=dense_flops / float(chosen.flops(tokens, backward=True)),
                 speedup={name: times["dense"] / t for name, t in times.items() if name != "dense"})
 
 
 def measure_pruned(ranks: list[int], tokens: int, repeats: int, seed: int) -> list[dict]:
-    """The 768×768 layer at each rank: seconds per planned GFLOP (forward + backward), interleaved."""
+    """The 768×768 layer (with bias) at each rank, padded and unpadded: seconds per planned GFLOP of the true rank
+    (forward + backward), interleaved."""
     columns, flops, modules = {}, {}, {}
     gen = torch.Generator().manual_seed(seed + 2)
     x = torch.randn(tokens, 768, generator=gen).requires_grad_()
@@ -115,16 +122,20 @@ def measure_pruned(ranks: list[int], tokens: int, repeats: int, seed: int) -> li
     for rank in ranks:
         _, tt, _ = tt_pair(768, 768, rank, seed)
         chosen = layers.choose_plan(layers.planned_envelope(tt.tt.layout, "matmul"), tokens)
-        columns[f"r{rank}"], flops[f"r{rank}"], modules[f"r{rank}"] = step_fn(tt, x, dy), chosen.flops(
-            tokens, backward=True), tt
+        for padded in (True, False):
+            name = f"r{rank}" + ("" if padded else "_unpadded")
+            columns[name] = step_fn(tt, x, dy, pad=padded, bias_in_gemm=padded)
+            flops[name], modules[name] = chosen.flops(tokens, backward=True), tt
     times = time_columns(columns, repeats, 3)
     rows = []
     for name, seconds in times.items():
-        rows.append(dict(rank=int(name[1:]), ranks=list(modules[name].tt.ranks), seconds=seconds,
+        rows.append(dict(rank=int(name[1:].split("_")[0]), padded=not name.endswith("_unpadded"),
+                         ranks=list(modules[name].tt.ranks), seconds=seconds,
                          gflops=float(flops[name]) / 1e9, s_per_gflop=seconds / (float(flops[name]) / 1e9)))
-    reference = next((r for r in rows if r["rank"] == 16), rows[-1])
     for row in rows:
+        reference = next((r for r in rows if r["rank"] == 16 and r["padded"] == row["padded"]), rows[-1])
         row["per_flop_vs_16"] = row["s_per_gflop"] / reference["s_per_gflop"]
+        row["time_vs_16"] = row["seconds"] / reference["seconds"]
     return rows
 
 
@@ -142,24 +153,27 @@ def main(argv: list[str] | None = None) -> None:
     print(f"torch {torch.__version__}, {args.threads} threads, {args.tokens} tokens, load "
           f"{open('/proc/loadavg').read().split()[:3]}")
     results = {"shapes": [], "pruned": []}
-    print("| shape | rank | folds | dense ms | TT ms | TT no-fold ms | TT no-bias ms | dense/TT | dense/no-fold "
-          "| dense/no-bias | FLOP ratio |")
-    print("|---|---:|:---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| shape | rank (padded) | bias | dense ms | TT ms | addmm ms | unpadded ms | no-bias ms | dense/TT "
+          "| dense/addmm | dense/unpadded | dense/no-bias | FLOP ratio |")
+    print("|---|---:|:---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for n_in, n_out, rank in parse_shapes(args.shapes):
         r = measure_shape(n_in, n_out, rank, args.tokens, args.repeats, args.seed)
         results["shapes"].append(r)
         t, s = r["seconds"], r["speedup"]
-        print(f"| {r['shape']} | {rank} | {'yes' if r['folds'] else 'no'} | {t['dense'] * 1e3:.2f} | "
-              f"{t['tt'] * 1e3:.2f} | {t['tt_no_fold'] * 1e3:.2f} | {t['tt_no_bias'] * 1e3:.2f} | "
-              f"{s['tt']:.2f}x | {s['tt_no_fold']:.2f}x | {s['tt_no_bias']:.2f}x | {r['flop_ratio']:.1f}x |",
-              flush=True)
+        where = "in GEMM" if r["bias_in_gemm"] else ("addmm" if r["folds"] else "add")
+        print(f"| {r['shape']} | {rank} ({r['padded_rank']}) | {where} | {t['dense'] * 1e3:.2f} | "
+              f"{t['tt'] * 1e3:.2f} | {t['tt_addmm'] * 1e3:.2f} | {t['tt_unpadded'] * 1e3:.2f} | "
+              f"{t['tt_no_bias'] * 1e3:.2f} | {s['tt']:.2f}x | {s['tt_addmm']:.2f}x | {s['tt_unpadded']:.2f}x | "
+              f"{s['tt_no_bias']:.2f}x | {r['flop_ratio']:.1f}x |", flush=True)
     if args.ranks:
         ranks = [int(r) for r in args.ranks.split(",")]
         results["pruned"] = measure_pruned(ranks, args.tokens, args.repeats, args.seed)
-        print("\n| rank (768x768) | bond ranks | ms | planned GFLOP | ms per GFLOP | per FLOP vs rank 16 |")
-        print("|---:|---|---:|---:|---:|---:|")
+        print("\n| rank (768x768) | padded | bond ranks | ms | time vs rank 16 | planned GFLOP | ms per GFLOP "
+              "| per FLOP vs rank 16 |")
+        print("|---:|:---:|---|---:|---:|---:|---:|---:|")
         for row in results["pruned"]:
-            print(f"| {row['rank']} | {row['ranks']} | {row['seconds'] * 1e3:.2f} | {row['gflops']:.3f} | "
+            print(f"| {row['rank']} | {'yes' if row['padded'] else 'no'} | {row['ranks']} | "
+                  f"{row['seconds'] * 1e3:.2f} | {row['time_vs_16']:.2f} | {row['gflops']:.3f} | "
                   f"{row['s_per_gflop'] * 1e3:.1f} | {row['per_flop_vs_16']:.2f} |")
     print(f"load after: {open('/proc/loadavg').read().split()[:3]}")
     if args.json:

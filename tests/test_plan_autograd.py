@@ -115,41 +115,103 @@ def test_module_uses_the_function_and_matches_dense(monkeypatch, transposed, wit
         assert_rel_close(g, w)
 
 
-def aten_calls(fn, *args) -> list[str]:
-    """The aten ops ``fn(*args)`` dispatches, by name."""
+def aten_calls(fn, *args, shapes: bool = False) -> list:
+    """The aten ops ``fn(*args)`` dispatches, by name (with ``shapes``: (name, shapes of its tensor arguments))."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Record(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            calls.append(func.__name__.split(".")[0])
+            name = func.__name__.split(".")[0]
+            calls.append((name, [tuple(a.shape) for a in args if isinstance(a, torch.Tensor)]) if shapes else name)
             return func(*args, **(kwargs or {}))
 
-    calls: list[str] = []
+    calls: list = []
     with Record():
         fn(*args)
     return calls
 
 
 @pytest.mark.parametrize("grad", [True, False])
-def test_bias_rides_in_the_last_gemm_when_the_plan_writes_y(monkeypatch, grad):
-    """The bias goes into addmm (as nn.Linear's does) instead of a separate pass over y; the numbers match a float64
-    dense x·W + b. Where the last GEMM does not write y (output padding trimmed), a plain add remains."""
+@pytest.mark.parametrize("in_gemm", [True, False])
+def test_bias_rides_in_the_last_gemm_when_the_plan_writes_y(monkeypatch, grad, in_gemm):
+    """The bias never costs a separate pass over y where the last GEMM writes y: it rides in the padded bond's spare
+    slice (a row of R: no add, no addmm) or, with that off, in addmm as nn.Linear's does; the numbers match a
+    float64 dense x·W + b. Where the last GEMM does not write y (output padding trimmed), a plain add remains."""
     monkeypatch.setattr(layers, "CUSTOM_AUTOGRAD", True)
+    monkeypatch.setattr(planner.autograd, "BIAS_IN_GEMM", in_gemm)
     torch.manual_seed(0)
-    for out_features, expect_fold in ((96, True), (97, False)):  # 97 is padded to 98 = 2·7·7 (trimmed after)
+    for out_features, writes_y in ((96, True), (97, False)):  # 97 is padded to 98 = 2·7·7 (trimmed after)
         dense = torch.nn.Linear(120, out_features, dtype=torch.float64)
-        linear = TTLinear.from_dense(dense, max_rank=4, col_modes=(4, 4, 6) if expect_fold else (2, 7, 7),
+        linear = TTLinear.from_dense(dense, max_rank=4, col_modes=(4, 4, 6) if writes_y else (2, 7, 7),
                                      row_modes=(4, 5, 6))
         x = torch.randn(50, 120, dtype=torch.float64)
         chosen = layers.choose_plan(layers.planned_envelope(linear.tt.layout, "matmul"), 50)
-        assert planner.folds_bias(chosen) is expect_fold
+        assert planner.folds_bias(chosen) is writes_y
+        assert chosen.runner.two_factor is not None  # rank 4 runs at 16: the bond has spare slices
         with torch.set_grad_enabled(grad):
             calls = aten_calls(linear, x)
             y = linear(x)
-        assert ("addmm" in calls) is expect_fold and ("add" not in calls) is expect_fold, calls
+        if writes_y and in_gemm:
+            assert "addmm" not in calls and "add" not in calls, calls
+        else:
+            assert ("addmm" in calls) is writes_y and ("add" not in calls) is writes_y, calls
         tt = linear.tt
         m = dense_reference(list(tt.cores), list(tt.gates), tt.layout)
         assert_rel_close(y, x @ m + dense.bias)
+
+
+@pytest.mark.parametrize("in_gemm", [True, False])
+def test_bias_gradient_comes_out_of_the_gemm_for_dr(monkeypatch, in_gemm):
+    """With the bias in the padded bond, 1ᵀ·dY is the bias row of the GEMM that computes dR = tᵀ·dY: backward runs
+    no separate sum over dY. Every gradient equals the float64 dense reference's either way."""
+    monkeypatch.setattr(planner.autograd, "BIAS_IN_GEMM", in_gemm)
+    torch.manual_seed(0)
+    dense = torch.nn.Linear(120, 96, dtype=torch.float64)
+    linear = TTLinear.from_dense(dense, max_rank=4, col_modes=(4, 4, 6), row_modes=(4, 5, 6))
+    x = torch.randn(50, 120, dtype=torch.float64, requires_grad=True)
+    dy = torch.randn(50, 96, dtype=torch.float64)
+    y = linear(x)
+    calls = aten_calls(lambda: y.backward(dy), shapes=True)
+    sums_over_dy = [c for c in calls if c[0] == "sum" and (50, 96) in c[1]]  # (the gates' sums are small)
+    assert bool(sums_over_dy) is not in_gemm, calls
+    tt = linear.tt
+    leaves = [t.detach().requires_grad_() for t in (x, *tt.cores, *tt.gates, linear.bias)]
+    n = len(tt.cores)
+    want_y = leaves[0] @ dense_reference(leaves[1:1 + n], leaves[1 + n:-1], tt.layout) + leaves[-1]
+    want = torch.autograd.grad(want_y, leaves, dy)
+    for got, expected in zip((x.grad, *(p.grad for p in (*tt.cores, *tt.gates, linear.bias))), want):
+        assert_rel_close(got, expected)
+
+
+def test_kernel_rank_pads_the_bond_on_cpu_only(monkeypatch):
+    """Multiples of 8, at least 16, on CPU (where it was measured); elsewhere, or switched off, the rank itself."""
+    assert [planner.autograd.kernel_rank(r, "cpu") for r in (1, 7, 13, 16, 17, 24, 30, 32, 33)] == [
+        16, 16, 16, 16, 24, 24, 32, 32, 40]
+    assert planner.autograd.kernel_rank(30, "cuda") == 30
+    monkeypatch.setattr(planner.autograd, "PAD_RANKS", False)
+    assert planner.autograd.kernel_rank(7, "cpu") == 7
+
+
+def test_padding_saves_only_the_padded_slices_of_t(monkeypatch):
+    """The padded bond costs, in saved bytes, exactly b·(padded − true rank) elements of t over what the cost model
+    counts for the true rank (which is what reports show); with padding off, exactly the counted bytes."""
+    layout = TTMatrix.random(120, 96, format=TTFormat.TT, row_modes=(4, 5, 6), col_modes=(4, 4, 6), max_rank=5,
+                             std=1.0, dtype=torch.float64).layout
+    planned = layers.choose_plan(layers.planned_envelope(layout, "matmul"), 64)
+    chosen = planner.Plan.from_tree(planned.network, planned.tree, planner.CostModel(itemsize=8))
+    first, _ = chosen.runner.two_factor
+    rank = chosen.steps[first].n
+    counted = chosen.terms.bytes_saved[1]  # bytes per row of x, float64
+    cores = [torch.randn(s, dtype=torch.float64, requires_grad=True) for s in layout.core_shapes]
+    for pad, extra in ((True, planner.autograd.kernel_rank(rank, "cpu") - rank), (False, 0)):
+        monkeypatch.setattr(planner.autograd, "PAD_RANKS", pad)
+        totals = []
+        for batch in (10, 20):
+            x = torch.randn(batch, 120, dtype=torch.float64, requires_grad=True)
+            saved = saved_for_backward(lambda x, *c: planner.execute_function(chosen, x, c, layout), x, *cores)
+            totals.append(sum(nbytes for _, nbytes in saved))
+        assert extra > 0 or not pad
+        assert (totals[1] - totals[0]) // 10 == counted + 8 * extra, (pad, totals, counted, extra)
 
 
 # -------------------------------------------------------------------------------------------- saved tensors
@@ -172,6 +234,12 @@ def saved_for_backward(fn, *args):
 @given(data=st.data(), spec=tt_specs(max_modes=3, max_rank=5, dead_gates=False), op=st.sampled_from(planner.OPS),
        x_grad=st.booleans(), batches=st.tuples(st.integers(1, 9), st.integers(10, 20)))
 def test_saved_tensors_are_what_the_cost_model_counts(data, spec, op, x_grad, batches):
+    with pytest.MonkeyPatch.context() as patch:  # the padded bond: test_padding_saves_only_the_padded_slices_of_t
+        patch.setattr(planner.autograd, "PAD_RANKS", False)
+        _check_saved_tensors_against_the_cost_model(data, spec, op, x_grad, batches)
+
+
+def _check_saved_tensors_against_the_cost_model(data, spec, op, x_grad, batches):
     layout = spec.layout
     net = planner.build_network(layout, op)
     tree = data.draw(random_trees(net.n_tensors))

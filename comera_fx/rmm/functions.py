@@ -147,7 +147,7 @@ class RandomizedTTProduct(torch.autograd.Function):
         x_sketch, dy_sketch = x_sketch.to(work), dy_sketch.to(work)
         cores = [c.to(work) for c in cores]
         _, lefts, rights = sketch_run.forward(x_sketch, cores)
-        _, core_grads = sketch_run.backward(lefts, rights, dy_sketch, need_x=False)
+        _, core_grads, _ = sketch_run.backward(lefts, rights, dy_sketch, need_x=False)
         return (dx, None, None, None, None, *core_grads)
 
 

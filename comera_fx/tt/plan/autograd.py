@@ -38,6 +38,44 @@ def _unview(grad, view: tuple, dims: tuple[int, ...], rows: int, cols: int, batc
     return grad.reshape(_permuted_shape(view, dims, batched)).permute(inverse)
 
 
+# MKL (torch 2.13 CPU, 2 threads, AMD EPYC) runs the skinny GEMMs of a two-factor plan (x·L with N = r, t·R with K = r,
+# and their gradients) far below their rate at kernel-friendly widths: at 4096 × 768 and r = 7 / 11 / 13 / 30 the six
+# b-dependent GEMMs took 9.2 / 8.6 / 7.4 / 10.2 ms against 5.6 ms at r = 16 and 8.5 ms at r = 32
+# (benchmarks/RESULTS.md, "kernel-friendly rank padding"). Zero slices on the bond between the two factors change
+# no number: x·[L 0] = [t 0] and [t 0]·[R; 0] = t·R, and the gradients of the true slices are the same.
+#: Pad the bond between the two factors of a two-factor plan to ``kernel_rank`` on CPU (False: the A/B switch of
+#: benchmarks/bench_tt_module.py).
+PAD_RANKS = True
+
+#: Where the padded bond has a spare slice, carry the bias in it: t gets a column of ones and R the bias as a row,
+#: so y = [t 1 0]·[R; bias; 0] adds the bias inside the GEMM without addmm's broadcast copy into y, and the gradient
+#: of that row, d_bias = 1ᵀ·dY, comes out of the GEMM that computes dR = tᵀ·dY (one pass over dY, not two).
+BIAS_IN_GEMM = True
+
+
+def kernel_rank(rank: int, device_type: str) -> int:
+    """The width the bond between a two-factor plan's factors runs at: ``rank`` rounded up to a multiple of 8, at
+    least 16, on CPU (measured there, see above); ``rank`` elsewhere (unmeasured) or with ``PAD_RANKS`` off."""
+    if not PAD_RANKS or device_type != "cpu":
+        return rank
+    return max(16, -(-rank // 8) * 8)
+
+
+def _two_factor_steps(chosen: "Plan") -> tuple[int, int] | None:
+    """(i, j) when the plan's b-dependent work is t = x·L (step i) then y = t·R (step j, the last): the two batched
+    steps of CoMERA's merged halves, the order the planner picks for large batches. t is b × r, read as is."""
+    steps, instructions = chosen.steps, chosen.program.instructions
+    batched = [k for k, step in enumerate(steps) if step.batched]
+    if len(batched) != 2:
+        return None
+    i, j = batched
+    first, last = steps[i], steps[j]
+    if (j != len(steps) - 1 or first.left != 0 or first.m != 1 or last.m != 1 or last.left != first.result
+            or last.k != first.n or instructions[j].left_view != ("view",)):
+        return None
+    return i, j
+
+
 # MKL (torch 2.13 CPU, 2 threads) computes Aᵀ·dC for a tall A (m × k) and a narrow dC (m × n) 5–10× slower when
 # n < 12 than as (dCᵀ·A)ᵀ: [1536×2048]·[2048×n] took 20–30 ms for n = 4..11, 3 ms for n = 12, and 2–4 ms the
 # other way round. Pruned TT bonds land on such ranks, which made pruned layers slower than unpruned ones.
@@ -64,38 +102,71 @@ class PlanRunner:
         self.core_shapes = layout.core_shapes
         self.n_leaves = net.n_tensors
         self.final_perm, self.final_dims = chosen.program.final_perm, chosen.program.final_dims
+        self.two_factor = _two_factor_steps(chosen)
+
+    def padded_rank(self, x) -> int:
+        """The width of the bond between the two factors for input ``x`` (the rank itself without two factors)."""
+        if self.two_factor is None:
+            return 0
+        rank = self.steps[self.two_factor[0]].n
+        return kernel_rank(rank, x.device.type)
+
+    def bias_in_gemm(self, x, bias) -> bool:
+        """Does ``forward`` carry ``bias`` in the padded bond's spare slice (``BIAS_IN_GEMM``)? Only where y is the
+        last GEMM's output itself and the dtypes agree without autocast (which would cast the bias row)."""
+        return (BIAS_IN_GEMM and bias is not None and self.two_factor is not None
+                and self.padded_rank(x) > self.steps[self.two_factor[0]].n and self.final_perm is None
+                and self.pad_out == self.n_out and bias.dtype == x.dtype and bias.device == x.device
+                and not _autocasting(x))
 
     def forward(self, x, cores: Sequence, keep: bool = True, bias=None):
         """(y, lefts, rights): y = x @ M (or x @ Mᵀ) + bias of shape (..., n_out); the operands when ``keep``.
 
-        The bias goes into the last GEMM (addmm) when that GEMM writes y itself (``folds_bias``), as nn.Linear's
-        does: a separate add would read and write all of y once more."""
+        The bias goes into the last GEMM when that GEMM writes y itself: as a row of the padded R where the padded
+        bond has room (``bias_in_gemm``), else through addmm (``folds_bias``), as nn.Linear's does — a separate add
+        would read and write all of y once more. A two-factor plan runs its bond at ``padded_rank``; the kept
+        operands are then the padded ones (``backward`` reads the padding from their shapes)."""
         x2 = x.reshape(-1, self.n_in)
         if self.pad_in != self.n_in:
             x2 = F.pad(x2, (0, self.pad_in - self.n_in))
         stored = [x2, *cores]
         lefts, rights = [], []
+        ones = self.bias_in_gemm(x2, bias)
         # Fold only where addmm sees the dtypes mm would (autocast casts all three alike; else bias must match).
-        foldable = bias is not None and folds_bias(self.plan) and (bias.dtype == x2.dtype or _autocasting(x2))
+        foldable = (not ones and bias is not None and folds_bias(self.plan)
+                    and (bias.dtype == x2.dtype or _autocasting(x2)))
         fold = bias if foldable else None
-        last = len(self.steps) - 1
+        first, last = self.two_factor if self.two_factor is not None else (-1, -1)
+        n_last = len(self.steps) - 1
+        rank = self.steps[first].n if first >= 0 else 0
+        pad = self.padded_rank(x2) - rank
         for i, (step, inst) in enumerate(zip(self.steps, self.instructions)):
-            left = _as_matrix(stored[step.left], inst.left_view, inst.left_dims, step.m, step.k, step.batched)
             right = _as_matrix(stored[step.right], inst.right_view, inst.right_dims, step.k, step.n, False)
+            if pad and i == last:
+                left = stored[step.left]  # t as stored: b × padded rank
+                right = _pad_rows(right, pad, bias if ones else None)
+            else:
+                left = _as_matrix(stored[step.left], inst.left_view, inst.left_dims, step.m, step.k, step.batched)
+                if pad and i == first:
+                    right = F.pad(right, (0, pad))
             if keep:
                 lefts.append(left)
                 rights.append(right)
-            stored.append(torch.addmm(fold, left, right) if fold is not None and i == last else torch.mm(left, right))
+            result = torch.addmm(fold, left, right) if fold is not None and i == n_last else torch.mm(left, right)
+            if ones and i == first:
+                result[:, rank] = 1
+            stored.append(result)
         out = stored[-1]
         if self.final_perm is not None:
             out = out.reshape((-1,) + self.final_dims).permute(self.final_perm)
         out = ops._trim_cols(out.reshape(-1, self.pad_out), self.n_out, self.pad_out)
-        if bias is not None and fold is None:  # under autocast cast the bias as F.linear does (else float32 out)
+        if bias is not None and fold is None and not ones:  # under autocast cast the bias as F.linear does
             out = out + (bias.to(out.dtype) if _autocasting(out) else bias)
         return out.reshape(x.shape[:-1] + (self.n_out,)), lefts, rights
 
-    def backward(self, lefts: Sequence, rights: Sequence, dy, need_x: bool = True):
-        """(dx or None, [d core_k]) from the kept operands and the output gradient dy (..., n_out)."""
+    def backward(self, lefts: Sequence, rights: Sequence, dy, need_x: bool = True, bias_in_gemm: bool = False):
+        """(dx or None, [d core_k], d_bias or None) from the kept operands and the output gradient dy (..., n_out);
+        d_bias only when the forward carried the bias in the padded bond (``bias_in_gemm``)."""
         steps, instructions = self.steps, self.instructions
         n_steps = len(steps)
         grad = dy.reshape(-1, self.n_out)
@@ -107,17 +178,23 @@ class PlanRunner:
             grad = grad.reshape(shape).permute(inverse)
         grads: list = [None] * (self.n_leaves + n_steps)
         grads[steps[-1].result] = grad
+        d_bias = None
         for i in range(n_steps - 1, -1, -1):
             step, inst = steps[i], instructions[i]
-            d_out = grads[step.result].reshape(-1 if step.batched else step.m, step.n)
+            width = rights[i].shape[1]  # step.n, or the padded rank of a two-factor plan's first factor
+            d_out = grads[step.result].reshape(-1 if step.batched else step.m, width)
             grads[step.result] = None
             if step.left != 0 or need_x:
                 d_left = _mm(d_out, rights[i].t())
                 grads[step.left] = _unview(d_left, inst.left_view, inst.left_dims, step.m, step.k, step.batched)
-            if step.n < _NARROW_GRADIENT:  # Aᵀ·dC with few columns: as (dCᵀ·A)ᵀ, the same numbers
+            if width < _NARROW_GRADIENT:  # Aᵀ·dC with few columns: as (dCᵀ·A)ᵀ, the same numbers
                 d_right = _mm(d_out.t(), lefts[i]).t()
             else:
                 d_right = _mm(lefts[i].t(), d_out)
+            if bias_in_gemm and i == n_steps - 1:
+                d_bias = d_right[step.k]
+            if tuple(d_right.shape) != (step.k, step.n):  # drop the padded slices' gradients
+                d_right = d_right[:step.k, :step.n]
             grads[step.right] = _unview(d_right, inst.right_view, inst.right_dims, step.k, step.n, False)
         dx = None
         if need_x:
@@ -125,7 +202,17 @@ class PlanRunner:
             if self.pad_in != self.n_in:
                 dx = dx[:, :self.n_in]
             dx = dx.reshape(dy.shape[:-1] + (self.n_in,))
-        return dx, [grads[k + 1].reshape(self.core_shapes[k]) for k in range(self.n_leaves - 1)]
+        return dx, [grads[k + 1].reshape(self.core_shapes[k]) for k in range(self.n_leaves - 1)], d_bias
+
+
+def _pad_rows(right, pad: int, bias=None):
+    """R (r × n) with ``pad`` rows below: zeros, the first of them ``bias`` when given (``bias_in_gemm``)."""
+    if bias is None:
+        return F.pad(right, (0, 0, 0, pad))
+    rows = [right, bias.reshape(1, -1)]
+    if pad > 1:
+        rows.append(right.new_zeros(pad - 1, right.shape[1]))
+    return torch.cat(rows)
 
 
 #: Fold a bias into the last GEMM where the plan allows it (``folds_bias``); False adds it separately (the A/B switch
@@ -167,13 +254,16 @@ def _make_function(chosen: "Plan") -> type:
         def forward(ctx, x, bias, *cores):
             out, lefts, rights = runner.forward(x, cores, bias=bias)
             ctx.save_for_backward(*lefts, *rights)
+            ctx.bias_in_gemm = runner.bias_in_gemm(x, bias)
             return out
 
         @staticmethod
         def backward(ctx, dy):
             saved = ctx.saved_tensors
-            dx, core_grads = runner.backward(saved[:n_steps], saved[n_steps:], dy, ctx.needs_input_grad[0])
-            d_bias = dy.reshape(-1, dy.shape[-1]).sum(0) if ctx.needs_input_grad[1] else None
+            dx, core_grads, d_bias = runner.backward(saved[:n_steps], saved[n_steps:], dy, ctx.needs_input_grad[0],
+                                                     ctx.bias_in_gemm)
+            if ctx.needs_input_grad[1] and d_bias is None:
+                d_bias = dy.reshape(-1, dy.shape[-1]).sum(0)
             return (dx, d_bias, *core_grads)
 
     PlannedProduct.__name__ = PlannedProduct.__qualname__ = "PlannedProduct"
