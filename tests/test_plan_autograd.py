@@ -58,25 +58,31 @@ def assert_rel_close(actual, expected, tol=1e-10):
 
 
 @settings(max_examples=60)  # each example runs up to 6 plans forward + backward: keeps the test to a few seconds
-@given(data=st.data(), spec=tt_specs(max_modes=3, max_rank=5), op=st.sampled_from(planner.OPS))
-def test_function_gradients_match_dense_float64(data, spec, op):
+@given(data=st.data(), spec=tt_specs(max_modes=3, max_rank=5), op=st.sampled_from(planner.OPS),
+       with_bias=st.booleans())
+def test_function_gradients_match_dense_float64(data, spec, op, with_bias):
+    """Every plan (a random tree and the envelope's, most of them two-factor: their bond runs padded on CPU, the bias
+    in its spare slice) gives the dense float64 output and gradients of x, cores, gates and bias."""
     layout = spec.layout
     x = data.draw(tt_inputs(layout, side="rows" if op == "matmul" else "cols"))
     net = planner.build_network(layout, op)
     plans = [planner.Plan.from_tree(net, data.draw(random_trees(net.n_tensors))), *planner.plan(layout, op=op).plans]
     n = len(spec.cores)
+    n_out = layout.cols if op == "matmul" else layout.rows
+    bias = [torch.randn(n_out, dtype=x.dtype, generator=torch.Generator().manual_seed(2))] if with_bias else []
 
     def reference(x, *params):
-        m = dense_reference(params[:n], params[n:], layout)
-        return x @ m if op == "matmul" else x @ m.t()
+        m = dense_reference(params[:n], params[n:n + len(spec.gates)], layout)
+        y = x @ m if op == "matmul" else x @ m.t()
+        return y + params[-1] if with_bias else y
 
-    want_y, want = grads_of(reference, [x, *spec.cores, *spec.gates])
+    want_y, want = grads_of(reference, [x, *spec.cores, *spec.gates, *bias])
     for chosen in plans:
         def planned(x, *params):
-            cores = ops.gate_cores(list(params[:n]), list(params[n:]), layout)
-            return planner.execute_function(chosen, x, cores, layout)
+            cores = ops.gate_cores(list(params[:n]), list(params[n:n + len(spec.gates)]), layout)
+            return planner.execute_function(chosen, x, cores, layout, params[-1] if with_bias else None)
 
-        got_y, got = grads_of(planned, [x, *spec.cores, *spec.gates])
+        got_y, got = grads_of(planned, [x, *spec.cores, *spec.gates, *bias])
         assert_rel_close(got_y, want_y)
         for g, w in zip(got, want):
             assert_rel_close(g, w)
