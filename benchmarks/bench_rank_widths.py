@@ -1,4 +1,4 @@
-"""The six b-dependent GEMMs of a two-factor TT layer at each bond width: why ``kernel_rank`` pads the bond.
+"""The six b-dependent GEMMs of a two-factor TT layer at each bond width (why ``kernel_rank`` pads the bond).
 
 At large batches the planner's order for a TT linear is CoMERA's merged halves, y = (x·L)·R with L (in × r) and
 R (r × out); its backward adds dt = dy·Rᵀ, dR = tᵀ·dy, dx = dt·Lᵀ and dL = xᵀ·dt. Those six GEMMs are all the
