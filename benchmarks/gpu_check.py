@@ -17,7 +17,10 @@ What it does, in order (each part catches its own exception, records it and goes
 3. gate fusion: ``gated_ttm_merge`` (gate applied inside the merge GEMM, permuted store) vs aten
    ``ttm_merge(gate_cores(...))`` on the embedding's two halves;
 4. linear 4096×4096 (TT, r = 32, planner's order, ``TTLinear``) vs dense ``nn.Linear``, bf16, 16384 tokens,
-   forward + backward, eager and ``torch.compile``d.
+   forward + backward, eager and ``torch.compile``d;
+5. rank padding on the GPU: a 768×3072 ``TTLinear`` with bias at r = 30, bf16, forward + backward with the bond
+   padded to ``kernel_rank`` (32) and the bias in its spare slice, against unpadded (padding is CPU-only until this
+   says it pays on CUDA: ``comera_fx.tt.plan.autograd.PAD_DEVICES``); outputs must agree.
 
 Ratios are dense time / other time (> 1: the other is faster). ``--smoke`` runs tiny sizes on any device (on CPU
 with TRITON_INTERPRET=1 the kernels run in the interpreter) to check the script itself.
@@ -324,6 +327,34 @@ def linear(device, size, tokens, rank, dtype, compile_too):
             ratio(f"linear fwd+bwd {tag}", RESULTS["timings"][f"linear fwd+bwd {base}"], both, base)
 
 
+@part("TT linear: rank padding on the device")
+def rank_padding(device, n_in, n_out, tokens, rank, dtype):
+    from comera_fx.tt.plan import autograd as planned
+
+    gen = torch.Generator().manual_seed(6)
+    dense = nn.Linear(n_in, n_out)
+    layer = TTLinear.from_dense(dense, init="random", max_rank=rank).to(device, dtype)
+    x = torch.randn(tokens, n_in, generator=gen).to(device, dtype).requires_grad_()
+    grad = torch.randn(tokens, n_out, generator=gen).to(device, dtype)
+    devices = planned.PAD_DEVICES
+    outputs, times = {}, {}
+    try:
+        for tag, padded in (("unpadded", devices - {device.type}), ("padded", devices | {device.type})):
+            planned.PAD_DEVICES = frozenset(padded)
+            with torch.no_grad():
+                outputs[tag] = layer(x).float()
+
+            def fwd_bwd():
+                layer(x).backward(grad)
+            times[tag] = timing(f"rank padding r{rank} fwd+bwd {tag}", bench(fwd_bwd, device))
+    finally:
+        planned.PAD_DEVICES = devices
+    err = max_rel_err(outputs["padded"], outputs["unpadded"])
+    record_check(f"rank padding r{rank} output", err < (3e-2 if dtype == torch.bfloat16 else 1e-4),
+                 f"max rel err {err:.2e}")
+    ratio(f"rank padding r{rank} fwd+bwd padded", times["unpadded"], times["padded"], "unpadded")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, any device: checks the script itself")
@@ -365,6 +396,8 @@ def main() -> int:
     gate_fusion(device, emb, torch.bfloat16 if device.type == "cuda" else torch.float32)
     linear(device, lin_size, lin_tokens, args.rank, torch.bfloat16 if device.type == "cuda" else torch.float32,
            compile_too=not args.no_compile and not args.smoke)
+    rank_padding(device, *((64, 96, 32, 5) if args.smoke else (768, 3072, args.tokens, 30)),
+                 torch.bfloat16 if device.type == "cuda" else torch.float32)
 
     RESULTS["seconds"] = time.perf_counter() - t0
     failed = [k for k, v in RESULTS["checks"].items() if not v["ok"]]

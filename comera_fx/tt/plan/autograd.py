@@ -44,9 +44,12 @@ def _unview(grad, view: tuple, dims: tuple[int, ...], rows: int, cols: int, batc
 # (benchmarks/bench_rank_widths.py; benchmarks/RESULTS.md, "Kernel-friendly rank padding"). Zero slices on the bond
 # between the two factors change no number: x·[L 0] = [t 0] and [t 0]·[R; 0] = t·R, and the gradients of the true
 # slices are the same.
-#: Pad the bond between the two factors of a two-factor plan to ``kernel_rank`` on CPU (False: the A/B switch of
+#: Pad the bond between the two factors of a two-factor plan to ``kernel_rank`` (False: the A/B switch of
 #: benchmarks/bench_tt_module.py).
 PAD_RANKS = True
+
+#: The device types where the padding was measured to pay (benchmarks/gpu_check.py measures it on CUDA).
+PAD_DEVICES = frozenset({"cpu"})
 
 #: Where the padded bond has a spare slice, carry the bias in it: t gets a column of ones and R the bias as a row,
 #: so y = [t 1 0]·[R; bias; 0] adds the bias inside the GEMM without addmm's broadcast copy into y, and the gradient
@@ -56,8 +59,8 @@ BIAS_IN_GEMM = True
 
 def kernel_rank(rank: int, device_type: str) -> int:
     """The width the bond between a two-factor plan's factors runs at: ``rank`` rounded up to a multiple of 8, at
-    least 16, on CPU (measured there, see above); ``rank`` elsewhere (unmeasured) or with ``PAD_RANKS`` off."""
-    if not PAD_RANKS or device_type != "cpu":
+    least 16, on the ``PAD_DEVICES`` (CPU, measured there, see above); ``rank`` elsewhere or with ``PAD_RANKS`` off."""
+    if not PAD_RANKS or device_type not in PAD_DEVICES:
         return rank
     return max(16, -(-rank // 8) * 8)
 
