@@ -61,12 +61,16 @@ def assert_rel_close(actual, expected, tol=1e-10):
 @given(data=st.data(), spec=tt_specs(max_modes=3, max_rank=5), op=st.sampled_from(planner.OPS),
        with_bias=st.booleans())
 def test_function_gradients_match_dense_float64(data, spec, op, with_bias):
-    """Every plan (a random tree and the envelope's, most of them two-factor: their bond runs padded on CPU, the bias
-    in its spare slice) gives the dense float64 output and gradients of x, cores, gates and bias."""
+    """Every plan — a random tree, the envelope's, and for TT the two-factor tree (x·L)·R, whose bond runs padded on
+    CPU with the bias in its spare slice — gives the dense float64 output and gradients of x, cores, gates, bias."""
     layout = spec.layout
     x = data.draw(tt_inputs(layout, side="rows" if op == "matmul" else "cols"))
     net = planner.build_network(layout, op)
     plans = [planner.Plan.from_tree(net, data.draw(random_trees(net.n_tensors))), *planner.plan(layout, op=op).plans]
+    if layout.format is TTFormat.TT:
+        two_factor = planner.Plan.from_tree(net, _two_factor_tree(layout, op))
+        assert two_factor.runner.two_factor is not None
+        plans.append(two_factor)
     n = len(spec.cores)
     n_out = layout.cols if op == "matmul" else layout.rows
     bias = [torch.randn(n_out, dtype=x.dtype, generator=torch.Generator().manual_seed(2))] if with_bias else []
@@ -86,6 +90,21 @@ def test_function_gradients_match_dense_float64(data, spec, op, with_bias):
         assert_rel_close(got_y, want_y)
         for g, w in zip(got, want):
             assert_rel_close(g, w)
+
+
+def _two_factor_tree(layout: TTLayout, op: str):
+    """(x·(G1·…·Gk))·(Gk+1·…·Gn) for x @ M (row cores first), the column cores first for x @ Mᵀ."""
+    k, n = len(layout.row_modes), layout.n_cores
+    rows, cols = list(range(1, k + 1)), list(range(k + 1, n + 1))
+    first, second = (rows, cols) if op == "matmul" else (cols, rows)
+
+    def chain(ids):
+        tree = ids[0]
+        for i in ids[1:]:
+            tree = (tree, i)
+        return tree
+
+    return ((0, chain(first)), chain(second))
 
 
 @pytest.mark.parametrize("transposed", [False, True])
