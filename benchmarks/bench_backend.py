@@ -6,6 +6,8 @@ Side by side in one run, steps interleaved round-robin so load on a shared machi
 * ``dense inductor``  — ``torch.compile(model)`` (Inductor, the baseline the target ratio is against);
 * ``tt eager``        — ``tensorize_`` (max rank 30, comera_fx's automatic modes) of every nn.Linear, no compiler;
 * ``tt comera_fx``    — the same TT model compiled with ``backend=comera_fx.backend`` (our passes + Inductor);
+* ``tt eager unpadded`` — a copy of ``tt eager`` run with the two-factor bond at its true rank and the bias through
+                        addmm (``plan.autograd.PAD_RANKS`` / ``BIAS_IN_GEMM`` off): the A/B of the padding;
 * ``no linears``      — (with ``--rest``) the model with every linear replaced by a free stand-in (a slice /
                         repeat of x plus the bias), compiled with Inductor: what attention, norms, activations,
                         embeddings and the optimizer cost on their own — the floor any linear-layer speed-up meets;
@@ -49,6 +51,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import comera_fx
+from comera_fx.tt.plan import autograd as planned_autograd
 
 
 class EncoderLayer(nn.Module):
@@ -266,6 +269,8 @@ def main():
         "dense inductor": lambda: torch.compile(copy.deepcopy(dense)),
         "tt eager": lambda: tt,
         "tt comera_fx": lambda: torch.compile(copy.deepcopy(tt), backend=backends["tt comera_fx"]),
+        # the A/B of the padded bond: true ranks, bias through addmm (plan.autograd.PAD_RANKS / BIAS_IN_GEMM off)
+        "tt eager unpadded": lambda: copy.deepcopy(tt),
     }
     if args.inductor_rng:
         backends["tt comera_fx inductor-rng"] = comera_fx.make_backend(inductor_options={"fallback_random": False})
@@ -300,6 +305,14 @@ def main():
     phases = {name: [] for name in columns}  # (forward + loss, zero_grad + backward, optimizer) per timed step
 
     def step(name):
+        if name.endswith(" unpadded"):
+            planned_autograd.PAD_RANKS = planned_autograd.BIAS_IN_GEMM = False
+        try:
+            return timed_step(name)
+        finally:
+            planned_autograd.PAD_RANKS = planned_autograd.BIAS_IN_GEMM = True
+
+    def timed_step(name):
         model, optimizer = columns[name], optimizers[name]
         start = time.perf_counter()
         loss = loss_of(model)
@@ -331,10 +344,10 @@ def main():
     for slow, fast in (("comera tt eager", "tt comera_fx"), ("comera tt eager", "tt eager"),
                        ("tt eager", "tt comera_fx"), ("tt comera_fx inductor-rng", "tt comera_fx"),
                        ("tt eager", "tt comera_fx inductor-rng"), ("all-tt eager", "all-tt comera_fx"),
-                       ("dense eager", "dense inductor")):
+                       ("dense eager", "dense inductor"), ("tt eager unpadded", "tt eager")):
         if slow in median and fast in median:
             ratios[f"{fast} vs {slow}"] = median[slow] / median[fast]
-    compiled = [name for name in columns if not name.endswith(" eager")]
+    compiled = [name for name in columns if " eager" not in name]
     result = dict(
         command="python benchmarks/bench_backend.py " + " ".join(
             f"--{k.replace('_', '-')}" + ("" if v is True else f" {v!r}" if isinstance(v, str) else f" {v}")
