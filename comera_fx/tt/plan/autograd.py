@@ -107,21 +107,19 @@ class PlanRunner:
         self.n_leaves = net.n_tensors
         self.final_perm, self.final_dims = chosen.program.final_perm, chosen.program.final_dims
         self.two_factor = _two_factor_steps(chosen)
+        #: The true rank of the bond between the two factors (0 for a plan without two factors).
+        self.bond_rank = self.steps[self.two_factor[0]].n if self.two_factor is not None else 0
+        self.writes_y = _writes_y(chosen)
 
     def padded_rank(self, x) -> int:
         """The width the bond between the two factors runs at for input ``x``; 0 for a plan without two factors."""
-        if self.two_factor is None:
-            return 0
-        rank = self.steps[self.two_factor[0]].n
-        return kernel_rank(rank, x.device.type)
+        return kernel_rank(self.bond_rank, x.device.type) if self.two_factor is not None else 0
 
     def bias_in_gemm(self, x, bias) -> bool:
         """Does ``forward`` carry ``bias`` in the padded bond's spare slice (``BIAS_IN_GEMM``)? Only where y is the
         last GEMM's output itself and the dtypes agree without autocast (which would cast the bias row)."""
-        return (BIAS_IN_GEMM and bias is not None and self.two_factor is not None
-                and self.padded_rank(x) > self.steps[self.two_factor[0]].n and self.final_perm is None
-                and self.pad_out == self.n_out and bias.dtype == x.dtype and bias.device == x.device
-                and not _autocasting(x))
+        return (BIAS_IN_GEMM and bias is not None and self.writes_y and self.padded_rank(x) > self.bond_rank
+                and bias.dtype == x.dtype and bias.device == x.device and not _autocasting(x))
 
     def forward(self, x, cores: Sequence, keep: bool = True, bias=None):
         """(y, lefts, rights): y = x @ M (or x @ Mᵀ) + bias of shape (..., n_out); the operands when ``keep``.
@@ -142,7 +140,7 @@ class PlanRunner:
         fold = bias if foldable else None
         first, last = self.two_factor if self.two_factor is not None else (-1, -1)
         n_last = len(self.steps) - 1
-        rank = self.steps[first].n if first >= 0 else 0
+        rank = self.bond_rank
         pad = self.padded_rank(x2) - rank
         for i, (step, inst) in enumerate(zip(self.steps, self.instructions)):
             right = _as_matrix(stored[step.right], inst.right_view, inst.right_dims, step.k, step.n, False)
@@ -225,9 +223,14 @@ FOLD_BIAS = True
 
 
 def folds_bias(chosen: "Plan") -> bool:
-    """Does the plan's last GEMM write y itself, (b × n_out) with nothing after it, so a bias can ride in addmm?"""
+    """Does the plan's last GEMM write y itself, so a bias can ride in addmm (``FOLD_BIAS`` on)?"""
+    return FOLD_BIAS and _writes_y(chosen)
+
+
+def _writes_y(chosen: "Plan") -> bool:
+    """Does the plan's last GEMM write y itself, (b × n_out) with nothing after it (no permute, no trimming)?"""
     last, net = chosen.steps[-1], chosen.network
-    return (FOLD_BIAS and last.batched and last.m == 1 and chosen.program.final_perm is None
+    return (last.batched and last.m == 1 and chosen.program.final_perm is None
             and math.prod(net.out_modes) == (net.layout.cols if net.op == "matmul" else net.layout.rows))
 
 
