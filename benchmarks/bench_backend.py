@@ -263,12 +263,16 @@ def main():
     dense.train()
 
     tt, summary, tensorize_seconds = tensorized(dense, args, inputs, tt_filter)
-    backends = {"tt comera_fx": comera_fx.make_backend()}
+    backends = {"tt comera_fx": comera_fx.make_backend(),
+                "tt comera_fx aten dropout": comera_fx.make_backend(fast_dropout=False)}
     columns = {
         "dense eager": lambda: dense,
         "dense inductor": lambda: torch.compile(copy.deepcopy(dense)),
         "tt eager": lambda: tt,
         "tt comera_fx": lambda: torch.compile(copy.deepcopy(tt), backend=backends["tt comera_fx"]),
+        # the A/B of the word dropout: aten's per-element dropout in the compiled graph (fast_dropout=False)
+        "tt comera_fx aten dropout": lambda: torch.compile(copy.deepcopy(tt),
+                                                           backend=backends["tt comera_fx aten dropout"]),
         # the A/B of the padded bond: true ranks, bias through addmm (plan.autograd.PAD_RANKS / BIAS_IN_GEMM off)
         "tt eager unpadded": lambda: copy.deepcopy(tt),
     }

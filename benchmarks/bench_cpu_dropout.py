@@ -1,9 +1,10 @@
-"""Dropout on CPU, eager vs Inductor with its own RNG vs Inductor with aten's (``fallback_random``).
+"""Dropout on CPU: eager, Inductor with its own RNG, Inductor with aten's (``fallback_random``), and comera_fx's
+word dropout (``passes.fast_dropout``) eager and under Inductor with aten's RNG (what the backend runs on CPU).
 
 The two dropout sites of CoMERA's encoder at batch 8 × 128: softmax + dropout over the attention scores
 (8 × 12 × 128 × 128) and layer norm + dropout over the activations (8 × 128 × 768), forward + backward, 2 threads,
-the three variants interleaved, median of 30 rounds. comera_fx's backend sets ``fallback_random=True`` on CPU
-graphs because of this measurement (benchmarks/RESULTS.md, "Issue 14 item 2").
+the variants interleaved, median of 30 rounds. comera_fx's backend sets ``fallback_random=True`` and rewrites
+dropout with ``fast_dropout`` on CPU graphs because of this measurement (benchmarks/RESULTS.md, "Issue 14 item 2").
 
 Usage::
 
@@ -19,6 +20,9 @@ import time
 import torch
 import torch._inductor.config
 import torch.nn.functional as F
+from torch import fx
+
+from comera_fx.passes import fast_dropout
 
 
 def attention(x):
@@ -27,6 +31,11 @@ def attention(x):
 
 def norm(x, w, b):
     return F.dropout(F.layer_norm(x, (x.shape[-1],), w, b), 0.1, True)
+
+
+def word_dropout(fn):
+    """``fn`` with its dropout drawn from random words: the pass on the graph Dynamo would capture."""
+    return fast_dropout(fx.symbolic_trace(fn))
 
 
 def main():
@@ -39,6 +48,10 @@ def main():
     for name, fallback in (("inductor, own RNG", False), ("inductor, aten RNG", True)):
         options = {"fallback_random": fallback}
         variants[name] = (torch.compile(attention, options=options), torch.compile(norm, options=options))
+    words = (word_dropout(attention), word_dropout(norm))
+    assert all(w.meta["comera_fx_dropouts_rewritten"] == 1 for w in words)
+    variants["word dropout, eager"] = words
+    variants["word dropout, inductor"] = tuple(torch.compile(w, options={"fallback_random": True}) for w in words)
     sites = {"softmax+dropout": lambda f: f[0](scores).sum(), "layernorm+dropout": lambda f: f[1](acts, w, b).sum()}
     times = {(v, s): [] for v in variants for s in sites}
     for rnd in range(32):

@@ -1,10 +1,11 @@
 """Graph passes: each a function GraphModule -> GraphModule, usable in any custom compiler."""
 
+from .dropout import fast_dropout
 from .find import Candidate, FindResult, Use, UseKind, capture_graphs, find
 from .recognize import contract_reconstructed_tt
 from .rmm import RandomizeSummary, randomize_backward, randomize_backward_, restore_backward_, share_sketches
 from .tensorize import TensorizeSummary, tensorize
 
 __all__ = ["Candidate", "FindResult", "RandomizeSummary", "TensorizeSummary", "Use", "UseKind", "capture_graphs",
-           "contract_reconstructed_tt", "find", "randomize_backward", "randomize_backward_", "restore_backward_",
-           "share_sketches", "tensorize"]
+           "contract_reconstructed_tt", "fast_dropout", "find", "randomize_backward", "randomize_backward_",
+           "restore_backward_", "share_sketches", "tensorize"]
