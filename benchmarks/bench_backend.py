@@ -290,6 +290,10 @@ def main():
         backends["all-tt comera_fx"] = comera_fx.make_backend()
         columns["all-tt eager"] = lambda: all_tt
         columns["all-tt comera_fx"] = lambda: torch.compile(copy.deepcopy(all_tt), backend=backends["all-tt comera_fx"])
+        # the A/B of the embedding gradient: Inductor's decomposition instead of aten's kernel (cpu_aten_kernels=())
+        backends["all-tt comera_fx decomposed emb bwd"] = comera_fx.make_backend(cpu_aten_kernels=())
+        columns["all-tt comera_fx decomposed emb bwd"] = lambda: torch.compile(
+            copy.deepcopy(all_tt), backend=backends["all-tt comera_fx decomposed emb bwd"])
     if args.comera_path:
         if args.preset != "comera":
             raise SystemExit("--comera-path needs --preset comera")
@@ -373,11 +377,11 @@ def main():
 
     print(f"load {load_start} -> {load_end}; {len(summary.converted)} weights converted, "
           f"{linear_dense_converted:,} -> {linear_tt:,} params ({linear_dense_converted / linear_tt:.1f}x)")
-    print(f"{'column':26s} {'median step s':>14s} {'vs ' + base_name:>18s} {'first step s':>13s}  "
+    print(f"{'column':36s} {'median step s':>14s} {'vs ' + base_name:>18s} {'first step s':>13s}  "
           f"fwd / bwd / optimizer s")
     for name in columns:
         fwd, bwd, opt = phase_median[name]
-        print(f"{name:26s} {median[name]:14.3f} {base / median[name]:17.2f}x {first[name]:13.1f}  "
+        print(f"{name:36s} {median[name]:14.3f} {base / median[name]:17.2f}x {first[name]:13.1f}  "
               f"{fwd:.3f} / {bwd:.3f} / {opt:.3f}")
     for name, ratio in ratios.items():
         print(f"{name}: {ratio:.2f}x")

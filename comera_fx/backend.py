@@ -74,6 +74,10 @@ class BackendConfig:
             aten kernels instead of Inductor's generated RNG, which is slower on CPU (CoMERA's two dropout sites:
             2.3-3.0x eager's time with it, 1.4-1.6x without; benchmarks/bench_cpu_dropout.py), and the masks
             follow the eager RNG stream. GPU graphs keep Inductor's.
+        cpu_aten_kernels: ops Inductor would decompose that CPU graphs run as aten's kernels instead. Default:
+            ``aten.embedding_dense_backward`` — Inductor's decomposition (a scatter-add loop) took 3-4x aten's
+            kernel for a position embedding's and 2x for a TT-matrix lookup's gradient, and no less for a
+            30522 x 768 table (RESULTS.md, "Issue 14 item 2"). ``()`` keeps Inductor's decompositions.
         fast_dropout: on CPU graphs, rewrite training-mode dropout with ``passes.fast_dropout`` (default): masks
             from 64-bit random words, four 16-bit lanes each, instead of one ``bernoulli_`` draw per element — the
             drop rate rounded to a multiple of 2**-16, the output's expectation exact, reproducible under
@@ -95,12 +99,18 @@ class BackendConfig:
     rmm: RMMConfig | float | None = None
     activation_memory_budget: float | None = None
     fast_dropout: bool = True
+    cpu_aten_kernels: tuple = (torch.ops.aten.embedding_dense_backward,)
 
     def __post_init__(self) -> None:
         budget = self.activation_memory_budget
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))
                                    or not 0 <= budget <= 1):
             raise ValueError(f"activation_memory_budget must be None or a number in [0, 1], got {budget!r}")
+        kernels = self.cpu_aten_kernels
+        if not isinstance(kernels, tuple) or not all(
+                isinstance(op, (torch._ops.OpOverloadPacket, torch._ops.OpOverload)) for op in kernels):
+            raise ValueError("cpu_aten_kernels must be a tuple of aten ops (e.g. torch.ops.aten.embedding_dense_backward"
+                             f"), got {kernels!r}")
         if self.rmm is not None and not isinstance(self.rmm, RMMConfig):
             if isinstance(self.rmm, bool) or not isinstance(self.rmm, (int, float)):
                 raise ValueError(f"rmm must be None, an RMMConfig or a float rho in (0, 1], got {self.rmm!r}")
@@ -185,10 +195,13 @@ class ComeraBackend:
             from torch._inductor.compile_fx import compile_fx
 
             patches = {**(list_mode_options(mode) if mode else {}), **config.inductor_options}
-            if "fallback_random" not in patches and _on_cpu(example_inputs):
+            on_cpu = _on_cpu(example_inputs)
+            if "fallback_random" not in patches and on_cpu:
                 patches["fallback_random"] = True
+            decompositions = _without(config.cpu_aten_kernels, patches) if on_cpu else None
             inner = functools.partial(_inner_compile, passes=config.post_aot_passes, stats=self.stats)
-            return compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches or None)
+            return compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches or None,
+                              decompositions=decompositions)
         return _aot_eager(gm, example_inputs, config.post_aot_passes, self.stats,
                           min_cut=config.activation_memory_budget is not None)
 
@@ -235,6 +248,23 @@ def _readable_name(node: fx.Node) -> str:
         if keys:
             return ".".join(keys)
     return node.name
+
+
+def _without(ops, patches: Mapping[str, Any]):
+    """Inductor's decomposition table (as it would choose it under ``patches``) less the overloads of ``ops``;
+    None (Inductor's own choice) when there is nothing to leave out. An op left without a decomposition or a
+    lowering runs as its aten kernel (Inductor's implicit fallback)."""
+    if not ops:
+        return None
+    from torch._inductor.decomposition import select_decomp_table
+
+    with torch._inductor.config.patch(dict(patches)):
+        table = dict(select_decomp_table())
+    for op in ops:
+        overloads = [op] if isinstance(op, torch._ops.OpOverload) else [getattr(op, n) for n in op.overloads()]
+        for overload in overloads:
+            table.pop(overload, None)
+    return table
 
 
 def _takes_is_backward(graph_pass) -> bool:

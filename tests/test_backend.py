@@ -355,6 +355,42 @@ def test_inductor_dropout_on_cpu_draws_eager_masks():
         torch.testing.assert_close(got_dx, expected_dx, rtol=1e-9, atol=1e-10)
 
 
+class EmbeddingHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.fc = nn.Embedding(50, 16), nn.Linear(16, 8)
+
+    def forward(self, ids):
+        return self.fc(self.emb(ids))
+
+
+@pytest.mark.parametrize("kernels", [None, ()], ids=["aten-kernel", "decomposed"])
+def test_inductor_cpu_embedding_backward_runs_aten_kernel(kernels):
+    """On CPU the backend keeps ``aten.embedding_dense_backward`` out of Inductor's decompositions (its
+    scatter-add loop was 2-4x slower), so the backward graph calls aten's kernel; ``cpu_aten_kernels=()`` restores
+    the decomposition. Either way the gradients equal eager float64 ones, repeated indices included."""
+    torch.manual_seed(0)
+    model = EmbeddingHead().double()
+    ids = torch.tensor([[1, 4, 4, 7], [0, 4, 49, 1]])
+    backward_ops = []
+
+    def record(gm, is_backward):
+        if is_backward:
+            backward_ops.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm
+
+    fields = {} if kernels is None else {"cpu_aten_kernels": kernels}
+    compiled = torch.compile(copy.deepcopy(model), backend=comera_fx.make_backend(
+        warn_dense=False, post_aot_passes=(record,), **fields))
+    compiled(ids).pow(2).sum().backward()
+    model(ids).pow(2).sum().backward()
+    got = dict(compiled.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(got["_orig_mod." + name].grad, p.grad, rtol=1e-9, atol=1e-10)
+    assert backward_ops
+    assert ("aten.embedding_dense_backward.default" in backward_ops) == (kernels is None)
+
+
 # ------------------------------------------------------------------------------------------ random models
 
 EXACT = TensorizeConfig(min_numel=1, min_dim=1, max_rank=None)  # every weight converted, full rank: exact
