@@ -5,7 +5,9 @@ clock of the training steps; validation outside the clock) for:
 
 * ``dense``     — the demo's GPT (preset "small": 4 layers, d 384, ff 1536, seq 128, batch 16), AdamW;
 * ``comera_fx`` — the same initial model, ``tensorize_`` (max rank 16, TT-SVD init) + ``RankAdaptive``, exactly as
-                  the demo's comera_fx run (same code: ``prepare_tt_run``); no torch.compile backend exists yet;
+                  the demo's comera_fx run (same code: ``prepare_tt_run``), eager like every run here: this model
+                  has no dropout, where the compiled CPU step gains most, and each prune would recompile (24-130 s,
+                  bench_recompile.py) against a 120 s budget;
 * ``lowrank``   — every block linear replaced by x·A·B + b with A (in × r), B (r × out), r = the TT max rank (16),
                   initialised from the truncated SVD of the same initial weights; A, B at the TT cores' rate;
 * ``narrow``    — a dense GPT with the width chosen so its block linears hold about as many parameters as the

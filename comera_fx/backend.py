@@ -28,6 +28,7 @@ What runs, per graph Dynamo captures:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -200,8 +201,14 @@ class ComeraBackend:
                 patches["fallback_random"] = True
             decompositions = _without(config.cpu_aten_kernels, patches) if on_cpu else None
             inner = functools.partial(_inner_compile, passes=config.post_aot_passes, stats=self.stats)
-            return compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches or None,
-                              decompositions=decompositions)
+            # AOTAutograd's cache (on disk, across processes) returns compiled graphs without calling our inner
+            # compile, so ``post_aot_passes`` would be skipped on a hit, and its key does not hold the
+            # decomposition table. Off for such compiles; Inductor's own graph cache (inside the inner compile,
+            # keyed on the graph after our passes) still spares the C++ builds.
+            bypass = bool(config.post_aot_passes) or decompositions is not None
+            with torch._functorch.config.patch(enable_autograd_cache=False) if bypass else contextlib.nullcontext():
+                return compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches or None,
+                                  decompositions=decompositions)
         return _aot_eager(gm, example_inputs, config.post_aot_passes, self.stats,
                           min_cut=config.activation_memory_budget is not None)
 

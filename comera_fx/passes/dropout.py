@@ -12,7 +12,8 @@ Inductor's own RNG). About 4x fewer generator calls, and the compare and the mul
 (benchmarks/bench_cpu_dropout.py).
 
 Left as they are: dropout in eval mode, in-place dropout, a drop rate that is not a Python number or rounds to
-0 or 1 (a rate outside [0, 1] keeps its error), and the channel-wise / alpha variants.
+0 or 1 (a rate outside [0, 1] keeps its error), the channel-wise / alpha variants, ``scaled_dot_product_attention``'s
+``dropout_p``, and ``nn.Dropout`` as an FX ``call_module`` (its training flag is not in the graph).
 """
 
 from __future__ import annotations
