@@ -15,11 +15,11 @@ What runs, per graph Dynamo captures:
    are reported once, naming ``comera_fx.tensorize_``. TT modules need no rewrite here: Dynamo traces their
    forward, which already emits the planner's pairwise reshape / permute / mm steps, with the plan chosen by
    comparisons of the batch size against the breakpoints (one graph per planner interval under dynamic shapes).
-   On CPU graphs ``passes.fast_dropout`` draws training-mode dropout masks from bulk random words (4-5x faster
-   than aten's per-element ``bernoulli_``; ``BackendConfig.fast_dropout``). With ``rmm`` set,
-   ``passes.randomize_backward`` gives the large dense linear-like ops a randomized backward
-   (TT layers get theirs from ``comera_fx.randomize_backward_`` on the model); ``passes.share_sketches`` always
-   runs, so randomized layers reading one tensor keep one sketch of it.
+   On CPU graphs ``passes.fast_dropout`` draws training-mode dropout masks from bulk random words (CoMERA's softmax +
+   dropout site 2.4x faster than with aten's per-element ``bernoulli_``, bench_cpu_dropout.py;
+   ``BackendConfig.fast_dropout``). With ``rmm`` set, ``passes.randomize_backward`` gives the large dense
+   linear-like ops a randomized backward (TT layers get theirs from ``comera_fx.randomize_backward_`` on the
+   model); ``passes.share_sketches`` always runs, so randomized layers reading one tensor keep one sketch of it.
 2. AOTAutograd splits the forward and backward graphs (aten ops); ``BackendConfig.post_aot_passes`` run on each,
    knowing which one it is.
 3. Inductor compiles each (C++/OpenMP on CPU, Triton on GPU) — or, with ``inductor=False``, the aten graphs run
@@ -76,9 +76,9 @@ class BackendConfig:
             2.3-3.0x eager's time with it, 1.4-1.6x without; benchmarks/bench_cpu_dropout.py), and the masks
             follow the eager RNG stream. GPU graphs keep Inductor's.
         cpu_aten_kernels: ops Inductor would decompose that CPU graphs run as aten's kernels instead. Default:
-            ``aten.embedding_dense_backward`` — Inductor's decomposition (a scatter-add loop) took 3-4x aten's
-            kernel for a position embedding's and 2x for a TT-matrix lookup's gradient, and no less for a
-            30522 x 768 table (RESULTS.md, "Issue 14 item 2"). ``()`` keeps Inductor's decompositions.
+            ``aten.embedding_dense_backward`` — Inductor's decomposition (a scatter-add loop) took 3x aten's
+            kernel for a position embedding's gradient, 2.8x for a TT-matrix lookup's and 1.1x for a dense
+            30522 x 768 table's (benchmarks/bench_embedding_backward.py). ``()`` keeps Inductor's decompositions.
         fast_dropout: on CPU graphs, rewrite training-mode dropout with ``passes.fast_dropout`` (default): masks
             from 64-bit random words, four 16-bit lanes each, instead of one ``bernoulli_`` draw per element — the
             drop rate rounded to a multiple of 2**-16, the output's expectation exact, reproducible under
@@ -110,8 +110,8 @@ class BackendConfig:
         kernels = self.cpu_aten_kernels
         if not isinstance(kernels, tuple) or not all(
                 isinstance(op, (torch._ops.OpOverloadPacket, torch._ops.OpOverload)) for op in kernels):
-            raise ValueError("cpu_aten_kernels must be a tuple of aten ops (e.g. torch.ops.aten.embedding_dense_backward"
-                             f"), got {kernels!r}")
+            raise ValueError("cpu_aten_kernels must be a tuple of aten ops "
+                             f"(e.g. torch.ops.aten.embedding_dense_backward), got {kernels!r}")
         if self.rmm is not None and not isinstance(self.rmm, RMMConfig):
             if isinstance(self.rmm, bool) or not isinstance(self.rmm, (int, float)):
                 raise ValueError(f"rmm must be None, an RMMConfig or a float rho in (0, 1], got {self.rmm!r}")
@@ -271,7 +271,19 @@ def _without(ops, patches: Mapping[str, Any]):
         overloads = [op] if isinstance(op, torch._ops.OpOverload) else [getattr(op, n) for n in op.overloads()]
         for overload in overloads:
             table.pop(overload, None)
+            _register_aten_fallback(overload)
     return table
+
+
+def _register_aten_fallback(overload) -> None:
+    """Give Inductor an explicit aten-kernel lowering for an op it would otherwise decompose. Inductor's implicit
+    fallback does the same, but raises for an op that has a decomposition when the environment sets ``CI`` (a check
+    meant for PyTorch's own CI). Contiguous inputs, as the implicit fallback requires in backward graphs. The
+    lowering is only reached where the op was not decomposed, i.e. in this backend's graphs."""
+    from torch._inductor.lowering import lowerings, make_fallback, require_contiguous
+
+    if overload not in lowerings:
+        make_fallback(overload, layout_constraint=require_contiguous, warn=False, override_decomp=True)
 
 
 def _takes_is_backward(graph_pass) -> bool:
