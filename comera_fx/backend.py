@@ -199,7 +199,7 @@ class ComeraBackend:
             on_cpu = _on_cpu(example_inputs)
             if "fallback_random" not in patches and on_cpu:
                 patches["fallback_random"] = True
-            decompositions = _without(config.cpu_aten_kernels, patches) if on_cpu else None
+            decompositions = _aten_kernel_decompositions(config.cpu_aten_kernels, patches) if on_cpu else None
             inner = functools.partial(_inner_compile, passes=config.post_aot_passes, stats=self.stats)
             # AOTAutograd's cache (on disk, across processes) returns compiled graphs without calling our inner
             # compile, so ``post_aot_passes`` would be skipped on a hit, and its key does not hold the
@@ -257,10 +257,9 @@ def _readable_name(node: fx.Node) -> str:
     return node.name
 
 
-def _without(ops, patches: Mapping[str, Any]):
-    """Inductor's decomposition table (as it would choose it under ``patches``) less the overloads of ``ops``;
-    None (Inductor's own choice) when there is nothing to leave out. An op left without a decomposition or a
-    lowering runs as its aten kernel (Inductor's implicit fallback)."""
+def _aten_kernel_decompositions(ops, patches: Mapping[str, Any]):
+    """Inductor's decomposition table (as it would choose it under ``patches``) less the overloads of ``ops``, each
+    given an aten-kernel lowering; None (Inductor's own choice) when ``ops`` is empty."""
     if not ops:
         return None
     from torch._inductor.decomposition import select_decomp_table
