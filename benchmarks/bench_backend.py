@@ -32,6 +32,10 @@ Usage::
     python benchmarks/bench_backend.py                 # ~5 minutes on 2 idle cores
     python benchmarks/bench_backend.py --steps 5 --layers 2 --json out.json
     python benchmarks/bench_backend.py --preset comera --all-tt --columns "dense eager,all-tt eager,all-tt comera_fx"
+
+Run it on an idle machine with OpenMP's default wait policy (nothing set): ``OMP_WAIT_POLICY=PASSIVE`` adds ~0.1 ms
+to each short parallel region and made the compiled TT step ~1.5x slower, dense ~1.04x (medians of four runs each;
+benchmarks/RESULTS.md, "The OpenMP wait policy"). The policy in effect is printed and saved.
 """
 
 from __future__ import annotations
@@ -245,6 +249,13 @@ class PeerModel(nn.Module):
         return self.model(ids, seg=seg)
 
 
+def openmp_setting() -> str:
+    """The OpenMP wait settings this process was started with (they change TT steps far more than dense ones:
+    benchmarks/RESULTS.md, "The OpenMP wait policy")."""
+    found = [f"{k}={os.environ[k]}" for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if k in os.environ]
+    return ", ".join(found) or "OpenMP's default wait policy"
+
+
 def tensorized(dense, args, inputs, filter_fn):
     model = copy.deepcopy(dense)
     started = time.perf_counter()
@@ -361,6 +372,7 @@ def main():
             f"--{k.replace('_', '-')}" + ("" if v is True else f" {v!r}" if isinstance(v, str) else f" {v}")
             for k, v in vars(args).items() if v is not None and v is not False),
         date=time.strftime("%Y-%m-%d %H:%M"), torch=torch.__version__, python=platform.python_version(),
+        openmp=openmp_setting(),
         load_start=load_start, load_end=load_end,
         median_step_s=median, first_step_s=first, step_s=times, phase_median_s=phase_median,
         speedup_vs=base_name, speedup={name: base / t for name, t in median.items()}, ratios=ratios,
@@ -375,7 +387,7 @@ def main():
         result["all_tt_converted_params"] = (sum(d.dense_params for d in all_tt_summary.converted),
                                              sum(d.params for d in all_tt_summary.converted))
 
-    print(f"load {load_start} -> {load_end}; {len(summary.converted)} weights converted, "
+    print(f"load {load_start} -> {load_end}; {result['openmp']}; {len(summary.converted)} weights converted, "
           f"{linear_dense_converted:,} -> {linear_tt:,} params ({linear_dense_converted / linear_tt:.1f}x)")
     print(f"{'column':36s} {'median step s':>14s} {'vs ' + base_name:>18s} {'first step s':>13s}  "
           f"fwd / bwd / optimizer s")

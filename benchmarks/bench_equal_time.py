@@ -31,7 +31,7 @@ block linear alone at the step's 2048 tokens (which layers cost what).
 
 Usage::
 
-    OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/bench_equal_time.py            # 5 × 120 s: ~14 minutes
+    .venv/bin/python benchmarks/bench_equal_time.py            # 5 × 120 s: ~14 minutes
     .venv/bin/python benchmarks/bench_equal_time.py --runs comera_fx,tt_size,lowrank_size,dense   # issue 11's (a)-(d)
     .venv/bin/python benchmarks/bench_equal_time.py --budget-seconds 420 --json out.json # the issue's 7 minutes
     .venv/bin/python benchmarks/bench_equal_time.py --runs dense,comera_fx --budget-seconds 20   # a quick look
@@ -52,13 +52,16 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP; see examples/train_code_lm.py
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+import openmp_policy  # noqa: E402  (torch-free)
+
+# Before torch loads OpenMP, as the demo does; the children inherit the choice (examples/openmp_policy.py).
+WAIT_POLICY = openmp_policy.choose_wait_policy()
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples"))
 import train_code_lm as demo  # noqa: E402
 
 RUNS = ("dense", "comera_fx", "lowrank", "narrow", "galore")
@@ -497,7 +500,7 @@ def parent(opts) -> None:
     if bad:
         raise SystemExit(f"unknown runs {bad}; choose from {RUNS + EXTRA_RUNS}")
     print(f"{datetime.now():%Y-%m-%d %H:%M:%S}  load {loadavg()}  torch {torch.__version__}  "
-          f"budget {opts.budget_seconds:g} s per run  runs {names}", flush=True)
+          f"budget {opts.budget_seconds:g} s per run  runs {names}  {WAIT_POLICY}", flush=True)
     p = demo.PRESETS["small"]
     results = []
     galore_note = None
@@ -533,7 +536,8 @@ def parent(opts) -> None:
     print(f"\nfinished {datetime.now():%Y-%m-%d %H:%M:%S}, load {loadavg()}")
     if opts.json:
         Path(opts.json).write_text(json.dumps({"argv": sys.argv, "date": f"{datetime.now():%Y-%m-%d %H:%M:%S}",
-                                               "torch": torch.__version__, "results": results}, indent=1))
+                                               "torch": torch.__version__, "openmp": WAIT_POLICY,
+                                               "results": results}, indent=1))
 
 
 def parse(argv):

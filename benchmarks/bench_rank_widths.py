@@ -21,7 +21,9 @@ import os
 import statistics
 import time
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP: idle threads must not spin
+# No OpenMP wait policy is set here: libgomp's default (spin briefly, then sleep) is what users run, and
+# OMP_WAIT_POLICY=PASSIVE adds ~0.1 ms to every short parallel region, which a TT layer has many more of than
+# a dense one (benchmarks/RESULTS.md, "The OpenMP wait policy"). Time on a quiet machine.
 
 import torch  # noqa: E402
 
@@ -66,7 +68,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     tokens, n_in, n_out = (int(v) for v in args.shape.split("x"))
-    print(f"torch {torch.__version__}, {args.threads} threads, {tokens} tokens, {n_in} -> {n_out}, load "
+    print(f"torch {torch.__version__}, {args.threads} threads, {tokens} tokens, {n_in} -> {n_out}, "
+          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}, load "
           f"{open('/proc/loadavg').read().split()[:3]}")
     rows = [(rank, six_gemms(tokens, n_in, n_out, int(rank), args.repeats)) for rank in args.ranks.split(",")]
     names = list(rows[0][1])

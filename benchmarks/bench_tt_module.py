@@ -33,7 +33,9 @@ import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP: idle threads must not spin
+# No OpenMP wait policy is set here: libgomp's default (spin briefly, then sleep) is what users run, and
+# OMP_WAIT_POLICY=PASSIVE adds ~0.1 ms to every short parallel region, which a TT layer has many more of than
+# a dense one (benchmarks/RESULTS.md, "The OpenMP wait policy"). Time on a quiet machine.
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
@@ -150,7 +152,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {args.threads} threads, {args.tokens} tokens, load "
+    print(f"torch {torch.__version__}, {args.threads} threads, {args.tokens} tokens, "
+          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}, load "
           f"{open('/proc/loadavg').read().split()[:3]}")
     results = {"shapes": [], "pruned": []}
     print("| shape | rank (padded) | bias | dense ms | TT ms | addmm ms | unpadded ms | no-bias ms | dense/TT "

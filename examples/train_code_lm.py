@@ -22,9 +22,9 @@ set of held-out batches) runs every ``--eval-every`` seconds of training time, o
 
 Both runs are eager PyTorch: comera_fx's ``torch.compile`` backend exists, but every prune changes the cores' shapes
 and costs one Inductor recompile (24-130 s on 2 cores, ``benchmarks/bench_recompile.py``), more than a 2-minute
-budget gains. Run as a script it sets
-``OMP_WAIT_POLICY=PASSIVE`` unless the environment sets it (see the comment at the imports); ``--threads 1`` can
-still be faster on a machine that other jobs keep busy.
+budget gains. Run as a script it chooses OpenMP's wait policy from the machine's load unless the environment
+sets one (``openmp_policy.py``: libgomp's spin-then-sleep when idle, ``OMP_WAIT_POLICY=PASSIVE`` when busy; the
+report says which); ``--threads 1`` can still be faster on a machine that other jobs keep busy.
 
 Output (``runs/<timestamp>/`` or ``--out DIR``): ``report.md`` (configuration, per-run table, per-layer TT report),
 ``val_loss.png``, ``compression.png``, ``ranks.png``, ``rank_history.json``, ``metrics.json``.
@@ -45,12 +45,15 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # this folder, also when imported from a file path
+import openmp_policy  # noqa: E402  (torch-free)
+
 if __name__ == "__main__":
-    # Must be set before torch loads OpenMP. On a shared 2-core machine OpenMP's spin-waiting threads wait for a
-    # descheduled partner at every parallel region: measured there, a TT training step took 3-7 s instead of
-    # 0.65 s and tensorize_ 40-80 s instead of 6-8 s. Passive waiting costs little when the machine is idle.
-    # An explicit OMP_WAIT_POLICY in the environment wins.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # Before torch loads OpenMP. On a shared 2-core machine OpenMP's spin-waiting threads wait for a descheduled
+    # partner at every parallel region: measured there, a TT training step took 3-7 s instead of 0.65 s and
+    # tensorize_ 40-80 s instead of 6-8 s; on an idle machine passive waiting made the TT step 1.5x slower. So the
+    # policy follows the load (an explicit OMP_WAIT_POLICY / GOMP_SPINCOUNT in the environment wins).
+    openmp_policy.choose_wait_policy()
 
 import torch  # noqa: E402
 import torch.nn.functional as F
@@ -607,7 +610,7 @@ def write_report(out: Path, args, p: Preset, data_info: dict, results: list[RunR
                          f"late stage from ~{args.late_fraction:.0%} of the "
                          f"budget (step estimated before training)"),
         ("seed / device / threads", f"{args.seed} / {args.device} / {torch.get_num_threads()} "
-                                    f"(OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')})"),
+                                    f"({openmp_policy.wait_policy_note()})"),
         ("torch", torch.__version__),
     ]
     lines = [f"# comera_fx training demo ({datetime.now():%Y-%m-%d %H:%M:%S})", "",

@@ -53,3 +53,29 @@ def test_tiny_demo_writes_report_and_plots(tmp_path):
     # the RankAdaptive history made it to the run result and the rank plot
     tt = next(r for r in result["results"] if r.name == "comera_fx")
     assert tt.history and all(h["live_ranks"] for h in tt.history)
+
+
+def test_openmp_wait_policy_follows_the_load(monkeypatch):
+    """The demo's choice (examples/openmp_policy.py): an explicit setting wins, an idle machine keeps libgomp's
+    spin-then-sleep (written out so children inherit it), a busy one waits passively."""
+    policy = load_demo().openmp_policy
+    for key in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr(policy.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(policy, "_chosen", None)  # restored after the test, like the environment
+
+    monkeypatch.setattr(policy.os, "getloadavg", lambda: (0.4, 0.0, 0.0))
+    assert "idle machine" in policy.choose_wait_policy()
+    assert policy.os.environ["GOMP_SPINCOUNT"] == policy.LIBGOMP_DEFAULT_SPINCOUNT
+    assert "OMP_WAIT_POLICY" not in policy.os.environ
+
+    monkeypatch.delenv("GOMP_SPINCOUNT")
+    monkeypatch.setattr(policy.os, "getloadavg", lambda: (1.5, 0.0, 0.0))
+    assert policy.choose_wait_policy().startswith("OMP_WAIT_POLICY=PASSIVE (busy machine")
+    assert policy.os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    monkeypatch.setattr(policy.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    assert policy.choose_wait_policy() == "OMP_WAIT_POLICY=ACTIVE (set by the environment)"
+    assert "GOMP_SPINCOUNT" not in policy.os.environ
+    assert policy.wait_policy_note() == "OMP_WAIT_POLICY=ACTIVE (set by the environment)"
