@@ -8,6 +8,7 @@ Side by side in one run, steps interleaved round-robin so load on a shared machi
 * ``tt comera_fx``    — the same TT model compiled with ``backend=comera_fx.backend`` (our passes + Inductor);
 * ``tt eager unpadded`` — a copy of ``tt eager`` run with the two-factor bond at its true rank and the bias through
                         addmm (``plan.autograd.PAD_RANKS`` / ``BIAS_IN_GEMM`` off): the A/B of the padding;
+* ``tt eager bias addmm`` — padded, only ``BIAS_IN_GEMM`` off: the A/B of the bias in the padded bond;
 * ``no linears``      — (with ``--rest``) the model with every linear replaced by a free stand-in (a slice /
                         repeat of x plus the bias), compiled with Inductor: what attention, norms, activations,
                         embeddings and the optimizer cost on their own — the floor any linear-layer speed-up meets;
@@ -286,6 +287,8 @@ def main():
                                                            backend=backends["tt comera_fx aten dropout"]),
         # the A/B of the padded bond: true ranks, bias through addmm (plan.autograd.PAD_RANKS / BIAS_IN_GEMM off)
         "tt eager unpadded": lambda: copy.deepcopy(tt),
+        # the A/B of the bias in the padded bond alone: padded, the bias through addmm (BIAS_IN_GEMM off)
+        "tt eager bias addmm": lambda: copy.deepcopy(tt),
     }
     if args.inductor_rng:
         backends["tt comera_fx inductor-rng"] = comera_fx.make_backend(inductor_options={"fallback_random": False})
@@ -326,6 +329,8 @@ def main():
     def step(name):
         if name.endswith(" unpadded"):
             planned_autograd.PAD_RANKS = planned_autograd.BIAS_IN_GEMM = False
+        elif name.endswith(" bias addmm"):
+            planned_autograd.BIAS_IN_GEMM = False
         try:
             return timed_step(name)
         finally:
@@ -363,7 +368,8 @@ def main():
     for slow, fast in (("comera tt eager", "tt comera_fx"), ("comera tt eager", "tt eager"),
                        ("tt eager", "tt comera_fx"), ("tt comera_fx inductor-rng", "tt comera_fx"),
                        ("tt eager", "tt comera_fx inductor-rng"), ("all-tt eager", "all-tt comera_fx"),
-                       ("dense eager", "dense inductor"), ("tt eager unpadded", "tt eager")):
+                       ("dense eager", "dense inductor"), ("tt eager unpadded", "tt eager"),
+                       ("tt eager bias addmm", "tt eager")):
         if slow in median and fast in median:
             ratios[f"{fast} vs {slow}"] = median[slow] / median[fast]
     compiled = [name for name in columns if " eager" not in name]
