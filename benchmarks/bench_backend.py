@@ -56,6 +56,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import comera_fx
+from bench_openmp_wait import openmp_setting
 from comera_fx.tt.plan import autograd as planned_autograd
 
 
@@ -248,13 +249,6 @@ class PeerModel(nn.Module):
 
     def forward(self, ids, seg):
         return self.model(ids, seg=seg)
-
-
-def openmp_setting() -> str:
-    """The OpenMP wait settings this process was started with (they change TT steps far more than dense ones:
-    benchmarks/RESULTS.md, "The OpenMP wait policy")."""
-    found = [f"{k}={os.environ[k]}" for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if k in os.environ]
-    return ", ".join(found) or "OpenMP's default wait policy"
 
 
 def tensorized(dense, args, inputs, filter_fn):

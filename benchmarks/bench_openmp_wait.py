@@ -22,6 +22,13 @@ import time
 POLICIES = {"PASSIVE": {"OMP_WAIT_POLICY": "PASSIVE"}, "default": {}, "ACTIVE": {"OMP_WAIT_POLICY": "ACTIVE"}}
 
 
+def openmp_setting() -> str:
+    """The OpenMP wait settings this process was started with, for benchmark reports (they move TT steps far more
+    than dense ones)."""
+    found = [f"{k}={os.environ[k]}" for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if k in os.environ]
+    return ", ".join(found) or "OpenMP's default wait policy"
+
+
 def child() -> None:
     import torch
 

@@ -26,6 +26,8 @@ import time
 # a dense one (benchmarks/RESULTS.md, "The OpenMP wait policy"). Time on a quiet machine.
 
 import torch  # noqa: E402
+from bench_openmp_wait import openmp_setting  # noqa: E402
+
 
 RANKS = "4,7,8,11,12,13,16,20,24,28,30,32,40"
 
@@ -69,7 +71,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     tokens, n_in, n_out = (int(v) for v in args.shape.split("x"))
     print(f"torch {torch.__version__}, {args.threads} threads, {tokens} tokens, {n_in} -> {n_out}, "
-          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}, load "
+          f"{openmp_setting()}, load "
           f"{open('/proc/loadavg').read().split()[:3]}")
     rows = [(rank, six_gemms(tokens, n_in, n_out, int(rank), args.repeats)) for rank in args.ranks.split(",")]
     names = list(rows[0][1])

@@ -38,12 +38,14 @@ from pathlib import Path
 # a dense one (benchmarks/RESULTS.md, "The OpenMP wait policy"). Time on a quiet machine.
 
 import torch  # noqa: E402
+from bench_openmp_wait import openmp_setting  # noqa: E402
 from torch import nn  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from comera_fx.tt import TTLinear, layers  # noqa: E402
 from comera_fx.tt.plan import autograd as planned_autograd  # noqa: E402
+
 
 SHAPES = "4096x4096:32,768x768:30,768x3072:30"
 PRUNED_RANKS = "7,11,13,16"
@@ -153,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {args.threads} threads, {args.tokens} tokens, "
-          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}, load "
+          f"{openmp_setting()}, load "
           f"{open('/proc/loadavg').read().split()[:3]}")
     results = {"shapes": [], "pruned": []}
     print("| shape | rank (padded) | bias | dense ms | TT ms | addmm ms | unpadded ms | no-bias ms | dense/TT "

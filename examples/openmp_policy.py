@@ -43,7 +43,7 @@ def _choose() -> str:
         return "set by the environment"
     try:
         load = os.getloadavg()[0]
-    except OSError:  # no load average on this platform: keep libgomp's default
+    except (AttributeError, OSError):  # no load average on this platform (Windows): keep the default
         return "no load average here"
     cpus = os.cpu_count() or 1
     if load < IDLE_LOAD_SHARE * cpus:
