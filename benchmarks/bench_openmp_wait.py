@@ -18,15 +18,13 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+# The policy line of the speed benchmarks' reports (they import it from here); torch-free.
+from openmp_policy import current_setting as openmp_setting  # noqa: E402
 
 POLICIES = {"PASSIVE": {"OMP_WAIT_POLICY": "PASSIVE"}, "default": {}, "ACTIVE": {"OMP_WAIT_POLICY": "ACTIVE"}}
-
-
-def openmp_setting() -> str:
-    """The OpenMP wait settings this process was started with, for benchmark reports (they move TT steps far more
-    than dense ones)."""
-    found = [f"{k}={os.environ[k]}" for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if k in os.environ]
-    return ", ".join(found) or "OpenMP's default wait policy"
 
 
 def child() -> None:

@@ -53,9 +53,11 @@ def _choose() -> str:
     return f"busy machine: load {load:.2f} on {cpus} CPUs"
 
 
+def current_setting() -> str:
+    """The OpenMP wait settings in this process's environment, for reports."""
+    found = [f"{k}={os.environ[k]}" for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if k in os.environ]
+    return ", ".join(found) or "OpenMP's default wait policy"
+
+
 def _describe(reason: str) -> str:
-    policy = os.environ.get("OMP_WAIT_POLICY")
-    spin = os.environ.get("GOMP_SPINCOUNT")
-    setting = (f"OMP_WAIT_POLICY={policy}" if policy else f"GOMP_SPINCOUNT={spin}" if spin
-               else "OpenMP's default wait policy")
-    return f"{setting} ({reason})"
+    return f"{current_setting()} ({reason})"
