@@ -1,6 +1,7 @@
 """Training step of a 6-encoder transformer (d 768, ff 3072, 12 heads, seq 128, batch 8): dense vs comera_fx, compiled.
 
-Side by side in one run, steps interleaved round-robin so load on a shared machine hits every column alike:
+Side by side in one run, steps interleaved round-robin (the order rotated from step to step) so load on a shared
+machine hits every column alike:
 
 * ``dense eager``     — the model as built;
 * ``dense inductor``  — ``torch.compile(model)`` (Inductor, the baseline the target ratio is against);
@@ -346,8 +347,10 @@ def main():
     load_start = os.getloadavg()
     first = {name: step(name) for name in columns}  # compiles the compiled columns
     times = {name: [] for name in columns}
-    for _ in range(args.steps):
-        for name in columns:
+    names = list(columns)
+    for index in range(args.steps):  # the order rotates: no column always sits after the same one (the memory a
+        shift = index % len(names)   # dense step frees comes back slower, benchmarks/RESULTS.md, "seat after dense")
+        for name in names[shift:] + names[:shift]:
             times[name].append(step(name))
     load_end = os.getloadavg()
 

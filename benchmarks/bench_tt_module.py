@@ -2,7 +2,7 @@
 
 ``bench_tt_linear.py`` times the planner's orders on raw cores without bias; real models have a bias, and the module
 is what ``tensorize_`` puts in them. Here, per shape, one process, columns interleaved (each round times every column
-once, ``--repeats`` rounds, median reported):
+once, in a rotated order, ``--repeats`` rounds, median reported):
 
 * ``dense``       — ``nn.Linear(in, out)`` (bias fused into addmm by aten);
 * ``tt``          — ``TTLinear`` as shipped (random init at the shape's rank, gates = 1, custom planned autograd): the
@@ -74,13 +74,18 @@ def step_fn(layer: nn.Module, x: torch.Tensor, dy: torch.Tensor, pad: bool = Tru
 
 
 def time_columns(columns: dict, repeats: int, inner: int) -> dict[str, float]:
-    """Median seconds per call of each column, columns interleaved within every round."""
+    """Median seconds per call of each column, columns interleaved within every round, the order rotated from
+    round to round: a column timed right after dense pays for the memory dense just freed (on the benchmark VM,
+    4096² runs 9–15 % slower in that seat), so no column may sit there every round."""
     samples: dict[str, list[float]] = {name: [] for name in columns}
     for fn in columns.values():  # warm-up: plans, allocator, first-touch pages
         fn()
         fn()
-    for _ in range(repeats):
-        for name, fn in columns.items():
+    names = list(columns)
+    for round_ in range(repeats):
+        shift = round_ % len(names)
+        for name in names[shift:] + names[:shift]:
+            fn = columns[name]
             start = time.perf_counter()
             for _ in range(inner):
                 fn()
