@@ -1,7 +1,9 @@
 """What a TT layer's fresh outputs cost on this machine: first-touch page faults, and huge pages after a free.
 
-A TT layer's y = t·R and dx = dt·Lᵀ are GEMMs with K = rank: little arithmetic, a large b × n output. Two tables:
+A TT layer's y = t·R and dx = dt·Lᵀ are GEMMs with K = rank: little arithmetic, a large b × n output. Three tables:
 
+0. The rate of the six b-dependent GEMMs of a two-factor plan (x·L, t·R, dY·Rᵀ, tᵀ·dY, dt·Lᵀ, xᵀ·dt; b × n × rank,
+   n × n layer), each into a warm output, against the layer's dense GEMM (b × n × n): what is left without faults.
 1. ``torch.mm(t, R)`` (b × rank times rank × n) into a fresh output against the same GEMM into a warm one
    (``out=``), with the minor page faults per call: the allocator's share of the layer's time.
 2. First touch of a fresh 64 MiB tensor right after freeing 1 GiB and again ``--wait`` seconds later, with 4 KiB
@@ -60,6 +62,36 @@ def gemm_output_cost(tokens: int, n_out: int, rank: int, calls: int) -> dict:
                 faults=statistics.median(faults), pages=tokens * n_out * 4 // 4096)
 
 
+def _median_ms(fn, calls: int) -> float:
+    for _ in range(3):
+        fn()
+    samples = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(samples)
+
+
+def gemm_rates(tokens: int, n: int, rank: int, calls: int) -> dict[str, float]:
+    """GFLOP/s of the two-factor plan's six GEMMs (warm ``out=``) and of the dense b × n × n GEMM."""
+    x, dy, t, dt = torch.randn(tokens, n), torch.randn(tokens, n), torch.randn(tokens, rank), torch.randn(tokens, rank)
+    left, right, weight = torch.randn(n, rank), torch.randn(rank, n), torch.randn(n, n)
+    wide, narrow, square = torch.empty(tokens, n), torch.empty(tokens, rank), torch.empty(rank, n)
+    grad_left = torch.empty(n, rank)
+    skinny = 2 * tokens * n * rank / 1e6  # MFLOP per GEMM, so MFLOP / ms = GFLOP/s
+    cases = {
+        "x·L": (lambda: torch.mm(x, left, out=narrow), skinny),
+        "t·R (y)": (lambda: torch.mm(t, right, out=wide), skinny),
+        "dY·Rᵀ": (lambda: torch.mm(dy, right.t(), out=narrow), skinny),
+        "tᵀ·dY": (lambda: torch.mm(t.t(), dy, out=square), skinny),
+        "dt·Lᵀ (dx)": (lambda: torch.mm(dt, left.t(), out=wide), skinny),
+        "xᵀ·dt": (lambda: torch.mm(x.t(), dt, out=grad_left), skinny),
+        "dense x·W": (lambda: torch.mm(x, weight, out=wide), 2 * tokens * n * n / 1e6),
+    }
+    return {name: mflop / _median_ms(fn, calls) for name, (fn, mflop) in cases.items()}
+
+
 def _advise_huge(tensor: torch.Tensor) -> None:
     madvise = ctypes.CDLL(None).madvise
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
@@ -95,6 +127,14 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {args.threads} threads, load {_load()}")
+    rates = {n: gemm_rates(args.tokens, n, args.rank, args.calls) for n in (768, 4096) if str(n) in args.widths}
+    if rates:
+        names = list(next(iter(rates.values())))
+        print(f"\n| GFLOP/s, warm outputs (b {args.tokens}, rank {args.rank}) | " + " | ".join(names) + " |")
+        print("|---|" + "---:|" * len(names))
+        for n, row in rates.items():
+            dense = row["dense x·W"]
+            print(f"| n = {n} | " + " | ".join(f"{v:.0f} ({v / dense:.0%})" for v in row.values()) + " |", flush=True)
     print(f"\n| output ({args.tokens} × n, K = {args.rank}) | fresh ms | warm out= ms | fresh / warm "
           "| minor faults per fresh call | 4 KiB pages in it |")
     print("|---|---:|---:|---:|---:|---:|")
