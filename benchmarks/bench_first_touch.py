@@ -3,7 +3,8 @@
 A TT layer's y = t·R and dx = dt·Lᵀ are GEMMs with K = rank: little arithmetic, a large b × n output. Three tables:
 
 0. The rate of the six b-dependent GEMMs of a two-factor plan (x·L, t·R, dY·Rᵀ, tᵀ·dY, dt·Lᵀ, xᵀ·dt; b × n × rank,
-   n × n layer), each into a warm output, against the layer's dense GEMM (b × n × n): what is left without faults.
+   n × n layer), each into a warm output, as a share of the layer's dense GEMM's rate (b × n × n): what is left
+   without faults (``bench_rank_widths.py`` times the same six across bond widths).
 1. ``torch.mm(t, R)`` (b × rank times rank × n) into a fresh output against the same GEMM into a warm one
    (``out=``), with the minor page faults per call: the allocator's share of the layer's time.
 2. First touch of a fresh 64 MiB tensor right after freeing 1 GiB and again ``--wait`` seconds later, with 4 KiB
@@ -28,6 +29,7 @@ import sys
 import time
 
 import torch
+from bench_rank_widths import median_ms  # the same timing loop
 
 _HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14
@@ -62,17 +64,6 @@ def gemm_output_cost(tokens: int, n_out: int, rank: int, calls: int) -> dict:
                 faults=statistics.median(faults), pages=tokens * n_out * 4 // 4096)
 
 
-def _median_ms(fn, calls: int) -> float:
-    for _ in range(3):
-        fn()
-    samples = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(samples)
-
-
 def gemm_rates(tokens: int, n: int, rank: int, calls: int) -> dict[str, float]:
     """GFLOP/s of the two-factor plan's six GEMMs (warm ``out=``) and of the dense b × n × n GEMM."""
     x, dy, t, dt = torch.randn(tokens, n), torch.randn(tokens, n), torch.randn(tokens, rank), torch.randn(tokens, rank)
@@ -89,7 +80,7 @@ def gemm_rates(tokens: int, n: int, rank: int, calls: int) -> dict[str, float]:
         "xᵀ·dt": (lambda: torch.mm(x.t(), dt, out=grad_left), skinny),
         "dense x·W": (lambda: torch.mm(x, weight, out=wide), 2 * tokens * n * n / 1e6),
     }
-    return {name: mflop / _median_ms(fn, calls) for name, (fn, mflop) in cases.items()}
+    return {name: mflop / median_ms(fn, calls) for name, (fn, mflop) in cases.items()}
 
 
 def _advise_huge(tensor: torch.Tensor) -> None:
