@@ -120,13 +120,12 @@ def main(argv: list[str] | None = None) -> None:
     print(f"torch {torch.__version__}, {args.threads} threads, load {_load()}")
     widths = [int(w) for w in args.widths.split(",")]
     rates = {n: gemm_rates(args.tokens, n, args.rank, args.calls) for n in widths}
-    if rates:
-        names = list(rates[widths[0]])
-        print(f"\n| GFLOP/s, warm outputs (b {args.tokens}, rank {args.rank}) | " + " | ".join(names) + " |")
-        print("|---|" + "---:|" * len(names))
-        for n, row in rates.items():
-            dense = row["dense x·W"]
-            print(f"| n = {n} | " + " | ".join(f"{v:.0f} ({v / dense:.0%})" for v in row.values()) + " |", flush=True)
+    names = list(rates[widths[0]])
+    print(f"\n| GFLOP/s, warm outputs (b {args.tokens}, rank {args.rank}) | " + " | ".join(names) + " |")
+    print("|---|" + "---:|" * len(names))
+    for n, row in rates.items():
+        dense = row["dense x·W"]
+        print(f"| n = {n} | " + " | ".join(f"{v:.0f} ({v / dense:.0%})" for v in row.values()) + " |", flush=True)
     print(f"\n| output ({args.tokens} × n, K = {args.rank}) | fresh ms | warm out= ms | fresh / warm "
           "| minor faults per fresh call | 4 KiB pages in it |")
     print("|---|---:|---:|---:|---:|---:|")
