@@ -3,7 +3,7 @@
 Cells per size target (TT size / dense size of the encoder's linear weights): TT-SVD only (uniform; calibrated +
 energy-allocated), uniform ranks + distillation, calibrated + allocated ranks + distillation, and plain low-rank
 (matrix SVD of every linear, one rank per layer giving the same parameter count, trained by the same loop:
-``comera_fx.distill.match_teacher``) + distillation. Data, evaluation and loss are those of
+``comera_fx.pretrained.distill.match_teacher``) + distillation. Data, evaluation and loss are those of
 examples/compress_pretrained.py. Run timing-relevant runs under ``flock /tmp/comera_timing.lock``:
 
     flock /tmp/comera_timing.lock .venv/bin/python benchmarks/bench_distill.py --ratios 0.25 \\
@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from comera_fx.distill import match_teacher
+from comera_fx.pretrained.distill import match_teacher
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "compress_pretrained.py"
 spec = importlib.util.spec_from_file_location("compress_pretrained", EXAMPLE)

@@ -5,7 +5,7 @@ energy-allocated ranks at ``--ratio``, the default; ``uniform`` = whitened with 
 TT-SVD with one max rank; ``masked`` = calibrated without padding rows on ``--refit-batches`` batches, energy ranks;
 ``refit`` = ``masked``, then ``comera_fx.refit_sequential_``; ``--num-modes 1`` makes every start a whitened
 low-rank matrix instead of a TT chain; computed once and cached under ``--cache``) and
-trains it with ``comera_fx.distill.match_teacher`` for ``--budget-seconds``; only the recipe differs. Data, loss
+trains it with ``comera_fx.pretrained.distill.match_teacher`` for ``--budget-seconds``; only the recipe differs. Data, loss
 and evaluation are those of examples/compress_pretrained.py (held-out mean cosine to the teacher, docstring -> code
 retrieval top-1).
 
@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 import comera_fx
-from comera_fx.distill import linear_sizes, match_teacher
+from comera_fx.pretrained.distill import linear_sizes, match_teacher
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "compress_pretrained.py"
 spec = importlib.util.spec_from_file_location("compress_pretrained", EXAMPLE)

@@ -18,13 +18,12 @@ Public API::
 
 from . import passes
 from .backend import BackendConfig, ComeraBackend, DenseWeightsWarning, backend, compile, make_backend
-from .calibrate import Calibration, InputStats, calibrate
 from .checkpoint import load_tensorized, save_tensorized
 from .config import Allocation, Init, LayerSettings, TensorizeConfig
-from .distill import DistillSummary, distill_
 from .passes.rmm import RandomizeSummary, randomize_backward_, restore_backward_
 from .passes.tensorize import TensorizeSummary, tensorize_
-from .refit import RefitSummary, refit_sequential_
+from .pretrained import (Calibration, DistillSummary, InputStats, RefitSummary, calibrate, distill_,
+                         refit_sequential_)
 from .report import Report, report
 from .rmm import RMMConfig
 from .runtime import RankAdaptive, param_groups

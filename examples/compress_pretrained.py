@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import comera_fx
-from comera_fx.distill import relative_mse
+from comera_fx.pretrained.distill import relative_mse
 
 MAX_LEN = 128
 
@@ -305,7 +305,7 @@ def run_tt(teacher, data, ratio: float, allocation: str, distill: bool, args,
         if refit:
             comera_fx.refit_sequential_(student, teacher, batches, token_mask=real_tokens,
                                         blocks=hidden_layers(teacher))
-        tt, dense = comera_fx.distill.linear_sizes(student)
+        tt, dense = comera_fx.pretrained.distill.linear_sizes(student)
         info = {"steps": 0, "train_s": 0.0, "setup_s": time.perf_counter() - start, "ratio": tt / dense,
                 "ranks": {d.fqn: list(d.ranks) for d in summary.converted}}
     info["refit"] = refit

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import comera_fx
-from comera_fx.distill import match_teacher, relative_mse
+from comera_fx.pretrained.distill import match_teacher, relative_mse
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -19,7 +19,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import comera_fx
-from comera_fx.distributed import unwrap
+from comera_fx.runtime.distributed import unwrap
 from comera_fx.runtime import RankAdaptive
 from comera_fx.runtime.rank_adaptive import tt_matrices
 from helpers_distributed import COLLECTIVE_TIMEOUT, run_scenarios, scenario_results

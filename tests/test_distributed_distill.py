@@ -81,7 +81,7 @@ def run_distill(batches, **kwargs):
 
 def tensorized(calibration_batches, ratio):
     """The student right after distill_'s tensorization with a calibration on these batches (no training)."""
-    from comera_fx.distill import _tensorize_at
+    from comera_fx.pretrained.distill import _tensorize_at
 
     student = make_teacher()
     cal = comera_fx.calibrate(student, calibration_batches, config=SMALL)

@@ -32,7 +32,7 @@ import torch
 from torch import Tensor, fx, nn
 
 from ..report import DEFAULT_GATE_THRESHOLD, _layer_name
-from ..distributed import RankSync
+from .distributed import RankSync
 from ..tt.layers import TTMatrix
 from .comera import EARLY, LATE, PlateauDetector, achievement_lambda, add_gate_penalty_, scale_grads_
 from .history import HistoryEntry, RankSummary
@@ -312,7 +312,7 @@ class RankAdaptive:
         common = dict(threshold=threshold, history_every=history_every, target_ratio=target_ratio,
                       target_params=target_params)
         self.settings = s = _Settings.resolve(schedule, common, given)
-        # Under torch.distributed (comera_fx.distributed): decisions agreed across ranks, DDP rebuilt after a prune
+        # Under torch.distributed (comera_fx.runtime.distributed): decisions agreed across ranks, DDP rebuilt after a prune
         self.distributed, module = RankSync.for_model(model)
         self.model, self.optimizer = model, optimizer  # self.model: the current DDP wrapper after a prune
         self.module = module

@@ -17,10 +17,10 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from .config import TensorizeConfig
-from .distributed import agreed_sum
-from .module_calls import eval_modes, first_input, preserved_rng, real_rows
-from .passes.find import find_in_model, split_example_inputs
+from ..config import TensorizeConfig
+from ..runtime.distributed import agreed_sum
+from .calling import eval_modes, first_input, preserved_rng, real_rows
+from ..passes.find import find_in_model, split_example_inputs
 
 FilterFn = Callable[[nn.Module, str], bool]
 

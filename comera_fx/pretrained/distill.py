@@ -20,15 +20,15 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from .config import TensorizeConfig
+from ..config import TensorizeConfig
 from .calibrate import Calibration, calibrate
-from .distributed import RankSync
-from .module_calls import default_output, eval_modes, input_slot
-from .passes.tensorize import TensorizeSummary, tensorize_
+from ..runtime.distributed import RankSync
+from .calling import default_output, eval_modes, input_slot
+from ..passes.tensorize import TensorizeSummary, tensorize_
 from .refit import refit_sequential_
-from .runtime.rank_adaptive import RankAdaptive, tt_matrices
-from .runtime.shrink import physical_params
-from .tt.layers import TTLinear
+from ..runtime.rank_adaptive import RankAdaptive, tt_matrices
+from ..runtime.shrink import physical_params
+from ..tt.layers import TTLinear
 
 Batches = Iterable[Any] | Callable[[], Any]
 LossFn = Callable[[Tensor, Tensor], Tensor]

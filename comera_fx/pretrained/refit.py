@@ -33,11 +33,11 @@ import torch
 from torch import Tensor, nn
 
 from .calibrate import _check_max_batches, _iterate
-from .distributed import _group_size, agreed_sum
-from .module_calls import default_output, eval_modes, first_input, input_slot, preserved_rng, real_rows
-from .passes.find import split_example_inputs
-from .tt.layers import TTLinear
-from .tt.whiten import DEFAULT_EPS, regularized_gram, tt_chain_to_matrix, whitened_matrix_to_tt
+from ..runtime.distributed import _group_size, agreed_sum
+from .calling import default_output, eval_modes, first_input, input_slot, preserved_rng, real_rows
+from ..passes.find import split_example_inputs
+from ..tt.layers import TTLinear
+from ..tt.whiten import DEFAULT_EPS, regularized_gram, tt_chain_to_matrix, whitened_matrix_to_tt
 
 MaskFn = Callable[[object], Tensor]
 
