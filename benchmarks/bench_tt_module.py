@@ -115,7 +115,8 @@ def measure_shape(n_in: int, n_out: int, rank: int, tokens: int, repeats: int, s
                          repeats, inner)
     dense_flops = 3 * 2 * tokens * n_in * n_out
     return dict(shape=f"{n_in}x{n_out}", rank=rank, ranks=list(tt.tt.ranks), tokens=tokens,
-                padded_rank=chosen.runner.padded_rank(x), bias_in_gemm=chosen.runner.bias_in_gemm(x, tt.bias),
+                padded_rank=planned_autograd.plan_runner(chosen).padded_rank(x),
+                bias_in_gemm=planned_autograd.plan_runner(chosen).bias_in_gemm(x, tt.bias),
                 folds=planned_autograd.folds_bias(chosen), seconds=times,
                 flop_ratio=dense_flops / float(chosen.flops(tokens, backward=True)),
                 speedup={name: times["dense"] / t for name, t in times.items() if name != "dense"})

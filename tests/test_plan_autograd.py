@@ -1,4 +1,4 @@
-"""The planner's custom autograd (``plan.execute_function`` / ``Plan.function``) against independent references.
+"""The planner's custom autograd (``plan.execute_function`` / ``plan.plan_function``) against independent references.
 
 * Numbers: output and gradients w.r.t. x, every core and every gate equal a dense float64 reference, M built with
   opt_einsum from the cores and the gate vectors (gates as separate tensors on the bonds, not folded).
@@ -69,7 +69,7 @@ def test_function_gradients_match_dense_float64(data, spec, op, with_bias):
     plans = [planner.Plan.from_tree(net, data.draw(random_trees(net.n_tensors))), *planner.plan(layout, op=op).plans]
     if layout.format is TTFormat.TT:
         two_factor = planner.Plan.from_tree(net, _two_factor_tree(layout, op))
-        assert two_factor.runner.two_factor is not None
+        assert planner.plan_runner(two_factor).two_factor is not None
         plans.append(two_factor)
     n = len(spec.cores)
     n_out = layout.cols if op == "matmul" else layout.rows
@@ -172,7 +172,7 @@ def test_bias_rides_in_the_last_gemm_when_the_plan_writes_y(monkeypatch, grad, i
         x = torch.randn(50, 120, dtype=torch.float64)
         chosen = layers.choose_plan(layers.planned_envelope(linear.tt.layout, "matmul"), 50)
         assert planner.folds_bias(chosen) is writes_y
-        assert chosen.runner.two_factor is not None  # rank 4 runs at 16: the bond has spare slices
+        assert planner.plan_runner(chosen).two_factor is not None  # rank 4 runs at 16: the bond has spare slices
         with torch.set_grad_enabled(grad):
             calls = aten_calls(linear, x)
             y = linear(x)
@@ -224,7 +224,7 @@ def test_padding_saves_only_the_padded_slices_of_t(monkeypatch):
                              std=1.0, dtype=torch.float64).layout
     planned = layers.choose_plan(layers.planned_envelope(layout, "matmul"), 64)
     chosen = planner.Plan.from_tree(planned.network, planned.tree, planner.CostModel(itemsize=8))
-    first, _ = chosen.runner.two_factor
+    first, _ = planner.plan_runner(chosen).two_factor
     rank = chosen.steps[first].n
     counted = chosen.terms.bytes_saved[1]  # bytes per row of x, float64
     cores = [torch.randn(s, dtype=torch.float64, requires_grad=True) for s in layout.core_shapes]

@@ -177,7 +177,7 @@ def _inference_envelope(layout, op: str):
         return envelope if envelope is not None else _envelope(layout, op)
     envelope = planner.plan(layout, op=op, backward=False)
     for piece in envelope.pieces:
-        piece.plan.runner  # made now, outside any traced region
+        planner.plan_runner(piece.plan)  # made now, outside any traced region
     _INFERENCE_ENVELOPES[key] = envelope
     while len(_INFERENCE_ENVELOPES) > _INFERENCE_ENVELOPES_MAX:
         _INFERENCE_ENVELOPES.popitem(last=False)
@@ -209,8 +209,8 @@ def rmm_tt_product(x: Tensor, tt, *, transposed: bool = False, rho: float | tupl
     x2d = x.reshape(-1, n_in)
     tokens = x2d.shape[0]
     rows = projected_rows(tokens, ratio)
-    runners = (layers.choose_plan(_inference_envelope(layout, op), tokens).runner,
-               layers.choose_plan(_inference_envelope(layout, other), tokens).runner,
-               layers.choose_plan(_envelope(layout, op), rows).runner)
+    runners = (planner.plan_runner(layers.choose_plan(_inference_envelope(layout, op), tokens)),
+               planner.plan_runner(layers.choose_plan(_inference_envelope(layout, other), tokens)),
+               planner.plan_runner(layers.choose_plan(_envelope(layout, op), rows)))
     x_sketch, seed = shared_sketch(x2d, rows, sketch, share_key)
     return RandomizedTTProduct.apply(x, x_sketch, seed, runners, sketch, *tt.gated_cores())

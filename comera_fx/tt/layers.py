@@ -257,8 +257,7 @@ def planned_envelope(layout: TTLayout, op: str) -> "planner.PlanEnvelope":
         return envelope
     envelope = planner.plan(layout, op=op)
     for piece in envelope.pieces:
-        piece.plan.program  # compile each plan's instructions now, outside any traced region
-        piece.plan.function  # and its autograd.Function
+        planner.prepare_plan(piece.plan)  # its program, runner and autograd.Function now, outside any traced region
     _ENVELOPES[key] = envelope
     while len(_ENVELOPES) > ENVELOPE_CACHE_SIZE:
         _ENVELOPES.popitem(last=False)

@@ -12,7 +12,8 @@ GEMM and nothing else. The planner
 3. returns the lower envelope over the batch size: which tree is cheapest on which interval of ``b``, with exact
    breakpoints (``plan``, ``PlanEnvelope``),
 4. runs a chosen tree with reshape / permute / mm only, reading every size from the layout (``execute``), so the
-   same code runs eagerly and on ``torch.fx`` proxies.
+   same code runs eagerly and on ``torch.fx`` proxies; or through a custom autograd.Function whose backward runs
+   the planned gradient GEMMs (``execute_function``).
 
 Why an envelope and not one plan: every intermediate either carries the batch index (it contains x) or not, so
 every cost is linear in b, ``c0 + c1·b``. Merging cores first (CoMERA's (x·L)·R) pays a b-independent price to make
@@ -20,25 +21,31 @@ the b-dependent part small; at small b, pushing x through the cores one at a tim
 tensors, the lower envelope of its candidate sub-plans (a handful of lines) instead of a single best makes the
 subset DP exact for every b at once. The DP runs on integer pairs; sympy only builds the final expressions.
 
-Pure: the planning half reads no tensor and never imports ``torch.fx``; only ``execute`` uses torch.
+The planning half (``network`` … ``envelope`` below) reads no tensor, imports no torch module itself and never
+the two runner modules: a plan is a description. Running it is a layer above: ``execution`` and ``autograd`` take a
+``Plan`` and derive what they need from it (its program, runner and autograd.Function, made once per plan).
 
-Where things live (each module imports only those listed above it)::
+Where things live (each module imports only modules listed above it, plus ``..layout`` for ``TTLayout``, a
+description in ints, and ``..ops`` in the runners)::
 
     network.py    TTNetwork, build_network, Tree, OPS; tree helpers (_canonical, _leaves)
     cost.py       CostModel, CostTerms, DEFAULT_ALPHA / BETA / GAMMA; per-step and copy counts, subset sizes
-    execution.py  operand views and permute copies, _compile, execute
-    autograd.py   PlanRunner, the custom autograd.Function (execute_function)
+    views.py      how a step sees its stored operands (views or permute copies): what the costs count as copies
     plans.py      Step, Plan, BATCH
     subset_dp.py  lower envelopes of lines and the exact subset DP (search, _search)
     envelope.py   EnvelopePiece, PlanEnvelope, plan()
+    -- running a plan (torch) --
+    execution.py  plan_program, execute
+    autograd.py   PlanRunner, plan_runner, plan_function, prepare_plan, execute_function (the custom
+                  autograd.Function)
 
 This package only re-exports them: ``from comera_fx.tt import plan as planner; planner.plan(...)`` as before.
 """
 
-from .autograd import PlanRunner, execute_function, folds_bias
+from .autograd import PlanRunner, execute_function, folds_bias, plan_function, plan_runner, prepare_plan
 from .cost import DEFAULT_ALPHA, DEFAULT_BETA, DEFAULT_GAMMA, CostModel, CostTerms
 from .envelope import EnvelopePiece, PlanEnvelope, plan
-from .execution import execute
+from .execution import execute, plan_program
 from .network import OPS, Tree, TTNetwork, build_network
 from .plans import BATCH, Plan, Step
 from .subset_dp import _search, search  # _search: tests clear its cache
@@ -63,5 +70,9 @@ __all__ = [
     "execute_function",
     "folds_bias",
     "plan",
+    "plan_function",
+    "plan_program",
+    "plan_runner",
+    "prepare_plan",
     "search",
 ]

@@ -1,22 +1,20 @@
 """The planned backward: ``PlanRunner`` (forward and backward as plain functions) and the custom
-``torch.autograd.Function`` built from it (``_make_function``, ``execute_function``).
+``torch.autograd.Function`` built from it (``plan_function``, ``execute_function``), each made once per plan
+(``plan_runner``, ``plan_function``; ``prepare_plan`` makes all of them ahead of a traced region).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from .. import ops
 from ..layout import TTLayout
-from .execution import _as_matrix, execute
-
-if TYPE_CHECKING:
-    from .plans import Plan
+from .execution import _as_matrix, _kept, plan_program
+from .plans import Plan
 
 
 def _permuted_shape(view: tuple, dims: tuple[int, ...], batched: bool) -> tuple[int, ...]:
@@ -65,10 +63,10 @@ def kernel_rank(rank: int, device_type: str) -> int:
     return max(16, -(-rank // 8) * 8)
 
 
-def _two_factor_steps(chosen: "Plan") -> tuple[int, int] | None:
+def _two_factor_steps(chosen: Plan) -> tuple[int, int] | None:
     """(i, j) when the plan's b-dependent work is t = x·L (step i) then y = t·R (step j, the last): the two batched
     steps of CoMERA's merged halves, the order the planner picks for large batches. t is b × r, read as is."""
-    steps, instructions = chosen.steps, chosen.program.instructions
+    steps, instructions = chosen.steps, plan_program(chosen).instructions
     batched = [k for k, step in enumerate(steps) if step.batched]
     if len(batched) != 2:
         return None
@@ -88,7 +86,7 @@ _NARROW_GRADIENT = 12
 
 class PlanRunner:
     """The planned forward (optionally keeping each step's operands) and the planned backward of one plan, as
-    plain functions of tensors — what ``Plan.function`` runs, reusable by ops that feed the backward other inputs
+    plain functions of tensors — what ``plan_function`` runs, reusable by ops that feed the backward other inputs
     (``comera_fx.rmm`` runs the core gradients on a sketch of x and of dy).
 
     Per step, backward needs the left operand A (for dB = Aᵀ·dC; b-dependent exactly when the step is batched,
@@ -97,15 +95,16 @@ class PlanRunner:
     view (a transposed view back, a permute back: the copy the model counts).
     """
 
-    def __init__(self, chosen: "Plan"):
+    def __init__(self, chosen: Plan):
         net, layout = chosen.network, chosen.network.layout
         self.plan = chosen
-        self.steps, self.instructions = chosen.steps, chosen.program.instructions
+        program = plan_program(chosen)
+        self.steps, self.instructions = chosen.steps, program.instructions
         self.n_in, self.n_out = (layout.rows, layout.cols) if net.op == "matmul" else (layout.cols, layout.rows)
         self.pad_in, self.pad_out = math.prod(net.in_modes), math.prod(net.out_modes)
         self.core_shapes = layout.core_shapes
         self.n_leaves = net.n_tensors
-        self.final_perm, self.final_dims = chosen.program.final_perm, chosen.program.final_dims
+        self.final_perm, self.final_dims = program.final_perm, program.final_dims
         self.two_factor = _two_factor_steps(chosen)
         #: The true rank of the bond between the two factors (0 for a plan without two factors).
         self.bond_rank = self.steps[self.two_factor[0]].n if self.two_factor is not None else 0
@@ -222,15 +221,15 @@ def _pad_rows(right, pad: int, bias=None):
 FOLD_BIAS = True
 
 
-def folds_bias(chosen: "Plan") -> bool:
+def folds_bias(chosen: Plan) -> bool:
     """Does the plan's last GEMM write y itself, so a bias can ride in addmm (``FOLD_BIAS`` on)?"""
     return FOLD_BIAS and _writes_y(chosen)
 
 
-def _writes_y(chosen: "Plan") -> bool:
+def _writes_y(chosen: Plan) -> bool:
     """Does the plan's last GEMM write y itself, (b × n_out) with nothing after it (no permute, no trimming)?"""
     last, net = chosen.steps[-1], chosen.network
-    return (last.batched and last.m == 1 and chosen.program.final_perm is None
+    return (last.batched and last.m == 1 and plan_program(chosen).final_perm is None
             and math.prod(net.out_modes) == (net.layout.cols if net.op == "matmul" else net.layout.rows))
 
 
@@ -247,13 +246,30 @@ def _mm(a, b):
     return torch.mm(a, b)
 
 
-def _make_function(chosen: "Plan") -> type:
+def plan_runner(chosen: Plan) -> PlanRunner:
+    """The planned forward and backward of ``chosen`` as plain functions, made once per plan."""
+    return _kept(chosen, "_runner", PlanRunner)
+
+
+def plan_function(chosen: Plan) -> type:
+    """A ``torch.autograd.Function`` that runs ``chosen`` with its planned backward (``execute_function``), made
+    once per plan."""
+    return _kept(chosen, "_function", _make_function)
+
+
+def prepare_plan(chosen: Plan) -> None:
+    """Make everything running ``chosen`` needs (program, runner, Function) now, outside any traced region: a
+    compiled graph reads them, it must not build them."""
+    plan_function(chosen)  # with it, the runner and the program
+
+
+def _make_function(chosen: Plan) -> type:
     """A torch.autograd.Function running ``chosen`` forward and its planned backward (``PlanRunner``).
 
     Forward saves, per step, the two operands its backward needs and nothing else: intermediates that are only
     step results are not saved.
     """
-    runner = chosen.runner
+    runner = plan_runner(chosen)
     n_steps = len(chosen.steps)
 
     class PlannedProduct(torch.autograd.Function):
@@ -277,8 +293,8 @@ def _make_function(chosen: "Plan") -> type:
     return PlannedProduct
 
 
-def execute_function(chosen: "Plan", x, cores: Sequence, layout: TTLayout, bias=None):
-    """``execute`` through a custom ``torch.autograd.Function`` (``Plan.function``): the same forward, and a backward
+def execute_function(chosen: Plan, x, cores: Sequence, layout: TTLayout, bias=None):
+    """``execute`` through a custom ``torch.autograd.Function`` (``plan_function``): the same forward, and a backward
     that runs the planned gradient GEMMs and keeps only the operands the cost model counts. ``bias`` (n_out,) is
     added inside the last GEMM where the plan allows (``folds_bias``). Real tensors only (use ``execute`` on
     ``torch.fx`` proxies); traces under ``torch.compile`` (Dynamo) without graph breaks."""
@@ -290,5 +306,5 @@ def execute_function(chosen: "Plan", x, cores: Sequence, layout: TTLayout, bias=
     if not torch.is_grad_enabled():
         # Nothing to save: the forward alone. (Also sidesteps Dynamo, which under no_grad inlines two such Functions
         # of different layouts in one graph wrongly: their forwards share one code object, only the closures differ.)
-        return chosen.runner.forward(x, cores, keep=False, bias=bias)[0]
-    return chosen.function.apply(x, bias, *cores)
+        return plan_runner(chosen).forward(x, cores, keep=False, bias=bias)[0]
+    return plan_function(chosen).apply(x, bias, *cores)

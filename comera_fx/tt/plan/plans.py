@@ -1,5 +1,7 @@
-"""One contraction tree made concrete: its pairwise GEMMs (``Step``) and ``Plan`` (costs, printing, execution).
+"""One contraction tree made concrete: its pairwise GEMMs (``Step``) and ``Plan`` (costs, printing).
 
+A plan is a description only: running it is the business of ``execution`` (``execute``, ``plan_program``) and
+``autograd`` (``plan_runner``, ``plan_function``, ``execute_function``), which take a plan; nothing here imports them.
 ``BATCH`` is the symbol b of the cost expressions a plan prints (sympy only builds those; the counts are ints).
 """
 
@@ -8,14 +10,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
-from functools import cached_property
 
 import sympy
 
-from .autograd import PlanRunner, _make_function
 from .cost import CostModel, CostTerms, _copy_terms, _num, _step_terms, _subset_sizes
-from .execution import _Program, _compile, _final_copies, _step_views
 from .network import X, Linear, Tree, TTNetwork, _canonical, _leaves
+from .views import _final_copies, _step_views
 
 
 #: The batch size (all leading dimensions of x flattened) in cost expressions.
@@ -128,23 +128,6 @@ class Plan:
             lines.append(f"  t{number} = {names[step.left]}·{names[step.right]}: [{rows} × {step.k}] @ "
                          f"[{step.k} × {step.n}] -> [{rows} × {step.n}], {_pretty(step.flops)} FLOPs")
         return "\n".join(lines)
-
-    # -- execution ------------------------------------------------------------------------------------------------
-
-    @cached_property
-    def program(self) -> "_Program":
-        """How ``execute`` runs the steps: operand views and index orders, worked out once (pure data)."""
-        return _compile(self)
-
-    @cached_property
-    def runner(self) -> "PlanRunner":
-        """The planned forward and backward as plain functions (``PlanRunner``)."""
-        return PlanRunner(self)
-
-    @cached_property
-    def function(self) -> type:
-        """A ``torch.autograd.Function`` that runs this plan with its planned backward (``execute_function``)."""
-        return _make_function(self)
 
 
 def _is_tree(node) -> bool:

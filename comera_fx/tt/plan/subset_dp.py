@@ -13,9 +13,9 @@ from fractions import Fraction
 from functools import lru_cache
 
 from .cost import CostModel, _subset_sizes
-from .execution import _final_copies, _step_copies
 from .network import X, Linear, Tree, TTNetwork, _canonical
 from .plans import Plan
+from .views import _final_copies, _step_copies
 
 
 def _crosses_before(l1: Linear, l2: Linear, l3: Linear) -> bool:
