@@ -11,10 +11,10 @@ from dataclasses import asdict, dataclass
 from torch import nn
 
 from .rmm.modules import RandomizedBackward
+from .tt.inventory import DEFAULT_GATE_THRESHOLD, live_counts, physical_params, tt_matrices
 from .tt.layers import TTLinear, TTMatrix, planned_envelope
 
-# A gate entry at or below this magnitude counts as dead (CoMERA's code uses 1e-2).
-DEFAULT_GATE_THRESHOLD = 1e-2
+__all__ = ["DEFAULT_GATE_THRESHOLD", "LayerRow", "RandomizedRow", "Report", "report"]  # the threshold lives in tt
 
 
 @dataclass(frozen=True)
@@ -107,15 +107,6 @@ def _ranks_text(row: LayerRow) -> str:
     return inner
 
 
-def _layer_name(tt_path: str) -> str:
-    """'fc.tt' -> 'fc' (a TT module's matrix); 'attn.weight_tt' -> 'attn.weight' (a functional parameter)."""
-    if tt_path.startswith("comera_tt_"):  # registered by passes.tensorize on a GraphModule
-        return tt_path[len("comera_tt_"):]
-    if tt_path.endswith(".tt") or tt_path == "tt":
-        return tt_path[:-3] or "<root>"
-    return tt_path[:-3] if tt_path.endswith("_tt") else tt_path
-
-
 def _randomized(model: nn.Module) -> tuple[RandomizedRow, ...]:
     return tuple(RandomizedRow(name, module._rmm_base.__name__, module.rmm.rho, module.rmm.sketch)
                  for name, module in model.named_modules() if isinstance(module, RandomizedBackward))
@@ -144,20 +135,14 @@ def report(model: nn.Module, *, batch: int | None = None,
     ``live_ranks`` counts gate entries above ``gate_threshold``; ``ranks`` are the stored core sizes. With
     ``batch`` (tokens per call), each layer also shows the contraction order the planner chooses there.
     """
-    users: dict[int, list[str]] = {}
-    matrices: dict[int, tuple[str, TTMatrix]] = {}
-    for name, module in model.named_modules(remove_duplicate=False):
-        if isinstance(module, TTMatrix):
-            matrices.setdefault(id(module), (_layer_name(name), module))
-            users.setdefault(id(module), []).append(_layer_name(name))
+    matrices = tt_matrices(model)
     rows = []
-    for key, (name, tt) in matrices.items():
-        layout = tt.layout
-        live = (1,) + tuple(int((g.detach().abs() > gate_threshold).sum()) for g in tt.gates) + (1,)
-        params = sum(p.numel() for p in tt.parameters())
+    for entry, counts in zip(matrices, live_counts([m.tt for m in matrices], gate_threshold)):
+        tt, layout = entry.tt, entry.tt.layout
         op = _product_op(model, tt) if batch is not None and not tt.is_zero else None
         chosen = str(planned_envelope(layout, op).choose(batch)) if op is not None else None
-        rows.append(LayerRow(name, tuple(users[key]), layout.format.value, layout.describe_modes(), layout.ranks,
-                             live, params, layout.dense_params, chosen, _backward_of(model, tt)))
+        rows.append(LayerRow(entry.name, entry.used_by, layout.format.value, layout.describe_modes(), layout.ranks,
+                             (1, *counts, 1), physical_params(tt), layout.dense_params, chosen,
+                             _backward_of(model, tt)))
     model_params = sum(p.numel() for p in model.parameters())
     return Report(tuple(rows), model_params, batch, _randomized(model))

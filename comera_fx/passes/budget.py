@@ -19,7 +19,7 @@ from ..config import Allocation, Init, TensorizeConfig
 from ..tt import allocate
 from ..tt.decompose import matrix_to_tt, matrix_to_ttm, pad_matrix, random_tt_cores
 from ..tt.layers import TTMatrix, choose_layout_modes, default_init_std
-from ..tt.layout import TTFormat, TTLayout
+from ..tt.layout import TTFormat, TTLayout, chain_dims
 from ..tt.shapes import NoBalancedModes, capped_ranks
 from ..tt.whiten import regularized_gram, sqrt_factor, whitened_matrix_to_tt
 
@@ -55,12 +55,6 @@ class BudgetInfo:
         how = f"one max_rank {self.max_rank}" if self.max_rank is not None else "ranks per layer and bond"
         return (f"param_budget {self.asked:,} ({self.asked / self.dense:.1%} of {self.dense:,} dense): reached "
                 f"{self.reached:,} with {self.allocation} allocation ({how})")
-
-
-def chain_dims(format: TTFormat, row_modes: tuple[int, ...], col_modes: tuple[int, ...]) -> tuple[int, ...]:
-    if format is TTFormat.TT:
-        return tuple(row_modes) + tuple(col_modes)
-    return tuple(a * b for a, b in zip(row_modes, col_modes))
 
 
 def budget_params(config: TensorizeConfig, dense: int) -> int:

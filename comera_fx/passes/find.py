@@ -8,6 +8,7 @@ op that uses it, so a tied embedding + output head is one entry with two uses.
 from __future__ import annotations
 
 import enum
+import math
 import operator
 import warnings
 from collections.abc import Callable, Iterable, Mapping
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from ..config import TensorizeConfig
+from ..tt.inventory import is_hf_conv1d
 from .isolation import untraced
 
 aten = torch.ops.aten
@@ -109,6 +111,21 @@ def classify_use(node: fx.Node, weight: fx.Node) -> UseKind:
     if target in _EMBEDDING_WEIGHT_FIRST:
         return UseKind.EMBEDDING if args[0] is weight and weight not in args[1:] else UseKind.OTHER
     return UseKind.OTHER
+
+
+def static_tokens(x: fx.Node, features: int) -> int | float:
+    """Tokens (rows of ``features`` each) reaching an op through ``x`` when the graph records concrete sizes
+    (Dynamo's ``example_value``, or ``val`` from export / make_fx), else infinity.
+
+    A rewritten graph holds one contraction plan and no guard can be added here: without concrete sizes
+    (symbolic_trace, dynamic shapes) the planner's large-batch plan is taken, the regime training runs in and where
+    the order matters most.
+    """
+    value = x.meta.get("example_value", x.meta.get("val")) if isinstance(x, fx.Node) else None
+    shape = getattr(value, "shape", None)
+    if shape is None or not all(isinstance(s, int) for s in shape):
+        return math.inf
+    return math.prod(shape) // features
 
 
 def collect_uses(
@@ -251,7 +268,7 @@ def _scan_kind(module: nn.Module) -> UseKind | None:
         return UseKind.LINEAR
     if isinstance(module, nn.Embedding):
         return UseKind.EMBEDDING
-    if type(module).__name__ == "Conv1D" and type(module).__module__.startswith("transformers"):
+    if is_hf_conv1d(module):
         return UseKind.MATMUL  # GPT-2's Conv1D: y = x W + b with W stored (in × out)
     return None
 

@@ -14,7 +14,6 @@ parametrisation that scales, masks or otherwise changes the weight is never mist
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +22,7 @@ from torch import Tensor, fx
 from ..tt import ops
 from ..tt import plan as planner
 from ..tt.layers import TTMatrix, choose_plan, planned_envelope
-from .find import UseKind, classify_use
+from .find import UseKind, classify_use, static_tokens
 from .tensorize import PROPERTY_MATRICES, emit_traced
 
 aten = torch.ops.aten
@@ -143,19 +142,6 @@ def _identify(nodes, weight: fx.Node, leaves: list[fx.Node], owners: dict[fx.Nod
     return None
 
 
-def _static_tokens(x: fx.Node, features: int) -> float:
-    """Tokens reaching the op if the graph records concrete sizes, else infinity (the planner's large-batch plan).
-
-    A rewritten graph holds one plan; with symbolic sizes no guard can be added here, and large batches are where
-    training runs and where the order matters most.
-    """
-    value = x.meta.get("example_value", x.meta.get("val")) if isinstance(x, fx.Node) else None
-    shape = getattr(value, "shape", None)
-    if shape is None or not all(isinstance(s, int) for s in shape):
-        return math.inf
-    return math.prod(shape) // features
-
-
 def contract_reconstructed_tt(gm: fx.GraphModule, example_inputs=None, *, matrices=None) -> fx.GraphModule:
     """Graph pass: replace ``linear/mm/matmul/addmm(x, W)`` with W rebuilt from TT cores by planned contractions.
 
@@ -203,7 +189,7 @@ def _replace_with_contraction(graph: fx.Graph, node: fx.Node, kind: UseKind, wha
     x = node.args[1] if is_addmm else node.args[0]
     # linear: x Wᵀ; matmul: x W. With W = M that is x Mᵀ / x M; with W = Mᵀ the other way round.
     op = "matmul_t" if (kind is UseKind.LINEAR) == (what == "M") else "matmul"
-    chosen = choose_plan(planned_envelope(layout, op), _static_tokens(x, layout.rows if op == "matmul" else layout.cols))
+    chosen = choose_plan(planned_envelope(layout, op), static_tokens(x, layout.rows if op == "matmul" else layout.cols))
     with graph.inserting_before(node):
         gated = emit_traced(graph, lambda c, g: ops.gate_cores(c, g, layout), cores, gates)
         out = emit_traced(graph, lambda a, c: planner.execute(chosen, a, c, layout), x, gated)

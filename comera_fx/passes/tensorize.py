@@ -24,10 +24,11 @@ from torch import Tensor, fx, nn
 from ..config import Init, TensorizeConfig
 from ..tt import ops
 from ..tt import plan as planner
+from ..tt.inventory import is_hf_conv1d
 from ..tt.layers import TTEmbedding, TTLinear, TTMatrix, choose_plan, make_tt_matrix, planned_envelope
 from ..tt.shapes import NoBalancedModes
 from .budget import BudgetInfo, LayerFit, build_fitted, plan_fits
-from .find import Candidate, FindResult, UseKind, find_in_graph, find_in_model
+from .find import Candidate, FindResult, UseKind, find_in_graph, find_in_model, static_tokens
 from .holders import PROPERTY_MATRICES, Journal, attach_tt_property, hook_problem, move_hooks  # noqa: F401
 
 FilterFn = Callable[[nn.Module, str], bool]
@@ -183,10 +184,6 @@ def _is_plain(module: nn.Module, base: type[nn.Module]) -> bool:
     return isinstance(module, base) and type(module).forward is base.forward
 
 
-def _is_hf_conv1d(module: nn.Module) -> bool:
-    return type(module).__name__ == "Conv1D" and type(module).__module__.startswith("transformers")
-
-
 def _swap_kind(module: nn.Module, attr: str, kind: str, transposed_m: bool) -> str | None:
     """Which TT module replaces ``module`` ("embedding", "linear", "conv1d"), or None: a property is attached."""
     if attr != "weight":
@@ -195,7 +192,7 @@ def _swap_kind(module: nn.Module, attr: str, kind: str, transposed_m: bool) -> s
         return "embedding"
     if _is_plain(module, nn.Linear):
         return "linear"
-    if _is_hf_conv1d(module) and not transposed_m and kind == "linear":
+    if is_hf_conv1d(module) and not transposed_m and kind == "linear":
         return "conv1d"
     return None
 
@@ -433,19 +430,6 @@ def _normalize_modules(gm: fx.GraphModule) -> None:
         gm.graph.erase_node(node)
 
 
-def _static_batch(x: fx.Node, features: int) -> int | float:
-    """Tokens reaching the op when the graph knows them (export / make_fx shape metadata), else infinity.
-
-    A graph is emitted for one plan. Without concrete sizes (symbolic_trace, dynamic shapes) the planner's
-    large-batch plan is taken: the regime training runs in, where the order matters most.
-    """
-    value = x.meta.get("val") if isinstance(x, fx.Node) else None
-    shape = getattr(value, "shape", None)
-    if shape is None or not all(isinstance(s, int) for s in shape):
-        return math.inf
-    return math.prod(shape) // features
-
-
 def _embedding_padding_idx(node: fx.Node) -> int | None:
     if node.target is F.embedding:
         pad = node.args[2] if len(node.args) > 2 else node.kwargs.get("padding_idx")
@@ -532,7 +516,7 @@ def _emit_use(gm, graph, node, kind, cores, layout, module_name, cand):
     # LINEAR computes x Pᵀ and MATMUL x P; M is Pᵀ or P (stores_transpose). When they differ, contract with Mᵀ:
     # a tied head on an embedding's M = P, or a square P read both by linear and by matmul.
     op = "matmul_t" if (kind is UseKind.LINEAR) != stores_transpose(cand) else "matmul"
-    chosen = choose_plan(planned_envelope(layout, op), _static_batch(x, layout.rows if op == "matmul" else layout.cols))
+    chosen = choose_plan(planned_envelope(layout, op), static_tokens(x, layout.rows if op == "matmul" else layout.cols))
     out = emit_traced(graph, lambda a, c: planner.execute(chosen, a, c, layout), x, cores)
     bias = None
     if kind is UseKind.LINEAR:

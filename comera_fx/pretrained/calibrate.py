@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from ..config import TensorizeConfig
-from ..runtime.distributed import agreed_sum
+from ..runtime.distributed import agreed_sum, world_size
 from .calling import eval_modes, first_input, preserved_rng, real_rows
 from ..passes.find import find_in_model, split_example_inputs
 
@@ -77,9 +77,9 @@ class Calibration(Mapping):
         Every rank must hold the same layers (the same model and filter). Returns ``self``."""
         import torch.distributed as dist
 
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        world = world_size(group)
+        if world == 1:
             return self
-        world = dist.get_world_size(group)
         keys = sorted(self._stats)
         shapes = [(k, tuple(self._stats[k].second_moment.shape)) for k in keys]
         gathered: list = [None] * world

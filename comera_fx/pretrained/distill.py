@@ -22,12 +22,12 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..config import TensorizeConfig
 from .calibrate import Calibration, calibrate
-from ..runtime.distributed import RankSync
+from ..runtime.distributed import RankSync, world_size
 from .calling import default_output, eval_modes, input_slot
 from ..passes.tensorize import TensorizeSummary, tensorize_
 from .refit import refit_sequential_
-from ..runtime.rank_adaptive import RankAdaptive, tt_matrices
-from ..runtime.shrink import physical_params
+from ..runtime.rank_adaptive import RankAdaptive
+from ..tt.inventory import matrix_sizes, tt_matrices
 from ..tt.layers import TTLinear
 
 Batches = Iterable[Any] | Callable[[], Any]
@@ -263,13 +263,8 @@ class _TeacherInputs:
 # -------------------------------------------------------------------------------------------------- sizing
 
 
-def linear_sizes(model: nn.Module) -> tuple[int, int]:
-    """(TT params, dense params) of the model's TT linear weights (cores + gates; a tied matrix once)."""
-    tt = dense = 0
-    for entry in tt_matrices(model):
-        tt += physical_params(entry.tt)
-        dense += entry.tt.rows * entry.tt.cols
-    return tt, dense
+#: (TT params, dense params) of the model's TT matrices; kept under its old name (``tt.inventory.matrix_sizes``).
+linear_sizes = matrix_sizes
 
 
 # ---------------------------------------------------------------------------------------------- the recipe
@@ -402,7 +397,7 @@ def distill_(
     if refit and not calibration_batches:
         raise ValueError("refit=True refits on the calibration batches: set calibration_batches >= 1 "
                          "(e.g. 32)")
-    distributed = _world_size() > 1
+    distributed = world_size() > 1
     config = config or TensorizeConfig()
     output_fn = output_fn or default_output
     stream = _BatchStream(batches)
@@ -511,7 +506,7 @@ def match_teacher(
     trainable = [p for p in student.parameters() if p.requires_grad]
     if not trainable:
         raise ValueError("the student has no trainable parameter (every weight is frozen); nothing to distill")
-    sync = RankSync(None) if _world_size() > 1 else None
+    sync = RankSync(None) if world_size() > 1 else None
     device = _device(student)
     # find_unused_parameters: a part of the model the matched output does not depend on (BERT's pooler) gets no
     # gradient; DDP would otherwise raise at the next step
@@ -592,10 +587,6 @@ def _check_blockwise(blockwise_fraction: float, hidden_modules: Sequence[str]) -
                          "hidden_modules=[...] (e.g. the encoder layers)")
 
 
-def _world_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
 def _device(model: nn.Module) -> torch.device:
     """Where collectives' tensors go: the model's (NCCL needs CUDA tensors, gloo takes CPU ones)."""
     first = next(iter(model.parameters()), None)
@@ -605,7 +596,7 @@ def _device(model: nn.Module) -> torch.device:
 def _check_same_ranks(student: nn.Module) -> None:
     """Refuse (on every rank, before DDP fails with a shape error) TT shapes that differ between ranks."""
     ranks = [(e.name, tuple(e.tt.ranks)) for e in tt_matrices(student)]
-    gathered: list = [None] * dist.get_world_size()
+    gathered: list = [None] * world_size()
     dist.all_gather_object(gathered, ranks)
     differ = [r for r, g in enumerate(gathered) if g != gathered[0]]
     if differ:

@@ -33,9 +33,10 @@ import torch
 from torch import Tensor, nn
 
 from .calibrate import _check_max_batches, _iterate
-from ..runtime.distributed import _group_size, agreed_sum
+from ..runtime.distributed import agreed_sum, world_size
 from .calling import default_output, eval_modes, first_input, input_slot, preserved_rng, real_rows
 from ..passes.find import split_example_inputs
+from ..tt.inventory import is_hf_conv1d
 from ..tt.layers import TTLinear
 from ..tt.whiten import DEFAULT_EPS, regularized_gram, tt_chain_to_matrix, whitened_matrix_to_tt
 
@@ -176,7 +177,7 @@ class _Moments:
 
     def agree(self) -> None:
         """Sum the moments over the ranks of the default process group (no-op in one process)."""
-        if _group_size(None) == 1:
+        if world_size() == 1:
             return
         parts = [self.ss, self.st, self.tt, self.s, self.t]
         flat = torch.cat([p.reshape(-1) for p in parts] + [torch.tensor([float(self.n)], dtype=torch.float64)])
@@ -261,11 +262,7 @@ def _pad_core(core: Tensor, shape: tuple[int, ...]) -> Tensor:
 def _dense_matrix(module: nn.Module) -> Tensor:
     """The teacher layer's M (in × out): Wᵀ for nn.Linear, W itself for GPT-2's Conv1D."""
     weight = module.weight.detach()
-    return weight if _is_conv1d(module) else weight.T
-
-
-def _is_conv1d(module: nn.Module) -> bool:
-    return type(module).__name__ == "Conv1D" and type(module).__module__.startswith("transformers")
+    return weight if is_hf_conv1d(module) else weight.T
 
 
 # ---------------------------------------------------------------------------------------------- running the models
@@ -279,7 +276,7 @@ def _paired_layers(student: nn.Module, teacher: nn.Module) -> dict[str, tuple[TT
         if not isinstance(module, TTLinear) or module.transposed or module.tt.is_zero:
             continue
         other = dense.get(name)
-        if other is None or not (isinstance(other, nn.Linear) or _is_conv1d(other)):
+        if other is None or not (isinstance(other, nn.Linear) or is_hf_conv1d(other)):
             continue
         if tuple(_dense_matrix(other).shape) != (module.tt.rows, module.tt.cols):
             raise ValueError(f"refit_sequential_: {name} is {module.tt.rows} x {module.tt.cols} in the student but "

@@ -13,7 +13,6 @@ more than exact autograd, which saves the shared input once, as soon as ρ > 1/3
 from __future__ import annotations
 
 import weakref
-from collections import OrderedDict
 
 import torch
 import torch.nn.functional as F
@@ -154,7 +153,7 @@ class RandomizedTTProduct(torch.autograd.Function):
 def _envelope(layout, op: str):
     """The planner's training envelope for (layout, op): the one every TT product uses (``tt.layers``)."""
     if torch.compiler.is_compiling():
-        envelope = layers._ENVELOPES.get((layout, op))
+        envelope = layers.cached_envelope(layout, op)
         if envelope is None:
             raise RuntimeError(f"no contraction plan for {layout} ({op}) inside torch.compile: call "
                                f"tt.prepare_plans() on every TT matrix before compiling (tensorize_ does)")
@@ -162,33 +161,21 @@ def _envelope(layout, op: str):
     return layers.planned_envelope(layout, op)
 
 
-# Forward-only envelopes per (layout, op): under RMM the full-batch forward and dX products save nothing, so they
-# are planned as inference products. Bounded: every pruned layout adds entries.
-_INFERENCE_ENVELOPES: OrderedDict = OrderedDict()
-_INFERENCE_ENVELOPES_MAX = 256
-
-
 def _inference_envelope(layout, op: str):
-    """Forward-only envelope; inside torch.compile, the training envelope when none was made eagerly (another
-    order of the same exact product, never another result)."""
-    key = (layout, op)
-    envelope = _INFERENCE_ENVELOPES.get(key)
-    if envelope is not None or torch.compiler.is_compiling():
+    """Forward-only envelope: under RMM the full-batch forward and dX products save nothing, so they run orders
+    planned for inference. Inside torch.compile, the training envelope when none was made eagerly (another order of
+    the same exact product, never another result)."""
+    if torch.compiler.is_compiling():
+        envelope = layers.cached_envelope(layout, op, backward=False)
         return envelope if envelope is not None else _envelope(layout, op)
-    envelope = planner.plan(layout, op=op, backward=False)
-    for piece in envelope.pieces:
-        planner.plan_runner(piece.plan)  # made now, outside any traced region
-    _INFERENCE_ENVELOPES[key] = envelope
-    while len(_INFERENCE_ENVELOPES) > _INFERENCE_ENVELOPES_MAX:
-        _INFERENCE_ENVELOPES.popitem(last=False)
-    return envelope
+    return layers.planned_envelope(layout, op, backward=False)
 
 
 def prepare_rmm_plans(tt) -> None:
     """Plan what ``rmm_tt_product`` runs for ``tt``'s current ranks (both orientations), before ``torch.compile``."""
     for op in ("matmul", "matmul_t"):
         _inference_envelope(tt.layout, op)
-        _envelope(tt.layout, op)  # planned_envelope builds each plan's Function, and with it its runner
+        _envelope(tt.layout, op)
 
 
 def rmm_tt_product(x: Tensor, tt, *, transposed: bool = False, rho: float | tuple[int, int] = 0.25,

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from torch import Tensor, nn
 
+from ..tt.inventory import is_hf_conv1d
 from ..tt.layers import TTLinear
 from .functions import rmm_linear, rmm_tt_product
 from .sketch import check_sketch, rho_ratio
@@ -51,7 +52,7 @@ def supported_kind_of_class(cls: type) -> str | None:
         return "tt_linear"
     if issubclass(cls, nn.Linear) and cls.forward is nn.Linear.forward:
         return "linear"
-    if cls.__name__ == "Conv1D" and cls.__module__.startswith("transformers"):
+    if is_hf_conv1d(cls):
         return "conv1d"
     return None
 

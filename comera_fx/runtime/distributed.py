@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ["RankSync", "agreed_sum", "rewrap_ddp", "is_fsdp2", "unwrap"]
+__all__ = ["RankSync", "agreed_sum", "rewrap_ddp", "is_fsdp2", "unwrap", "world_size"]
 
 _MB = 1024 * 1024
 
@@ -112,7 +112,8 @@ def rewrap_ddp(old: DistributedDataParallel, *, wrap: Callable[[nn.Module], Dist
     return new
 
 
-def _group_size(group: Any) -> int:
+def world_size(group: Any = None) -> int:
+    """Ranks in ``group`` (the default group when None); 1 without an initialized process group."""
     return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
 
 
@@ -122,7 +123,7 @@ def agreed_sum(t: Tensor, group: Any = None) -> Tensor:
     Reduced on the group's first rank, then broadcast from it: an all-reduce may leave the ranks with sums that
     differ in the last bits (summed in different orders), and statistics that decide TT shapes must agree exactly.
     On NCCL the tensor travels through the current CUDA device. Without a group of several ranks: ``t`` itself."""
-    if _group_size(group) == 1:
+    if world_size(group) == 1:
         return t
     nccl = "nccl" in str(dist.get_backend(group))
     work = t.to(torch.device("cuda", torch.cuda.current_device())) if nccl else t
@@ -162,7 +163,7 @@ class RankSync:
             raise NotImplementedError(FSDP2_REFUSAL)
         if isinstance(model, DistributedDataParallel):
             return cls(model), model.module
-        if _group_size(None) > 1:  # the module of a DDP model, or a replicated model trained by hand
+        if world_size() > 1:  # the module of a DDP model, or a replicated model trained by hand
             return cls(None), model
         return None, model
 
@@ -173,7 +174,7 @@ class RankSync:
 
     @property
     def size(self) -> int:
-        return _group_size(self.group)
+        return world_size(self.group)
 
     def on_prune(self, fn: Callable[[Any], None]) -> None:
         """Call ``fn(hook_model)`` on every rank after each prune that changed a matrix (after the rebuild)."""

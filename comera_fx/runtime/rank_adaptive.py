@@ -29,17 +29,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor, fx, nn
+from torch import Tensor, nn
 
-from ..report import DEFAULT_GATE_THRESHOLD, _layer_name
-from .distributed import RankSync
+from ..tt.inventory import DEFAULT_GATE_THRESHOLD, MatrixEntry, live_counts, physical_params, tt_matrices
 from ..tt.layers import TTMatrix
+from .distributed import RankSync
 from .comera import EARLY, LATE, PlateauDetector, achievement_lambda, add_gate_penalty_, scale_grads_
 from .history import HistoryEntry, RankSummary
 from .importance import BondSensitivity, slice_importance
 from .schedule import BudgetSchedule, LayerSlices, allocate
-from .shrink import (ShrinkRecord, bond_singular_values, params_at_ranks, physical_params, remove_slices_,
-                     round_to_ranks_, shrink_)
+from .shrink import ShrinkRecord, bond_singular_values, params_at_ranks, remove_slices_, round_to_ranks_, shrink_
 
 __all__ = ["RankAdaptive", "param_groups", "tt_matrices", "MatrixEntry", "HistoryEntry", "RankSummary", "EARLY",
            "LATE", "achievement_lambda", "add_gate_penalty_", "shrink_", "remove_slices_", "ShrinkRecord",
@@ -48,29 +47,6 @@ __all__ = ["RankAdaptive", "param_groups", "tt_matrices", "MatrixEntry", "Histor
 BUDGET, COMERA = "budget", "comera"
 
 # --------------------------------------------------------------------------------------------- finding matrices
-
-
-@dataclass(frozen=True)
-class MatrixEntry:
-    """One TT matrix of the model. ``shrinkable`` is False for matrices registered by the graph pass
-    (``passes.tensorize``): their ranks are baked into the graph as constants, so their slices cannot be removed."""
-
-    name: str
-    tt: TTMatrix
-    shrinkable: bool
-
-
-def tt_matrices(model: nn.Module) -> list[MatrixEntry]:
-    """Every TTMatrix of ``model`` once, in registration order (a tied matrix appears under its first name)."""
-    found: dict[int, MatrixEntry] = {}
-    frozen: set[int] = set()
-    for path, module in model.named_modules(remove_duplicate=False):
-        for child in module.children():
-            if isinstance(child, TTMatrix) and isinstance(module, fx.GraphModule):
-                frozen.add(id(child))
-        if isinstance(module, TTMatrix) and id(module) not in found:
-            found[id(module)] = MatrixEntry(_layer_name(path), module, True)
-    return [MatrixEntry(e.name, e.tt, id(e.tt) not in frozen) for e in found.values()]
 
 
 def param_groups(
@@ -101,16 +77,6 @@ def param_groups(
 
 
 # ------------------------------------------------------------------------------------------------ size accounting
-
-
-def _live_counts(matrices: Sequence[MatrixEntry], threshold: float) -> list[tuple[int, ...]]:
-    """Live gate entries (|g| > threshold) per bond of each matrix, read back with one transfer per device."""
-    gates = [g for m in matrices for g in m.tt.gates]
-    if not gates:
-        return [() for _ in matrices]
-    counts = [(g.detach().abs() > threshold).sum().to(gates[0].device) for g in gates]
-    flat = iter(torch.stack(counts).tolist())
-    return [tuple(next(flat) for _ in m.tt.gates) for m in matrices]
 
 
 # ------------------------------------------------------------------------------------------------------ settings
@@ -389,7 +355,7 @@ class RankAdaptive:
 
     def live_tt_params(self) -> int:
         """TT parameters the model would hold if every dead slice were removed now (the S of the late stage)."""
-        counts = _live_counts(self.matrices, self.settings.threshold)
+        counts = live_counts([m.tt for m in self.matrices], self.settings.threshold)
         return sum(params_at_ranks(m.tt, c) for m, c in zip(self.matrices, counts))
 
     def elapsed_seconds(self) -> float:
@@ -601,7 +567,7 @@ class RankAdaptive:
             self.history.append(self._entry(records, budget))
 
     def _entry(self, records: Sequence[ShrinkRecord], budget: float | None) -> HistoryEntry:
-        counts = _live_counts(self.matrices, self.settings.threshold)
+        counts = live_counts([m.tt for m in self.matrices], self.settings.threshold)
         ranks = {m.name: m.tt.ranks for m in self.matrices}
         live = {m.name: (1, *c, 1) for m, c in zip(self.matrices, counts)}
         live_params = sum(params_at_ranks(m.tt, c) for m, c in zip(self.matrices, counts))

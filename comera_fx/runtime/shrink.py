@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..report import DEFAULT_GATE_THRESHOLD
+from ..tt.inventory import DEFAULT_GATE_THRESHOLD, physical_params
 from ..tt.layers import TTMatrix, planned_envelope, planned_ops
 
 
@@ -24,10 +24,6 @@ def params_at_ranks(tt: TTMatrix, internal_ranks: Sequence[int]) -> int:
     if any(r == 0 for r in internal_ranks):
         return 0
     return tt.layout.with_ranks((1, *internal_ranks, 1)).num_params  # num_params counts the gates too
-
-
-def physical_params(tt: TTMatrix) -> int:
-    return sum(p.numel() for p in tt.parameters())
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from ..tt.decompose import random_tt_cores
 from ..tt.layers import TTMatrix
-from ..tt.layout import TTFormat, TTLayout
+from ..tt.layout import TTFormat, TTLayout, chain_dims
 from ..tt.shapes import feasible_ranks
 from .models import (
     BLOCK_KINDS,
@@ -115,13 +115,11 @@ def tt_layouts(draw, *, formats: Sequence[TTFormat | str] = (TTFormat.TT, TTForm
     if fmt is TTFormat.TT:
         row_modes = draw(mode_factorizations(n_rows, max_modes=max_modes))
         col_modes = draw(mode_factorizations(n_cols, max_modes=max_modes))
-        dims = row_modes + col_modes
     else:
         d = draw(st.integers(1, max_modes))
         row_modes = draw(mode_factorizations(n_rows, d))
         col_modes = draw(mode_factorizations(n_cols, d))
-        dims = tuple(a * b for a, b in zip(row_modes, col_modes))
-    full = feasible_ranks(dims)
+    full = feasible_ranks(chain_dims(fmt, row_modes, col_modes))
     internal = [draw(st.integers(1, min(r, max_rank) if max_rank else r)) for r in full[1:-1]]
     return TTLayout(fmt, n_rows, n_cols, row_modes, col_modes, (1, *internal, 1))
 

@@ -2,8 +2,8 @@
 
 Pure functions: ints and 1-D energy tensors in, rank tuples out (``bond_energies`` is the one helper that reads a
 tensor). A layer is described by its chain dims (TT: row modes + column modes; TTM: row·col per core); its
-parameter count for bond ranks r is ``chain_params`` (cores + one gate entry per internal bond slot, as
-``decompose.count_params``).
+parameter count for bond ranks r is ``shapes.chain_params`` (cores + one gate entry per internal bond slot, as
+``TTLayout.num_params``).
 
 * ``uniform_ranks``: one max_rank for every layer, the largest whose total fits the budget.
 * ``allocate_ranks``: ranks per layer *and per bond*, greedy on the energy gained per parameter. The TT-SVD error
@@ -23,17 +23,11 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .shapes import capped_ranks, feasible_ranks
+from .shapes import capped_ranks, chain_params, feasible_ranks
 
 
 class BudgetTooSmall(ValueError):
     """Even rank 1 at every bond needs more parameters than the budget."""
-
-
-def chain_params(dims: Sequence[int], ranks: Sequence[int]) -> int:
-    """Parameters of a chain with these dims and bond ranks: sum r_k·n_k·r_{k+1} plus the internal gates."""
-    cores = sum(ranks[k] * dims[k] * ranks[k + 1] for k in range(len(dims)))
-    return cores + sum(ranks[1:-1])
 
 
 def bond_energies(chain: Tensor) -> list[Tensor]:

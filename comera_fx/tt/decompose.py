@@ -144,9 +144,3 @@ def tt_core_shapes(row_modes: Sequence[int], col_modes: Sequence[int], ranks: Se
 def ttm_core_shapes(row_modes: Sequence[int], col_modes: Sequence[int], ranks: Sequence[int]) -> list[tuple[int, ...]]:
     return [(ranks[k], row_modes[k], col_modes[k], ranks[k + 1]) for k in range(len(row_modes))]
 
-
-def count_params(core_shapes: Sequence[Sequence[int]], *, with_gates: bool = True) -> int:
-    """Parameters of a TT/TTM chain: all core entries plus one gate entry per internal bond slot."""
-    cores = sum(math.prod(shape) for shape in core_shapes)
-    gates = sum(shape[-1] for shape in core_shapes[:-1]) if with_gates else 0
-    return cores + gates

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from . import decompose, ops
 from .dense_view import check_same_size, dense_view, source_of
 from . import plan as planner
-from .layout import TTFormat, TTLayout
+from .layout import TTFormat, TTLayout, chain_dims
 from .shapes import auto_num_modes, capped_ranks, choose_modes, feasible_ranks, order_for_chain
 
 
@@ -57,7 +57,7 @@ class TTMatrix(nn.Module):
     ) -> "TTMatrix":
         """TT-SVD (or TTM-SVD) of a dense matrix, truncated by max_rank / rank_ratio / rel_tol."""
         row_modes, col_modes = tuple(row_modes), tuple(col_modes)
-        dims = _chain_dims(format, row_modes, col_modes)
+        dims = chain_dims(format, row_modes, col_modes)
         caps = capped_ranks(dims, max_rank, rank_ratio)
         split = decompose.matrix_to_tt if format is TTFormat.TT else decompose.matrix_to_ttm
         cores = split(matrix, row_modes, col_modes, caps, rel_tol)
@@ -83,7 +83,7 @@ class TTMatrix(nn.Module):
     ) -> "TTMatrix":
         """Random cores whose reconstructed entries have standard deviation ``std`` (the dense init's)."""
         row_modes, col_modes = tuple(row_modes), tuple(col_modes)
-        ranks = capped_ranks(_chain_dims(format, row_modes, col_modes), max_rank, rank_ratio)
+        ranks = capped_ranks(chain_dims(format, row_modes, col_modes), max_rank, rank_ratio)
         layout = TTLayout(format, rows, cols, row_modes, col_modes, ranks)
         cores = decompose.random_tt_cores(layout.core_shapes, std, dtype=dtype, device=device, generator=generator)
         return cls(layout, cores)
@@ -112,7 +112,7 @@ class TTMatrix(nn.Module):
 
     @property
     def full_ranks(self) -> tuple[int, ...]:
-        return feasible_ranks(_chain_dims(self.format, self.row_modes, self.col_modes))
+        return feasible_ranks(chain_dims(self.format, self.row_modes, self.col_modes))
 
     def extra_repr(self) -> str:
         layout = self.layout
@@ -154,7 +154,7 @@ class TTMatrix(nn.Module):
         layout = self.layout
         cores = self.gated_cores()
         if torch.compiler.is_compiling():
-            envelope = _ENVELOPES.get((layout, op))
+            envelope = cached_envelope(layout, op)
         else:
             envelope = planned_envelope(layout, op)
         if envelope is None:  # compiled before any plan was made: CoMERA's fixed order
@@ -246,22 +246,39 @@ ENVELOPE_CACHE_SIZE = 1024
 # so an insertion or eviction recompiles the regions that read it; a hit (``move_to_end``) does not.
 _ENVELOPES: "OrderedDict[tuple[TTLayout, str], planner.PlanEnvelope]" = OrderedDict()
 
+#: How many forward-only envelopes (``backward=False``) ``planned_envelope`` keeps: ``comera_fx.rmm`` runs its
+#: full-batch forward and dX products, which save nothing, in orders planned for inference. Every pruned layout adds
+#: entries here too.
+INFERENCE_ENVELOPE_CACHE_SIZE = 256
 
-def planned_envelope(layout: TTLayout, op: str) -> "planner.PlanEnvelope":
+# Forward-only envelopes per (layout, op), the same LRU as ``_ENVELOPES``.
+_INFERENCE_ENVELOPES: "OrderedDict[tuple[TTLayout, str], planner.PlanEnvelope]" = OrderedDict()
+
+
+def planned_envelope(layout: TTLayout, op: str, *, backward: bool = True) -> "planner.PlanEnvelope":
     """The planner's envelope for ``x @ M`` / ``x @ Mᵀ`` of this layout, made once and cached (LRU, at most
-    ``ENVELOPE_CACHE_SIZE`` entries)."""
+    ``ENVELOPE_CACHE_SIZE`` entries; ``INFERENCE_ENVELOPE_CACHE_SIZE`` for the forward-only plans of
+    ``backward=False``). Each plan's program, runner and autograd.Function are made with it."""
+    cache, size = (_ENVELOPES, ENVELOPE_CACHE_SIZE) if backward else (_INFERENCE_ENVELOPES,
+                                                                      INFERENCE_ENVELOPE_CACHE_SIZE)
     key = (layout, op)
-    envelope = _ENVELOPES.get(key)
+    envelope = cache.get(key)
     if envelope is not None:
-        _ENVELOPES.move_to_end(key)
+        cache.move_to_end(key)
         return envelope
-    envelope = planner.plan(layout, op=op)
+    envelope = planner.plan(layout, op=op, backward=backward)
     for piece in envelope.pieces:
         planner.prepare_plan(piece.plan)  # its program, runner and autograd.Function now, outside any traced region
-    _ENVELOPES[key] = envelope
-    while len(_ENVELOPES) > ENVELOPE_CACHE_SIZE:
-        _ENVELOPES.popitem(last=False)
+    cache[key] = envelope
+    while len(cache) > size:
+        cache.popitem(last=False)
     return envelope
+
+
+def cached_envelope(layout: TTLayout, op: str, *, backward: bool = True) -> "planner.PlanEnvelope | None":
+    """The envelope ``planned_envelope`` made for (layout, op), or None. Never plans and leaves the LRU order
+    alone: what code running under ``torch.compile`` may read."""
+    return (_ENVELOPES if backward else _INFERENCE_ENVELOPES).get((layout, op))
 
 
 def planned_ops(layout: TTLayout) -> list[str]:
@@ -276,12 +293,6 @@ def choose_plan(envelope: "planner.PlanEnvelope", batch) -> "planner.Plan":
         if piece.last is not None and batch <= piece.last:
             return piece.plan
     return envelope.pieces[-1].plan
-
-
-def _chain_dims(format: TTFormat, row_modes: tuple[int, ...], col_modes: tuple[int, ...]) -> tuple[int, ...]:
-    if format is TTFormat.TT:
-        return row_modes + col_modes
-    return tuple(a * b for a, b in zip(row_modes, col_modes))
 
 
 class TTLinear(nn.Module):

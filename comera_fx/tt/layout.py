@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 
 from . import decompose
+from .shapes import chain_params
 
 
 class TTFormat(str, enum.Enum):
@@ -22,6 +23,13 @@ class TTFormat(str, enum.Enum):
 
     TT = "tt"
     TTM = "ttm"
+
+
+def chain_dims(format: TTFormat, row_modes: tuple[int, ...], col_modes: tuple[int, ...]) -> tuple[int, ...]:
+    """The chain's dims, one per core: TT, row modes then column modes; TTM, row·column mode per core."""
+    if format is TTFormat.TT:
+        return tuple(row_modes) + tuple(col_modes)
+    return tuple(a * b for a, b in zip(row_modes, col_modes))
 
 
 @dataclass(frozen=True)
@@ -74,8 +82,13 @@ class TTLayout:
         return self.ranks[1:-1]
 
     @property
+    def chain_dims(self) -> tuple[int, ...]:
+        return chain_dims(self.format, self.row_modes, self.col_modes)
+
+    @property
     def num_params(self) -> int:
-        return decompose.count_params(self.core_shapes)
+        """Cores + gates (one gate entry per internal bond slot)."""
+        return chain_params(self.chain_dims, self.ranks)
 
     @property
     def dense_params(self) -> int:

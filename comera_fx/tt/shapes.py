@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 
 # A factorisation is "good" when its largest mode is at most this factor above the perfectly balanced mode
 # n ** (1/d). 2.0 accepts powers of two (1024 = 16·8·8) and CoMERA's modes (768 = 12·8·8) and rejects
@@ -138,3 +139,10 @@ def capped_ranks(dims: tuple[int, ...], max_rank: int | None, rank_ratio: float 
             r = min(r, max_rank)
         ranks[k] = r
     return tuple(ranks)
+
+
+def chain_params(dims: Sequence[int], ranks: Sequence[int]) -> int:
+    """Parameters of a TT/TTM chain with these dims (``layout.chain_dims``) and bond ranks: the cores,
+    sum r_k·n_k·r_{k+1}, plus one gate entry per internal bond slot."""
+    cores = sum(ranks[k] * dims[k] * ranks[k + 1] for k in range(len(dims)))
+    return cores + sum(ranks[1:-1])

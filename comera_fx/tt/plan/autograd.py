@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from .. import ops
 from ..layout import TTLayout
-from .execution import _as_matrix, _kept, plan_program
+from .execution import _as_matrix, _check_operands, _kept, plan_program
 from .plans import Plan
 
 
@@ -298,11 +298,7 @@ def execute_function(chosen: Plan, x, cores: Sequence, layout: TTLayout, bias=No
     that runs the planned gradient GEMMs and keeps only the operands the cost model counts. ``bias`` (n_out,) is
     added inside the last GEMM where the plan allows (``folds_bias``). Real tensors only (use ``execute`` on
     ``torch.fx`` proxies); traces under ``torch.compile`` (Dynamo) without graph breaks."""
-    if layout != chosen.network.layout:
-        raise ValueError(f"the plan was made for {chosen.network.layout}, not {layout}; plan again for the new "
-                         f"layout (ranks change when a TT is pruned)")
-    if len(cores) != layout.n_cores:
-        raise ValueError(f"expected {layout.n_cores} cores for this layout, got {len(cores)}")
+    _check_operands(chosen, cores, layout)
     if not torch.is_grad_enabled():
         # Nothing to save: the forward alone. (Also sidesteps Dynamo, which under no_grad inlines two such Functions
         # of different layouts in one graph wrongly: their forwards share one code object, only the closures differ.)

@@ -89,6 +89,15 @@ def _as_matrix(t, view: tuple, dims: tuple[int, ...], rows: int, cols: int, batc
     return t.reshape(lead + dims).permute(view[1]).reshape(-1 if batched else rows, cols)
 
 
+def _check_operands(chosen: Plan, cores: Sequence, layout: TTLayout) -> None:
+    """Refuse cores of another layout than the plan's: after pruning, a stale plan would misread them."""
+    if layout != chosen.network.layout:
+        raise ValueError(f"the plan was made for {chosen.network.layout}, not {layout}; plan again for the new "
+                         f"layout (ranks change when a TT is pruned)")
+    if len(cores) != layout.n_cores:
+        raise ValueError(f"expected {layout.n_cores} cores for this layout, got {len(cores)}")
+
+
 def execute(chosen: Plan, x, cores: Sequence, layout: TTLayout, bias=None):
     """Run ``chosen`` on x (..., in) and the (gated) cores -> (..., out), like ``ops.matmul`` / ``ops.matmul_t``,
     plus ``bias`` (n_out,) if given (a plain add: on proxies the dtypes that decide an addmm fold are unknown).
@@ -97,11 +106,7 @@ def execute(chosen: Plan, x, cores: Sequence, layout: TTLayout, bias=None):
     so it traces on ``torch.fx.Proxy`` objects as well as running eagerly.
     """
     net = chosen.network
-    if layout != net.layout:
-        raise ValueError(f"the plan was made for {net.layout}, not {layout}; plan again for the new layout "
-                         f"(ranks change when a TT is pruned)")
-    if len(cores) != layout.n_cores:
-        raise ValueError(f"expected {layout.n_cores} cores for this layout, got {len(cores)}")
+    _check_operands(chosen, cores, layout)
     n_in, n_out = (layout.rows, layout.cols) if net.op == "matmul" else (layout.cols, layout.rows)
     pad_in, pad_out = math.prod(net.in_modes), math.prod(net.out_modes)
     x2 = x.reshape(-1, n_in)

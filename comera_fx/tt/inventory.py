@@ -1,0 +1,89 @@
+"""What a model holds, as comera_fx names it: its TT matrices (each once, under its public layer name), their live
+gates and sizes, and which dense modules are transformers' ``Conv1D``.
+
+The one walk over a model that ``report``, rank adaptation (``runtime``) and ``pretrained`` all read, kept in the
+bottom layer so each reaches it by importing downward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import fx, nn
+
+from .layers import TTMatrix
+
+#: A gate entry at or below this magnitude counts as dead (CoMERA's code uses 1e-2).
+DEFAULT_GATE_THRESHOLD = 1e-2
+
+
+def layer_name(tt_path: str) -> str:
+    """The public name of the layer a TT matrix at module path ``tt_path`` belongs to: 'fc.tt' -> 'fc' (a TT
+    module's matrix); 'attn.weight_tt' -> 'attn.weight' (a functional parameter); 'comera_tt_w' -> 'w' (registered
+    by ``passes.tensorize`` on a GraphModule)."""
+    if tt_path.startswith("comera_tt_"):
+        return tt_path[len("comera_tt_"):]
+    if tt_path.endswith(".tt") or tt_path == "tt":
+        return tt_path[:-3] or "<root>"
+    return tt_path[:-3] if tt_path.endswith("_tt") else tt_path
+
+
+@dataclass(frozen=True)
+class MatrixEntry:
+    """One TT matrix of the model. ``shrinkable`` is False for matrices registered by the graph pass
+    (``passes.tensorize``): their ranks are baked into the graph as constants, so their slices cannot be removed.
+    ``used_by``: every layer name it appears under (a tied matrix has several; the first is ``name``)."""
+
+    name: str
+    tt: TTMatrix
+    shrinkable: bool
+    used_by: tuple[str, ...] = ()
+
+
+def tt_matrices(model: nn.Module) -> list[MatrixEntry]:
+    """Every TTMatrix of ``model`` once, in registration order (a tied matrix appears under its first name)."""
+    users: dict[int, list[str]] = {}
+    matrices: dict[int, TTMatrix] = {}
+    frozen: set[int] = set()
+    for path, module in model.named_modules(remove_duplicate=False):
+        for child in module.children():
+            if isinstance(child, TTMatrix) and isinstance(module, fx.GraphModule):
+                frozen.add(id(child))
+        if isinstance(module, TTMatrix):
+            matrices.setdefault(id(module), module)
+            users.setdefault(id(module), []).append(layer_name(path))
+    return [MatrixEntry(users[key][0], tt, key not in frozen, tuple(users[key])) for key, tt in matrices.items()]
+
+
+def live_counts(matrices: Sequence[TTMatrix], threshold: float = DEFAULT_GATE_THRESHOLD) -> list[tuple[int, ...]]:
+    """Live gate entries (|g| > threshold) per internal bond of each matrix, read back with one transfer per
+    device."""
+    gates = [g for tt in matrices for g in tt.gates]
+    if not gates:
+        return [() for _ in matrices]
+    counts = [(g.detach().abs() > threshold).sum().to(gates[0].device) for g in gates]
+    flat = iter(torch.stack(counts).tolist())
+    return [tuple(next(flat) for _ in tt.gates) for tt in matrices]
+
+
+def physical_params(tt: TTMatrix) -> int:
+    """Entries ``tt`` stores now (cores + gates)."""
+    return sum(p.numel() for p in tt.parameters())
+
+
+def matrix_sizes(model: nn.Module) -> tuple[int, int]:
+    """(TT params, dense params) of the model's TT matrices (cores + gates; a tied matrix once)."""
+    tt = dense = 0
+    for entry in tt_matrices(model):
+        tt += physical_params(entry.tt)
+        dense += entry.tt.rows * entry.tt.cols
+    return tt, dense
+
+
+def is_hf_conv1d(module_or_class: nn.Module | type) -> bool:
+    """Is this (the class of) transformers' ``Conv1D`` — GPT-2's linear, y = x·W + b with W stored (in × out)?
+    Recognised by name, so transformers need not be installed."""
+    cls = module_or_class if isinstance(module_or_class, type) else type(module_or_class)
+    return cls.__name__ == "Conv1D" and cls.__module__.startswith("transformers")
