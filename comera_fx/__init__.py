@@ -20,7 +20,7 @@ from . import passes
 from .backend import BackendConfig, ComeraBackend, DenseWeightsWarning, backend, compile, make_backend
 from .checkpoint import load_tensorized, save_tensorized
 from .config import Allocation, Init, LayerSettings, TensorizeConfig
-from .passes.rmm import RandomizeSummary, randomize_backward_, restore_backward_
+from .passes.randomize import RandomizeSummary, randomize_backward_, restore_backward_
 from .passes.tensorize import TensorizeSummary, tensorize_
 from .pretrained import (Calibration, DistillSummary, InputStats, RefitSummary, calibrate, distill_,
                          refit_sequential_)

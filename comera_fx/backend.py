@@ -47,7 +47,7 @@ from .config import TensorizeConfig
 from .passes.dropout import fast_dropout
 from .passes.find import UseKind, classify_use
 from .passes.recognize import contract_reconstructed_tt, node_values
-from .passes.rmm import randomize_backward, share_sketches
+from .passes.randomize import randomize_backward, share_sketches
 from .rmm import RMMConfig
 
 GraphPass = Callable[[fx.GraphModule], fx.GraphModule]

@@ -3,7 +3,7 @@
 from .dropout import fast_dropout
 from .find import Candidate, FindResult, Use, UseKind, capture_graphs, find
 from .recognize import contract_reconstructed_tt
-from .rmm import RandomizeSummary, randomize_backward, randomize_backward_, restore_backward_, share_sketches
+from .randomize import RandomizeSummary, randomize_backward, randomize_backward_, restore_backward_, share_sketches
 from .tensorize import TensorizeSummary, tensorize
 
 __all__ = ["Candidate", "FindResult", "RandomizeSummary", "TensorizeSummary", "Use", "UseKind", "capture_graphs",
