@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass
 from torch import nn
 
 from .rmm.modules import RandomizedBackward
+from .rmm.uses import RandomizedUses
 from .tt.inventory import DEFAULT_GATE_THRESHOLD, live_counts, physical_params, tt_matrices
 from .tt.layers import TTLinear, TTMatrix, planned_envelope
 
@@ -38,7 +39,8 @@ class LayerRow:
 
 @dataclass(frozen=True)
 class RandomizedRow:
-    """A layer whose backward ``randomize_backward_`` randomized (dense or TT)."""
+    """A layer whose backward ``randomize_backward_`` randomized (dense or TT), or a raw parameter read by a module's
+    own code (``module``: "<Class>.forward")."""
 
     fqn: str
     module: str
@@ -108,8 +110,15 @@ def _ranks_text(row: LayerRow) -> str:
 
 
 def _randomized(model: nn.Module) -> tuple[RandomizedRow, ...]:
-    return tuple(RandomizedRow(name, module._rmm_base.__name__, module.rmm.rho, module.rmm.sketch)
-                 for name, module in model.named_modules() if isinstance(module, RandomizedBackward))
+    """Randomized modules by their path; raw parameters read by a module's own code by the parameter's path."""
+    rows = []
+    for name, module in model.named_modules():
+        if isinstance(module, RandomizedBackward):
+            rows.append(RandomizedRow(name, module._rmm_base.__name__, module.rmm.rho, module.rmm.sketch))
+        if isinstance(module, RandomizedUses):
+            rows += [RandomizedRow(f"{name}.{param}" if name else param, f"{module._rmm_uses_base.__name__}.forward",
+                                   module.rmm.rho, module.rmm.sketch) for param in module.rmm_parameters]
+    return tuple(rows)
 
 
 def _backward_of(model: nn.Module, tt: TTMatrix) -> str:

@@ -46,11 +46,13 @@ _EMBEDDING_WEIGHT_FIRST = {torch.embedding, aten.embedding.default}  # (weight, 
 
 @dataclass(frozen=True)
 class Use:
-    """One op reading the parameter: its kind and the node's name in the captured graph."""
+    """One op reading the parameter: its kind and the node's name in the captured graph. ``module``: the path of
+    the module whose forward ran the op ("" for the root), where the capture records it (Dynamo's module stack)."""
 
     kind: UseKind
     node: str
     target: str
+    module: str | None = None
 
 
 @dataclass
@@ -133,8 +135,10 @@ def collect_uses(
     param_of: Callable[[fx.Node], str | None],
     params: dict[str, tuple[nn.Parameter, tuple[str, ...]]],
     into: dict[str, Candidate],
+    module_of: Callable[[fx.Node], str | None] = lambda node: None,
 ) -> None:
-    """Add the uses of every parameter node of ``graph`` (those ``param_of`` maps to an FQN) to ``into``."""
+    """Add the uses of every parameter node of ``graph`` (those ``param_of`` maps to an FQN) to ``into``;
+    ``module_of(op node)`` names the module whose forward ran each use, where known."""
     for node in graph.nodes:
         fqn = param_of(node)
         if fqn is None or fqn not in params:
@@ -144,7 +148,7 @@ def collect_uses(
             continue
         cand = into.setdefault(fqn, Candidate(fqn, aliases, tuple(param.shape), param.dtype))
         for user in node.users:
-            cand.uses.append(Use(classify_use(user, node), user.name, _target_name(user)))
+            cand.uses.append(Use(classify_use(user, node), user.name, _target_name(user), module_of(user)))
 
 
 def _target_name(node: fx.Node) -> str:
@@ -220,12 +224,23 @@ def find_in_model(model: nn.Module, example_inputs=None) -> FindResult:
     if not graphs:  # Dynamo gave up on every frame and ran the model eagerly: the graphs saw nothing
         return _fallback_scan(model, params, "graph capture recorded no graph (Dynamo ran the model eagerly)")
     fqn_of_id = {id(p): fqn for fqn, (p, _) in params.items()}
+    path_of_id = {str(id(m)): path for path, m in reversed(list(model.named_modules(remove_duplicate=False)))}
     found: dict[str, Candidate] = {}
     for gm, inputs in graphs:
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         names = {node: fqn_of_id.get(id(value)) for node, value in zip(placeholders, inputs)}
-        collect_uses(gm.graph, names.get, params, found)
+        collect_uses(gm.graph, names.get, params, found, lambda node: _running_module(node, path_of_id))
     return FindResult(_in_model_order(found, params), "dynamo", graphs=len(graphs))
+
+
+def _running_module(node: fx.Node, path_of_id: Mapping[str, str]) -> str | None:
+    """The path of the innermost module whose forward ran ``node``: Dynamo's ``nn_module_stack`` is keyed by
+    ``str(id(module))``, outermost first. None when the graph does not say."""
+    for key in reversed(list(node.meta.get("nn_module_stack") or ())):
+        path = path_of_id.get(key)
+        if path is not None:
+            return path
+    return None
 
 
 def find_in_graph(gm: fx.GraphModule) -> FindResult:

@@ -1,12 +1,13 @@
 """Randomized backward (RMM) for large linear layers: the model-level transform and the graph passes.
 
 * ``randomize_backward_(model, rho, sketch, ...)`` swaps the classes of the model's large nn.Linear, transformers
-  Conv1D and TTLinear modules for randomized ones (``comera_fx.rmm.modules``), in place; ``restore_backward_``
-  undoes it. Parameters, buffers, hooks and state_dict keys are untouched.
+  Conv1D and TTLinear modules for randomized ones (``comera_fx.rmm.modules``), in place; with ``example_inputs``
+  also of the modules whose own forward reads a large raw parameter with F.linear / addmm / matmul
+  (``comera_fx.rmm.uses``). ``restore_backward_`` undoes it. Parameters, buffers, hooks and state_dict keys are
+  untouched.
 * ``randomize_backward(gm, ...)``: GraphModule -> GraphModule. Every linear-like op (linear, addmm, mm / matmul /
   @) whose weight is a large trainable parameter runs through ``rmm``'s op; the ops reading one input share one
-  sketch node. This is what ``BackendConfig(rmm=...)`` runs on Dynamo's graph, and it also reaches ``F.linear`` on
-  raw parameters, which the model-level transform leaves alone.
+  sketch node. This is what ``BackendConfig(rmm=...)`` runs on Dynamo's graph.
 * ``share_sketches(gm)``: merges the sketches Dynamo traced separately from randomized modules reading the same
   tensor (Q, K and V), so a compiled model keeps one sketch per input like the eager one.
 """
@@ -24,7 +25,8 @@ from ..rmm.functions import RandomizedLinearFunction, prepare_rmm_plans, shared_
 from ..rmm.modules import RMMConfig, randomize_module, restore_module, supported_kind
 from ..rmm.recompute import Selector, checkpoint_modules, restore_checkpointed
 from ..rmm.sketch import check_sketch, projected_rows, rho_ratio
-from .find import UseKind, classify_use, find
+from ..rmm.uses import randomize_uses, restore_uses
+from .find import Candidate, UseKind, classify_use, find
 from .recognize import node_values
 
 FilterFn = Callable[[nn.Module, str], bool]
@@ -94,10 +96,13 @@ def randomize_backward_(model: nn.Module, rho: float = 0.25, sketch: str = "gaus
     Args:
         rho: fraction of tokens the sketch keeps, in (0, 1].
         sketch: "gaussian" (default), "rademacher" or "srht" (subsampled randomized Hadamard: far cheaper to apply).
-        example_inputs: capture the model with Dynamo and randomize only the layers its graph runs; F.linear on a
-            raw parameter is reported (the graph pass / ``BackendConfig(rmm=...)`` handle those). Without them,
-            a module scan.
-        filter_fn: ``filter_fn(module, fqn) -> bool``; False keeps that layer exact.
+        example_inputs: capture the model with Dynamo and randomize only the layers its graph runs, and also a
+            large raw parameter that the model's own code reads with F.linear / addmm / matmul (its weight
+            operand): the module whose forward runs those ops gets a forward that sends exactly them to
+            ``rmm_linear`` (``comera_fx.rmm.uses``), while the model is called as a whole or that module is.
+            Without them, a module scan.
+        filter_fn: ``filter_fn(module, fqn) -> bool``; False keeps that layer exact. For a raw parameter: the
+            module holding it and the parameter's FQN.
         min_numel: layers whose weight has fewer entries stay exact.
         checkpoint: blocks to recompute in backward (``torch.utils.checkpoint``, non-reentrant): a module class, a
             tuple of classes or ``fn(module, fqn) -> bool`` — e.g. the model's transformer layer class. Then only
@@ -110,6 +115,7 @@ def randomize_backward_(model: nn.Module, rho: float = 0.25, sketch: str = "gaus
     seen_in_graph: set[int] | None = None
     holders = {id(m.weight) for m in model.modules()
                if supported_kind(m) in ("linear", "conv1d") and isinstance(getattr(m, "weight", None), nn.Parameter)}
+    functional: dict[str, list[str]] = {}  # module path -> the parameters (paths below it) its forward reads
     if example_inputs is not None:
         found = find(model, example_inputs)
         summary.method = found.method
@@ -120,12 +126,14 @@ def randomize_backward_(model: nn.Module, rho: float = 0.25, sketch: str = "gaus
                 param = params[cand.fqn]
                 if any(u.kind in (UseKind.LINEAR, UseKind.MATMUL) for u in cand.uses):
                     seen_in_graph.add(id(param))
-                    if (id(param) not in holders and param.numel() >= min_numel
-                            and all(u.kind is not UseKind.EMBEDDING for u in cand.uses)):
-                        summary.layers.append(RMMDecision(
-                            cand.fqn, "functional", cand.shape, False,
-                            "read by a functional linear op (F.linear / matmul on the raw parameter): use "
-                            "comera_fx.passes.randomize_backward on a graph or BackendConfig(rmm=...)"))
+                    if id(param) not in holders:
+                        decision = _functional_decision(model, cand, param, min_numel, filter_fn)
+                        summary.layers.append(decision)
+                        if decision.randomized:
+                            for path, name in _readers(cand):
+                                functional.setdefault(path, []).append(name)
+    for path, names in functional.items():
+        randomize_uses(model.get_submodule(path), names, config)
     for fqn, module in model.named_modules():
         kind = supported_kind(module)
         if kind is None:
@@ -150,11 +158,44 @@ def randomize_backward_(model: nn.Module, rho: float = 0.25, sketch: str = "gaus
     return summary
 
 
+def _functional_decision(model: nn.Module, cand: Candidate, param: nn.Parameter, min_numel: int,
+                         filter_fn: FilterFn | None) -> RMMDecision:
+    """Whether a raw parameter read by the model's own linear-like ops gets a randomized backward, and why not."""
+    shape = tuple(param.shape)
+    reason = None
+    if param.numel() < min_numel:
+        reason = f"{param.numel():,} weight entries < min_numel={min_numel:,}"
+    elif any(u.kind is UseKind.EMBEDDING for u in cand.uses):
+        reason = "also gathered as an embedding table (a tied weight): its linear uses stay exact"
+    elif not param.requires_grad:
+        reason = "frozen weight: its backward keeps no input for a weight gradient anyway"
+    elif filter_fn is not None and not filter_fn(model.get_submodule(cand.fqn.rpartition(".")[0]), cand.fqn):
+        reason = "filter_fn rejected it"
+    return RMMDecision(cand.fqn, "functional", shape, reason is None, reason)
+
+
+def _readers(cand: Candidate) -> list[tuple[str, str]]:
+    """(module path, parameter path below it) for each module whose forward runs a linear-like use of ``cand``:
+    Dynamo's module stack says which; the root (which runs everything when the model is called) where it does
+    not, or where the parameter is not below that module under any of its names."""
+    found = {}
+    for use in cand.uses:
+        if use.kind not in (UseKind.LINEAR, UseKind.MATMUL):
+            continue
+        path = use.module if use.module is not None else ""
+        prefix = f"{path}." if path else ""
+        name = next((a[len(prefix):] for a in (cand.fqn, *cand.aliases) if a.startswith(prefix)), None)
+        if name is None:
+            path, name = "", cand.fqn
+        found[(path, name)] = None
+    return list(found)
+
+
 def restore_backward_(model: nn.Module) -> int:
     """Give every randomized layer of ``model`` its exact backward again and end the recomputation of
     checkpointed blocks; returns how many modules were restored."""
     count = restore_checkpointed(model)
-    return count + sum(restore_module(module) for module in model.modules())
+    return count + sum(restore_module(module) or restore_uses(module) for module in model.modules())
 
 
 # -- graph level ----------------------------------------------------------------------------------------------------
