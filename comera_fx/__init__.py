@@ -9,7 +9,7 @@ Public API::
     comera_fx.RankAdaptive(model, optimizer, target_ratio=0.2, total_steps=n)  # rank adaptation (optimizer hooks)
     comera_fx.randomize_backward_(model, rho=0.25)            # RMM: linear backward keeps a sketch of its input
     cal = comera_fx.calibrate(model, batches)                 # input statistics for activation-aware TT-SVD
-    comera_fx.tensorize_(model, TensorizeConfig(param_budget=0.25, allocation="energy"), calibration=cal)
+    comera_fx.tensorize_(model, TensorizeConfig(size_target=0.25, allocation="energy"), calibration=cal)
     comera_fx.refit_sequential_(model, teacher, batches)      # refit layer by layer on the compressed model's inputs
     comera_fx.save_tensorized(model, path); comera_fx.load_tensorized(path, build_fn)  # no dense weights on load
     comera_fx.distill_(student, teacher, batches, target_ratio=0.25, budget_seconds=600)  # compress a trained model

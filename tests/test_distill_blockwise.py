@@ -155,7 +155,7 @@ def test_distill_blockwise_on_a_bert():
         with torch.no_grad():
             errors[fraction] = float(relative_mse(student(**held_out).last_hidden_state, reference))
     start = copy.deepcopy(teacher)
-    comera_fx.tensorize_(start, comera_fx.TensorizeConfig(min_numel=1, min_dim=1, param_budget=0.3,
+    comera_fx.tensorize_(start, comera_fx.TensorizeConfig(min_numel=1, min_dim=1, size_target=0.3,
                                                           allocation="uniform", max_rank=None),
                          filter_fn=lambda m, n: isinstance(m, nn.Linear))
     with torch.no_grad():

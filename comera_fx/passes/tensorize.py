@@ -21,12 +21,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, fx, nn
 
-from ..config import Init, TensorizeConfig
+from ..config import Init, TensorizeConfig, warn_renamed
 from ..tt import ops
 from ..tt import plan as planner
 from ..tt.layers import TTEmbedding, TTLinear, TTMatrix, choose_plan, make_tt_matrix, planned_envelope
 from ..tt.shapes import NoBalancedModes
-from .budget import BudgetInfo, LayerFit, build_fitted, plan_fits
+from .sizing import LayerFit, SizeTargetInfo, build_fitted, plan_fits
 from .find import Candidate, FindResult, UseKind, find_in_graph, find_in_model
 from .holders import PROPERTY_MATRICES, Journal, attach_tt_property, hook_problem, move_hooks  # noqa: F401
 
@@ -60,7 +60,13 @@ class TensorizeSummary:
     layers: list[LayerDecision]
     method: str
     fallback_reason: str | None = None
-    budget: BudgetInfo | None = None  # param_budget: asked, reached, allocation (None without a budget)
+    size_target: SizeTargetInfo | None = None  # asked, reached, allocation (None without a size target)
+
+    @property
+    def budget(self) -> SizeTargetInfo | None:
+        """Deprecated spelling of ``size_target``."""
+        warn_renamed("TensorizeSummary.budget", "TensorizeSummary.size_target")
+        return self.size_target
 
     @property
     def ranks(self) -> dict[str, tuple[int, ...]]:
@@ -78,8 +84,8 @@ class TensorizeSummary:
     def __str__(self) -> str:
         lines = [f"comera_fx.tensorize_: {len(self.converted)} of {len(self.layers)} candidate parameters converted "
                  f"(found by {self.method}{'; ' + self.fallback_reason if self.fallback_reason else ''})"]
-        if self.budget is not None:
-            lines.append(f"  {self.budget}")
+        if self.size_target is not None:
+            lines.append(f"  {self.size_target}")
         for d in self.layers:
             uses = ", ".join(d.uses)
             if d.converted:
@@ -120,7 +126,7 @@ def build_tt(param: Tensor, cand: Candidate, config: TensorizeConfig, index: int
              fit: LayerFit | None = None) -> tuple[TTMatrix, list[str]]:
     """The TTMatrix for one candidate plus notes for the summary (clamped ranks, padding).
 
-    ``fit`` (a parameter budget or a calibration, ``passes/budget.py``) fixes the modes, every bond's cap and the
+    ``fit`` (a size target or a calibration, ``passes/sizing.py``) fixes the modes, every bond's cap and the
     input statistics; without it the layer settings decide as they always did.
 
     The cores and gates get the parameter's dtype, device and ``requires_grad`` (a frozen weight stays frozen).
@@ -261,16 +267,16 @@ def tensorize_(
                 raise ValueError("tensorize_ cannot replace the root module itself; wrap it in a parent module")
             plans.append((cand, decision, holders))
 
-    # Budget / calibration: modes and ranks of all layers decided together (the budget is global).
+    # Size target / calibration: modes and ranks of all layers decided together (the size target is global).
     params = dict(model.named_parameters())
-    fits, budget = {}, None
-    if config.param_budget is not None or calibration is not None:
+    fits, size_info = {}, None
+    if config.size_target is not None or calibration is not None:
         if calibration is not None and config.rel_tol is not None:
             raise ValueError("tensorize_ with a calibration needs TensorizeConfig.rel_tol=None (the whitened "
                              "TT-SVD truncates to ranks, not to a tolerance)")
         items = [(cand.fqn, cand.kind, _tt_matrix_of(params[cand.fqn], cand), config.settings_for(cand.fqn))
                  for cand, _, _ in plans]
-        fits, budget, fit_notes = plan_fits(items, config, calibration)
+        fits, size_info, fit_notes = plan_fits(items, config, calibration)
         kept = []
         for cand, decision, holders in plans:
             decision.notes.extend(fit_notes.get(cand.fqn, []))
@@ -303,9 +309,9 @@ def tensorize_(
         decision.notes.extend(notes)
         decision.ranks = tt.ranks
         decision.params = tt.layout.num_params
-    if budget is not None:
-        budget.reached = sum(tt.layout.num_params for *_, tt, _ in built)
-    return TensorizeSummary(decisions + earlier, result.method, result.fallback_reason, budget)
+    if size_info is not None:
+        size_info.reached = sum(tt.layout.num_params for *_, tt, _ in built)
+    return TensorizeSummary(decisions + earlier, result.method, result.fallback_reason, size_info)
 
 
 def _tt_matrix_of(param: Tensor, cand: Candidate) -> Tensor:
@@ -468,8 +474,8 @@ def tensorize(gm: fx.GraphModule, config: TensorizeConfig | None = None) -> fx.G
     converted is left in ``gm.meta["comera_fx"]``.
     """
     config = config or TensorizeConfig()
-    if config.param_budget is not None:
-        raise ValueError("TensorizeConfig.param_budget is supported by tensorize_ (in place), not yet by the graph "
+    if config.size_target is not None:
+        raise ValueError("TensorizeConfig.size_target is supported by tensorize_ (in place), not yet by the graph "
                          "pass tensorize(gm, ...); use tensorize_, or max_rank / rank_ratio here")
     _normalize_modules(gm)
     result = find_in_graph(gm)

@@ -276,12 +276,12 @@ def linear_sizes(model: nn.Module) -> tuple[int, int]:
 
 
 def _tensorize_at(student, ratio, config, filter_fn, allocation, calibration) -> TensorizeSummary:
-    config = config.replace(param_budget=float(ratio), allocation=allocation, max_rank=None, rank_ratio=None,
+    config = config.replace(size_target=float(ratio), allocation=allocation, max_rank=None, rank_ratio=None,
                             rel_tol=None)
     try:
         return tensorize_(student, config, filter_fn=_linear_only(filter_fn), calibration=calibration)
     except ValueError as exc:
-        if "param_budget" not in str(exc):
+        if "size_target" not in str(exc):
             raise
         raise ValueError(f"target/start ratio {ratio}: {exc} (distill_: raise target_ratio)") from None
 
@@ -357,7 +357,7 @@ def distill_(
             2-layer random BERT (d 64, 2x smaller, uniform ranks, 60 steps, busy machine): shrinking from 0.9 ended at a lower
             loss (2.3e-5 against 3.2e-5) but took 1.5x the wall clock for the same steps; on all-MiniLM-L6-v2
             the comparison was not run (benchmarks/RESULTS.md).
-        config: base ``TensorizeConfig`` (size threshold, skip, overrides, format); ``param_budget`` and
+        config: base ``TensorizeConfig`` (size threshold, skip, overrides, format); ``size_target`` and
             ``allocation`` are set from ``target_ratio`` / ``start_ratio`` and ``allocation``.
             ``TensorizeConfig(num_modes=1)`` gives a whitened low-rank student (two cores per weight): on
             all-MiniLM-L6-v2 it ended level with TT at 4× and ahead at 8× after 600 s (docs/pretrained.md).
