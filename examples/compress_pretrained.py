@@ -288,7 +288,7 @@ def run_tt(teacher, data, ratio: float, allocation: str, distill: bool, args,
     calibrated = allocation == "energy"
     if distill:
         summary = comera_fx.distill_(
-            student, teacher, draw, target_ratio=ratio, budget_seconds=args.budget_seconds, steps=args.steps,
+            student, teacher, draw, size_target=ratio, budget_seconds=args.budget_seconds, steps=args.steps,
             loss_fn=distill_loss, hidden_modules=hidden_layers(teacher), hidden_weight=1 / 6, lr=args.lr,
             allocation=allocation, calibration_batches=args.calibration_batches if calibrated else 0,
             token_mask=real_tokens, refit=refit, start_ratio=args.start_ratio, config=base,
