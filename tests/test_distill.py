@@ -7,6 +7,7 @@ counted from the student's parameters, not from the summary under test.
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -257,6 +258,35 @@ def test_target_ratio_spelling_warns_and_gives_the_same_student(teacher):
         comera_fx.distill_(copy.deepcopy(teacher), teacher, batches, size_target=0.3, target_ratio=0.3, **kwargs)
     with pytest.raises(TypeError, match="needs size_target="):
         comera_fx.distill_(copy.deepcopy(teacher), teacher, batches, **kwargs)
+
+
+def test_rank_settings_it_would_not_use_are_refused(teacher):
+    """distill_ sizes the layers by size_target: a config's max_rank / rank_ratio / rel_tol (or size_target) is
+    refused by name before anything runs, never dropped; its defaults and max_rank=None pass."""
+    batches = make_batches(1, seed=13)
+    ok = dict(size_target=0.5, steps=1, progress=False, calibration_batches=0)
+    for changes, named in ((dict(max_rank=8), "max_rank=8"), (dict(max_rank=None, rank_ratio=0.5), "rank_ratio=0.5"),
+                           (dict(max_rank=None, rel_tol=0.1), "rel_tol=0.1"),
+                           (dict(overrides={"query": {"max_rank": 4}}), "overrides['query']['max_rank']"),
+                           (dict(size_target=0.9), "size_target=0.9")):
+        student = copy.deepcopy(teacher)
+        with pytest.raises(ValueError, match=re.escape(named)):
+            comera_fx.distill_(student, teacher, batches, config=SMALL.replace(**changes), **ok)
+        assert not any(isinstance(m, TTLinear) for m in student.modules())  # refused before any change
+    summary = comera_fx.distill_(copy.deepcopy(teacher), teacher, batches, config=SMALL.replace(max_rank=None), **ok)
+    assert summary.steps == 1
+
+
+def test_a_size_target_below_rank_one_is_its_own_exception_type(teacher):
+    from comera_fx.passes.sizing import SizeTargetTooSmall
+
+    batches = make_batches(1, seed=13)
+    with pytest.raises(SizeTargetTooSmall, match="raise size_target"):
+        comera_fx.distill_(copy.deepcopy(teacher), teacher, batches, size_target=1e-4, steps=1, config=SMALL,
+                           progress=False, calibration_batches=0)
+    with pytest.raises(SizeTargetTooSmall, match="rank 1"):
+        comera_fx.tensorize_(copy.deepcopy(teacher), SMALL.replace(size_target=10))
+    assert issubclass(SizeTargetTooSmall, ValueError)  # callers catching ValueError keep working
 
 
 def test_refit_runs_on_the_calibration_batches(teacher):

@@ -25,6 +25,10 @@ from ..tt.shapes import NoBalancedModes, capped_ranks
 from ..tt.whiten import regularized_gram, sqrt_factor, whitened_matrix_to_tt
 
 
+class SizeTargetTooSmall(ValueError):
+    """``TensorizeConfig.size_target`` is below the smallest TT (rank 1 at every bond) of the layers converted."""
+
+
 @dataclass(frozen=True)
 class LayerFit:
     """How one layer is built: its layout's modes, the cap of every bond, and C when it is calibrated."""
@@ -111,7 +115,8 @@ def plan_fits(items, config: TensorizeConfig, calibration) -> tuple[dict[str, La
             energies = [_relative_energies(matrices[n], planned[n]) for n in names]
             ranks = allocate.allocate_ranks(dims_list, energies, info.asked)
     except allocate.BudgetTooSmall as exc:
-        raise ValueError(f"TensorizeConfig.size_target: {exc}; raise the size target or convert fewer layers") from None
+        raise SizeTargetTooSmall(f"TensorizeConfig.size_target: {exc}; raise the size target or convert fewer "
+                                 f"layers") from None
     for name, r in zip(names, ranks):
         fits[name] = dataclasses.replace(planned[name], ranks=tuple(r))
     return fits, info, notes

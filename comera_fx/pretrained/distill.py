@@ -9,6 +9,7 @@ changes; the teacher runs under ``torch.no_grad`` in eval mode and is restored e
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -24,6 +25,7 @@ from ..config import TensorizeConfig, warn_renamed
 from .calibrate import Calibration, calibrate
 from ..runtime.distributed import RankSync
 from .calling import default_output, eval_modes, input_slot
+from ..passes.sizing import SizeTargetTooSmall
 from ..passes.tensorize import TensorizeSummary, tensorize_
 from .refit import refit_sequential_
 from ..runtime.rank_adaptive import RankAdaptive, tt_matrices
@@ -297,15 +299,35 @@ def linear_sizes(model: nn.Module) -> tuple[int, int]:
 # ---------------------------------------------------------------------------------------------- the recipe
 
 
+_RANK_FIELDS = ("max_rank", "rank_ratio", "rel_tol")  # what a size target decides instead
+_DEFAULT_MAX_RANK = next(f.default for f in dataclasses.fields(TensorizeConfig) if f.name == "max_rank")
+
+
+def _check_config(config: TensorizeConfig) -> None:
+    """Refuse rank settings ``distill_`` would not use: it sizes the layers by ``size_target`` (and ``allocation``),
+    so a ``max_rank``, ``rank_ratio`` or ``rel_tol`` of the caller's would otherwise be dropped without a word."""
+    given = [f"{name}={getattr(config, name)!r}" for name in _RANK_FIELDS
+             if getattr(config, name) not in (None, _DEFAULT_MAX_RANK if name == "max_rank" else None)]
+    given += [f"overrides[{pattern!r}][{name!r}]" for pattern, values in config.overrides.items()
+              for name in _RANK_FIELDS if name in values]
+    if config.size_target is not None:
+        raise ValueError(f"distill_ takes the size target as distill_(size_target=...); the config's "
+                         f"size_target={config.size_target!r} would be ignored: leave it unset in the config")
+    if given:
+        raise ValueError(f"distill_ decides the ranks from size_target= and allocation=, so the config's "
+                         f"{', '.join(given)} would be ignored; leave max_rank / rank_ratio / rel_tol unset in the "
+                         f"config (and its overrides; skip= still excludes layers), or, to train at ranks of your "
+                         f"own, tensorize_(student, config) and then train with "
+                         f"comera_fx.pretrained.distill.match_teacher(student, teacher, batches, ...)")
+
+
 def _tensorize_at(student, ratio, config, filter_fn, allocation, calibration) -> TensorizeSummary:
-    config = config.replace(size_target=float(ratio), allocation=allocation, max_rank=None, rank_ratio=None,
-                            rel_tol=None)
+    config = config.replace(size_target=float(ratio), allocation=allocation, max_rank=None)
     try:
         return tensorize_(student, config, filter_fn=_linear_only(filter_fn), calibration=calibration)
-    except ValueError as exc:
-        if "size_target" not in str(exc):
-            raise
-        raise ValueError(f"target/start ratio {ratio}: {exc} (distill_: raise size_target)") from None
+    except SizeTargetTooSmall as exc:
+        raise SizeTargetTooSmall(f"distill_ at {ratio} of the dense size: {exc} (raise size_target, or "
+                                 f"start_ratio)") from None
 
 
 def _linear_only(filter_fn):
@@ -382,7 +404,9 @@ def distill_(
             loss (2.3e-5 against 3.2e-5) but took 1.5x the wall clock for the same steps; on all-MiniLM-L6-v2
             the comparison was not run (benchmarks/RESULTS.md).
         config: base ``TensorizeConfig`` (size threshold, skip, overrides, format); ``size_target`` and
-            ``allocation`` are set from ``size_target`` / ``start_ratio`` and ``allocation``.
+            ``allocation`` are set from ``size_target`` / ``start_ratio`` and ``allocation``. The ranks come from
+            the size target, so a ``max_rank`` (other than the default), ``rank_ratio`` or ``rel_tol`` in it or
+            in its overrides is refused (``ValueError`` naming the fix) rather than ignored.
             ``TensorizeConfig(num_modes=1)`` gives a whitened low-rank student (two cores per weight): on
             all-MiniLM-L6-v2 it ended level with TT at 4× and ahead at 8× after 600 s (docs/pretrained.md).
         filter_fn: as in ``tensorize_``.
@@ -429,6 +453,7 @@ def distill_(
                          "(e.g. 32)")
     distributed = _world_size() > 1
     config = config or TensorizeConfig()
+    _check_config(config)
     output_fn = output_fn or default_output
     stream = _BatchStream(batches)
     notes: list[str] = []
