@@ -1,10 +1,11 @@
 """``tensorize_``'s steps for a size target (total TT parameters) and for calibration: per-layer modes, ranks and
 input statistics.
 
-Decided for all layers together, before any TT matrix is built (the size target is global): ``plan_fits`` returns
-one ``LayerFit`` per layer (format, modes, the cap of every bond, the input second moment if the layer is
-calibrated) and a ``SizeTargetInfo``; ``build_fitted`` turns a fit into a ``TTMatrix``. With neither a size target
-nor a calibration ``tensorize_`` does not come here and builds exactly as before.
+Decided for all layers together, before any TT matrix is built (the size target is global): ``plan_fits``, given
+each layer's settings as ``layer_plan.plan_layers`` resolved them, returns one ``LayerFit`` per layer (format,
+modes, the rank of every bond, the input second moment if the layer is calibrated) and a ``SizeTargetInfo``;
+``build_fitted`` turns a fit into a ``TTMatrix``. With neither a size target nor a calibration there is no fit and
+the layer's settings decide (``make_tt_matrix``).
 """
 
 from __future__ import annotations

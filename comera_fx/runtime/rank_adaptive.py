@@ -6,12 +6,13 @@ Two schedules (docs/rank_adaptive.md):
 
 * ``RankConfig(schedule="budget")`` (default) — the live TT size follows a known schedule
   (``schedule.BudgetSchedule``: warm-up, cubic decay, final window) from its size now to ``size_target`` /
-  ``keep_fraction`` by the end of a horizon (``total_steps`` or ``budget_seconds``); at each of a few prune points the slices of least importance
-  (``importance``: the bond's smoothed |g ⊙ ∂L/∂g| split by its singular values) are removed across all
-  layers at once (``schedule.allocate``), by TT rounding (``shrink.round_to_ranks_``). Gradients are never
-  touched.
-* ``RankConfig(schedule="comera")`` — CoMERA's two-stage scalarization (``comera``): an ℓ1 pull on the gates, a late stage
-  that rescales the task gradient by λ, and removal of the dead slices (|g| <= threshold) every ``prune_every``.
+  ``keep_fraction`` by the end of a horizon (``total_steps`` or ``budget_seconds``); at each of a few prune
+  points the slices of least importance (``importance``: the bond's smoothed |g ⊙ ∂L/∂g| split by its singular
+  values) are removed across all layers at once (``schedule.allocate``), by TT rounding
+  (``shrink.round_to_ranks_``). Gradients are never touched.
+* ``RankConfig(schedule="comera")`` — CoMERA's two-stage scalarization (``comera``): an ℓ1 pull on the gates, a
+  late stage that rescales the task gradient by λ, and removal of the dead slices (|g| <= threshold) every
+  ``prune_every``.
 
 The only extra call in the loop is ``hook.observe(loss)`` before ``optimizer.step()``, when the CoMERA schedule
 needs the loss (a target loss, plateau detection) or for the loss column of the history.
@@ -43,8 +44,8 @@ from .schedule import BudgetSchedule, LayerSlices, allocate
 from .shrink import (ShrinkRecord, bond_singular_values, params_at_ranks, physical_params, remove_slices_,
                      round_to_ranks_, shrink_)
 
-__all__ = ["RankAdaptive", "RankConfig", "param_groups", "tt_matrices", "MatrixEntry", "HistoryEntry", "RankSummary", "EARLY",
-           "LATE", "achievement_lambda", "add_gate_penalty_", "shrink_", "remove_slices_", "ShrinkRecord",
+__all__ = ["RankAdaptive", "RankConfig", "param_groups", "tt_matrices", "MatrixEntry", "HistoryEntry", "RankSummary",
+           "EARLY", "LATE", "achievement_lambda", "add_gate_penalty_", "shrink_", "remove_slices_", "ShrinkRecord",
            "params_at_ranks", "physical_params"]
 
 # --------------------------------------------------------------------------------------------- finding matrices
@@ -207,7 +208,7 @@ class RankAdaptive:
                                           and history_every >= 1)):
             raise ValueError(f"RankAdaptive: history_every must be an int >= 1 or None; got {history_every!r}")
         self.history_every = history_every
-        # Under torch.distributed (comera_fx.runtime.distributed): decisions agreed across ranks, DDP rebuilt after a prune
+        # Under torch.distributed (runtime.distributed): decisions agreed across ranks, DDP rebuilt after a prune
         self.distributed, module = RankSync.for_model(model)
         self.model, self.optimizer = model, optimizer  # self.model: the current DDP wrapper after a prune
         self.module = module
