@@ -12,7 +12,7 @@ Public API::
     comera_fx.tensorize_(model, TensorizeConfig(size_target=0.25, allocation="energy"), calibration=cal)
     comera_fx.refit_sequential_(model, teacher, batches)      # refit layer by layer on the compressed model's inputs
     comera_fx.save_tensorized(model, path); comera_fx.load_tensorized(path, build_fn)  # no dense weights on load
-    comera_fx.distill_(student, teacher, batches, target_ratio=0.25, budget_seconds=600)  # compress a trained model
+    comera_fx.distill_(student, teacher, batches, size_target=0.25, budget_seconds=600)  # compress a trained model
     torch.compile(model, backend=comera_fx.backend)          # or backend="comera_fx"; comera_fx.compile(model, config)
 """
 
