@@ -6,13 +6,13 @@ Public API::
     comera_fx.report(model)                                   # per-layer table / dict
     comera_fx.plan(layer, batch=4096)                         # the contraction order chosen per batch interval
     comera_fx.passes.tensorize(gm, config)                    # GraphModule -> GraphModule for custom compilers
-    comera_fx.RankAdaptive(model, optimizer, target_ratio=0.2, total_steps=n)  # rank adaptation (optimizer hooks)
+    comera_fx.RankAdaptive(model, opt, comera_fx.RankConfig(size_target=0.1, total_steps=n))  # rank adaptation
     comera_fx.randomize_backward_(model, rho=0.25)            # RMM: linear backward keeps a sketch of its input
     cal = comera_fx.calibrate(model, batches)                 # input statistics for activation-aware TT-SVD
-    comera_fx.tensorize_(model, TensorizeConfig(param_budget=0.25, allocation="energy"), calibration=cal)
+    comera_fx.tensorize_(model, TensorizeConfig(size_target=0.25, allocation="energy"), calibration=cal)
     comera_fx.refit_sequential_(model, teacher, batches)      # refit layer by layer on the compressed model's inputs
     comera_fx.save_tensorized(model, path); comera_fx.load_tensorized(path, build_fn)  # no dense weights on load
-    comera_fx.distill_(student, teacher, batches, target_ratio=0.25, budget_seconds=600)  # compress a trained model
+    comera_fx.distill_(student, teacher, batches, size_target=0.25, budget_seconds=600)  # compress a trained model
     torch.compile(model, backend=comera_fx.backend)          # or backend="comera_fx"; comera_fx.compile(model, config)
 """
 
@@ -26,7 +26,7 @@ from .pretrained import (Calibration, DistillSummary, InputStats, RefitSummary, 
                          refit_sequential_)
 from .report import Report, report
 from .rmm import RMMConfig
-from .runtime import RankAdaptive, param_groups
+from .runtime import RankAdaptive, RankConfig, param_groups
 from .tt import TTEmbedding, TTFormat, TTLinear, TTMatrix
 from .tt.plan import plan
 
@@ -50,6 +50,7 @@ __all__ = [
     "refit_sequential_",
     "Init",
     "RankAdaptive",
+    "RankConfig",
     "LayerSettings",
     "RMMConfig",
     "RandomizeSummary",

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import re
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,7 +20,7 @@ from .tt.layout import TTFormat
 
 
 class Allocation(str, enum.Enum):
-    """How ``TensorizeConfig.param_budget`` is split over the layers: one ``max_rank`` for all (UNIFORM), or ranks
+    """How ``TensorizeConfig.size_target`` is split over the layers: one ``max_rank`` for all (UNIFORM), or ranks
     per layer and per bond, greedily where the (activation-weighted) energy per parameter is largest (ENERGY)."""
 
     UNIFORM = "uniform"
@@ -30,6 +32,45 @@ class Init(str, enum.Enum):
 
     SVD = "svd"
     RANDOM = "random"
+
+
+# ------------------------------------------------------------------------------------------- renamed spellings
+
+
+def warn_renamed(old: str, new: str, *, stacklevel: int = 3) -> None:
+    """One ``DeprecationWarning`` for a spelling kept for a release: it names the spelling to use instead."""
+    warnings.warn(f"{old} is deprecated and will be removed in the next release; use {new}", DeprecationWarning,
+                  stacklevel=stacklevel)
+
+
+def renamed_keywords(given: Mapping[str, Any], renames: Mapping[str, str], owner: str, *,
+                     stacklevel: int = 4) -> dict[str, Any]:
+    """``given`` with each old keyword of ``renames`` (old -> new) moved to its new name, warning once per old
+    keyword; both spellings at once is refused (which one would win is not obvious)."""
+    out = dict(given)
+    for old, new in renames.items():
+        if old not in out:
+            continue
+        if new in out:
+            raise TypeError(f"{owner}: pass {new}= only ({old}= is its deprecated spelling); got both")
+        warn_renamed(f"{owner}({old}=...)", f"{new}=", stacklevel=stacklevel)
+        out[new] = out.pop(old)
+    return out
+
+
+def accepts_renamed(renames: Mapping[str, str]):
+    """Class decorator: the dataclass's constructor also takes the old keywords of ``renames`` (old -> new) for a
+    release, with a warning."""
+    def decorate(cls: type) -> type:
+        init = cls.__init__
+
+        @functools.wraps(init)
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            init(self, *args, **renamed_keywords(kwargs, renames, cls.__name__))
+
+        cls.__init__ = __init__
+        return cls
+    return decorate
 
 
 def _coerce_enum(owner: str, name: str, value: Any, enum_type: type[enum.Enum]) -> enum.Enum:
@@ -117,8 +158,10 @@ class LayerSettings:
 
 _LAYER_FIELDS = {f.name for f in dataclasses.fields(LayerSettings)}
 _OVERRIDE_FIELDS = _LAYER_FIELDS | {"skip"}
+_TENSORIZE_RENAMED = {"param_budget": "size_target"}  # renamed in 0.2: "budget" alone is time elsewhere
 
 
+@accepts_renamed(_TENSORIZE_RENAMED)
 @dataclass(frozen=True)
 class TensorizeConfig(LayerSettings):
     """What ``tensorize_`` converts and how.
@@ -140,11 +183,12 @@ class TensorizeConfig(LayerSettings):
             ``{"skip": True}`` excludes the matching layers.
         skip: regexes of FQNs never to convert (``re.search``).
         seed: seed of the generator for ``init="random"`` (``None``: the global RNG).
-        param_budget: total parameters (TT cores + gates) of the layers this call converts, as an int, or as a
+        size_target: total parameters (TT cores + gates) of the layers this call converts, as an int, or as a
             float in (0, 1] the fraction of those layers' dense size. The ranks then come from ``allocation``
             (``max_rank`` / ``rank_ratio``, also in overrides, are not used); ``rel_tol`` must be None.
-        allocation: ``"uniform"`` (one max_rank, the largest whose total fits the budget) or ``"energy"`` (ranks per
-            layer and per bond, see ``comera_fx.tt.allocate``; needs ``init="svd"``).
+            (Was ``param_budget``, which still works with a ``DeprecationWarning``.)
+        allocation: ``"uniform"`` (one max_rank, the largest whose total fits the size target) or ``"energy"``
+            (ranks per layer and per bond, see ``comera_fx.tt.allocate``; needs ``init="svd"``).
     """
 
     min_numel: int = 2**16
@@ -152,16 +196,16 @@ class TensorizeConfig(LayerSettings):
     overrides: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     skip: tuple[str, ...] = ()
     seed: int | None = None
-    param_budget: int | float | None = None
+    size_target: int | float | None = None
     allocation: Allocation = Allocation.UNIFORM
 
     def __post_init__(self) -> None:
         owner = type(self).__name__
         super().__post_init__()
-        _check_budget(owner, self.param_budget)
+        _check_size_target(owner, self.size_target)
         object.__setattr__(self, "allocation", _coerce_enum(owner, "allocation", self.allocation, Allocation))
-        if self.param_budget is not None and self.rel_tol is not None:
-            raise ValueError(f"{owner}.rel_tol must be None when param_budget is set (the budget decides the "
+        if self.size_target is not None and self.rel_tol is not None:
+            raise ValueError(f"{owner}.rel_tol must be None when size_target is set (the size target decides the "
                              f"ranks); got rel_tol={self.rel_tol!r}")
         if self.allocation is Allocation.ENERGY and self.init is not Init.SVD:
             raise ValueError(f"{owner}.allocation='energy' needs init='svd' (it reads the weights' spectra); "
@@ -217,7 +261,14 @@ class TensorizeConfig(LayerSettings):
             numel *= s
         return len(shape) == 2 and numel >= self.min_numel and min(shape) >= self.min_dim
 
+    @property
+    def param_budget(self) -> int | float | None:
+        """Deprecated spelling of ``size_target``."""
+        warn_renamed("TensorizeConfig.param_budget", "TensorizeConfig.size_target", stacklevel=3)
+        return self.size_target
+
     def replace(self, **changes: Any) -> "TensorizeConfig":
+        changes = renamed_keywords(changes, _TENSORIZE_RENAMED, "TensorizeConfig", stacklevel=4)
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
@@ -232,6 +283,7 @@ class TensorizeConfig(LayerSettings):
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "TensorizeConfig":
+        data = renamed_keywords(data, _TENSORIZE_RENAMED, "TensorizeConfig", stacklevel=4)  # logs written before
         unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise ValueError(f"unknown TensorizeConfig fields {sorted(unknown)}")
@@ -244,14 +296,14 @@ class TensorizeConfig(LayerSettings):
         return cls(**values)
 
 
-def _check_budget(owner: str, value: Any) -> None:
+def _check_size_target(owner: str, value: Any) -> None:
     if value is None:
         return
     if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
         return
     if isinstance(value, float) and 0.0 < value <= 1.0:
         return
-    raise ValueError(f"{owner}.param_budget must be an int >= 1 (parameters) or a float in (0, 1] (fraction of "
+    raise ValueError(f"{owner}.size_target must be an int >= 1 (parameters) or a float in (0, 1] (fraction of "
                      f"the converted layers' dense size) or None; got {value!r}")
 
 
@@ -262,3 +314,4 @@ def _compile(owner: str, name: str, pattern: Any) -> re.Pattern:
         return re.compile(pattern)
     except re.error as exc:
         raise ValueError(f"{owner}.{name} has an invalid regex {pattern!r}: {exc}") from None
+

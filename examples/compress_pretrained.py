@@ -288,7 +288,7 @@ def run_tt(teacher, data, ratio: float, allocation: str, distill: bool, args,
     calibrated = allocation == "energy"
     if distill:
         summary = comera_fx.distill_(
-            student, teacher, draw, target_ratio=ratio, budget_seconds=args.budget_seconds, steps=args.steps,
+            student, teacher, draw, size_target=ratio, budget_seconds=args.budget_seconds, steps=args.steps,
             loss_fn=distill_loss, hidden_modules=hidden_layers(teacher), hidden_weight=1 / 6, lr=args.lr,
             allocation=allocation, calibration_batches=args.calibration_batches if calibrated else 0,
             token_mask=real_tokens, refit=refit, start_ratio=args.start_ratio, config=base,
@@ -297,7 +297,7 @@ def run_tt(teacher, data, ratio: float, allocation: str, distill: bool, args,
                 "ratio": summary.ratio, "ranks": {k: list(v) for k, v in summary.ranks.items()},
                 "loss_first": summary.losses[0], "loss_last": sum(summary.losses[-10:]) / len(summary.losses[-10:])}
     else:
-        config = base.replace(param_budget=ratio, allocation=allocation, max_rank=None)
+        config = base.replace(size_target=ratio, allocation=allocation, max_rank=None)
         batches = [draw() for _ in range(args.calibration_batches)] if calibrated else []
         calibration = comera_fx.calibrate(student, batches, token_mask=real_tokens) if calibrated else None
         keep_linears = lambda m, n: not isinstance(m, nn.Embedding)  # noqa: E731

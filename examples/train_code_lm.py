@@ -60,7 +60,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import comera_fx  # noqa: E402
-from comera_fx.runtime import RankAdaptive, param_groups  # noqa: E402
+from comera_fx.runtime import RankAdaptive, RankConfig, param_groups  # noqa: E402
 
 VOCAB = 256  # bytes
 
@@ -302,12 +302,14 @@ def make_hook(model: nn.Module, optimizer: torch.optim.Optimizer, args, late_sta
         if args.max_steps is not None and args.max_steps <= expected_steps:
             horizon = {"total_steps": args.max_steps}
         else:
-            horizon = {"budget_seconds": args.budget_seconds, "clock": lambda: result.train_seconds}
-        return RankAdaptive(model, optimizer, target_ratio=args.target_ratio, final_fraction=1 - args.prune_by,
-                            history_every=1, **horizon)
-    return RankAdaptive(model, optimizer, schedule="comera", l1_weight=args.l1_weight, prune_every=args.prune_every,
-                        target_ratio=args.target_ratio, late_start_step=late_start_step,
-                        late_size_weight=args.late_size_weight, history_every=1)
+            horizon = {"budget_seconds": args.budget_seconds}
+        clock = None if "total_steps" in horizon else (lambda: result.train_seconds)
+        config = RankConfig(keep_fraction=args.target_ratio, final_fraction=1 - args.prune_by, **horizon)
+        return RankAdaptive(model, optimizer, config, clock=clock, history_every=1)
+    config = RankConfig(schedule="comera", l1_weight=args.l1_weight, prune_every=args.prune_every,
+                        keep_fraction=args.target_ratio, late_start_step=late_start_step,
+                        late_size_weight=args.late_size_weight)
+    return RankAdaptive(model, optimizer, config, history_every=1)
 
 
 def prepare_tt_run(model: nn.Module, p: Preset, args, train_data: torch.Tensor, device: torch.device,
@@ -445,10 +447,10 @@ def calibrate_step_seconds(model: nn.Module, args, train_data, p: Preset, device
     optimizer = make_tt_optimizer(trial, args, 1e-3)
     # the hook's per-step work (importance or penalty, history entry) is part of a step: count it (no pruning)
     if args.schedule == "budget":
-        hook = RankAdaptive(trial, optimizer, target_ratio=args.target_ratio, total_steps=10**9, history_every=1)
+        config = RankConfig(keep_fraction=args.target_ratio, total_steps=10**9)
     else:
-        hook = RankAdaptive(trial, optimizer, schedule="comera", l1_weight=args.l1_weight, prune_every=None,
-                            history_every=1)
+        config = RankConfig(schedule="comera", l1_weight=args.l1_weight, prune_every=None)
+    hook = RankAdaptive(trial, optimizer, config, history_every=1)
     generator = torch.Generator().manual_seed(args.seed + 2)
     times = []
     for _ in range(steps):
@@ -603,10 +605,10 @@ def write_report(out: Path, args, p: Preset, data_info: dict, results: list[RunR
         ("comera_fx optimizer", f"AdamW (param_groups) cores {args.lr_cores:g} / gates {args.gate_lr_used:.2g} "
                                 f"({'auto' if args.lr_gates == 'auto' else 'fixed'}) / other {args.lr:g}, "
                                 f"same warm-up and clipping"),
-        ("RankAdaptive", f"budget schedule: target_ratio={args.target_ratio:g}, reached at {args.prune_by:.0%} of "
+        ("RankAdaptive", f"budget schedule: keep_fraction={args.target_ratio:g}, reached at {args.prune_by:.0%} of "
                          f"the training clock (warm-up 10%, cubic decay, 10 prunes)" if args.schedule == "budget"
                          else f"schedule='comera', l1_weight={args.l1_weight:g}, prune_every={args.prune_every}, "
-                         f"target_ratio={args.target_ratio:g}, late_size_weight={args.late_size_weight:g}, "
+                         f"keep_fraction={args.target_ratio:g}, late_size_weight={args.late_size_weight:g}, "
                          f"late stage from ~{args.late_fraction:.0%} of the "
                          f"budget (step estimated before training)"),
         ("seed / device / threads", f"{args.seed} / {args.device} / {torch.get_num_threads()} "

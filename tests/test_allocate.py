@@ -129,27 +129,27 @@ def test_tensorize_meets_the_budget(allocation, budget):
     torch.manual_seed(0)
     model = MLP(128, 256, 100)
     dense = 128 * 256 + 256 * 100
-    summary = comera_fx.tensorize_(model, TensorizeConfig(param_budget=budget, allocation=allocation,
+    summary = comera_fx.tensorize_(model, TensorizeConfig(size_target=budget, allocation=allocation,
                                                           min_numel=1000))
     asked = budget if isinstance(budget, int) else round(budget * dense)
-    assert summary.budget.asked == asked and summary.budget.dense == dense
-    assert summary.budget.reached == tt_params_in(model) <= asked
-    assert summary.budget.reached > 0.85 * asked  # within a rank step of it at these sizes
+    assert summary.size_target.asked == asked and summary.size_target.dense == dense
+    assert summary.size_target.reached == tt_params_in(model) <= asked
+    assert summary.size_target.reached > 0.85 * asked  # within a rank step of it at these sizes
     assert set(summary.ranks) == {"fc1.weight", "fc2.weight"}
-    assert "param_budget" in str(summary)
+    assert "size_target" in str(summary)
 
 
 def test_config_validation_names_the_field():
     for bad in (0, -3, 0.0, 1.5, True, "half", float("nan")):
-        with pytest.raises(ValueError, match="param_budget"):
-            TensorizeConfig(param_budget=bad)
+        with pytest.raises(ValueError, match="size_target"):
+            TensorizeConfig(size_target=bad)
     with pytest.raises(ValueError, match="allocation"):
         TensorizeConfig(allocation="greedy")
     with pytest.raises(ValueError, match="allocation"):
-        TensorizeConfig(param_budget=0.5, allocation="energy", init="random")
+        TensorizeConfig(size_target=0.5, allocation="energy", init="random")
     with pytest.raises(ValueError, match="rel_tol"):
-        TensorizeConfig(param_budget=0.5, rel_tol=0.1)
-    config = TensorizeConfig(param_budget=0.5, allocation="energy")
+        TensorizeConfig(size_target=0.5, rel_tol=0.1)
+    config = TensorizeConfig(size_target=0.5, allocation="energy")
     assert TensorizeConfig.from_dict(config.to_dict()) == config
-    with pytest.raises(ValueError, match="param_budget"):
-        comera_fx.tensorize_(MLP(), TensorizeConfig(param_budget=10, min_numel=1000))
+    with pytest.raises(ValueError, match="size_target"):
+        comera_fx.tensorize_(MLP(), TensorizeConfig(size_target=10, min_numel=1000))

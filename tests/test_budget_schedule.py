@@ -346,3 +346,83 @@ def test_a_compiled_model_after_a_scheduled_prune_gives_the_eager_outputs(monkey
         got = compiled(x)
     torch._dynamo.reset()
     torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+
+
+# ---------------------------------------------------------------------- RankConfig and the spellings before it
+
+
+def _run(spelling, steps: int = 24):
+    """Train the teacher problem for ``steps`` steps under a hook built by ``spelling(model, optimizer)``;
+    returns (hook, losses, ranks after the run)."""
+    model, x, y, _, _ = teacher_problem(d=16)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    hook = spelling(model, optimizer)
+    losses = fit(model, optimizer, x, y, steps, hook)
+    return hook, losses, [m.tt.ranks for m in tt_matrices(model)]
+
+
+def test_old_keywords_warn_name_the_config_and_give_the_same_run():
+    from comera_fx import RankConfig
+
+    new = _run(lambda m, o: RankAdaptive(m, o, RankConfig(keep_fraction=0.3, total_steps=24, prunes=3)))
+    with pytest.warns(DeprecationWarning, match=r"RankConfig\(keep_fraction=0.3, total_steps=24, prunes=3\)"):
+        old = _run(lambda m, o: RankAdaptive(m, o, target_ratio=0.3, total_steps=24, prunes=3))
+    assert old[1] == new[1] and old[2] == new[2]
+    wall = "elapsed_seconds"  # wall clock: differs between any two runs
+    assert {k: v for k, v in old[0].state_dict().items() if k != wall} == \
+        {k: v for k, v in new[0].state_dict().items() if k != wall}
+    assert old[0].history_as_dicts()[-1]["ranks"] == new[0].history_as_dicts()[-1]["ranks"]
+    assert new[0].tt_params() < new[0].initial_tt_params  # it did prune: the runs compared are not trivial
+
+    size = new[0].tt_params()  # an absolute target: target_params= is size_target= as an int
+    with pytest.warns(DeprecationWarning, match="size_target"):
+        old = _run(lambda m, o: RankAdaptive(m, o, target_params=size, total_steps=24, prunes=3))
+    new = _run(lambda m, o: RankAdaptive(m, o, RankConfig(size_target=size, total_steps=24, prunes=3)))
+    assert old[1] == new[1] and old[2] == new[2] and new[0].target_size == float(size)
+
+
+def test_a_float_size_target_is_a_fraction_of_the_dense_size():
+    """The same meaning as TensorizeConfig.size_target and distill_(size_target=): of the dense weights."""
+    from comera_fx import RankConfig
+
+    model, _, _, _, _ = teacher_problem(d=16)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    hook = RankAdaptive(model, optimizer, RankConfig(size_target=0.25, total_steps=10))
+    assert hook.target_size == pytest.approx(0.25 * 16 * 16, rel=1e-12)  # one 16 x 16 weight
+
+
+def test_rank_config_refusals_name_the_fix():
+    from comera_fx import RankConfig
+
+    model, _, _, _, _ = teacher_problem(d=16)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    config = RankConfig(size_target=0.25, total_steps=10)
+    with pytest.raises(TypeError, match="RankConfig only"):
+        RankAdaptive(model, optimizer, config, total_steps=20)
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        RankAdaptive(model, optimizer, total_step=20)
+    with pytest.raises(TypeError, match="size_target= only"):
+        RankAdaptive(model, optimizer, target_params=10, size_target=10, total_steps=20)
+    with pytest.raises(ValueError, match="clock"):
+        RankAdaptive(model, optimizer, RankConfig(schedule="comera"), clock=lambda: 0.0)
+    with pytest.raises(ValueError, match="history_every"):
+        RankAdaptive(model, optimizer, config, history_every=0)
+    for bad in (1.5, -1, True, "0.5"):
+        with pytest.raises(ValueError, match="size_target"):
+            RankConfig(size_target=bad, total_steps=10)
+    with pytest.raises(ValueError, match="at most one"):
+        RankConfig(size_target=0.25, keep_fraction=0.5, total_steps=10)
+    with pytest.raises(ValueError, match="needs a size target"):
+        RankConfig(total_steps=10)
+
+
+def test_rank_config_round_trips_and_fills_the_schedules_defaults():
+    from comera_fx import RankConfig
+
+    config = RankConfig(size_target=1000, budget_seconds=60.0, prunes=4)
+    assert RankConfig.from_dict(config.to_dict()) == config
+    filled = config.resolved()
+    assert (filled.prunes, filled.warmup_fraction, filled.l1_weight) == (4, 0.1, None)
+    comera = RankConfig(schedule="comera")
+    assert RankConfig.from_dict(comera.to_dict()) == comera and comera.resolved().prune_every == 100
+    assert RankConfig(schedule="comera", prune_every=None).resolved().prune_every is None  # None: never prune

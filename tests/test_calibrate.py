@@ -119,7 +119,7 @@ def test_tensorize_with_calibration_lowers_the_output_error(budget):
     weights = {"model": dense, **{k: v.clone() for k, v in dense.state_dict().items()}}
     batches = make_batches()
     cal = comera_fx.calibrate(dense, batches, config=TensorizeConfig(min_numel=1000))
-    config = TensorizeConfig(max_rank=8, min_numel=1000, param_budget=budget)
+    config = TensorizeConfig(max_rank=8, min_numel=1000, size_target=budget)
     errors, ranks = {}, {}
     for name, calibration in (("plain", None), ("whitened", cal)):
         model = Anisotropic()
@@ -174,12 +174,12 @@ def test_small_bert_keys_match_tensorize():
     model = transformers.BertModel(config)
     batches = [{"input_ids": torch.randint(0, 500, (2, 16))} for _ in range(2)]
     cal = comera_fx.calibrate(model, batches, config=TensorizeConfig(min_numel=10_000))
-    summary = comera_fx.tensorize_(model, TensorizeConfig(min_numel=10_000, param_budget=0.3,
+    summary = comera_fx.tensorize_(model, TensorizeConfig(min_numel=10_000, size_target=0.3,
                                                           allocation="energy"), calibration=cal)
     linear = [d for d in summary.converted if d.kind == "linear"]
     assert {d.fqn for d in linear} == set(cal) and len(linear) == 7  # q, k, v, o, ff in/out, pooler
     assert all(any("activation-aware" in n for n in d.notes) for d in linear)
-    assert summary.budget.reached <= summary.budget.asked
+    assert summary.size_target.reached <= summary.size_target.asked
     with torch.no_grad():
         out = model(**batches[0]).last_hidden_state
     assert torch.isfinite(out).all()

@@ -187,3 +187,37 @@ def test_replace_validates():
     assert config.replace(max_rank=9).max_rank == 9
     with pytest.raises(ValueError, match="max_rank"):
         config.replace(max_rank=-3)
+
+
+# ------------------------------------------------------------------------------------- renamed: param_budget
+
+
+def test_param_budget_spelling_warns_and_means_size_target():
+    with pytest.warns(DeprecationWarning, match="size_target"):
+        old = TensorizeConfig(param_budget=0.3, min_numel=1000)
+    assert old == TensorizeConfig(size_target=0.3, min_numel=1000)
+    with pytest.warns(DeprecationWarning, match="size_target"):
+        assert old.replace(param_budget=500) == old.replace(size_target=500)
+    with pytest.warns(DeprecationWarning, match="size_target"):
+        assert old.param_budget == 0.3
+    with pytest.warns(DeprecationWarning, match="size_target"):  # a dict logged before the rename
+        logged = {**TensorizeConfig().to_dict(), "param_budget": 0.3}
+        logged.pop("size_target")
+        assert TensorizeConfig.from_dict(logged) == TensorizeConfig(size_target=0.3)
+    with pytest.raises(TypeError, match="size_target"):
+        TensorizeConfig(param_budget=0.3, size_target=0.3)
+
+
+def test_summary_budget_spelling_warns_and_returns_the_size_target():
+    import torch
+    from torch import nn
+
+    import comera_fx
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(128, 96), nn.ReLU(), nn.Linear(96, 64))
+    summary = comera_fx.tensorize_(model, TensorizeConfig(size_target=0.3, min_numel=1000))
+    with pytest.warns(DeprecationWarning, match="size_target"):
+        assert summary.budget is summary.size_target
+    dense = 128 * 96 + 96 * 64
+    assert summary.size_target.asked == round(0.3 * dense) and summary.size_target.dense == dense

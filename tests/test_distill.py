@@ -7,6 +7,7 @@ counted from the student's parameters, not from the summary under test.
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -69,7 +70,7 @@ def test_distillation_beats_tt_svd_alone_at_equal_size(teacher):
     with torch.no_grad():
         reference = [teacher(**b).last_hidden_state.clone() for b in held_out]
     student = copy.deepcopy(teacher)
-    summary = comera_fx.distill_(student, teacher, make_batches(8, seed=1), target_ratio=0.3, steps=40, lr=3e-3,
+    summary = comera_fx.distill_(student, teacher, make_batches(8, seed=1), size_target=0.3, steps=40, lr=3e-3,
                                  config=SMALL, allocation="uniform", calibration_batches=0, progress=False)
     svd_only = copy.deepcopy(teacher)
     rank = max(max(r) for r in summary.ranks.values())
@@ -83,9 +84,9 @@ def test_distillation_beats_tt_svd_alone_at_equal_size(teacher):
 
 @pytest.mark.parametrize("target, start, allocation", [(0.5, None, "energy"), (0.25, None, "uniform"),
                                                      (0.25, None, "energy"), (0.3, 0.8, "energy")])
-def test_target_ratio_is_reached(teacher, target, start, allocation):
+def test_size_target_is_reached(teacher, target, start, allocation):
     student = copy.deepcopy(teacher)
-    summary = comera_fx.distill_(student, teacher, make_batches(4, seed=2), target_ratio=target, start_ratio=start,
+    summary = comera_fx.distill_(student, teacher, make_batches(4, seed=2), size_target=target, start_ratio=start,
                                  allocation=allocation, steps=12, config=SMALL, progress=False)
     converted = [name for name, m in student.named_modules() if isinstance(m, TTLinear)]
     assert len(converted) == len(linear_weight_names(teacher))  # every linear, no embedding
@@ -111,7 +112,7 @@ def test_teacher_is_untouched_and_frozen_parameters_stay_frozen():
     before = snapshot(teacher)
     student = copy.deepcopy(teacher)
     frozen_embedding = student.embeddings.word_embeddings.weight.detach().clone()
-    comera_fx.distill_(student, teacher, make_batches(4, seed=4), target_ratio=0.5, steps=6, lr=1e-2,
+    comera_fx.distill_(student, teacher, make_batches(4, seed=4), size_target=0.5, steps=6, lr=1e-2,
                        hidden_modules=["encoder.layer.0"], config=SMALL, progress=False)
     after = snapshot(teacher)
     assert before[0].keys() == after[0].keys()
@@ -137,23 +138,23 @@ def test_batches_as_callable_iterable_tuple_and_one_shot_iterator(teacher):
         calls.append(1)
         return {"input_ids": torch.randint(0, VOCAB, (4, SEQ))}
 
-    s = comera_fx.distill_(copy.deepcopy(teacher), teacher, draw, target_ratio=0.5, steps=5, config=SMALL,
+    s = comera_fx.distill_(copy.deepcopy(teacher), teacher, draw, size_target=0.5, steps=5, config=SMALL,
                            progress=False)
     assert len(calls) == 8 and s.steps == 5  # 8 calibration batches, which also serve as the first training batches
     calls.clear()
-    s = comera_fx.distill_(copy.deepcopy(teacher), teacher, draw, target_ratio=0.5, steps=5, calibration_batches=0,
+    s = comera_fx.distill_(copy.deepcopy(teacher), teacher, draw, size_target=0.5, steps=5, calibration_batches=0,
                            config=SMALL, progress=False)
     assert len(calls) == 5 and s.steps == 5
     tuples = [(b["input_ids"],) for b in make_batches(2, seed=5)]  # positional inputs, reused across passes
-    s = comera_fx.distill_(copy.deepcopy(teacher), teacher, tuples, target_ratio=0.5, steps=5, config=SMALL,
+    s = comera_fx.distill_(copy.deepcopy(teacher), teacher, tuples, size_target=0.5, steps=5, config=SMALL,
                            progress=False)
     assert s.steps == 5 and all(torch.isfinite(torch.tensor(s.losses)))
     tensors = [b["input_ids"] for b in make_batches(2, seed=6)]
-    s = comera_fx.distill_(copy.deepcopy(teacher), teacher, tensors, target_ratio=0.5, steps=3, config=SMALL,
+    s = comera_fx.distill_(copy.deepcopy(teacher), teacher, tensors, size_target=0.5, steps=3, config=SMALL,
                            progress=False)
     assert s.steps == 3
     one_shot = iter(make_batches(3, seed=7))
-    s = comera_fx.distill_(copy.deepcopy(teacher), teacher, one_shot, target_ratio=0.5, steps=10, config=SMALL,
+    s = comera_fx.distill_(copy.deepcopy(teacher), teacher, one_shot, size_target=0.5, steps=10, config=SMALL,
                            progress=False)
     assert s.steps == 3 and any("ran out" in n for n in s.notes)
 
@@ -167,7 +168,7 @@ def test_output_fn_and_global_rng_untouched(teacher):
         return outputs.last_hidden_state.mean(dim=1)
 
     state = torch.random.get_rng_state()
-    s = comera_fx.distill_(copy.deepcopy(teacher), teacher, batches, target_ratio=0.5, steps=3, output_fn=pooled,
+    s = comera_fx.distill_(copy.deepcopy(teacher), teacher, batches, size_target=0.5, steps=3, output_fn=pooled,
                            config=SMALL, progress=False)
     assert torch.equal(state, torch.random.get_rng_state())
     assert len(seen) == 6 and s.steps == 3  # teacher and student, per step
@@ -175,7 +176,7 @@ def test_output_fn_and_global_rng_untouched(teacher):
 
 def test_student_works_after_distillation(teacher):
     student = copy.deepcopy(teacher)
-    comera_fx.distill_(student, teacher, make_batches(2, seed=9), target_ratio=0.5, steps=2, config=SMALL,
+    comera_fx.distill_(student, teacher, make_batches(2, seed=9), size_target=0.5, steps=2, config=SMALL,
                        progress=False)
     student.eval()
     x = make_batches(1, seed=10)[0]
@@ -191,7 +192,7 @@ def test_student_works_after_distillation(teacher):
 @pytest.mark.slow
 def test_compiles_with_the_backend_after_distillation(teacher):
     student = copy.deepcopy(teacher)
-    comera_fx.distill_(student, teacher, make_batches(2, seed=11), target_ratio=0.5, steps=2, config=SMALL,
+    comera_fx.distill_(student, teacher, make_batches(2, seed=11), size_target=0.5, steps=2, config=SMALL,
                        progress=False)
     x = make_batches(1, seed=12)[0]["input_ids"]
     with torch.no_grad():
@@ -204,39 +205,88 @@ def test_errors_name_the_fix(teacher):
     batches = make_batches(1, seed=13)
     ok = dict(steps=1, config=SMALL, progress=False)
     for bad in (0, 0.0, 1.5, -0.1, "0.5", True):
-        with pytest.raises(ValueError, match="target_ratio must be a float in"):
-            comera_fx.distill_(copy.deepcopy(teacher), teacher, batches, target_ratio=bad, **ok)
+        with pytest.raises(ValueError, match="size_target must be a float in"):
+            comera_fx.distill_(copy.deepcopy(teacher), teacher, batches, size_target=bad, **ok)
     with pytest.raises(ValueError, match="needs a budget: pass steps="):
-        comera_fx.distill_(copy.deepcopy(teacher), teacher, batches, target_ratio=0.5, config=SMALL)
+        comera_fx.distill_(copy.deepcopy(teacher), teacher, batches, size_target=0.5, config=SMALL)
     with pytest.raises(ValueError, match="budget_seconds must be"):
-        comera_fx.distill_(copy.deepcopy(teacher), teacher, batches, target_ratio=0.5, budget_seconds=0)
+        comera_fx.distill_(copy.deepcopy(teacher), teacher, batches, size_target=0.5, budget_seconds=0)
     with pytest.raises(ValueError, match="start_ratio must be"):
-        comera_fx.distill_(copy.deepcopy(teacher), teacher, batches, target_ratio=0.5, start_ratio=0.4, **ok)
+        comera_fx.distill_(copy.deepcopy(teacher), teacher, batches, size_target=0.5, start_ratio=0.4, **ok)
     with pytest.raises(ValueError, match="pass a copy"):
-        comera_fx.distill_(teacher, teacher, batches, target_ratio=0.5, **ok)
+        comera_fx.distill_(teacher, teacher, batches, size_target=0.5, **ok)
     with pytest.raises(ValueError, match="shares parameter"):
-        comera_fx.distill_(copy.copy(teacher), teacher, batches, target_ratio=0.5, **ok)
+        comera_fx.distill_(copy.copy(teacher), teacher, batches, size_target=0.5, **ok)
     other = transformers.BertModel(transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1,
                                                            num_attention_heads=2, intermediate_size=64),
                                    add_pooling_layer=False)
     with pytest.raises(ValueError, match="not a copy of teacher"):
-        comera_fx.distill_(other, teacher, batches, target_ratio=0.5, **ok)
+        comera_fx.distill_(other, teacher, batches, size_target=0.5, **ok)
     wide = tiny_bert()
     wide.encoder.layer[0].output.dense = nn.Linear(64, 33)  # same parameter names, one shape differs
     with pytest.raises(ValueError, match="has shape"):
-        comera_fx.distill_(wide, teacher, batches, target_ratio=0.5, **ok)
+        comera_fx.distill_(wide, teacher, batches, size_target=0.5, **ok)
     done = copy.deepcopy(teacher)
     comera_fx.tensorize_(done, SMALL)
     with pytest.raises(ValueError, match="already holds TT layers"):
-        comera_fx.distill_(done, teacher, batches, target_ratio=0.5, **ok)
+        comera_fx.distill_(done, teacher, batches, size_target=0.5, **ok)
     with pytest.raises(ValueError, match="a batch must be a dict"):
-        comera_fx.distill_(copy.deepcopy(teacher), teacher, ["text"], target_ratio=0.5, **ok)
+        comera_fx.distill_(copy.deepcopy(teacher), teacher, ["text"], size_target=0.5, **ok)
     with pytest.raises(ValueError, match="yielded no batch"):
-        comera_fx.distill_(copy.deepcopy(teacher), teacher, [], target_ratio=0.5, **ok)
+        comera_fx.distill_(copy.deepcopy(teacher), teacher, [], size_target=0.5, **ok)
     with pytest.raises(ValueError, match="hidden_modules"):
-        comera_fx.distill_(copy.deepcopy(teacher), teacher, batches, target_ratio=0.5, hidden_modules=["nope"], **ok)
-    with pytest.raises(ValueError, match="raise target_ratio"):
-        comera_fx.distill_(copy.deepcopy(teacher), teacher, batches, target_ratio=1e-4, **ok)
+        comera_fx.distill_(copy.deepcopy(teacher), teacher, batches, size_target=0.5, hidden_modules=["nope"], **ok)
+    with pytest.raises(ValueError, match="raise size_target"):
+        comera_fx.distill_(copy.deepcopy(teacher), teacher, batches, size_target=1e-4, **ok)
+
+
+def test_target_ratio_spelling_warns_and_gives_the_same_student(teacher):
+    """distill_(target_ratio=) is size_target= renamed (one meaning: a fraction of the dense size)."""
+    batches = make_batches(2, seed=5)
+    kwargs = dict(steps=2, lr=1e-3, config=SMALL, calibration_batches=1, progress=False)
+    new = copy.deepcopy(teacher)
+    summary = comera_fx.distill_(new, teacher, batches, size_target=0.3, **kwargs)
+    old = copy.deepcopy(teacher)
+    with pytest.warns(DeprecationWarning, match="size_target"):
+        old_summary = comera_fx.distill_(old, teacher, batches, target_ratio=0.3, **kwargs)
+    assert old_summary.ranks == summary.ranks and old_summary.losses == summary.losses
+    for (name, a), (_, b) in zip(new.state_dict().items(), old.state_dict().items()):
+        assert torch.equal(a, b), name
+    with pytest.warns(DeprecationWarning, match="DistillSummary.size_target"):
+        assert summary.target_ratio == summary.size_target == 0.3
+    with pytest.raises(TypeError, match="size_target= only"):
+        comera_fx.distill_(copy.deepcopy(teacher), teacher, batches, size_target=0.3, target_ratio=0.3, **kwargs)
+    with pytest.raises(TypeError, match="needs size_target="):
+        comera_fx.distill_(copy.deepcopy(teacher), teacher, batches, **kwargs)
+
+
+def test_rank_settings_it_would_not_use_are_refused(teacher):
+    """distill_ sizes the layers by size_target: a config's max_rank / rank_ratio / rel_tol (or size_target) is
+    refused by name before anything runs, never dropped; its defaults and max_rank=None pass."""
+    batches = make_batches(1, seed=13)
+    ok = dict(size_target=0.5, steps=1, progress=False, calibration_batches=0)
+    for changes, named in ((dict(max_rank=8), "max_rank=8"), (dict(max_rank=None, rank_ratio=0.5), "rank_ratio=0.5"),
+                           (dict(max_rank=None, rel_tol=0.1), "rel_tol=0.1"),
+                           (dict(overrides={"query": {"max_rank": 4}}), "overrides['query']['max_rank']"),
+                           (dict(size_target=0.9), "size_target=0.9")):
+        student = copy.deepcopy(teacher)
+        with pytest.raises(ValueError, match=re.escape(named)):
+            comera_fx.distill_(student, teacher, batches, config=SMALL.replace(**changes), **ok)
+        assert not any(isinstance(m, TTLinear) for m in student.modules())  # refused before any change
+    summary = comera_fx.distill_(copy.deepcopy(teacher), teacher, batches, config=SMALL.replace(max_rank=None), **ok)
+    assert summary.steps == 1
+
+
+def test_a_size_target_below_rank_one_is_its_own_exception_type(teacher):
+    from comera_fx.passes.sizing import SizeTargetTooSmall
+
+    batches = make_batches(1, seed=13)
+    with pytest.raises(SizeTargetTooSmall, match="raise size_target"):
+        comera_fx.distill_(copy.deepcopy(teacher), teacher, batches, size_target=1e-4, steps=1, config=SMALL,
+                           progress=False, calibration_batches=0)
+    with pytest.raises(SizeTargetTooSmall, match="rank 1"):
+        comera_fx.tensorize_(copy.deepcopy(teacher), SMALL.replace(size_target=10))
+    assert issubclass(SizeTargetTooSmall, ValueError)  # callers catching ValueError keep working
 
 
 def test_refit_runs_on_the_calibration_batches(teacher):
@@ -244,7 +294,7 @@ def test_refit_runs_on_the_calibration_batches(teacher):
     (measured here from the layers' outputs), and the refit student is closer to the teacher than the plain one."""
     batches = make_batches(16, seed=21)
     reference = [teacher(**b).last_hidden_state.detach() for b in batches]
-    kwargs = dict(target_ratio=0.4, steps=1, lr=1e-12, calibration_batches=16, config=SMALL, progress=False)
+    kwargs = dict(size_target=0.4, steps=1, lr=1e-12, calibration_batches=16, config=SMALL, progress=False)
     plain = copy.deepcopy(teacher)
     comera_fx.distill_(plain, teacher, batches, **kwargs)
     refit = copy.deepcopy(teacher)

@@ -146,7 +146,7 @@ def test_distill_blockwise_on_a_bert():
     errors = {}
     for fraction in (0.0, 0.5):
         student = copy.deepcopy(teacher)
-        summary = comera_fx.distill_(student, teacher, batches, target_ratio=0.3, steps=30, lr=3e-3,
+        summary = comera_fx.distill_(student, teacher, batches, size_target=0.3, steps=30, lr=3e-3,
                                      hidden_modules=["encoder.layer.0", "encoder.layer.1"], hidden_weight=0.5,
                                      blockwise_fraction=fraction, config=comera_fx.TensorizeConfig(min_numel=1,
                                                                                                   min_dim=1),
@@ -155,7 +155,7 @@ def test_distill_blockwise_on_a_bert():
         with torch.no_grad():
             errors[fraction] = float(relative_mse(student(**held_out).last_hidden_state, reference))
     start = copy.deepcopy(teacher)
-    comera_fx.tensorize_(start, comera_fx.TensorizeConfig(min_numel=1, min_dim=1, param_budget=0.3,
+    comera_fx.tensorize_(start, comera_fx.TensorizeConfig(min_numel=1, min_dim=1, size_target=0.3,
                                                           allocation="uniform", max_rank=None),
                          filter_fn=lambda m, n: isinstance(m, nn.Linear))
     with torch.no_grad():
@@ -173,7 +173,7 @@ def test_blockwise_errors_name_the_fix():
         match_teacher(student, teacher, [x], steps=1, budget_seconds=None, hidden_modules=NAMES,
                       blockwise_fraction=1.5, progress=False)
     with pytest.raises(ValueError, match=r"blockwise_fraction must be a number in \[0, 1\]"):
-        comera_fx.distill_(copy.deepcopy(teacher), teacher, [x], target_ratio=0.5, steps=1,
+        comera_fx.distill_(copy.deepcopy(teacher), teacher, [x], size_target=0.5, steps=1,
                            hidden_modules=NAMES, blockwise_fraction=-0.1, progress=False)
 
 

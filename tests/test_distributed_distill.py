@@ -66,8 +66,8 @@ def mse(student, teacher):
     return (student - teacher).pow(2).mean()
 
 
-DIRECT = dict(target_ratio=0.5, steps=3, calibration_batches=2, lr=1e-2)
-SHRINK = dict(target_ratio=0.4, start_ratio=0.9, steps=5, calibration_batches=2, lr=1e-2)
+DIRECT = dict(size_target=0.5, steps=3, calibration_batches=2, lr=1e-2)
+SHRINK = dict(size_target=0.4, start_ratio=0.9, steps=5, calibration_batches=2, lr=1e-2)
 
 
 def run_distill(batches, **kwargs):
@@ -107,10 +107,10 @@ def scenario_clock(rank, world):
         now[0] += 1.0 + 2.0 * rank
         return now[0]
 
-    out = {"budget": run_distill([local_batch(s, rank) for s in range(4)], target_ratio=0.5, budget_seconds=4.5,
+    out = {"budget": run_distill([local_batch(s, rank) for s in range(4)], size_target=0.5, budget_seconds=4.5,
                                  clock=clock, calibration_batches=2, lr=1e-2)}
     batches = [local_batch(s, rank) for s in range(6 if rank == 0 else 3)]
-    out["ran_out"] = run_distill(batches if rank == 0 else iter(batches), target_ratio=0.5, steps=6,
+    out["ran_out"] = run_distill(batches if rank == 0 else iter(batches), size_target=0.5, steps=6,
                                  calibration_batches=2, lr=1e-2)
     return out
 
@@ -120,7 +120,7 @@ def scenario_own_calibration(rank, world):
     teacher = make_teacher()
     cal = comera_fx.calibrate(teacher, [local_batch(s, rank) for s in range(2)], config=SMALL)
     try:
-        comera_fx.distill_(copy.deepcopy(teacher), teacher, [local_batch(0, rank)], target_ratio=0.5, steps=1,
+        comera_fx.distill_(copy.deepcopy(teacher), teacher, [local_batch(0, rank)], size_target=0.5, steps=1,
                            calibration=cal, config=SMALL, progress=False)
     except ValueError as err:
         return {"refusal": str(err)}
@@ -129,7 +129,7 @@ def scenario_own_calibration(rank, world):
 
 # lr ~ 0: the one training step (distill_ needs >= 1) leaves the refit cores as they are; Adam's first step is
 # lr·sign(g) and would turn last-bit gradient differences into lr-sized ones
-REFIT = dict(target_ratio=0.5, steps=1, calibration_batches=3, lr=1e-12, refit=True)
+REFIT = dict(size_target=0.5, steps=1, calibration_batches=3, lr=1e-12, refit=True)
 
 
 def scenario_refit(rank, world):
@@ -170,7 +170,7 @@ def test_ranks_agree_and_equal_one_process_on_the_global_batches(group, name, kw
     res = scenario_results(group, name)
     want = run_distill([global_batch(s) for s in range(n)], **kwargs)
     # without the all-reduced calibration the ranks would start from other TT-SVDs: check that they would differ
-    ratio = kwargs.get("start_ratio") or kwargs["target_ratio"]
+    ratio = kwargs.get("start_ratio") or kwargs["size_target"]
     starts = [tensorized([local_batch(s, rank) for s in range(2)], ratio) for rank in range(WORLD)]
     assert differs(starts[0], starts[1], 1e-4)
     # the tolerance: C differs from the reference's in the last bits (summed in another order), and a TT-SVD with
@@ -187,7 +187,7 @@ def test_ranks_agree_and_equal_one_process_on_the_global_batches(group, name, kw
         assert_params(r["params"], want["params"], tol=1e-6, what=f"{name} rank {rank} vs one process")
     assert_params(res[1]["params"], res[0]["params"], tol=0.0, what=f"{name} rank 1 vs rank 0")
     if name == "shrink":  # RankAdaptive pruned under DDP (rebuilding the wrapper) down to the target
-        assert want["strategy"] == "shrink" and not want["notes"] and res[0]["ratio"] <= kwargs["target_ratio"]
+        assert want["strategy"] == "shrink" and not want["notes"] and res[0]["ratio"] <= kwargs["size_target"]
     assert res[0]["losses"] == res[1]["losses"] and res[0]["setup_seconds"] == res[1]["setup_seconds"]
 
 

@@ -174,7 +174,7 @@ def test_bert_refit_groups_qkv_and_masks_padding():
     teacher = tiny_bert()
     data = padded_batches()
     student = copy.deepcopy(teacher)
-    config = TensorizeConfig(min_numel=4000, param_budget=0.3, allocation="energy", max_rank=None)
+    config = TensorizeConfig(min_numel=4000, size_target=0.3, allocation="energy", max_rank=None)
     cal = comera_fx.calibrate(student, data, config=config, token_mask=lambda b: b["attention_mask"])
     comera_fx.tensorize_(student, config, calibration=cal)
     summary = comera_fx.refit_sequential_(student, teacher, data, token_mask=lambda b: b["attention_mask"])
@@ -190,7 +190,7 @@ def test_bert_refit_groups_qkv_and_masks_padding():
 def test_blocks_give_the_same_refit_as_whole_forwards():
     teacher = tiny_bert()
     data = padded_batches()
-    config = TensorizeConfig(min_numel=4000, param_budget=0.3, allocation="energy", max_rank=None)
+    config = TensorizeConfig(min_numel=4000, size_target=0.3, allocation="energy", max_rank=None)
     mask = lambda b: b["attention_mask"]  # noqa: E731
     students = []
     for blocks in ((), ("encoder.layer.0", "encoder.layer.1")):

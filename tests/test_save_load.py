@@ -156,7 +156,7 @@ def test_bert_non_persistent_buffers_and_calibrated_model(tmp_path):
     model = build()
     batches = [{"input_ids": torch.randint(0, 500, (2, 16))}]
     cal = comera_fx.calibrate(model, batches, config=TensorizeConfig(min_numel=10_000))
-    comera_fx.tensorize_(model, TensorizeConfig(min_numel=10_000, param_budget=0.3, allocation="energy"),
+    comera_fx.tensorize_(model, TensorizeConfig(min_numel=10_000, size_target=0.3, allocation="energy"),
                          calibration=cal)
     comera_fx.save_tensorized(model, tmp_path / "bert.safetensors")
     loaded = comera_fx.load_tensorized(tmp_path / "bert.safetensors", build).eval()

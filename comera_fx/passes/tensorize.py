@@ -21,13 +21,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, fx, nn
 
-from ..config import Init, TensorizeConfig
+from ..config import Init, TensorizeConfig, warn_renamed
 from ..tt import ops
 from ..tt import plan as planner
 from ..tt.inventory import is_hf_conv1d
 from ..tt.layers import TTEmbedding, TTLinear, TTMatrix, choose_plan, make_tt_matrix, planned_envelope
 from ..tt.shapes import NoBalancedModes
-from .budget import BudgetInfo, LayerFit, build_fitted, plan_fits
+from .layer_plan import LayerInput, LayerPlan, plan_layers
+from .sizing import SizeTargetInfo, build_fitted
 from .find import Candidate, FindResult, UseKind, find_in_graph, find_in_model, static_tokens
 from .holders import PROPERTY_MATRICES, Journal, attach_tt_property, hook_problem, move_hooks  # noqa: F401
 
@@ -61,7 +62,13 @@ class TensorizeSummary:
     layers: list[LayerDecision]
     method: str
     fallback_reason: str | None = None
-    budget: BudgetInfo | None = None  # param_budget: asked, reached, allocation (None without a budget)
+    size_target: SizeTargetInfo | None = None  # asked, reached, allocation (None without a size target)
+
+    @property
+    def budget(self) -> SizeTargetInfo | None:
+        """Deprecated spelling of ``size_target``."""
+        warn_renamed("TensorizeSummary.budget", "TensorizeSummary.size_target")
+        return self.size_target
 
     @property
     def ranks(self) -> dict[str, tuple[int, ...]]:
@@ -79,8 +86,8 @@ class TensorizeSummary:
     def __str__(self) -> str:
         lines = [f"comera_fx.tensorize_: {len(self.converted)} of {len(self.layers)} candidate parameters converted "
                  f"(found by {self.method}{'; ' + self.fallback_reason if self.fallback_reason else ''})"]
-        if self.budget is not None:
-            lines.append(f"  {self.budget}")
+        if self.size_target is not None:
+            lines.append(f"  {self.size_target}")
         for d in self.layers:
             uses = ", ".join(d.uses)
             if d.converted:
@@ -117,33 +124,32 @@ def stores_transpose(cand: Candidate) -> bool:
     return cand.kind == "linear" and any(u.kind is UseKind.LINEAR for u in cand.uses)
 
 
-def build_tt(param: Tensor, cand: Candidate, config: TensorizeConfig, index: int,
-             fit: LayerFit | None = None) -> tuple[TTMatrix, list[str]]:
-    """The TTMatrix for one candidate plus notes for the summary (clamped ranks, padding).
+def build_tt(param: Tensor, plan: LayerPlan) -> tuple[TTMatrix, list[str]]:
+    """The TTMatrix of one layer's plan plus notes for the summary (clamped ranks, padding). Reads the plan only.
 
-    ``fit`` (a parameter budget or a calibration, ``passes/budget.py``) fixes the modes, every bond's cap and the
-    input statistics; without it the layer settings decide as they always did.
+    ``plan.fit`` (a size target or a calibration, ``passes/sizing.py``) fixes the modes, every bond's rank and the
+    input statistics; without it the layer settings decide (``make_tt_matrix``).
 
     The cores and gates get the parameter's dtype, device and ``requires_grad`` (a frozen weight stays frozen).
     """
-    settings = config.settings_for(cand.fqn)
-    matrix = param.detach().t() if stores_transpose(cand) else param.detach()
+    settings, options = plan.settings, plan.tt_options
+    matrix = param.detach().t() if plan.transposed else param.detach()
     if settings.init is Init.SVD and not bool(torch.isfinite(matrix).all()):
         bad = int((~torch.isfinite(matrix)).sum())
         raise ValueError(f"the weight holds {bad} NaN/Inf entries and TT-SVD needs finite values; fix the weights, "
                          f"or leave the layer dense (TensorizeConfig.skip)")
     generator = None
-    if config.seed is not None:
-        generator = torch.Generator(device=param.device).manual_seed(config.seed + index)
-    if fit is None:
-        tt = make_tt_matrix(matrix, kind=cand.kind, generator=generator, **settings.tt_options(cand.kind))
+    if plan.seed is not None:
+        generator = torch.Generator(device=param.device).manual_seed(plan.seed)
+    if plan.fit is None:
+        tt = make_tt_matrix(matrix, kind=plan.kind, generator=generator, **options)
     else:
-        tt = build_fitted(matrix, cand.kind, fit, generator)
+        tt = build_fitted(matrix, plan.kind, plan.fit, generator)
     tt.to(device=param.device, dtype=param.dtype).requires_grad_(param.requires_grad)
-    tt.made_with = (cand.kind, settings.tt_options(cand.kind))  # what a later tensorize_ call compares against
+    tt.made_with = (plan.kind, options)  # what a later tensorize_ call compares against
     notes = []
     full = max(tt.full_ranks)
-    if fit is None and settings.max_rank is not None and settings.max_rank > full:
+    if plan.fit is None and settings.max_rank is not None and settings.max_rank > full:
         notes.append(f"max_rank {settings.max_rank} exceeds this layer's largest feasible rank {full}; "
                      f"clamped to the full ranks {tt.full_ranks}")
     layout = tt.layout
@@ -157,11 +163,10 @@ def no_modes_reason(exc) -> str:
             f"this layer row_modes / col_modes or num_modes through overrides")
 
 
-def build_or_skip(param: Tensor, cand: Candidate, decision: LayerDecision, config: TensorizeConfig, index: int,
-                  fit: LayerFit | None = None):
+def build_or_skip(param: Tensor, cand: Candidate, decision: LayerDecision, plan: LayerPlan):
     """``build_tt``, or None with ``decision.reason`` set for a size without balanced modes; errors name the layer."""
     try:
-        return build_tt(param, cand, config, index, fit)
+        return build_tt(param, plan)
     except NoBalancedModes as exc:
         decision.reason = no_modes_reason(exc)
         return None
@@ -258,31 +263,27 @@ def tensorize_(
                 raise ValueError("tensorize_ cannot replace the root module itself; wrap it in a parent module")
             plans.append((cand, decision, holders))
 
-    # Budget / calibration: modes and ranks of all layers decided together (the budget is global).
+    # Every layer's settings, modes and ranks decided once, together (a size target is global).
     params = dict(model.named_parameters())
-    fits, budget = {}, None
-    if config.param_budget is not None or calibration is not None:
-        if calibration is not None and config.rel_tol is not None:
-            raise ValueError("tensorize_ with a calibration needs TensorizeConfig.rel_tol=None (the whitened "
-                             "TT-SVD truncates to ranks, not to a tolerance)")
-        items = [(cand.fqn, cand.kind, _tt_matrix_of(params[cand.fqn], cand), config.settings_for(cand.fqn))
-                 for cand, _, _ in plans]
-        fits, budget, fit_notes = plan_fits(items, config, calibration)
-        kept = []
-        for cand, decision, holders in plans:
-            decision.notes.extend(fit_notes.get(cand.fqn, []))
-            if isinstance(fits.get(cand.fqn), str):
-                decision.reason = no_modes_reason(fits[cand.fqn])
-            else:
-                kept.append((cand, decision, holders))
-        plans = kept
+    if calibration is not None and config.rel_tol is not None:
+        raise ValueError("tensorize_ with a calibration needs TensorizeConfig.rel_tol=None (the whitened "
+                         "TT-SVD truncates to ranks, not to a tolerance)")
+    layers = [LayerInput(cand.fqn, cand.kind, stores_transpose(cand), _tt_matrix_of(params[cand.fqn], cand))
+              for cand, _, _ in plans]
+    decided = plan_layers(layers, config, calibration)
+    for cand, decision, _ in plans:
+        decision.notes.extend(decided.notes[cand.fqn])
+        if cand.fqn in decided.no_modes:
+            decision.reason = no_modes_reason(decided.no_modes[cand.fqn])
 
-    # Build every TT matrix before touching the model, so an error leaves it unchanged.
+    # Build every TT matrix from its plan before touching the model, so an error leaves it unchanged.
     built = []
-    for index, (cand, decision, holders) in enumerate(plans):
-        made = build_or_skip(params[cand.fqn], cand, decision, config, index, fits.get(cand.fqn))
-        if made is not None:
-            built.append((cand, decision, holders, *made))
+    for cand, decision, holders in plans:
+        if cand.fqn in decided.plans:
+            made = build_or_skip(params[cand.fqn], cand, decision, decided.plans[cand.fqn])
+            if made is not None:
+                built.append((cand, decision, holders, *made))
+    size_info = decided.size_info
 
     # Mutate; whatever fails on the way (an exception, KeyboardInterrupt) restores every module touched.
     journal = Journal()
@@ -300,9 +301,9 @@ def tensorize_(
         decision.notes.extend(notes)
         decision.ranks = tt.ranks
         decision.params = tt.layout.num_params
-    if budget is not None:
-        budget.reached = sum(tt.layout.num_params for *_, tt, _ in built)
-    return TensorizeSummary(decisions + earlier, result.method, result.fallback_reason, budget)
+    if size_info is not None:
+        size_info.reached = sum(tt.layout.num_params for *_, tt, _ in built)
+    return TensorizeSummary(decisions + earlier, result.method, result.fallback_reason, size_info)
 
 
 def _tt_matrix_of(param: Tensor, cand: Candidate) -> Tensor:
@@ -452,21 +453,27 @@ def tensorize(gm: fx.GraphModule, config: TensorizeConfig | None = None) -> fx.G
     converted is left in ``gm.meta["comera_fx"]``.
     """
     config = config or TensorizeConfig()
-    if config.param_budget is not None:
-        raise ValueError("TensorizeConfig.param_budget is supported by tensorize_ (in place), not yet by the graph "
+    if config.size_target is not None:
+        raise ValueError("TensorizeConfig.size_target is supported by tensorize_ (in place), not yet by the graph "
                          "pass tensorize(gm, ...); use tensorize_, or max_rank / rank_ratio here")
     _normalize_modules(gm)
     result = find_in_graph(gm)
-    decisions, built = [], []
+    decisions, selected = [], []
     for index, cand in enumerate(result.candidates):
         decision = LayerDecision(cand.fqn, cand.aliases, cand.kind, cand.shape,
                                  tuple(sorted({u.kind.value for u in cand.uses})))
         decisions.append(decision)
         decision.reason = skip_reason(cand, config)
         if decision.reason is None:
-            made = build_or_skip(gm.get_parameter(cand.fqn), cand, decision, config, index)
-            if made is not None:
-                built.append((cand, decision, *made))
+            selected.append((cand, decision, index))
+    layers = [LayerInput(cand.fqn, cand.kind, stores_transpose(cand), _tt_matrix_of(gm.get_parameter(cand.fqn), cand),
+                         index) for cand, _, index in selected]
+    plans = plan_layers(layers, config).plans
+    built = []
+    for cand, decision, _ in selected:
+        made = build_or_skip(gm.get_parameter(cand.fqn), cand, decision, plans[cand.fqn])
+        if made is not None:
+            built.append((cand, decision, *made))
 
     graph = gm.graph
     nodes_by_name = {n.name: n for n in graph.nodes}

@@ -1,6 +1,6 @@
 """Compress a trained model: tensorize a dense copy of it, then train the copy to match the original.
 
-``distill_(student, teacher, batches, target_ratio=0.25, budget_seconds=600)`` is the whole recipe: TT-SVD of the
+``distill_(student, teacher, batches, size_target=0.25, budget_seconds=600)`` is the whole recipe: TT-SVD of the
 student's large linear weights at the size target, then AdamW on the distance between the student's and the
 teacher's outputs (and optionally hidden states) on the user's batches, until the budget is spent. Only the student
 changes; the teacher runs under ``torch.no_grad`` in eval mode and is restored exactly.
@@ -9,6 +9,7 @@ changes; the teacher runs under ``torch.no_grad`` in eval mode and is restored e
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -20,13 +21,15 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ..config import TensorizeConfig
+from ..config import TensorizeConfig, warn_renamed
 from .calibrate import Calibration, calibrate
 from ..runtime.distributed import RankSync, world_size
 from .calling import default_output, eval_modes, input_slot
+from ..passes.sizing import SizeTargetTooSmall
 from ..passes.tensorize import TensorizeSummary, tensorize_
 from .refit import refit_sequential_
 from ..runtime.rank_adaptive import RankAdaptive
+from ..runtime.rank_config import RankConfig
 from ..tt.inventory import matrix_sizes, tt_matrices
 from ..tt.layers import TTLinear
 
@@ -42,9 +45,10 @@ def relative_mse(student: Tensor, teacher: Tensor) -> Tensor:
 @dataclass
 class DistillSummary:
     """What ``distill_`` did. ``ratio`` = TT parameters (cores + gates) / dense parameters of the converted linear
-    weights; ``losses`` holds the training loss of every step; seconds are wall clock."""
+    weights, ``size_target`` the ratio asked; ``losses`` holds the training loss of every step; seconds are wall
+    clock."""
 
-    target_ratio: float
+    size_target: float
     ratio: float
     tt_params: int
     dense_params: int
@@ -61,6 +65,12 @@ class DistillSummary:
     refit: Any = None  # the RefitSummary of refit=True
 
     @property
+    def target_ratio(self) -> float:
+        """Deprecated spelling of ``size_target``."""
+        warn_renamed("DistillSummary.target_ratio", "DistillSummary.size_target")
+        return self.size_target
+
+    @property
     def compression(self) -> float:
         return self.dense_params / self.tt_params if self.tt_params else math.inf
 
@@ -68,7 +78,7 @@ class DistillSummary:
         first = f"{self.losses[0]:.4g}" if self.losses else "-"
         last = f"{sum(self.losses[-10:]) / len(self.losses[-10:]):.4g}" if self.losses else "-"
         lines = [f"comera_fx.distill_: {len(self.ranks)} linear weights in TT form, {self.dense_params:,} -> "
-                 f"{self.tt_params:,} params (ratio {self.ratio:.3f}, target {self.target_ratio:.3f}, "
+                 f"{self.tt_params:,} params (ratio {self.ratio:.3f}, target {self.size_target:.3f}, "
                  f"{self.compression:.1f}x smaller); {self.strategy} from ratio {self.start_ratio:.3f}",
                  f"  {self.steps} steps in {self.seconds:.1f} s (+ {self.setup_seconds:.1f} s tensorize); "
                  f"loss {first} -> {last} (mean of the last 10 steps)"]
@@ -80,15 +90,29 @@ class DistillSummary:
 # ---------------------------------------------------------------------------------------------------- checks
 
 
-def _check_args(student, teacher, target_ratio, start_ratio, budget_seconds, steps, lr, hidden_weight,
+def _size_target_of(size_target: float | None, target_ratio: float | None) -> float:
+    """``size_target``, or its deprecated spelling ``target_ratio`` (the same fraction of the dense size)."""
+    if target_ratio is None:
+        if size_target is None:
+            raise TypeError("distill_() needs size_target= (TT size / dense size of the linear weights, e.g. 0.25 "
+                            "for 4x smaller)")
+        return size_target
+    if size_target is not None:
+        raise TypeError("distill_: pass size_target= only (target_ratio= is its deprecated spelling); got both")
+    warn_renamed("distill_(target_ratio=...)", "distill_(size_target=...), the same fraction of the dense size",
+                 stacklevel=4)
+    return target_ratio
+
+
+def _check_args(student, teacher, size_target, start_ratio, budget_seconds, steps, lr, hidden_weight,
                 calibration_batches, hidden_modules) -> None:
     number = (int, float)
-    if isinstance(target_ratio, bool) or not isinstance(target_ratio, number) or not 0 < target_ratio <= 1:
-        raise ValueError(f"target_ratio must be a float in (0, 1] (TT size / dense size of the linear weights, "
-                         f"e.g. 0.25 for 4x smaller); got {target_ratio!r}")
+    if isinstance(size_target, bool) or not isinstance(size_target, number) or not 0 < size_target <= 1:
+        raise ValueError(f"size_target must be a float in (0, 1] (TT size / dense size of the linear weights, "
+                         f"e.g. 0.25 for 4x smaller); got {size_target!r}")
     if start_ratio is not None and (isinstance(start_ratio, bool) or not isinstance(start_ratio, number)
-                                    or not target_ratio < start_ratio <= 1):
-        raise ValueError(f"start_ratio must be a float in (target_ratio, 1] = ({target_ratio}, 1] or None; "
+                                    or not size_target < start_ratio <= 1):
+        raise ValueError(f"start_ratio must be a float in (size_target, 1] = ({size_target}, 1] or None; "
                          f"got {start_ratio!r}")
     if budget_seconds is None and steps is None:
         raise ValueError("distill_ needs a budget: pass steps= (optimizer steps) and/or budget_seconds= "
@@ -270,15 +294,35 @@ linear_sizes = matrix_sizes
 # ---------------------------------------------------------------------------------------------- the recipe
 
 
+_RANK_FIELDS = ("max_rank", "rank_ratio", "rel_tol")  # what a size target decides instead
+_DEFAULT_MAX_RANK = next(f.default for f in dataclasses.fields(TensorizeConfig) if f.name == "max_rank")
+
+
+def _check_config(config: TensorizeConfig) -> None:
+    """Refuse rank settings ``distill_`` would not use: it sizes the layers by ``size_target`` (and ``allocation``),
+    so a ``max_rank``, ``rank_ratio`` or ``rel_tol`` of the caller's would otherwise be dropped without a word."""
+    given = [f"{name}={getattr(config, name)!r}" for name in _RANK_FIELDS
+             if getattr(config, name) not in (None, _DEFAULT_MAX_RANK if name == "max_rank" else None)]
+    given += [f"overrides[{pattern!r}][{name!r}]" for pattern, values in config.overrides.items()
+              for name in _RANK_FIELDS if name in values]
+    if config.size_target is not None:
+        raise ValueError(f"distill_ takes the size target as distill_(size_target=...); the config's "
+                         f"size_target={config.size_target!r} would be ignored: leave it unset in the config")
+    if given:
+        raise ValueError(f"distill_ decides the ranks from size_target= and allocation=, so the config's "
+                         f"{', '.join(given)} would be ignored; leave max_rank / rank_ratio / rel_tol unset in the "
+                         f"config (and its overrides; skip= still excludes layers), or, to train at ranks of your "
+                         f"own, tensorize_(student, config) and then train with "
+                         f"comera_fx.pretrained.distill.match_teacher(student, teacher, batches, ...)")
+
+
 def _tensorize_at(student, ratio, config, filter_fn, allocation, calibration) -> TensorizeSummary:
-    config = config.replace(param_budget=float(ratio), allocation=allocation, max_rank=None, rank_ratio=None,
-                            rel_tol=None)
+    config = config.replace(size_target=float(ratio), allocation=allocation, max_rank=None)
     try:
         return tensorize_(student, config, filter_fn=_linear_only(filter_fn), calibration=calibration)
-    except ValueError as exc:
-        if "param_budget" not in str(exc):
-            raise
-        raise ValueError(f"target/start ratio {ratio}: {exc} (distill_: raise target_ratio)") from None
+    except SizeTargetTooSmall as exc:
+        raise SizeTargetTooSmall(f"distill_ at {ratio} of the dense size: {exc} (raise size_target, or "
+                                 f"start_ratio)") from None
 
 
 def _linear_only(filter_fn):
@@ -300,7 +344,7 @@ def distill_(
     teacher: nn.Module,
     batches: Batches,
     *,
-    target_ratio: float,
+    size_target: float | None = None,
     budget_seconds: float | None = None,
     steps: int | None = None,
     output_fn: Callable[[Any], Tensor] | None = None,
@@ -320,6 +364,7 @@ def distill_(
     refit: bool = False,
     progress: bool = True,
     clock: Callable[[], float] | None = None,
+    target_ratio: float | None = None,
 ) -> DistillSummary:
     """Tensorize ``student`` (a dense copy of ``teacher``) in place and train it to reproduce the teacher.
 
@@ -331,7 +376,8 @@ def distill_(
         batches: model inputs — an iterable (restarted when exhausted; a one-shot iterator ends the run early)
             or a callable returning one batch per call. A batch is a dict of keyword inputs, a tuple of
             positional inputs or a tensor; the same batch goes to both models.
-        target_ratio: final TT size (cores + gates) / dense size of the converted linear weights, in (0, 1].
+        size_target: final TT size (cores + gates) / dense size of the converted linear weights, in (0, 1] (the
+            meaning of ``TensorizeConfig.size_target`` as a float; ``target_ratio=`` is its deprecated spelling).
         budget_seconds / steps: the training budget (wall clock of the loop, not counting the tensorization, and/or
             optimizer steps); at least one; with both the first one reached ends the run.
         output_fn: ``output_fn(outputs) -> Tensor``, what to match; default: the output if it is a tensor, else
@@ -345,15 +391,17 @@ def distill_(
             The blocks' first tensor argument (or ``hidden_states=``) is the input replaced.
         lr / weight_decay: AdamW on every trainable parameter of the student (cores, gates, biases, norms, the
             dense embedding); the learning rate warms up over 5 % of the budget, then follows a cosine to 10 %.
-        start_ratio: ``None`` (default): tensorize at ``target_ratio`` directly. A value in (target_ratio, 1]:
+        start_ratio: ``None`` (default): tensorize at ``size_target`` directly. A value in (size_target, 1]:
             tensorize at that size and shrink to the target during training with ``RankAdaptive``'s budget
             schedule (same horizon as the training budget). Direct is the default: it spends the whole budget at
             the final size, and each step is cheaper (a larger start costs more per step). Measured so far only on a
             2-layer random BERT (d 64, 2x smaller, uniform ranks, 60 steps, busy machine): shrinking from 0.9 ended at a lower
             loss (2.3e-5 against 3.2e-5) but took 1.5x the wall clock for the same steps; on all-MiniLM-L6-v2
             the comparison was not run (benchmarks/RESULTS.md).
-        config: base ``TensorizeConfig`` (size threshold, skip, overrides, format); ``param_budget`` and
-            ``allocation`` are set from ``target_ratio`` / ``start_ratio`` and ``allocation``.
+        config: base ``TensorizeConfig`` (size threshold, skip, overrides, format); ``size_target`` and
+            ``allocation`` are set from ``size_target`` / ``start_ratio`` and ``allocation``. The ranks come from
+            the size target, so a ``max_rank`` (other than the default), ``rank_ratio`` or ``rel_tol`` in it or
+            in its overrides is refused (``ValueError`` naming the fix) rather than ignored.
             ``TensorizeConfig(num_modes=1)`` gives a whitened low-rank student (two cores per weight): on
             all-MiniLM-L6-v2 it ended level with TT at 4× and ahead at 8× after 600 s (docs/pretrained.md).
         filter_fn: as in ``tensorize_``.
@@ -391,7 +439,8 @@ def distill_(
 
     Returns a ``DistillSummary`` (ranks per layer, size, loss per step, time).
     """
-    _check_args(student, teacher, target_ratio, start_ratio, budget_seconds, steps, lr, hidden_weight,
+    size_target = _size_target_of(size_target, target_ratio)
+    _check_args(student, teacher, size_target, start_ratio, budget_seconds, steps, lr, hidden_weight,
                 calibration_batches, hidden_modules)
     _check_blockwise(blockwise_fraction, hidden_modules)
     if refit and not calibration_batches:
@@ -399,6 +448,7 @@ def distill_(
                          "(e.g. 32)")
     distributed = world_size() > 1
     config = config or TensorizeConfig()
+    _check_config(config)
     output_fn = output_fn or default_output
     stream = _BatchStream(batches)
     notes: list[str] = []
@@ -415,7 +465,7 @@ def distill_(
                                 token_mask=token_mask)
         if distributed:
             calibration.all_reduce_()  # every rank decomposes from the statistics of all ranks' batches
-    first_ratio = start_ratio or target_ratio
+    first_ratio = start_ratio or size_target
     tensorized = _tensorize_at(student, first_ratio, config, filter_fn, allocation, calibration)
     refit_summary = (refit_sequential_(student, teacher, drawn, token_mask=token_mask, blocks=hidden_modules)
                      if refit else None)
@@ -432,10 +482,10 @@ def distill_(
 
     def attach(optimizer: torch.optim.Optimizer, model: nn.Module):
         if start_ratio is not None:
-            horizon = (dict(total_steps=steps) if steps is not None
-                       else dict(budget_seconds=budget_seconds, clock=clock))
-            hook_box.append(RankAdaptive(model, optimizer, target_params=int(target_ratio * dense),
-                                         history_every=None, **horizon))
+            horizon = dict(total_steps=steps) if steps is not None else dict(budget_seconds=budget_seconds)
+            schedule = RankConfig(size_target=int(size_target * dense), **horizon)
+            hook_box.append(RankAdaptive(model, optimizer, schedule, history_every=None,
+                                         clock=None if steps is not None else clock))
             return lambda: hook_box[0].model  # rebuilt after every prune under DDP
         return None
 
@@ -449,8 +499,8 @@ def distill_(
 
     rank_summary = None
     if hook is not None:
-        if linear_sizes(student)[0] > target_ratio * dense:
-            hook.prune_to(target_ratio * dense)
+        if linear_sizes(student)[0] > size_target * dense:
+            hook.prune_to(size_target * dense)
             notes.append("the budget ended before the rank schedule reached the target; pruned to it at the end "
                          "(without training after that cut)")
         rank_summary = hook.summary()
@@ -460,7 +510,7 @@ def distill_(
             entry.tt.prepare_plans()
     tt, dense = linear_sizes(student)
     ranks = {e.name: e.tt.ranks for e in tt_matrices(student)}
-    return DistillSummary(target_ratio, tt / dense, tt, dense, ranks, len(losses), losses, seconds, setup_seconds,
+    return DistillSummary(size_target, tt / dense, tt, dense, ranks, len(losses), losses, seconds, setup_seconds,
                           "shrink" if hook is not None else "direct", first_ratio, tensorized, rank_summary, notes,
                           refit_summary)
 

@@ -354,6 +354,8 @@ class _BlockChain:
     def __init__(self, student_blocks, teacher_blocks, names, teacher_calls, student_calls):
         self.names, self.student_blocks, self.teacher_blocks = list(names), student_blocks, teacher_blocks
         self.teacher_calls, self.student_inputs, self.position = teacher_calls, student_calls, 0
+        # where each batch's hidden state sits, found once: replacing it keeps it there for every later block
+        self.slots = [input_slot(*call) for call in student_calls]
 
     @classmethod
     def build(cls, student, teacher, names, batches, notes: list[str]) -> "_BlockChain | None":
@@ -383,7 +385,8 @@ class _BlockChain:
     def advance_to(self, index: int) -> None:
         while self.position < index:
             block = self.student_blocks[self.position]
-            self.student_inputs = [_next_call(call, block(*call[0], **call[1])) for call in self.student_inputs]
+            self.student_inputs = [_next_call(call, block(*call[0], **call[1]), slot)
+                                   for call, slot in zip(self.student_inputs, self.slots)]
             self.position += 1
 
     def teacher_call(self, index: int, b: int) -> Callable[[], object]:
@@ -426,11 +429,11 @@ def _check_calls(calls: list, names: list[str]) -> str | None:
     return None
 
 
-def _next_call(call: tuple, output) -> tuple:
-    """The next block's (args, kwargs): this block's call with its hidden state replaced by the output."""
+def _next_call(call: tuple, output, slot: int | str) -> tuple:
+    """The next block's (args, kwargs): this block's call with its hidden state (at ``slot``, ``input_slot`` of the
+    call) replaced by the output."""
     args, kwargs = call
     hidden = default_output(output)
-    slot = input_slot(args, kwargs)
     if isinstance(slot, int):
         return args[:slot] + (hidden,) + args[slot + 1:], kwargs
     return args, {**kwargs, slot: hidden}
@@ -439,9 +442,10 @@ def _next_call(call: tuple, output) -> tuple:
 def _chain_problem(blocks: list[nn.Module], real: list, names: list[str]) -> str | None:
     """Why calling the blocks in a chain from the first one's call would not reproduce the real forward, if so."""
     call = real[0]
+    slot = input_slot(*call)
     for i in range(1, len(blocks)):
         try:
-            call = _next_call(call, blocks[i - 1](*call[0], **call[1]))
+            call = _next_call(call, blocks[i - 1](*call[0], **call[1]), slot)
         except ValueError:  # default_output found no tensor in the block's output
             return f"the output of {names[i - 1]} holds no tensor"
         (args, kwargs), (want_args, want_kwargs) = call, real[i]

@@ -4,14 +4,15 @@ slices are taken out physically (cores, gates and the optimizer's state shrink t
 ``RankAdaptive`` attaches to an existing optimizer through its step hooks, so the training loop stays as it is.
 Two schedules (docs/rank_adaptive.md):
 
-* ``schedule="budget"`` (default) — the live TT size follows a known schedule (``schedule.BudgetSchedule``:
-  warm-up, cubic decay, final window) from its size now to ``target_ratio`` / ``target_params`` by the end of a
-  horizon (``total_steps`` or ``budget_seconds``); at each of a few prune points the slices of least importance
-  (``importance``: the bond's smoothed |g ⊙ ∂L/∂g| split by its singular values) are removed across all
-  layers at once (``schedule.allocate``), by TT rounding (``shrink.round_to_ranks_``). Gradients are never
-  touched.
-* ``schedule="comera"`` — CoMERA's two-stage scalarization (``comera``): an ℓ1 pull on the gates, a late stage
-  that rescales the task gradient by λ, and removal of the dead slices (|g| <= threshold) every ``prune_every``.
+* ``RankConfig(schedule="budget")`` (default) — the live TT size follows a known schedule
+  (``schedule.BudgetSchedule``: warm-up, cubic decay, final window) from its size now to ``size_target`` /
+  ``keep_fraction`` by the end of a horizon (``total_steps`` or ``budget_seconds``); at each of a few prune
+  points the slices of least importance (``importance``: the bond's smoothed |g ⊙ ∂L/∂g| split by its singular
+  values) are removed across all layers at once (``schedule.allocate``), by TT rounding
+  (``shrink.round_to_ranks_``). Gradients are never touched.
+* ``RankConfig(schedule="comera")`` — CoMERA's two-stage scalarization (``comera``): an ℓ1 pull on the gates, a
+  late stage that rescales the task gradient by λ, and removal of the dead slices (|g| <= threshold) every
+  ``prune_every``.
 
 The only extra call in the loop is ``hook.observe(loss)`` before ``optimizer.step()``, when the CoMERA schedule
 needs the loss (a target loss, plateau detection) or for the loss column of the history.
@@ -19,6 +20,7 @@ needs the loss (a target loss, plateau detection) or for the loss column of the 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -32,19 +34,19 @@ import torch
 from torch import Tensor, nn
 
 from ..tt.inventory import DEFAULT_GATE_THRESHOLD, MatrixEntry, live_counts, physical_params, tt_matrices
+from .distributed import RankSync
 from ..tt.layers import TTMatrix
 from .distributed import RankSync
 from .comera import EARLY, LATE, PlateauDetector, achievement_lambda, add_gate_penalty_, scale_grads_
 from .history import HistoryEntry, RankSummary
 from .importance import BondSensitivity, slice_importance
+from .rank_config import BUDGET, COMERA, RankConfig
 from .schedule import BudgetSchedule, LayerSlices, allocate
 from .shrink import ShrinkRecord, bond_singular_values, params_at_ranks, remove_slices_, round_to_ranks_, shrink_
 
-__all__ = ["RankAdaptive", "param_groups", "tt_matrices", "MatrixEntry", "HistoryEntry", "RankSummary", "EARLY",
-           "LATE", "achievement_lambda", "add_gate_penalty_", "shrink_", "remove_slices_", "ShrinkRecord",
+__all__ = ["RankAdaptive", "RankConfig", "param_groups", "tt_matrices", "MatrixEntry", "HistoryEntry", "RankSummary",
+           "EARLY", "LATE", "achievement_lambda", "add_gate_penalty_", "shrink_", "remove_slices_", "ShrinkRecord",
            "params_at_ranks", "physical_params"]
-
-BUDGET, COMERA = "budget", "comera"
 
 # --------------------------------------------------------------------------------------------- finding matrices
 
@@ -82,124 +84,31 @@ def param_groups(
 # ------------------------------------------------------------------------------------------------------ settings
 
 
-def _check(name: str, value: Any, ok: bool, what: str) -> None:
-    if not ok:
-        raise ValueError(f"RankAdaptive: {name} must be {what}; got {value!r}")
+_RENAMED = {"target_ratio": "keep_fraction", "target_params": "size_target"}  # the spellings before RankConfig
+_CONFIG_FIELDS = {f.name for f in dataclasses.fields(RankConfig)}
 
 
-def _is_int(value: Any, low: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= low
-
-
-_UNSET: Any = object()  # prune_every=None means "never prune", so "not given" needs its own marker
-
-BUDGET_DEFAULTS = {"warmup_fraction": 0.1, "final_fraction": 0.2, "prunes": 10, "importance_beta": 0.85,
-                   "min_rank": 1, "rank0_below": 0.01}
-COMERA_DEFAULTS = {"l1_weight": 0.01, "prune_every": 100, "plateau_tol": 1e-3, "reduction": "mean",
-                   "late_loss_weight": 0.1, "late_size_weight": 0.0}
-_ONLY = {BUDGET: (*BUDGET_DEFAULTS, "total_steps", "budget_seconds", "clock"),
-         COMERA: (*COMERA_DEFAULTS, "target_loss", "late_start_step", "plateau_patience")}
-
-
-@dataclass
-class _Settings:
-    """Validated constructor arguments (see ``RankAdaptive``); the other schedule's options are None."""
-
-    schedule: str
-    threshold: float
-    history_every: int | None
-    target_ratio: float | None
-    target_params: int | None
-    total_steps: int | None = None
-    budget_seconds: float | None = None
-    clock: Callable[[], float] | None = None
-    warmup_fraction: float | None = None
-    final_fraction: float | None = None
-    prunes: int | None = None
-    importance_beta: float | None = None
-    min_rank: int | None = None
-    rank0_below: float | None = None
-    l1_weight: float | None = None
-    prune_every: int | None = None
-    target_loss: float | None = None
-    late_start_step: int | None = None
-    plateau_patience: int | None = None
-    plateau_tol: float | None = None
-    reduction: str | None = None
-    late_loss_weight: float | None = None
-    late_size_weight: float | None = None
-
-    @classmethod
-    def resolve(cls, schedule: str, common: dict[str, Any], given: dict[str, Any]) -> "_Settings":
-        """Refuse the other schedule's options, fill this one's defaults."""
-        _check("schedule", schedule, schedule in (BUDGET, COMERA), "'budget' (the default) or 'comera'")
-        other = COMERA if schedule == BUDGET else BUDGET
-        wrong = [n for n in _ONLY[other] if given[n] is not None and given[n] is not _UNSET]
-        if wrong:
-            raise ValueError(f"RankAdaptive: {', '.join(wrong)} belong to schedule={other!r}, not to "
-                             f"schedule={schedule!r}; pass schedule={other!r} to use them, or drop them "
-                             f"(docs/rank_adaptive.md)")
-        defaults = BUDGET_DEFAULTS if schedule == BUDGET else COMERA_DEFAULTS
-        values = {n: given[n] for n in _ONLY[schedule]}
-        for name, default in defaults.items():
-            if values[name] is _UNSET or (values[name] is None and name != "prune_every"):
-                values[name] = default
-        return cls(schedule=schedule, **common, **values)
-
-    def __post_init__(self) -> None:
-        _check("threshold", self.threshold, self.threshold >= 0, "a float >= 0")
-        _check("history_every", self.history_every, self.history_every is None or _is_int(self.history_every, 1),
-               "an int >= 1 or None")
-        _check("target_ratio", self.target_ratio, self.target_ratio is None or 0 < self.target_ratio <= 1,
-               "a float in (0, 1] or None")
-        _check("target_params", self.target_params, self.target_params is None or _is_int(self.target_params, 0),
-               "an int >= 0 or None")
-        _check("target_ratio / target_params", (self.target_ratio, self.target_params),
-               self.target_ratio is None or self.target_params is None, "given at most one of them")
-        (self._check_budget if self.schedule == BUDGET else self._check_comera)()
-
-    def _check_budget(self) -> None:
-        if not self.has_target:
-            raise ValueError("RankAdaptive: the budget schedule (the default) needs a size target: pass "
-                             "target_ratio= (a fraction of the TT size now) or target_params= (TT parameters), "
-                             "with total_steps= or budget_seconds=; schedule='comera' runs CoMERA's ℓ1 penalty, "
-                             "which works without a target")
-        if self.total_steps is None and self.budget_seconds is None:
-            raise ValueError("RankAdaptive: a size target needs a horizon to reach it by: pass total_steps= (the "
-                             "optimizer steps of the run) or budget_seconds= (its wall clock); the size then "
-                             "reaches the target at 1 - final_fraction of the horizon")
-        _check("total_steps / budget_seconds", (self.total_steps, self.budget_seconds),
-               self.total_steps is None or self.budget_seconds is None, "given at most one of them")
-        _check("total_steps", self.total_steps, self.total_steps is None or _is_int(self.total_steps, 1),
-               "an int >= 1 or None")
-        _check("budget_seconds", self.budget_seconds, self.budget_seconds is None or (
-            isinstance(self.budget_seconds, (int, float)) and self.budget_seconds > 0), "a number > 0 or None")
-        _check("clock", self.clock, self.clock is None or callable(self.clock), "a callable returning seconds")
-        _check("min_rank", self.min_rank, _is_int(self.min_rank, 0), "an int >= 0")
-        _check("rank0_below", self.rank0_below, self.rank0_below >= 0, "a float >= 0")
-
-    def _check_comera(self) -> None:
-        _check("l1_weight", self.l1_weight, self.l1_weight >= 0, "a float >= 0")
-        for name in ("prune_every", "plateau_patience"):
-            value = getattr(self, name)
-            _check(name, value, value is None or _is_int(value, 1), "an int >= 1 or None")
-        _check("late_start_step", self.late_start_step,
-               self.late_start_step is None or _is_int(self.late_start_step, 0), "an int >= 0 or None")
-        _check("reduction", self.reduction, self.reduction in ("mean", "sum"), "'mean' or 'sum'")
-        _check("plateau_tol", self.plateau_tol, self.plateau_tol >= 0, "a float >= 0")
-        has_switch = self.late_start_step is not None or self.plateau_patience is not None
-        _check("late_start_step / plateau_patience", (self.late_start_step, self.plateau_patience),
-               not has_switch or self.has_target, "used with target_ratio or target_params (the late stage "
-               "needs a size target)")
-        if self.has_target and not has_switch:
-            raise ValueError("RankAdaptive: with schedule='comera' a size target is pursued only in the late "
-                             "stage, which starts at late_start_step= or on a plateau (plateau_patience=); give "
-                             "one of them, or use the default budget schedule with total_steps= / "
-                             "budget_seconds=")
-
-    @property
-    def has_target(self) -> bool:
-        return self.target_ratio is not None or self.target_params is not None
+def config_from_keywords(config: RankConfig | None, keywords: dict[str, Any]) -> RankConfig:
+    """The ``RankConfig`` of a constructor call: ``config``, or (deprecated, for a release) the keywords that spelled
+    it before, with ``target_ratio`` -> ``keep_fraction`` and ``target_params`` -> ``size_target``."""
+    unknown = sorted(set(keywords) - _CONFIG_FIELDS - set(_RENAMED))
+    if unknown:
+        raise TypeError(f"RankAdaptive() got unexpected keyword arguments {unknown}; the schedule's options are "
+                        f"the fields of RankConfig")
+    if not keywords:
+        return config if config is not None else RankConfig()
+    if config is not None:
+        raise TypeError(f"RankAdaptive: pass the schedule's options in the RankConfig only; got a config and "
+                        f"{sorted(keywords)}")
+    both = [(old, new) for old, new in _RENAMED.items() if old in keywords and new in keywords]
+    if both:
+        raise TypeError(f"RankAdaptive: pass {both[0][1]}= only ({both[0][0]}= is its deprecated spelling)")
+    values = {_RENAMED.get(name, name): value for name, value in keywords.items()}
+    spelled = ", ".join(f"{name}={value!r}" for name, value in values.items())
+    warnings.warn(f"RankAdaptive({', '.join(f'{k}=...' for k in keywords)}) is deprecated and will be removed in the "
+                  f"next release; use RankAdaptive(model, optimizer, RankConfig({spelled})) (target_ratio is now "
+                  f"keep_fraction, target_params size_target)", DeprecationWarning, stacklevel=3)
+    return RankConfig(**values)
 
 
 # ------------------------------------------------------------------------------------------------------- the hook
@@ -212,15 +121,22 @@ def _mids(tt: TTMatrix) -> tuple[int, ...]:
 class RankAdaptive:
     """Rank adaptation of every TT layer of ``model``, driven by ``optimizer``'s step hooks.
 
-    Build it after the optimizer (whose parameters must include the TT gates); then per step::
+    Build it after the optimizer (whose parameters must include the TT gates), with a ``RankConfig`` (the
+    schedule, the size target, the horizon and the schedule's knobs); then per step::
 
+        hook = RankAdaptive(model, optimizer, RankConfig(size_target=0.1, total_steps=n))
         loss.backward(); hook.observe(loss); optimizer.step(); optimizer.zero_grad()
 
-    **Budget schedule** (default): needs a size target (``target_ratio`` of the TT size now, or ``target_params``)
-    and a horizon (``total_steps``, or ``budget_seconds`` on ``clock``, default ``time.perf_counter``, counted
-    from the first step). The TT size stays put for ``warmup_fraction`` (0.1) of the horizon, decays cubically to
-    the target by 1 − ``final_fraction`` (0.8), then stays there; it is cut to the scheduled size at ``prunes``
-    (10) evenly spaced points of the decay. Each cut removes, across all layers, the slices with the least
+    The ``RankConfig`` fields passed as keywords (``RankAdaptive(model, optimizer, total_steps=n, ...)``, with
+    ``target_ratio`` for ``keep_fraction`` and ``target_params`` for ``size_target``) still work for a release, with
+    a ``DeprecationWarning``. ``self.settings`` is the config with the schedule's defaults filled in.
+
+    **Budget schedule** (default): needs a size target (``size_target``: TT parameters, or a fraction of the TT
+    layers' dense size; or ``keep_fraction`` of the TT size now) and a horizon (``total_steps``, or
+    ``budget_seconds`` on ``clock``, default ``time.perf_counter``, counted from the first step). The TT size
+    stays put for ``warmup_fraction`` (0.1) of the horizon, decays cubically to the target by 1 −
+    ``final_fraction`` (0.8), then stays there; it is cut to the scheduled size at ``prunes`` (10) evenly spaced
+    points of the decay. Each cut removes, across all layers, the slices with the least
     importance (EMA, β = ``importance_beta`` 0.85, of |g ⊙ ∂L/∂g|) per parameter freed. Every bond keeps at least
     ``min_rank`` (1) slices, except in layers whose importance is below ``rank0_below`` (0.01) × the mean layer
     importance: those may go to rank 0 (their bias only; ``summary()`` says why). Gradients are not modified.
@@ -244,47 +160,29 @@ class RankAdaptive:
         self,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
+        config: RankConfig | None = None,
         *,
-        schedule: str = BUDGET,
-        target_ratio: float | None = None,
-        target_params: int | None = None,
-        total_steps: int | None = None,
-        budget_seconds: float | None = None,
         clock: Callable[[], float] | None = None,
-        warmup_fraction: float | None = None,
-        final_fraction: float | None = None,
-        prunes: int | None = None,
-        importance_beta: float | None = None,
-        min_rank: int | None = None,
-        rank0_below: float | None = None,
-        l1_weight: float | None = None,
-        prune_every: int | None = _UNSET,
-        target_loss: float | None = None,
-        late_start_step: int | None = None,
-        plateau_patience: int | None = None,
-        plateau_tol: float | None = None,
-        reduction: str | None = None,
-        late_loss_weight: float | None = None,
-        late_size_weight: float | None = None,
-        threshold: float = DEFAULT_GATE_THRESHOLD,
         history_every: int | None = 1,
+        **keywords: Any,
     ):
-        given = dict(total_steps=total_steps, budget_seconds=budget_seconds, clock=clock,
-                     warmup_fraction=warmup_fraction, final_fraction=final_fraction, prunes=prunes,
-                     importance_beta=importance_beta, min_rank=min_rank, rank0_below=rank0_below,
-                     l1_weight=l1_weight, prune_every=prune_every, target_loss=target_loss,
-                     late_start_step=late_start_step, plateau_patience=plateau_patience, plateau_tol=plateau_tol,
-                     reduction=reduction, late_loss_weight=late_loss_weight, late_size_weight=late_size_weight)
-        common = dict(threshold=threshold, history_every=history_every, target_ratio=target_ratio,
-                      target_params=target_params)
-        self.settings = s = _Settings.resolve(schedule, common, given)
-        # Under torch.distributed (comera_fx.runtime.distributed): decisions agreed across ranks, DDP rebuilt after a prune
+        self.settings = s = config_from_keywords(config, keywords).resolved()  # defaults filled in
+        if clock is not None and (s.schedule != BUDGET or not callable(clock)):
+            raise ValueError(f"RankAdaptive: clock= times the budget schedule's budget_seconds: a callable "
+                             f"returning seconds, with schedule='budget'; got {clock!r} with "
+                             f"schedule={s.schedule!r}")
+        if not (history_every is None or (isinstance(history_every, int) and not isinstance(history_every, bool)
+                                          and history_every >= 1)):
+            raise ValueError(f"RankAdaptive: history_every must be an int >= 1 or None; got {history_every!r}")
+        self.history_every = history_every
+        # Under torch.distributed (runtime.distributed): decisions agreed across ranks, DDP rebuilt after a prune
         self.distributed, module = RankSync.for_model(model)
         self.model, self.optimizer = model, optimizer  # self.model: the current DDP wrapper after a prune
         self.module = module
         self.matrices = tt_matrices(module)
         self._check_model()
         self.initial_tt_params = sum(physical_params(m.tt) for m in self.matrices)
+        self.dense_params = sum(m.tt.layout.dense_params for m in self.matrices)  # what a float size_target scales
         self.step = 0
         self.history: list[HistoryEntry] = []
         self.zeroed: dict[str, str] = {}  # layer -> why it went to rank 0
@@ -296,7 +194,7 @@ class RankAdaptive:
             self.schedule: BudgetSchedule | None = self._make_schedule()
             self.importance: BondSensitivity | None = BondSensitivity(s.importance_beta)
             self.stage = self.schedule.phase(0.0)
-            self._clock = s.clock or time.perf_counter
+            self._clock = clock or time.perf_counter
             self._elapsed_before, self._clock_start = 0.0, None
             self._next_prune = 0
             self._warned_floor = False
@@ -336,11 +234,12 @@ class RankAdaptive:
     @property
     def target_size(self) -> float | None:
         """S_t in TT parameters (cores + gates), or None without a target."""
-        if self.settings.target_params is not None:
-            return float(self.settings.target_params)
-        if self.settings.target_ratio is not None:
-            return self.settings.target_ratio * self.initial_tt_params
-        return None
+        s = self.settings
+        if s.keep_fraction is not None:
+            return s.keep_fraction * self.initial_tt_params
+        if isinstance(s.size_target, float):
+            return s.size_target * self.dense_params
+        return None if s.size_target is None else float(s.size_target)
 
     def observe(self, loss: float | Tensor) -> None:
         """Pass this step's loss; call once per step, before ``optimizer.step()`` (it applies to that step).
@@ -563,7 +462,7 @@ class RankAdaptive:
                 records = self.prune_to(budget)
         elif s.prune_every is not None and self.step % s.prune_every == 0:
             records = self.prune()
-        if records or (s.history_every is not None and self.step % s.history_every == 0):
+        if records or (self.history_every is not None and self.step % self.history_every == 0):
             self.history.append(self._entry(records, budget))
 
     def _entry(self, records: Sequence[ShrinkRecord], budget: float | None) -> HistoryEntry:

@@ -56,8 +56,8 @@ def uniform_ranks(layer_dims: Sequence[Sequence[int]], budget: int) -> tuple[int
         return sum(chain_params(d, capped_ranks(d, r)) for d in dims_list)
 
     if total(1) > budget:
-        raise BudgetTooSmall(f"param_budget {budget:,} is below the smallest TT of these layers (rank 1 "
-                             f"everywhere: {total(1):,} parameters)")
+        raise BudgetTooSmall(f"a size target of {budget:,} parameters is below the smallest TT of these layers "
+                             f"(rank 1 everywhere: {total(1):,} parameters)")
     top = max((max(feasible_ranks(d)) for d in dims_list), default=1)
     low, high = 1, top  # total(low) <= budget; find the largest such r by bisection
     while low < high:
@@ -96,8 +96,8 @@ def allocate_ranks(
     ranks = [[1] * (len(d) + 1) for d in dims_list]
     left = budget - sum(chain_params(d, r) for d, r in zip(dims_list, ranks))
     if left < 0:
-        raise BudgetTooSmall(f"param_budget {budget:,} is below the smallest TT of these layers (rank 1 "
-                             f"everywhere: {budget - left:,} parameters)")
+        raise BudgetTooSmall(f"a size target of {budget:,} parameters is below the smallest TT of these layers "
+                             f"(rank 1 everywhere: {budget - left:,} parameters)")
     caps = [feasible_ranks(d) for d in dims_list]
 
     def raise_cost(l: int, k: int) -> int:

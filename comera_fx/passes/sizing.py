@@ -1,9 +1,11 @@
-"""``tensorize_``'s steps for a parameter budget and for calibration: per-layer modes, ranks and input statistics.
+"""``tensorize_``'s steps for a size target (total TT parameters) and for calibration: per-layer modes, ranks and
+input statistics.
 
-Decided for all layers together, before any TT matrix is built (the budget is global): ``plan_fits`` returns one
-``LayerFit`` per layer (format, modes, the cap of every bond, the input second moment if the layer is
-calibrated) and a ``BudgetInfo``; ``build_fitted`` turns a fit into a ``TTMatrix``. With neither a budget nor a
-calibration ``tensorize_`` does not come here and builds exactly as before.
+Decided for all layers together, before any TT matrix is built (the size target is global): ``plan_fits``, given
+each layer's settings as ``layer_plan.plan_layers`` resolved them, returns one ``LayerFit`` per layer (format,
+modes, the rank of every bond, the input second moment if the layer is calibrated) and a ``SizeTargetInfo``;
+``build_fitted`` turns a fit into a ``TTMatrix``. With neither a size target nor a calibration there is no fit and
+the layer's settings decide (``make_tt_matrix``).
 """
 
 from __future__ import annotations
@@ -24,6 +26,10 @@ from ..tt.shapes import NoBalancedModes, capped_ranks
 from ..tt.whiten import regularized_gram, sqrt_factor, whitened_matrix_to_tt
 
 
+class SizeTargetTooSmall(ValueError):
+    """``TensorizeConfig.size_target`` is below the smallest TT (rank 1 at every bond) of the layers converted."""
+
+
 @dataclass(frozen=True)
 class LayerFit:
     """How one layer is built: its layout's modes, the cap of every bond, and C when it is calibrated."""
@@ -41,8 +47,8 @@ class LayerFit:
 
 
 @dataclass
-class BudgetInfo:
-    """The budget asked (parameters), what the built layers reached, and how it was split."""
+class SizeTargetInfo:
+    """The size target asked (parameters), what the built layers reached, and how it was split."""
 
     asked: int
     allocation: str
@@ -53,19 +59,19 @@ class BudgetInfo:
 
     def __str__(self) -> str:
         how = f"one max_rank {self.max_rank}" if self.max_rank is not None else "ranks per layer and bond"
-        return (f"param_budget {self.asked:,} ({self.asked / self.dense:.1%} of {self.dense:,} dense): reached "
+        return (f"size_target {self.asked:,} ({self.asked / self.dense:.1%} of {self.dense:,} dense): reached "
                 f"{self.reached:,} with {self.allocation} allocation ({how})")
 
 
-def budget_params(config: TensorizeConfig, dense: int) -> int:
-    """The budget in parameters: ``param_budget`` itself, or that fraction of ``dense``."""
-    budget = config.param_budget
-    return budget if isinstance(budget, int) else max(1, int(round(budget * dense)))
+def target_params(config: TensorizeConfig, dense: int) -> int:
+    """The size target in parameters: ``size_target`` itself, or that fraction of ``dense``."""
+    target = config.size_target
+    return target if isinstance(target, int) else max(1, int(round(target * dense)))
 
 
-def plan_fits(items, config: TensorizeConfig, calibration) -> tuple[dict[str, LayerFit | str], BudgetInfo | None,
+def plan_fits(items, config: TensorizeConfig, calibration) -> tuple[dict[str, LayerFit | str], SizeTargetInfo | None,
                                                                      dict[str, list[str]]]:
-    """One ``LayerFit`` per candidate (or the reason it has no balanced modes), the budget's info, and notes.
+    """One ``LayerFit`` per candidate (or the reason it has no balanced modes), the size target's info, and notes.
 
     ``items`` are (fqn, kind, M, settings) for every layer this call converts: M the TT matrix to be (rows × cols;
     rows = input features for linear-like layers).
@@ -91,10 +97,10 @@ def plan_fits(items, config: TensorizeConfig, calibration) -> tuple[dict[str, La
         fits[fqn] = LayerFit(format, tuple(row_modes), tuple(col_modes), caps, settings.init, gram)
         matrices[fqn] = matrix
     planned = {fqn: fit for fqn, fit in fits.items() if isinstance(fit, LayerFit)}
-    if config.param_budget is None or not planned:
+    if config.size_target is None or not planned:
         return fits, None, notes
     dense = sum(math.prod(matrices[fqn].shape) for fqn in planned)
-    info = BudgetInfo(budget_params(config, dense), config.allocation.value, dense=dense)
+    info = SizeTargetInfo(target_params(config, dense), config.allocation.value, dense=dense)
     names = list(planned)
     dims_list = [planned[n].dims for n in names]
     try:
@@ -104,7 +110,8 @@ def plan_fits(items, config: TensorizeConfig, calibration) -> tuple[dict[str, La
             energies = [_relative_energies(matrices[n], planned[n]) for n in names]
             ranks = allocate.allocate_ranks(dims_list, energies, info.asked)
     except allocate.BudgetTooSmall as exc:
-        raise ValueError(f"TensorizeConfig.param_budget: {exc}; raise the budget or convert fewer layers") from None
+        raise SizeTargetTooSmall(f"TensorizeConfig.size_target: {exc}; raise the size target or convert fewer "
+                                 f"layers") from None
     for name, r in zip(names, ranks):
         fits[name] = dataclasses.replace(planned[name], ranks=tuple(r))
     return fits, info, notes
