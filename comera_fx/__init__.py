@@ -14,6 +14,8 @@ Public API::
     comera_fx.save_tensorized(model, path); comera_fx.load_tensorized(path, build_fn)  # no dense weights on load
     comera_fx.distill_(student, teacher, batches, target_ratio=0.25, budget_seconds=600)  # compress a trained model
     torch.compile(model, backend=comera_fx.backend)          # or backend="comera_fx"; comera_fx.compile(model, config)
+    program = comera_fx.export(model.eval(), (x,), dynamic_shapes=({0: Dim("b", max=64)},))  # one plan per range
+    comera_fx.package(program, "model.pt2")                  # AOTInductor: runs with torch alone
 """
 
 from . import passes
@@ -26,6 +28,7 @@ from .pretrained import (Calibration, DistillSummary, InputStats, RefitSummary, 
                          refit_sequential_)
 from .report import Report, report
 from .rmm import RMMConfig
+from .serving import ExportRangeError, RangePlan, export, package, plan_for_range
 from .runtime import RankAdaptive, param_groups
 from .tt import TTEmbedding, TTFormat, TTLinear, TTMatrix
 from .tt.plan import plan
@@ -43,15 +46,18 @@ __all__ = [
     "ComeraBackend",
     "DenseWeightsWarning",
     "DistillSummary",
+    "ExportRangeError",
     "backend",
     "compile",
     "distill_",
+    "export",
     "make_backend",
     "refit_sequential_",
     "Init",
     "RankAdaptive",
     "LayerSettings",
     "RMMConfig",
+    "RangePlan",
     "RandomizeSummary",
     "RefitSummary",
     "Report",
@@ -61,8 +67,10 @@ __all__ = [
     "TTMatrix",
     "TensorizeConfig",
     "TensorizeSummary",
+    "package",
     "param_groups",
     "plan",
+    "plan_for_range",
     "passes",
     "randomize_backward_",
     "report",
