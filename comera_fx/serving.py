@@ -221,10 +221,18 @@ def _resize(tensor: Tensor, shape: list[int]) -> Tensor:
 
 def package(program: torch.export.ExportedProgram, path: str | os.PathLike) -> str:
     """Compile an exported program with AOTInductor into one ``.pt2`` file that ``torch._inductor.aoti_load_package``
-    loads and runs in any process with the same torch, without comera_fx. Returns the file's path."""
+    loads and runs in any process with the same torch, without comera_fx. Returns the file's path.
+
+    The package checks its inputs' shapes against the declared ranges when the serving process sets
+    ``AOTI_RUNTIME_CHECK_INPUTS=1`` (AOTInductor reads it at run time): a size outside them raises, naming the
+    input and the dimension. Its lower-bound check is left out when a declared min is below 2, where AOTInductor
+    would otherwise refuse sizes 1 (and 0) that the range holds.
+    """
     path = os.fspath(path)
     if not path.endswith(".pt2"):
         raise ValueError(f"an AOTInductor package's path must end in .pt2, got {path!r}")
     import torch._inductor  # noqa: F401  (loads Inductor only when packaging)
 
-    return torch._inductor.aoti_compile_and_package(program, package_path=path)
+    small = any(_finite(r.lower) and int(r.lower) < 2 for r in program.range_constraints.values())
+    options = {"aot_inductor.check_lowerbound": False} if small else {}
+    return torch._inductor.aoti_compile_and_package(program, package_path=path, inductor_configs=options)
