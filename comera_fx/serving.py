@@ -75,6 +75,10 @@ def _cost(chosen: planner.Plan, batch: int) -> Fraction:
     return c0 + c1 * batch
 
 
+class ExportRangeError(ValueError):
+    """The declared range of a dynamic dimension is one the model cannot run on."""
+
+
 def batch_range(batch) -> tuple[int, int]:
     """(lo, hi) of a TT product's batch size: an int's own value, or the bounds of a symbolic size under
     ``torch.export`` (the declared ranges of the input dims it is made of)."""
@@ -83,8 +87,8 @@ def batch_range(batch) -> tuple[int, int]:
     node = batch.node
     bounds = node.shape_env.bound_sympy(node.expr)
     if not (_finite(bounds.lower) and _finite(bounds.upper)):
-        raise ValueError(f"a TT layer's batch size {node.expr} has no finite range ({bounds.lower}, "
-                         f"{bounds.upper}); give every dynamic dimension a max (torch.export.Dim(name, max=...))")
+        raise ExportRangeError(f"a TT layer's batch size {node.expr} has no finite range ({bounds.lower}, "
+                               f"{bounds.upper}); give every dynamic dimension a max (torch.export.Dim(name, max=...))")
     return int(bounds.lower), int(bounds.upper)
 
 
@@ -116,10 +120,6 @@ def pinned_plans(model: nn.Module, chosen: dict | None = None):
         layers.PLAN_OVERRIDE = before
 
 
-class ExportRangeError(ValueError):
-    """The declared range of a dynamic dimension is one the model cannot run on."""
-
-
 def export(model: nn.Module, example_inputs, kwargs: Mapping | None = None, *, dynamic_shapes=None,
            check_range: bool = True) -> torch.export.ExportedProgram:
     """``torch.export`` of a (tensorized, possibly pruned) model for inference, valid at every size in the declared
@@ -144,8 +144,6 @@ def export(model: nn.Module, example_inputs, kwargs: Mapping | None = None, *, d
             program = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
         except torch._dynamo.exc.UserError as error:
             raise ExportRangeError(f"the model cannot be exported for the declared ranges: {error}") from error
-        except ValueError as error:  # batch_range: a dimension without a max
-            raise ExportRangeError(str(error)) from error
     check_aten_only(program)
     if check_range:
         for name, size, bound, inputs in _range_ends(program, args, kwargs):

@@ -169,3 +169,22 @@ def test_plan_for_range_minimises_the_worst_ratio_at_every_size(lo, hi):
     assert worst[str(chosen.plan)] == pytest.approx(min(worst.values()), rel=1e-12)
     assert chosen.worst_ratio == pytest.approx(worst[str(chosen.plan)], rel=1e-12)
     assert cost(chosen.plan, chosen.worst_at) / best[chosen.worst_at] == pytest.approx(chosen.worst_ratio)
+
+
+@torch.library.custom_op("comera_fx_test::twice", mutates_args=())
+def _twice(x: torch.Tensor) -> torch.Tensor:
+    return 2 * x
+
+
+@_twice.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def test_a_graph_calling_a_python_custom_op_is_refused():
+    class CallsCustomOp(nn.Module):
+        def forward(self, x):
+            return _twice(x)
+
+    with pytest.raises(RuntimeError, match="comera_fx_test.twice.*not an aten op"):
+        comera_fx.export(CallsCustomOp(), (torch.randn(3, 4),), dynamic_shapes=({0: Dim("b", min=1, max=8)},))
