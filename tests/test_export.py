@@ -188,3 +188,32 @@ def test_a_graph_calling_a_python_custom_op_is_refused():
 
     with pytest.raises(RuntimeError, match="comera_fx_test.twice.*not an aten op"):
         comera_fx.export(CallsCustomOp(), (torch.randn(3, 4),), dynamic_shapes=({0: Dim("b", min=1, max=8)},))
+
+
+def test_hugging_face_gpt2_exports_with_dynamic_batch_and_sequence():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(3)
+    config = transformers.GPT2Config(n_layer=1, n_embd=64, n_head=2, vocab_size=256, n_positions=32,
+                                     bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(config).double().eval()
+    ids = torch.randint(0, 256, (2, 8))
+    comera_fx.tensorize_(model, TensorizeConfig(max_rank=8, min_numel=2**12), example_inputs={"input_ids": ids})
+
+    class Logits(nn.Module):
+        def __init__(self, lm):
+            super().__init__()
+            self.lm = lm
+
+        def forward(self, ids):
+            return self.lm(input_ids=ids, use_cache=False).logits
+
+    wrapped = Logits(model)
+    program = comera_fx.export(wrapped, (ids,), dynamic_shapes=({0: Dim("batch", min=1, max=8),
+                                                                 1: Dim("seq", min=1, max=32)},))
+    for batch, seq in [(1, 1), (8, 32), (3, 17)]:
+        x = torch.randint(0, 256, (batch, seq), generator=torch.Generator().manual_seed(seq))
+        with torch.no_grad():
+            torch.testing.assert_close(program.module()(x), wrapped(x), rtol=1e-9, atol=1e-11)
+    with pytest.raises(comera_fx.ExportRangeError, match=r"ids\.size\(1\) = 64"):  # n_positions is 32
+        comera_fx.export(wrapped, (ids,), dynamic_shapes=({0: Dim("batch", min=1, max=8),
+                                                          1: Dim("seq", min=1, max=64)},))
