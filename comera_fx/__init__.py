@@ -14,6 +14,8 @@ Public API::
     comera_fx.save_tensorized(model, path); comera_fx.load_tensorized(path, build_fn)  # no dense weights on load
     comera_fx.distill_(student, teacher, batches, size_target=0.25, budget_seconds=600)  # compress a trained model
     torch.compile(model, backend=comera_fx.backend)          # or backend="comera_fx"; comera_fx.compile(model, config)
+    program = comera_fx.export(model.eval(), (x,), dynamic_shapes=({0: Dim("b", max=64)},))  # one plan per range
+    comera_fx.package(program, "model.pt2")                  # AOTInductor: runs with torch alone
 """
 
 from . import passes
@@ -27,6 +29,7 @@ from .pretrained import (Calibration, DistillSummary, InputStats, RefitSummary, 
 from .report import Report, report
 from .rmm import RMMConfig
 from .runtime import RankAdaptive, RankConfig, param_groups
+from .serving import ExportRangeError, RangePlan, export, package, plan_for_range
 from .tt import TTEmbedding, TTFormat, TTLinear, TTMatrix
 from .tt.plan import plan
 
@@ -43,9 +46,11 @@ __all__ = [
     "ComeraBackend",
     "DenseWeightsWarning",
     "DistillSummary",
+    "ExportRangeError",
     "backend",
     "compile",
     "distill_",
+    "export",
     "make_backend",
     "refit_sequential_",
     "Init",
@@ -53,6 +58,7 @@ __all__ = [
     "RankConfig",
     "LayerSettings",
     "RMMConfig",
+    "RangePlan",
     "RandomizeSummary",
     "RefitSummary",
     "Report",
@@ -62,8 +68,10 @@ __all__ = [
     "TTMatrix",
     "TensorizeConfig",
     "TensorizeSummary",
+    "package",
     "param_groups",
     "plan",
+    "plan_for_range",
     "passes",
     "randomize_backward_",
     "report",

@@ -286,9 +286,17 @@ def planned_ops(layout: TTLayout) -> list[str]:
     return [op for op in planner.OPS if (layout, op) in _ENVELOPES]
 
 
+#: ``(envelope, batch) -> Plan`` that replaces the choice by batch interval while set (a plain global: Dynamo
+#: guards on it being None); ``comera_fx.export`` sets it to pin one plan per layer for a declared range of sizes,
+#: so the choice emits no guard on the batch size.
+PLAN_OVERRIDE = None
+
+
 def choose_plan(envelope: "planner.PlanEnvelope", batch) -> "planner.Plan":
     """The envelope's plan for ``batch`` using comparisons only: under ``torch.compile(dynamic=True)`` each one is
     a guard at a breakpoint, so there is one graph per planner interval, not per batch size."""
+    if PLAN_OVERRIDE is not None:
+        return PLAN_OVERRIDE(envelope, batch)
     for piece in envelope.pieces[:-1]:
         if piece.last is not None and batch <= piece.last:
             return piece.plan

@@ -1,0 +1,103 @@
+"""Issue 28: inference speed of a GPT-2-small-sized model with TT layers (random init, TT max rank 32) vs dense.
+
+CPU, ``--threads`` threads (2), eager (no torch.compile). Measures, per model, in one run:
+
+* greedy decode with the Hugging Face KV cache (``generate(do_sample=False)``): tokens/s at batch 1 and batch 8,
+  ``--new`` new tokens after a prompt of ``--prompt`` tokens, the prompt's own forward (timed apart) subtracted,
+  best of ``--repeats``;
+* prefill: one forward over ``--prefill`` tokens at batch 1 (ms, best of ``--repeats``);
+* resident weight bytes: every parameter and buffer the model holds, shared storage counted once.
+
+Random init (``TensorizeConfig(init="random")``): the speed and the bytes depend on shapes, not on values.
+Ratios (TT / dense) are printed at the end.
+
+    flock /tmp/timing.lock .venv/bin/python benchmarks/bench_inference.py
+    .venv/bin/python benchmarks/bench_inference.py --layers 2 --new 8 --prefill 64   # seconds: a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import transformers
+
+import comera_fx
+
+
+def build(opts, tensorized: bool) -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=opts.layers, n_embd=768, n_head=12, n_positions=1024, vocab_size=50257,
+                                     bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    if tensorized:
+        comera_fx.tensorize_(model, comera_fx.TensorizeConfig(max_rank=opts.rank, init="random", seed=0),
+                             example_inputs={"input_ids": torch.zeros(1, 8, dtype=torch.long)})
+    return model
+
+
+def resident_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every parameter and buffer, each storage once (a tied head shares the embedding's)."""
+    seen, total = set(), 0
+    for t in [*model.parameters(), *model.buffers()]:
+        key = t.untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+    return total
+
+
+def best_seconds(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+@torch.no_grad()
+def measure(model, opts) -> dict[str, float]:
+    g = torch.Generator().manual_seed(1)
+    out = {"weight MB": resident_bytes(model) / 2**20}
+    for batch in (1, 8):
+        prompt = torch.randint(0, 50257, (batch, opts.prompt), generator=g)
+
+        def decode():
+            model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=opts.new,
+                           min_new_tokens=opts.new, do_sample=False, use_cache=True, pad_token_id=0)
+
+        decode()  # warm-up (plans, allocator)
+        prefill_only = best_seconds(lambda: model(prompt, use_cache=True), opts.repeats)
+        total = best_seconds(decode, opts.repeats)
+        out[f"decode tok/s b={batch}"] = batch * opts.new / max(total - prefill_only, 1e-9)
+    long = torch.randint(0, 50257, (1, opts.prefill), generator=g)
+    model(long)
+    out[f"prefill {opts.prefill} ms"] = 1000 * best_seconds(lambda: model(long), opts.repeats)
+    return out
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--rank", type=int, default=32)
+    ap.add_argument("--prompt", type=int, default=16)
+    ap.add_argument("--new", type=int, default=32)
+    ap.add_argument("--prefill", type=int, default=512)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    opts = ap.parse_args(argv)
+    torch.set_num_threads(opts.threads)
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, {opts.threads} threads; GPT-2 "
+          f"n_layer={opts.layers} n_embd=768 vocab=50257, TT max rank {opts.rank}; prompt {opts.prompt}, "
+          f"{opts.new} new tokens, best of {opts.repeats}")
+    results = {}
+    for name, tensorized in (("dense", False), ("tt", True)):
+        results[name] = measure(build(opts, tensorized), opts)
+        print(name, "  ".join(f"{k}: {v:.1f}" for k, v in results[name].items()), flush=True)
+    print("tt / dense", "  ".join(f"{k}: {results['tt'][k] / results['dense'][k]:.2f}" for k in results["tt"]))
+
+
+if __name__ == "__main__":
+    main()
