@@ -251,13 +251,16 @@ def test_a_negligible_layer_goes_to_rank_zero_and_the_summary_says_why():
     assert min(model.b.tt.ranks) >= 1 and hook.tt_params() <= 0.5 * hook.initial_tt_params
 
 
-def test_a_checkpoint_mid_schedule_resumes_identically():
-    settings = dict(target_ratio=0.3, total_steps=60, prunes=4)
+@pytest.mark.parametrize("slack", [None, 4.0])
+def test_a_checkpoint_mid_schedule_resumes_identically(slack):
+    """Also with the matrix held wider (shrink_slack): the hook's state carries the live ranks."""
+    settings = dict(target_ratio=0.3, total_steps=60, prunes=4, shrink_slack=slack)
     model, x, y, _, _ = teacher_problem(seed=2, d=16)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     hook = RankAdaptive(model, optimizer, **settings)
     fit(model, optimizer, x, y, 25, hook)  # past the first prune (step 18), before the second (step 30)
     assert hook.tt_params() < hook.initial_tt_params
+    assert (hook.stored_tt_params() > hook.tt_params()) == (slack is not None)
     checkpoint = copy.deepcopy({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                                 "hook": hook.state_dict()})
     expected = fit(model, optimizer, x, y, 35, hook)
@@ -273,7 +276,7 @@ def test_a_checkpoint_mid_schedule_resumes_identically():
 
     assert resumed == pytest.approx(expected, rel=0, abs=1e-12)
     assert [e.tt_params for e in fresh_hook.history] == expected_sizes
-    assert fresh[0].tt.ranks == model[0].tt.ranks
+    assert fresh[0].tt.ranks == model[0].tt.ranks and fresh[0].tt.layout == model[0].tt.layout
     for p, q in zip(model.parameters(), fresh.parameters()):
         assert (p - q).abs().max().item() <= 1e-12
 
