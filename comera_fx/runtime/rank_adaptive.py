@@ -486,8 +486,7 @@ class RankAdaptive:
             if record is not None:
                 self._after_shrink(record, reasons.get(m.name, ""))
                 records.append(record)
-        compacted = [] if in_place else [r for m in self.matrices if m.shrinkable
-                                         for r in [compact_(m.tt, optimizer=self.optimizer, name=m.name)] if r]
+        compacted = [] if in_place else self._compact_all()
         if self.tt_params() > size + 0.5 and not self._warned_floor:
             self._warned_floor = True
             warnings.warn(f"RankAdaptive: the scheduled size {size:,.0f} is below what the rank floors allow "
@@ -495,6 +494,19 @@ class RankAdaptive:
                           f"raise the target", stacklevel=2)
         self._after_prune(records + compacted)
         return records
+
+    def compact(self) -> list[ShrinkRecord]:
+        """Shrink every matrix held wider (``shrink_slack``) to its live ranks now, physically (the schedule does it
+        at its last prune point; a run stopped before that point keeps the zero slices until this call)."""
+        if self.distributed is not None:
+            self.distributed.check()
+        records = self._compact_all()
+        self._after_prune(records)
+        return records
+
+    def _compact_all(self) -> list[ShrinkRecord]:
+        return [r for m in self.matrices if m.shrinkable
+                for r in [compact_(m.tt, optimizer=self.optimizer, name=m.name)] if r is not None]
 
     def _compacts(self, compact: bool | None, live_after: int) -> bool:
         """Does this prune shrink physically? Yes without ``shrink_slack``, when asked, or when the stored size
