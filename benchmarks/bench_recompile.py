@@ -6,6 +6,8 @@ with comera_fx's backend from a fresh Inductor cache (a temporary ``TORCHINDUCTO
 * ``--model lm`` (default): a byte-level pre-LN causal LM (``--layers`` 2 blocks, d 128, 4 heads, ff 512, seq 64,
   batch 8, tied 256-token head), every block linear tensorized at max rank 16 — the case of issue 30.
 * ``--model mlp``: two 512-wide TT linears (the first version of this benchmark).
+* ``--dense``: the LM left dense under stock ``torch.compile`` (Inductor), no pruning: its first step and Dynamo's
+  compile-time table, the reference for where a TT model's cold compile time goes.
 
 ``--slack S`` (default 2) runs ``RankAdaptive(shrink_slack=S)``: a prune writes the rounded cores into the stored
 ones in place while the stored TT size stays within S × the live size, so no shape changes and nothing recompiles;
@@ -79,11 +81,12 @@ class CausalLM(nn.Module):
 
 
 def build(opts) -> tuple[nn.Module, tuple, callable]:
-    """(tensorized model, (input, target), loss function of (model, input, target))."""
+    """(tensorized model, (input, target), loss function of (model, input, target)); dense with ``--dense``."""
     if opts.model == "lm":
         model = CausalLM(opts.layers, 128, 4, 512, 64)
-        comera_fx.tensorize_(model, comera_fx.TensorizeConfig(max_rank=16, min_numel=4096),
-                             filter_fn=lambda module, fqn: isinstance(module, nn.Linear))
+        if not opts.dense:
+            comera_fx.tensorize_(model, comera_fx.TensorizeConfig(max_rank=16, min_numel=4096),
+                                 filter_fn=lambda module, fqn: isinstance(module, nn.Linear))
         data = torch.randint(0, VOCAB, (8, 65))
         batch = (data[:, :-1], data[:, 1:])
 
@@ -125,6 +128,17 @@ def eager_step_seconds(model, loss_fn, batch, steps: int = 5) -> float:
     return statistics.median(times[1:])
 
 
+def dense_first_steps(model, batch, loss_fn, steps: int = 5) -> None:
+    """The dense model under stock torch.compile: first step (the cold compile) and median step."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    torch._dynamo.reset()
+    compiled = torch.compile(model)
+    times = [train_step(compiled, optimizer, loss_fn, batch) for _ in range(steps)]
+    print(f"dense, stock torch.compile: first step (compile) {times[0]:.1f} s; median step "
+          f"{statistics.median(times[1:]):.4f} s; Inductor cache {os.environ['TORCHINDUCTOR_CACHE_DIR']}")
+    print("\nDynamo compile times:\n" + str(torch._dynamo.utils.compile_times(repr="str")))
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", choices=("lm", "mlp"), default="lm")
@@ -137,12 +151,16 @@ def main(argv=None) -> None:
     ap.add_argument("--slack", type=float, default=2.0, help="RankAdaptive shrink_slack; 0: none")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-inductor", action="store_true")
+    ap.add_argument("--dense", action="store_true", help="the dense LM under stock torch.compile, first steps only")
     opts = ap.parse_args(argv)
     if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:  # a cold compile: Inductor's caches start empty
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="bench_recompile_inductor_")
     torch.set_num_threads(opts.threads)
     torch.manual_seed(0)
     model, batch, loss_fn = build(opts)
+    if opts.dense:
+        dense_first_steps(model, batch, loss_fn)
+        return
     flops_before = step_flops(model, loss_fn, batch)
     eager_before = eager_step_seconds(model, loss_fn, batch)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
