@@ -1,7 +1,7 @@
 """Rank-adaptive training under ``torch.compile(model, backend=comera_fx backend)``: recompiles across prunes.
 
 A model trains for ``--steps`` steps while RankAdaptive's budget schedule prunes at ``--prunes`` points, compiled
-with comera_fx's backend from a fresh Inductor cache (a temporary ``TORCHINDUCTOR_CACHE_DIR`` unless one is set).
+with comera_fx's backend from a fresh Inductor cache (a temporary ``TORCHINDUCTOR_CACHE_DIR`` unless ``--cache-dir``).
 
 * ``--model lm`` (default): a byte-level pre-LN causal LM (``--layers`` 2 blocks, d 128, 4 heads, ff 512, seq 64,
   batch 8, tied 256-token head), every block linear tensorized at max rank 16 — the case of issue 30.
@@ -151,10 +151,12 @@ def main(argv=None) -> None:
     ap.add_argument("--slack", type=float, default=2.0, help="RankAdaptive shrink_slack; 0: none")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-inductor", action="store_true")
+    ap.add_argument("--cache-dir", help="Inductor cache directory (default: a fresh temporary one)")
     ap.add_argument("--dense", action="store_true", help="the dense LM under stock torch.compile, first steps only")
     opts = ap.parse_args(argv)
-    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:  # a cold compile: Inductor's caches start empty
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="bench_recompile_inductor_")
+    # A cold compile: Inductor's caches start empty. (Importing torch's Inductor sets TORCHINDUCTOR_CACHE_DIR to
+    # its shared default, so the variable is always set by now: override it unless --cache-dir names one.)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = opts.cache_dir or tempfile.mkdtemp(prefix="bench_recompile_inductor_")
     torch.set_num_threads(opts.threads)
     torch.manual_seed(0)
     model, batch, loss_fn = build(opts)
@@ -173,6 +175,7 @@ def main(argv=None) -> None:
     rows = []
     for step in range(1, opts.steps + 1):
         seconds = train_step(compiled, optimizer, loss_fn, batch)
+        print(f"step {step}: {seconds:.3f} s, graphs {backend.stats.graphs}", flush=True)
         rows.append((step, seconds, backend.stats.graphs, bool(hook.history[-1].shrunk), hook.stored_tt_params()))
     first = rows[0][1]
     median = statistics.median(t for _, t, _, _, _ in rows[1:])
