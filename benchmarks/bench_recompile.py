@@ -9,8 +9,9 @@ with comera_fx's backend from a fresh Inductor cache (a temporary ``TORCHINDUCTO
 * ``--dense``: the LM left dense under stock ``torch.compile`` (Inductor), no pruning: its first step and Dynamo's
   compile-time table, the reference for where a TT model's cold compile time goes.
 
-``--slack S`` (default 2) runs ``RankAdaptive(shrink_slack=S)``: a prune writes the rounded cores into the stored
+``--slack S`` (default 4) runs ``RankAdaptive(shrink_slack=S)``: a prune writes the rounded cores into the stored
 ones in place while the stored TT size stays within S × the live size, so no shape changes and nothing recompiles;
+with S >= S_0 / S_T (here 1 / 0.3) only the last prune point shrinks physically: one recompile in the run.
 ``--slack 0`` shrinks physically at every prune (one recompile per prune, the behaviour before shrink_slack).
 
 Printed: per step the time, the backend's graph count and whether it pruned; then the first step (compile
@@ -20,7 +21,7 @@ of the first step, the recompiles (graphs compiled after the first step), compil
 first prune and after the last one against their FLOPs (fwd + bwd, ``torch.utils.flop_counter``) and the eager step
 at the same ranks, and Dynamo's compile-time table (``torch._dynamo.utils.compile_times``).
 
-    flock /tmp/timing.lock .venv/bin/python benchmarks/bench_recompile.py                  # LM, slack 2
+    flock /tmp/timing.lock .venv/bin/python benchmarks/bench_recompile.py                  # LM, slack 4
     flock /tmp/timing.lock .venv/bin/python benchmarks/bench_recompile.py --slack 0        # one recompile per prune
     .venv/bin/python benchmarks/bench_recompile.py --no-inductor                            # AOTAutograd graphs eagerly
 """
@@ -148,7 +149,7 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--prunes", type=int, default=5)
     ap.add_argument("--target-ratio", type=float, default=0.3)
-    ap.add_argument("--slack", type=float, default=2.0, help="RankAdaptive shrink_slack; 0: none")
+    ap.add_argument("--slack", type=float, default=4.0, help="RankAdaptive shrink_slack; 0: none")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-inductor", action="store_true")
     ap.add_argument("--cache-dir", help="Inductor cache directory (default: a fresh temporary one)")
