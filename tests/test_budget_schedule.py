@@ -422,9 +422,9 @@ def test_without_slack_every_shrinking_prune_recompiles():
     from comera_fx.backend import make_backend
 
     backend = make_backend(inductor=False)
-    _, first, last, pruned_at = compiled_budget_run(backend, None)
+    _, first, last, pruned_at = compiled_budget_run(backend, None, steps=20, prunes=3)
     torch._dynamo.reset()
-    assert last - first == len(pruned_at)
+    assert len(pruned_at) >= 2 and last - first == len(pruned_at)
 
 
 @pytest.mark.slow
