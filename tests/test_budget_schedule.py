@@ -251,6 +251,31 @@ def test_a_negligible_layer_goes_to_rank_zero_and_the_summary_says_why():
     assert min(model.b.tt.ranks) >= 1 and hook.tt_params() <= 0.5 * hook.initial_tt_params
 
 
+def test_a_layer_cut_to_rank_zero_in_place_is_zero_until_compacted():
+    """shrink_slack: a negligible layer goes to rank 0 without a shape change (its gates and cores all zero, so it
+    adds exactly nothing), counts as zero in sizes and the summary, and compact() then empties its cores."""
+    torch.manual_seed(0)
+    model = TwoBranches().double()
+    comera_fx.tensorize_(model, comera_fx.TensorizeConfig(max_rank=8, min_numel=1, min_dim=1))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    hook = RankAdaptive(model, optimizer, target_ratio=0.5, total_steps=100, shrink_slack=4.0)
+    gen = torch.Generator().manual_seed(1)
+    x, y = (torch.randn(128, 16, generator=gen, dtype=torch.float64) for _ in range(2))
+    _one_gradient_step(model, hook, x, y)
+    stored_b = [tuple(c.shape) for c in model.b.tt.cores]
+    hook.prune_to(0.5 * hook.initial_tt_params)
+    assert model.b.tt.is_zero and not model.b.tt.stored_empty and set(hook.zeroed) == {"b"}
+    assert [tuple(c.shape) for c in model.b.tt.cores] == stored_b
+    assert all((p == 0).all() for p in model.b.tt.parameters())
+    assert "b: rank 0 (bias only)" in str(hook.summary())
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), model.a(x) + 1e-4 * model.b.bias, rtol=0, atol=0)
+    sizes = hook.tt_params()
+    assert sizes == sum(p.numel() for p in model.a.tt.parameters()) < hook.stored_tt_params()
+    hook.compact()
+    assert model.b.tt.stored_empty and hook.stored_tt_params() == hook.tt_params() == sizes
+
+
 @pytest.mark.parametrize("slack", [None, 4.0])
 def test_a_checkpoint_mid_schedule_resumes_identically(slack):
     """Also with the matrix held wider (shrink_slack): the hook's state carries the live ranks."""

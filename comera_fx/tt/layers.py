@@ -27,9 +27,9 @@ class TTMatrix(nn.Module):
     Ranks are read from the cores, so shrinking a bond is just replacing three parameters. Loading a state dict
     whose cores have other ranks (a pruned checkpoint) adopts the checkpoint's shapes.
 
-    Held wider (``runtime.shrink.round_to_ranks_(..., in_place=True)``): the stored cores may keep zero slices beyond each bond's live rank, with
-    zero gates, so that a prune changes no stored shape (a compiled graph keeps running, ``RankAdaptive``'s
-    ``shrink_slack``). ``layout`` is then the stored one, what every product runs; ``ranks``, ``live_layout`` and
+    Held wider (``runtime.shrink.round_to_ranks_(..., in_place=True)``): the stored cores may keep zero slices
+    beyond each bond's live rank, with zero gates, so that a prune changes no stored shape (a compiled graph keeps
+    running, ``RankAdaptive``'s ``shrink_slack``). ``layout`` is then the stored one, what every product runs; ``ranks``, ``live_layout`` and
     ``is_zero`` are the live ones, what sizes and reports count.
     """
 
