@@ -29,8 +29,8 @@ class TTMatrix(nn.Module):
 
     Held wider (``runtime.shrink.round_to_ranks_(..., in_place=True)``): the stored cores may keep zero slices
     beyond each bond's live rank, with zero gates, so that a prune changes no stored shape (a compiled graph keeps
-    running, ``RankAdaptive``'s ``shrink_slack``). ``layout`` is then the stored one, what every product runs; ``ranks``, ``live_layout`` and
-    ``is_zero`` are the live ones, what sizes and reports count.
+    running, ``RankAdaptive``'s ``shrink_slack``). ``layout`` is then the stored one, what every product runs;
+    ``ranks``, ``live_layout`` and ``is_zero`` are the live ones, what sizes and reports count.
     """
 
     def __init__(self, layout: TTLayout, cores: Sequence[Tensor], gates: Sequence[Tensor] | None = None):
