@@ -1,68 +1,216 @@
-"""Issue 11 item 4: RankAdaptive's budget schedule under ``torch.compile(model, backend=comera_fx backend)``.
+"""Rank-adaptive training under ``torch.compile(model, backend=comera_fx backend)``: recompiles across prunes.
 
-A small MLP of TT linears trains for ``--steps`` steps while the budget schedule prunes at ``--prunes`` points.
-Each prune changes the core shapes, so Dynamo's shape guards fail once and the changed graph is recompiled: static
-shapes, one recompile per prune (dynamic rank dimensions were not tried). Prints, per step: the time, the backend's graph count, and whether the step pruned;
-then the recompile cost (steps after a prune minus the median step) and the largest difference between the
-compiled and the eager model's outputs after the last prune.
+A model trains for ``--steps`` steps while RankAdaptive's budget schedule prunes at ``--prunes`` points, compiled
+with comera_fx's backend from a fresh Inductor cache (a temporary ``TORCHINDUCTOR_CACHE_DIR`` unless ``--cache-dir``).
 
-    .venv/bin/python benchmarks/bench_recompile.py                 # Inductor (minutes on 2 cores)
-    .venv/bin/python benchmarks/bench_recompile.py --no-inductor   # AOTAutograd graphs run eagerly (seconds)
+* ``--model lm`` (default): a byte-level pre-LN causal LM (``--layers`` 2 blocks, d 128, 4 heads, ff 512, seq 64,
+  batch 8, tied 256-token head), every block linear tensorized at max rank 16 — the case of issue 30.
+* ``--model mlp``: two 512-wide TT linears (the first version of this benchmark).
+* ``--dense``: the LM left dense under stock ``torch.compile`` (Inductor), no pruning: its first step and Dynamo's
+  compile-time table, the reference for where a TT model's cold compile time goes.
+
+``--slack S`` (default 4) runs ``RankConfig(shrink_slack=S)``: a prune writes the rounded cores into the stored
+ones in place while the stored TT size stays within S × the live size, so no shape changes and nothing recompiles;
+with S >= S_0 / S_T (here 1 / 0.3) only the last prune point shrinks physically: one recompile in the run.
+``--slack 0`` shrinks physically at every prune (one recompile per prune, the behaviour before shrink_slack).
+
+Printed: per step the time, the backend's graph count and whether it pruned; then the first step (compile
+included), the post-prune overhead (sum over the steps after the first of step time − median step) as a multiple
+of the first step, the recompiles (graphs compiled after the first step), compiled vs eager after the last prune
+(relative error of the logits), the TT size before / after (live and stored), the median compiled step before the
+first prune and after the last one against their FLOPs (fwd + bwd, ``torch.utils.flop_counter``) and the eager step
+at the same ranks, and Dynamo's compile-time table (``torch._dynamo.utils.compile_times``).
+
+    flock /tmp/timing.lock .venv/bin/python benchmarks/bench_recompile.py                  # LM, slack 4
+    flock /tmp/timing.lock .venv/bin/python benchmarks/bench_recompile.py --slack 0        # one recompile per prune
+    .venv/bin/python benchmarks/bench_recompile.py --no-inductor                            # AOTAutograd graphs eagerly
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import os
 import statistics
+import tempfile
 import time
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
 
 import comera_fx
 from comera_fx.backend import make_backend
-from comera_fx.runtime import RankAdaptive
+from comera_fx.runtime import RankAdaptive, RankConfig
+
+VOCAB = 256
+
+
+class Block(nn.Module):
+    """Pre-LN transformer block: causal SDPA attention with a fused qkv projection, GELU MLP."""
+
+    def __init__(self, d_model: int, heads: int, d_ff: int):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
+        self.qkv, self.proj = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
+        self.fc, self.out = nn.Linear(d_model, d_ff), nn.Linear(d_ff, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class CausalLM(nn.Module):
+    """Byte-level decoder; the head is tied to the (dense, 256-row) token embedding."""
+
+    def __init__(self, layers: int, d_model: int, heads: int, d_ff: int, seq_len: int):
+        super().__init__()
+        self.tok_emb, self.pos_emb = nn.Embedding(VOCAB, d_model), nn.Embedding(seq_len, d_model)
+        self.blocks = nn.ModuleList(Block(d_model, heads, d_ff) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(d_model)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok_emb(idx) + self.pos_emb(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return F.linear(self.ln_f(x), self.tok_emb.weight)
+
+
+def build(opts) -> tuple[nn.Module, tuple, callable]:
+    """(tensorized model, (input, target), loss function of (model, input, target)); dense with ``--dense``."""
+    if opts.model == "lm":
+        model = CausalLM(opts.layers, 128, 4, 512, 64)
+        if not opts.dense:
+            comera_fx.tensorize_(model, comera_fx.TensorizeConfig(max_rank=16, min_numel=4096),
+                                 filter_fn=lambda module, fqn: isinstance(module, nn.Linear))
+        data = torch.randint(0, VOCAB, (8, 65))
+        batch = (data[:, :-1], data[:, 1:])
+
+        def loss_fn(m, x, y):
+            return F.cross_entropy(m(x).reshape(-1, VOCAB), y.reshape(-1))
+    else:
+        d = opts.width
+        model = nn.Sequential(nn.Linear(d, d), nn.GELU(), nn.Linear(d, d))
+        comera_fx.tensorize_(model, comera_fx.TensorizeConfig(max_rank=16, min_numel=1, min_dim=1))
+        batch = (torch.randn(opts.batch, d), torch.randn(opts.batch, d))
+
+        def loss_fn(m, x, y):
+            return ((m(x) - y) ** 2).mean()
+    return model, batch, loss_fn
+
+
+def train_step(model, optimizer, loss_fn, batch) -> float:
+    t0 = time.perf_counter()
+    loss = loss_fn(model, *batch)
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    return time.perf_counter() - t0
+
+
+def step_flops(model, loss_fn, batch) -> int:
+    """Forward + backward FLOPs of one step, counted by torch's FLOP counter on the eager model."""
+    with FlopCounterMode(display=False) as counter:
+        loss_fn(model, *batch).backward()
+    model.zero_grad(set_to_none=True)
+    return counter.get_total_flops()
+
+
+def eager_step_seconds(model, loss_fn, batch, steps: int = 5) -> float:
+    """Median training step of an eager copy of ``model`` with its own AdamW (the run itself is left alone)."""
+    twin = copy.deepcopy(model)
+    optimizer = torch.optim.AdamW(twin.parameters(), lr=1e-3)
+    times = [train_step(twin, optimizer, loss_fn, batch) for _ in range(steps + 1)]
+    return statistics.median(times[1:])
+
+
+def dense_first_steps(model, batch, loss_fn, steps: int = 5) -> None:
+    """The dense model under stock torch.compile: first step (the cold compile) and median step."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    torch._dynamo.reset()
+    compiled = torch.compile(model)
+    times = [train_step(compiled, optimizer, loss_fn, batch) for _ in range(steps)]
+    print(f"dense, stock torch.compile: first step (compile) {times[0]:.1f} s; median step "
+          f"{statistics.median(times[1:]):.4f} s; Inductor cache {os.environ['TORCHINDUCTOR_CACHE_DIR']}")
+    print("\nDynamo compile times:\n" + str(torch._dynamo.utils.compile_times(repr="str")))
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--width", type=int, default=512)
-    ap.add_argument("--batch", type=int, default=256)
-    ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--prunes", type=int, default=3)
+    ap.add_argument("--model", choices=("lm", "mlp"), default="lm")
+    ap.add_argument("--layers", type=int, default=2, help="LM blocks")
+    ap.add_argument("--width", type=int, default=512, help="MLP width")
+    ap.add_argument("--batch", type=int, default=256, help="MLP batch")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--prunes", type=int, default=5)
+    ap.add_argument("--target-ratio", type=float, default=0.3)
+    ap.add_argument("--slack", type=float, default=4.0, help="RankAdaptive shrink_slack; 0: none")
+    ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-inductor", action="store_true")
+    ap.add_argument("--cache-dir", help="Inductor cache directory (default: a fresh temporary one)")
+    ap.add_argument("--dense", action="store_true", help="the dense LM under stock torch.compile, first steps only")
     opts = ap.parse_args(argv)
+    # A cold compile: Inductor's caches start empty. (Importing torch's Inductor sets TORCHINDUCTOR_CACHE_DIR to
+    # its shared default, so the variable is always set by now: override it unless --cache-dir names one.)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = opts.cache_dir or tempfile.mkdtemp(prefix="bench_recompile_inductor_")
+    torch.set_num_threads(opts.threads)
     torch.manual_seed(0)
-    d = opts.width
-    model = nn.Sequential(nn.Linear(d, d), nn.GELU(), nn.Linear(d, d))
-    comera_fx.tensorize_(model, comera_fx.TensorizeConfig(max_rank=16, min_numel=1, min_dim=1))
+    model, batch, loss_fn = build(opts)
+    if opts.dense:
+        dense_first_steps(model, batch, loss_fn)
+        return
+    flops_before = step_flops(model, loss_fn, batch)
+    eager_before = eager_step_seconds(model, loss_fn, batch)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    hook = RankAdaptive(model, optimizer, target_ratio=0.4, total_steps=opts.steps, prunes=opts.prunes)
+    slack = opts.slack if opts.slack > 0 else None
+    hook = RankAdaptive(model, optimizer, RankConfig(keep_fraction=opts.target_ratio, total_steps=opts.steps,
+                                                     prunes=opts.prunes, shrink_slack=slack))
     backend = make_backend(inductor=not opts.no_inductor)
     torch._dynamo.reset()
     compiled = torch.compile(model, backend=backend)
-    x, y = torch.randn(opts.batch, d), torch.randn(opts.batch, d)
     rows = []
     for step in range(1, opts.steps + 1):
-        t0 = time.perf_counter()
-        loss = ((compiled(x) - y) ** 2).mean()
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        rows.append((step, time.perf_counter() - t0, backend.stats.graphs, bool(hook.history[-1].shrunk)))
-    base = statistics.median(t for _, t, _, _ in rows[2:])
-    print(f"{'step':>4} {'s':>7} graphs pruned")
-    for step, t, graphs, pruned in rows:
-        print(f"{step:4d} {t:7.3f} {graphs:6d} {'yes' if pruned else ''}")
-    prune_steps = [s for s, _, _, p in rows if p]
-    extra = [rows[s][1] - base for s in prune_steps if s < len(rows)]  # the step after each prune recompiles
-    print(f"median step {base:.3f} s; prunes at {prune_steps}; graphs compiled {backend.stats.graphs} "
-          f"(first compile + {backend.stats.graphs - 1} recompiles); extra seconds of the step after each prune: "
-          + ", ".join(f"{e:.2f}" for e in extra) + f"; backend compile_seconds {backend.stats.compile_seconds:.1f}")
+        seconds = train_step(compiled, optimizer, loss_fn, batch)
+        print(f"step {step}: {seconds:.3f} s, graphs {backend.stats.graphs}", flush=True)
+        rows.append((step, seconds, backend.stats.graphs, bool(hook.history[-1].shrunk), hook.stored_tt_params()))
+    first = rows[0][1]
+    median = statistics.median(t for _, t, _, _, _ in rows[1:])
+    overhead = sum(t - median for _, t, _, _, _ in rows[1:])
+    recompiles = backend.stats.graphs - rows[0][2]
+    prune_steps = [s for s, _, _, p, _ in rows if p]
+    print(f"{'step':>4} {'s':>8} graphs pruned stored-TT-params")
+    for step, t, graphs, pruned, stored in rows:
+        print(f"{step:4d} {t:8.3f} {graphs:6d} {'yes' if pruned else '':6s} {stored}")
+    print(f"\nmodel {opts.model}, slack {slack}, inductor {not opts.no_inductor}, threads {opts.threads}, Inductor "
+          f"cache {os.environ['TORCHINDUCTOR_CACHE_DIR']}")
+    print(f"first step (compile) {first:.1f} s; median step {median:.4f} s; prunes at {prune_steps}")
+    print(f"post-prune overhead {overhead:.1f} s = {overhead / first:.2f}x the first step; graphs compiled "
+          f"{backend.stats.graphs} (first step {rows[0][2]}, recompiles after it {recompiles}); backend "
+          f"compile_seconds {backend.stats.compile_seconds:.1f}, pass_seconds {backend.stats.pass_seconds:.1f}")
+    x, _ = batch
     with torch.no_grad():
-        diff = (compiled(x) - model(x)).abs().max().item()
-    print(f"ranks {[m.tt.ranks for m in hook.matrices]}; TT params {hook.tt_params()} (target "
-          f"{hook.target_size:.0f}); max |compiled - eager| = {diff:.2e}")
+        expected = model(x)
+    got = compiled(x).detach()  # grad on: the training graph, no new compile
+    rel = ((got - expected).norm() / expected.norm()).item()
+    print(f"compiled vs eager after the last prune: relative error {rel:.2e}; graphs {backend.stats.graphs}")
+    print(f"TT params: before {hook.initial_tt_params}, after {hook.tt_params()} live / {hook.stored_tt_params()} "
+          f"stored (target {hook.target_size:.0f})")
+    hook.remove()
+    flops_after = step_flops(model, loss_fn, batch)
+    eager_after = eager_step_seconds(model, loss_fn, batch)
+    unpruned = statistics.median(t for s, t, _, _, _ in rows[1:] if s < prune_steps[0]) if prune_steps else median
+    pruned = statistics.median(t for s, t, _, _, _ in rows if prune_steps and s > prune_steps[-1] + 1) \
+        if prune_steps and prune_steps[-1] + 1 < opts.steps else median
+    print(f"compiled step: unpruned {unpruned:.4f} s, after the last prune {pruned:.4f} s (ratio "
+          f"{pruned / unpruned:.2f}); fwd+bwd FLOPs {flops_before:.3g} -> {flops_after:.3g} (ratio "
+          f"{flops_after / flops_before:.2f}); eager step {eager_before:.4f} -> {eager_after:.4f} s "
+          f"(compiled / eager: {unpruned / eager_before:.2f} unpruned, {pruned / eager_after:.2f} pruned)")
+    print("\nDynamo compile times:\n" + str(torch._dynamo.utils.compile_times(repr="str")))
 
 
 if __name__ == "__main__":

@@ -358,7 +358,7 @@ def compile(model: nn.Module, config: TensorizeConfig | None = None, *, example_
 
     summary = tensorize_(model, config, example_inputs=example_inputs)
     for module in model.modules():
-        if isinstance(module, TTMatrix) and not module.is_zero:
+        if isinstance(module, TTMatrix) and not module.stored_empty:
             module.prepare_plans()
     chosen = make_backend(backend_config) if backend_config is not None else backend
     compiled = torch.compile(model, backend=chosen, **compile_kwargs)

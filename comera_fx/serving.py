@@ -66,7 +66,7 @@ def plan_for_range(layout: TTLayout, op: str, lo: int, hi: int) -> RangePlan:
         worst = max(range(len(ends)), key=ratios.__getitem__)
         choices.append((ratios[worst], -piece.first, piece.plan, ends[worst]))
     ratio, _, chosen, at = min(choices, key=lambda c: c[:2])  # a tie goes to the plan of larger sizes
-    chosen.program, chosen.runner  # build the plan's instructions now, outside any traced region
+    planner.prepare_plan(chosen)  # build the plan's instructions now, outside any traced region
     return RangePlan(chosen, lo, hi, float(ratio), at)
 
 

@@ -187,7 +187,7 @@ def rmm_tt_product(x: Tensor, tt, *, transposed: bool = False, rho: float | tupl
     inference at B tokens; the core gradients run the training order planned for the B_proj sketched rows."""
     ratio = rho_ratio(rho)
     check_sketch(sketch)
-    if tt.is_zero or not torch.is_grad_enabled() or not any(p.requires_grad for p in tt.parameters()):
+    if tt.stored_empty or not torch.is_grad_enabled() or not any(p.requires_grad for p in tt.parameters()):
         return tt.matmul_t(x) if transposed else tt.matmul(x)
     _needs_token_dim(x, "rmm_tt_product")
     op, other = ("matmul_t", "matmul") if transposed else ("matmul", "matmul_t")

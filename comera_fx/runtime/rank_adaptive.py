@@ -42,7 +42,8 @@ from .history import HistoryEntry, RankSummary
 from .importance import BondSensitivity, slice_importance
 from .rank_config import BUDGET, COMERA, RankConfig
 from .schedule import BudgetSchedule, LayerSlices, allocate
-from .shrink import ShrinkRecord, bond_singular_values, params_at_ranks, remove_slices_, round_to_ranks_, shrink_
+from .shrink import (ShrinkRecord, bond_singular_values, compact_, live_params, params_at_ranks, remove_slices_,
+                     round_to_ranks_, shrink_)
 
 __all__ = ["RankAdaptive", "RankConfig", "param_groups", "tt_matrices", "MatrixEntry", "HistoryEntry", "RankSummary",
            "EARLY", "LATE", "achievement_lambda", "add_gate_penalty_", "shrink_", "remove_slices_", "ShrinkRecord",
@@ -151,6 +152,14 @@ class RankAdaptive:
     steps and per pruning. The parameters of shrunk matrices are new objects: read ``model.parameters()`` afresh
     after a pruning step (do not keep lists of them across steps).
 
+    **Under torch.compile** (budget schedule): ``RankConfig.shrink_slack`` (a float >= 1, default None) keeps the stored
+    cores at their widths while the stored TT size stays within ``shrink_slack`` × the live size: a prune then
+    writes the rounded cores into the stored ones in place, zero past the new ranks (the zero slices get zero
+    gradients), so the compiled graphs run on without a recompile. When a prune would exceed the slack, and at the
+    schedule's last prune point, every matrix is shrunk physically at once (one recompile). Sizes, ranks and the
+    history count the live ranks throughout. At most 1 + ⌊log(S_0 / S_T) / log(shrink_slack)⌋ physical shrinks
+    in a run, against one per prune without it.
+
     **Distributed** (docs/distributed.md): give it the ``DistributedDataParallel`` model. Every prune is decided on
     rank 0 and broadcast, the observed loss is averaged over the ranks, and after a prune the wrapper is rebuilt:
     call the model through ``hook.model`` (the old wrapper raises). FSDP2 models are refused (NotImplementedError).
@@ -175,13 +184,14 @@ class RankAdaptive:
                                           and history_every >= 1)):
             raise ValueError(f"RankAdaptive: history_every must be an int >= 1 or None; got {history_every!r}")
         self.history_every = history_every
+        self.shrink_slack = s.shrink_slack
         # Under torch.distributed (runtime.distributed): decisions agreed across ranks, DDP rebuilt after a prune
         self.distributed, module = RankSync.for_model(model)
         self.model, self.optimizer = model, optimizer  # self.model: the current DDP wrapper after a prune
         self.module = module
         self.matrices = tt_matrices(module)
         self._check_model()
-        self.initial_tt_params = sum(physical_params(m.tt) for m in self.matrices)
+        self.initial_tt_params = sum(live_params(m.tt) for m in self.matrices)
         self.dense_params = sum(m.tt.layout.dense_params for m in self.matrices)  # what a float size_target scales
         self.step = 0
         self.history: list[HistoryEntry] = []
@@ -249,7 +259,12 @@ class RankAdaptive:
             self._pending_loss = self.distributed.mean(self._pending_loss, self._device())
 
     def tt_params(self) -> int:
-        """Stored TT parameters (cores + gates) now."""
+        """TT parameters (cores + gates) at the live ranks now: what is stored, unless ``shrink_slack`` holds
+        matrices wider (``stored_tt_params``)."""
+        return sum(live_params(m.tt) for m in self.matrices)
+
+    def stored_tt_params(self) -> int:
+        """TT parameters as stored now, zero slices of matrices held wider (``shrink_slack``) included."""
         return sum(physical_params(m.tt) for m in self.matrices)
 
     def live_tt_params(self) -> int:
@@ -289,11 +304,12 @@ class RankAdaptive:
         self._after_prune(records)
         return records
 
-    def prune_to(self, size: float) -> list[ShrinkRecord]:
+    def prune_to(self, size: float, *, compact: bool | None = None) -> list[ShrinkRecord]:
         """Cut the TT size to <= ``size`` (or until every bond is at its floor): rank the directions of every
         bond of every layer jointly by importance per parameter freed (``importance.slice_importance``,
         ``schedule.allocate``) and TT-round each reduced matrix to its new ranks (``shrink.round_to_ranks_``).
-        The budget schedule calls this at its prune points."""
+        The budget schedule calls this at its prune points. ``compact``: shrink every matrix physically (True),
+        or keep the stored widths (False); None decides by ``shrink_slack`` (physically when it is None)."""
         if self.importance is None:
             raise RuntimeError("RankAdaptive: prune_to() ranks slices by importance, which only the budget "
                                "schedule measures; with schedule='comera' use prune()")
@@ -301,7 +317,7 @@ class RankAdaptive:
             self.distributed.check()
         s = self.settings
         entries = [m for m in self.matrices if m.shrinkable and not m.tt.is_zero]
-        fixed = self.tt_params() - sum(physical_params(m.tt) for m in entries)
+        fixed = self.tt_params() - sum(live_params(m.tt) for m in entries)
         sensitivity, layer_importance = self.importance.values(entries)
         mean = sum(layer_importance.values()) / max(len(entries), 1)
         layers, reasons = [], {}
@@ -315,25 +331,48 @@ class RankAdaptive:
             else:
                 floor = s.min_rank
             sigmas = [sig.tolist() for sig in bond_singular_values(m.tt)]
-            ranks = m.tt.layout.internal_ranks
+            ranks = m.tt.live_layout.internal_ranks
             layers.append(LayerSlices(_mids(m.tt), tuple(slice_importance(sens, sig, r) for sens, sig, r in
                                                          zip(sensitivity[m.name], sigmas, ranks)), floor))
         records, decided = [], [[len(kept) for kept in keep] for keep in allocate(layers, size, fixed)]
         if self.distributed is not None:  # rank 0's ranks on every rank
             flat = iter(self.distributed.ints([r for ranks in decided for r in ranks], self._device()))
             decided = [[next(flat) for _ in ranks] for ranks in decided]
+        live_after = fixed + sum(params_at_ranks(m.tt, r) for m, r in zip(entries, decided))
+        in_place = not self._compacts(compact, live_after)
         for m, ranks in zip(entries, decided):
-            record = round_to_ranks_(m.tt, ranks, optimizer=self.optimizer, name=m.name)
+            record = round_to_ranks_(m.tt, ranks, optimizer=self.optimizer, name=m.name, in_place=in_place)
             if record is not None:
                 self._after_shrink(record, reasons.get(m.name, ""))
                 records.append(record)
+        compacted = [] if in_place else self._compact_all()
         if self.tt_params() > size + 0.5 and not self._warned_floor:
             self._warned_floor = True
             warnings.warn(f"RankAdaptive: the scheduled size {size:,.0f} is below what the rank floors allow "
                           f"(min_rank={s.min_rank}); the TT size stays at {self.tt_params():,}. Lower min_rank or "
                           f"raise the target", stacklevel=2)
+        self._after_prune(records + compacted)
+        return records
+
+    def compact(self) -> list[ShrinkRecord]:
+        """Shrink every matrix held wider (``shrink_slack``) to its live ranks now, physically (the schedule does it
+        at its last prune point; a run stopped before that point keeps the zero slices until this call)."""
+        if self.distributed is not None:
+            self.distributed.check()
+        records = self._compact_all()
         self._after_prune(records)
         return records
+
+    def _compact_all(self) -> list[ShrinkRecord]:
+        return [r for m in self.matrices if m.shrinkable
+                for r in [compact_(m.tt, optimizer=self.optimizer, name=m.name)] if r is not None]
+
+    def _compacts(self, compact: bool | None, live_after: int) -> bool:
+        """Does this prune shrink physically? Yes without ``shrink_slack``, when asked, or when the stored size
+        would exceed ``shrink_slack`` × the live size after it."""
+        if compact is not None:
+            return compact
+        return self.shrink_slack is None or self.stored_tt_params() > self.shrink_slack * live_after
 
     def _device(self) -> torch.device:
         return next((g.device for g in self._gates()), torch.device("cpu"))
@@ -376,7 +415,9 @@ class RankAdaptive:
         """The schedule's state (not the history), so a resumed run prunes the same slices at the same steps."""
         state = {"schedule": self.settings.schedule, "step": self.step, "stage": self.stage,
                  "switch_step": self.switch_step, "initial_tt_params": self.initial_tt_params,
-                 "zeroed": dict(self.zeroed)}
+                 "zeroed": dict(self.zeroed),
+                 "live_ranks": {m.name: m.tt.live_internal_ranks for m in self.matrices
+                                if m.tt.live_internal_ranks is not None}}
         if self.settings.schedule == BUDGET:
             state.update(elapsed_seconds=self.elapsed_seconds(), next_prune=self._next_prune,
                          importance=self.importance.state_dict())
@@ -393,6 +434,9 @@ class RankAdaptive:
         self.step, self.stage, self.switch_step = state["step"], state["stage"], state["switch_step"]
         self.initial_tt_params = state["initial_tt_params"]
         self.zeroed = dict(state.get("zeroed", {}))
+        for m in self.matrices:  # matrices held wider (shrink_slack): the model's checkpoint has the stored widths
+            live = state.get("live_ranks", {}).get(m.name)
+            m.tt.live_internal_ranks = None if live is None else tuple(live)
         if self.settings.schedule == BUDGET:
             self.schedule = self._make_schedule()
             self._elapsed_before, self._clock_start = state["elapsed_seconds"], None
@@ -459,7 +503,7 @@ class RankAdaptive:
                 due += 1
             if due > self._next_prune:
                 self._next_prune = due
-                records = self.prune_to(budget)
+                records = self.prune_to(budget, compact=True if due >= len(points) else None)
         elif s.prune_every is not None and self.step % s.prune_every == 0:
             records = self.prune()
         if records or (self.history_every is not None and self.step % self.history_every == 0):

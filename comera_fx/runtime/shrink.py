@@ -2,7 +2,14 @@
 together, and the new parameters take the old ones' places in the optimizer.
 
 ``shrink_`` removes the dead slices (|g| <= threshold, CoMERA's rule); ``remove_slices_`` removes whichever
-slices the caller chooses (the budget schedule's importance ranking). Both return a ``ShrinkRecord``.
+slices the caller chooses; ``round_to_ranks_`` TT-rounds to given ranks (the budget schedule). All return a
+``ShrinkRecord``.
+
+``round_to_ranks_(..., in_place=True)`` writes the rounded cores into the stored ones instead, zero past the new
+ranks (gates too): the stored shapes and the parameter objects stay, so a compiled graph that holds the matrix
+runs on without a recompile, and the zero slices get exactly zero gradients (each is multiplied by a zero gate
+or a zero slice of the neighbouring core), so no optimizer moves them. ``compact_`` later removes them
+physically, all matrices at once (``RankAdaptive(shrink_slack=...)``: one recompile for many prunes).
 """
 
 from __future__ import annotations
@@ -24,6 +31,13 @@ def params_at_ranks(tt: TTMatrix, internal_ranks: Sequence[int]) -> int:
     if any(r == 0 for r in internal_ranks):
         return 0
     return tt.layout.with_ranks((1, *internal_ranks, 1)).num_params  # num_params counts the gates too
+
+
+def live_params(tt: TTMatrix) -> int:
+    """Cores + gates at the live ranks: the matrix's true size (``physical_params`` unless held wider)."""
+    if tt.live_internal_ranks is None:
+        return physical_params(tt)
+    return params_at_ranks(tt, tt.live_internal_ranks)
 
 
 @dataclass(frozen=True)
@@ -98,7 +112,7 @@ def remove_slices_(tt: TTMatrix, masks: Sequence[Tensor], *, optimizer: torch.op
     positions, state sliced to match). If a bond keeps nothing the matrix is zero and every core becomes empty
     (``TTMatrix.is_zero``). Returns None when nothing is removed.
     """
-    if not tt.gates or tt.is_zero:
+    if not tt.gates or tt.stored_empty:
         return None
     if [tuple(m.shape) for m in masks] != [tuple(g.shape) for g in tt.gates]:
         raise ValueError(f"{name or 'TTMatrix'}: masks of shapes {[tuple(m.shape) for m in masks]} do not match "
@@ -108,7 +122,7 @@ def remove_slices_(tt: TTMatrix, masks: Sequence[Tensor], *, optimizer: torch.op
     sizes = [m.numel() for m in masks]
     if counts == sizes:
         return None
-    old_ranks, before = tt.ranks, physical_params(tt)
+    old_ranks, before, was_zero = tt.ranks, live_params(tt), tt.is_zero
     was_planned = planned_ops(tt.layout)
     zeroed = 0 in counts
     if zeroed:
@@ -124,13 +138,14 @@ def remove_slices_(tt: TTMatrix, masks: Sequence[Tensor], *, optimizer: torch.op
     for k in range(n - 1):
         if changed[k]:
             _replace_(tt.gates, k, lambda t, i=keep[k]: t.index_select(0, i), optimizer)
+    tt.live_internal_ranks = None  # stored = live from here on
     if not tt.is_zero:
         # Plan the new ranks now for what was planned before: a compiled model retraces after the shapes change,
         # and a traced graph can only read plans (without one it would run the fixed fallback order).
         for op in was_planned:
             planned_envelope(tt.layout, op)
     kept = tuple(tuple(k.tolist()) for k in keep)
-    return ShrinkRecord(name, old_ranks, tt.ranks, before, physical_params(tt), zeroed, kept)
+    return ShrinkRecord(name, old_ranks, tt.ranks, before, physical_params(tt), zeroed and not was_zero, kept)
 
 
 def shrink_(tt: TTMatrix, *, threshold: float = DEFAULT_GATE_THRESHOLD, optimizer: torch.optim.Optimizer | None = None,
@@ -140,18 +155,32 @@ def shrink_(tt: TTMatrix, *, threshold: float = DEFAULT_GATE_THRESHOLD, optimize
     Exact when the dead entries are exactly 0; otherwise it drops terms of size <= threshold, as CoMERA's masking
     does. Returns None when nothing is dead.
     """
-    if not tt.gates or tt.is_zero:
+    if not tt.gates or tt.stored_empty:
         return None
     return remove_slices_(tt, [g.detach().abs() > threshold for g in tt.gates], optimizer=optimizer, name=name)
+
+
+def compact_(tt: TTMatrix, *, optimizer: torch.optim.Optimizer | None = None, name: str = "") -> ShrinkRecord | None:
+    """Remove the zero slices a matrix held wider keeps past its live ranks (``round_to_ranks_(in_place=True)``),
+    physically: new parameters in the old ones' places in ``optimizer``. A live rank of 0 empties every core.
+    Returns None when ``tt`` is not held wider."""
+    live = tt.live_internal_ranks
+    if live is None:
+        return None
+    masks = [torch.arange(g.numel(), device=g.device) < r for g, r in zip(tt.gates, live)]
+    record = remove_slices_(tt, masks, optimizer=optimizer, name=name)
+    tt.live_internal_ranks = None
+    return record
 
 
 # ------------------------------------------------------------------------------------------------ TT rounding
 
 
 def _fold_gates(tt: TTMatrix) -> list[Tensor]:
-    cores = [c.detach() for c in tt.cores]
-    return [c * g.detach() if k < len(tt.gates) else c
-            for k, (c, g) in enumerate(zip(cores, [*tt.gates, None]))] if tt.gates else cores
+    """The live cores with their gates folded in (detached)."""
+    cores, gates = [c.detach() for c in tt.live_cores()], tt.live_gates()
+    return [c * g.detach() if k < len(gates) else c
+            for k, (c, g) in enumerate(zip(cores, [*gates, None]))] if gates else cores
 
 
 def tt_round(cores: Sequence[Tensor], ranks: Sequence[int] | None = None) -> tuple[list[Tensor], list[Tensor]]:
@@ -192,17 +221,26 @@ def bond_singular_values(tt: TTMatrix) -> list[Tensor]:
 
 
 def round_to_ranks_(tt: TTMatrix, internal_ranks: Sequence[int], *, optimizer: torch.optim.Optimizer | None = None,
-                    name: str = "") -> ShrinkRecord | None:
+                    name: str = "", in_place: bool = False) -> ShrinkRecord | None:
     """Reduce ``tt`` to ``internal_ranks`` by TT rounding: the best directions of every bond are kept (not the
     stored slices), gates reset to 1. A rank of 0 anywhere zeroes the matrix. The new cores are new parameters in
     the old ones' places in ``optimizer``; their optimizer state is dropped (the moments refer to a basis that no
-    longer exists) and starts afresh at the next step. Returns None when no rank falls."""
-    if not tt.gates or tt.is_zero or all(new >= old for new, old in zip(internal_ranks, tt.layout.internal_ranks)):
+    longer exists) and starts afresh at the next step. Returns None when no live rank falls.
+
+    ``in_place``: keep the stored shapes and parameter objects (the matrix is held wider, see the module
+    docstring); the rounded cores are written into the first ``internal_ranks`` slices, zeros past them, and the
+    optimizer's state of the matrix is dropped likewise."""
+    live = tt.ranks[1:-1]
+    if not tt.gates or tt.is_zero or all(new >= old for new, old in zip(internal_ranks, live)):
         return None
+    internal_ranks = tuple(min(new, old) for new, old in zip(internal_ranks, live))
+    old_ranks, before = tt.ranks, live_params(tt)
+    if in_place:
+        _write_in_place_(tt, internal_ranks, optimizer)
+        return ShrinkRecord(name, old_ranks, tt.ranks, before, live_params(tt), tt.is_zero, ())
     if any(r == 0 for r in internal_ranks):
         return remove_slices_(tt, [torch.zeros_like(g, dtype=torch.bool) for g in tt.gates], optimizer=optimizer,
                               name=name)
-    old_ranks, before = tt.ranks, physical_params(tt)
     was_planned = planned_ops(tt.layout)
     with torch.no_grad():
         cores, _ = tt_round(_fold_gates(tt), internal_ranks)
@@ -215,6 +253,32 @@ def round_to_ranks_(tt: TTMatrix, internal_ranks: Sequence[int], *, optimizer: t
                 for group in optimizer.param_groups:
                     group["params"][:] = [new if p is old else p for p in group["params"]]
                 optimizer.state.pop(old, None)
+    tt.live_internal_ranks = None  # every core and gate is new, at the new ranks
     for op in was_planned:
         planned_envelope(tt.layout, op)
     return ShrinkRecord(name, old_ranks, tt.ranks, before, physical_params(tt), False, ())
+
+
+def _write_in_place_(tt: TTMatrix, internal_ranks: Sequence[int], optimizer: torch.optim.Optimizer | None) -> None:
+    """TT-round ``tt`` to ``internal_ranks`` into its stored cores: the rounded values in the leading slices,
+    zeros (cores and gates) past them; gradients and optimizer state of the matrix dropped. A rank of 0 anywhere
+    zeroes every core and gate (the products then compute an exact zero until ``compact_`` empties them)."""
+    zeroed = any(r == 0 for r in internal_ranks)
+    with torch.no_grad():
+        if zeroed:
+            cores, internal_ranks = [None] * len(tt.cores), (0,) * len(tt.gates)
+        else:
+            cores, _ = tt_round(_fold_gates(tt), internal_ranks)
+            internal_ranks = tuple(c.shape[-1] for c in cores[:-1])  # a bond holds at most what it needs
+        for plist, values in ((tt.cores, cores), (tt.gates, [None] * len(tt.gates))):
+            for k, value in enumerate(values):
+                param = plist[k]
+                param.zero_()
+                if plist is tt.gates:
+                    param[:internal_ranks[k]] = 1
+                elif value is not None:
+                    param[tuple(slice(0, n) for n in value.shape)] = value
+                param.grad = None
+                if optimizer is not None:
+                    optimizer.state.pop(param, None)
+    tt.live_internal_ranks = tuple(internal_ranks)

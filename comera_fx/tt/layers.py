@@ -26,6 +26,11 @@ class TTMatrix(nn.Module):
 
     Ranks are read from the cores, so shrinking a bond is just replacing three parameters. Loading a state dict
     whose cores have other ranks (a pruned checkpoint) adopts the checkpoint's shapes.
+
+    Held wider (``runtime.shrink.round_to_ranks_(..., in_place=True)``): the stored cores may keep zero slices
+    beyond each bond's live rank, with zero gates, so that a prune changes no stored shape (a compiled graph keeps
+    running, ``RankAdaptive``'s ``shrink_slack``). ``layout`` is then the stored one, what every product runs;
+    ``ranks``, ``live_layout`` and ``is_zero`` are the live ones, what sizes and reports count.
     """
 
     def __init__(self, layout: TTLayout, cores: Sequence[Tensor], gates: Sequence[Tensor] | None = None):
@@ -40,6 +45,8 @@ class TTMatrix(nn.Module):
         if gates is None:
             gates = [torch.ones(r, dtype=cores[0].dtype, device=cores[0].device) for r in layout.internal_ranks]
         self.gates = nn.ParameterList([nn.Parameter(g.detach().clone()) for g in gates])
+        #: The live internal ranks when the stored cores are wider (zero slices past them), else None.
+        self.live_internal_ranks: tuple[int, ...] | None = None
 
     # -- construction --------------------------------------------------------------------------------------------
 
@@ -92,6 +99,8 @@ class TTMatrix(nn.Module):
 
     @property
     def layout(self) -> TTLayout:
+        """The stored cores' layout: what every product and plan runs (wider than ``live_layout`` while the matrix
+        is held wider)."""
         ranks = (1,) + tuple(core.shape[-1] for core in self._stored_cores())
         return TTLayout(self.format, self.rows, self.cols, self.row_modes, self.col_modes, ranks)
 
@@ -101,24 +110,52 @@ class TTMatrix(nn.Module):
         return list(self.cores._parameters.values())
 
     @property
+    def live_layout(self) -> TTLayout:
+        """The layout at the live ranks: the matrix's true size (``layout`` while it is not held wider)."""
+        layout = self.layout
+        live = self.live_internal_ranks
+        return layout if live is None else layout.with_ranks((1, *live, 1))
+
+    @property
     def ranks(self) -> tuple[int, ...]:
-        return self.layout.ranks
+        """The live ranks (the stored cores may be wider: ``layout.ranks``)."""
+        return self.live_layout.ranks
 
     @property
     def is_zero(self) -> bool:
-        """True when a bond has rank 0 (rank adaptation removed all its slices): M is exactly zero, and the
-        contraction code, which needs ranks >= 1, is bypassed."""
+        """True when a bond has live rank 0 (rank adaptation removed all its slices): M is exactly zero."""
+        live = self.live_internal_ranks
+        return self.stored_empty or (live is not None and 0 in live)
+
+    @property
+    def stored_empty(self) -> bool:
+        """True when a stored core is empty: the contraction code, which needs ranks >= 1, is bypassed. What the
+        products test (not ``is_zero``), so that a graph reads only shapes, never the live ranks."""
         return any(core.numel() == 0 for core in self._stored_cores())
+
+    def live_cores(self) -> list[Tensor]:
+        """The cores cut to the live ranks (views; the cores themselves while not held wider)."""
+        live = self.live_internal_ranks
+        if live is None:
+            return list(self.cores)
+        ranks = (1, *live, 1)
+        return [core[:ranks[k], ..., :ranks[k + 1]] for k, core in enumerate(self.cores)]
+
+    def live_gates(self) -> list[Tensor]:
+        """The gates cut to the live ranks (views)."""
+        live = self.live_internal_ranks
+        return list(self.gates) if live is None else [g[:r] for g, r in zip(self.gates, live)]
 
     @property
     def full_ranks(self) -> tuple[int, ...]:
         return feasible_ranks(chain_dims(self.format, self.row_modes, self.col_modes))
 
     def extra_repr(self) -> str:
-        layout = self.layout
-        return (f"format={layout.format.value}, modes={layout.describe_modes()}, ranks={layout.ranks}, "
-                f"params={layout.num_params}, "
-                f"compression={f'{layout.compression:.1f}x' if layout.num_params else 'zero matrix'}")
+        layout = self.live_layout
+        stored = "" if self.live_internal_ranks is None else f", stored ranks={self.layout.ranks}"
+        params = 0 if self.is_zero else layout.num_params
+        return (f"format={layout.format.value}, modes={layout.describe_modes()}, ranks={layout.ranks}{stored}, "
+                f"params={params}, compression={f'{layout.compression:.1f}x' if params else 'zero matrix'}")
 
     # -- math ----------------------------------------------------------------------------------------------------
 
@@ -127,20 +164,20 @@ class TTMatrix(nn.Module):
 
     def dense(self) -> Tensor:
         """M itself (rows × cols). Builds the full matrix: for checks, not for the hot path."""
-        if self.is_zero:
+        if self.stored_empty:
             return self.cores[0].new_zeros(self.rows, self.cols)
         return ops.to_dense(self.gated_cores(), self.layout)
 
     def matmul(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
         """x @ M (+ bias) in the order the planner chose for this batch size (see ``comera_fx.plan``); the bias
         rides in the last GEMM where the order allows, as in nn.Linear's addmm."""
-        if self.is_zero:
+        if self.stored_empty:
             return _with_bias(_zero_product(x, self.cols), bias)
         return self._planned_product(x, "matmul", bias)
 
     def matmul_t(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
         """x @ Mᵀ (+ bias) (a tied output head), planned like ``matmul``."""
-        if self.is_zero:
+        if self.stored_empty:
             return _with_bias(_zero_product(x, self.rows), bias)
         return self._planned_product(x, "matmul_t", bias)
 
@@ -167,7 +204,7 @@ class TTMatrix(nn.Module):
         return planner.execute(chosen, x, cores, layout, bias)
 
     def take_rows(self, index: Tensor) -> Tensor:
-        if self.is_zero:
+        if self.stored_empty:
             return self.cores[0].new_zeros(tuple(index.shape) + (self.cols,))
         # The kernels run on CUDA when triton is there (the gates folded into the merges, never as a separate
         # pass); everywhere else this is ops.take_rows.
@@ -190,6 +227,7 @@ class TTMatrix(nn.Module):
                 for k, param in enumerate(group):
                     saved = state_dict.get(f"{prefix}{group_name}.{k}")
                     if saved is not None and saved.shape != param.shape:
+                        self.live_internal_ranks = None  # the checkpoint's shapes are its ranks
                         group[k] = nn.Parameter(torch.empty(saved.shape, dtype=param.dtype, device=param.device),
                                                 requires_grad=param.requires_grad)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
