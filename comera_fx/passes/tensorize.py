@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, fx, nn
 
 from ..config import Init, TensorizeConfig
+from ..moe.convert import ExpertStep
 from ..tt import ops
 from ..tt import plan as planner
 from ..tt.layers import TTEmbedding, TTLinear, TTMatrix, choose_plan, make_tt_matrix, planned_envelope
@@ -241,6 +242,7 @@ def tensorize_(
     config = config or TensorizeConfig()
     result: FindResult = find_in_model(model, example_inputs)
     earlier = _earlier_tt_layers(model, config, filter_fn)
+    experts = ExpertStep(model, config, filter_fn, example_inputs, _expert_decision)  # MoE: 3D expert weights
     decisions, plans = [], []
     for cand in result.candidates:
         decision = LayerDecision(cand.fqn, cand.aliases, cand.kind, cand.shape,
@@ -286,6 +288,8 @@ def tensorize_(
         made = build_or_skip(params[cand.fqn], cand, decision, config, index, fits.get(cand.fqn))
         if made is not None:
             built.append((cand, decision, holders, *made))
+    experts.annotate(decisions)
+    experts.build(len(plans))
 
     # Mutate; whatever fails on the way (an exception, KeyboardInterrupt) restores every module touched.
     journal = Journal()
@@ -295,8 +299,10 @@ def tensorize_(
                 _replace_holder(model, module, path, attr, tt, cand.kind, stores_transpose(cand), journal)
             if not tt.is_zero:
                 tt.prepare_plans()  # a graph compiled before any eager call then runs the planned order
+        experts.install(journal)
     except BaseException:
         journal.undo()
+        experts.undo()
         raise
     for cand, decision, holders, tt, notes in built:
         decision.converted = True
@@ -305,7 +311,12 @@ def tensorize_(
         decision.params = tt.layout.num_params
     if budget is not None:
         budget.reached = sum(tt.layout.num_params for *_, tt, _ in built)
-    return TensorizeSummary(decisions + earlier, result.method, result.fallback_reason, budget)
+    return TensorizeSummary(decisions + experts.finish() + earlier, result.method, result.fallback_reason, budget)
+
+
+def _expert_decision(cand) -> LayerDecision:
+    """The decision for one 3D expert parameter (``comera_fx.moe``); its kind is "experts"."""
+    return LayerDecision(cand.fqn, (cand.fqn,), "experts", cand.shape, tuple(cand.uses) or (cand.layout,))
 
 
 def _tt_matrix_of(param: Tensor, cand: Candidate) -> Tensor:
