@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ..config import TensorizeConfig
+from ..passes.find import Candidate, Use, UseKind, parameter_table
 from ..passes.holders import Journal, hook_problem, move_hooks
 from .bank import TTExpertBank
 from .experts import TTExperts, hf_experts_problem
@@ -184,6 +185,7 @@ class ExpertStep:
         from .find import find_experts
 
         self.model, self.config = model, config
+        self.scanned: set[str] = set()
         self.scan = find_experts(model, example_inputs)
         self.decisions, self.plans = plan_experts(model, self.scan, config, filter_fn, make_decision)
         if config.param_budget is not None:
@@ -193,11 +195,25 @@ class ExpertStep:
                                 "converted with max_rank / rank_ratio outside the budget")
             self.plans = []
 
+    def add_missed(self, result) -> None:
+        """Add to the graph finder's ``result`` the linears of expert lists it did not record. Dynamo records an
+        expert's linears only if the example tokens reached that expert, and after the loop's graph break it
+        may reuse one expert's compiled frame for the next (its ops are then not recorded again)."""
+        have = {alias for c in result.candidates for alias in c.aliases}
+        table = parameter_table(self.model)
+        for cand in self.scan.of_layout(MODULE_LIST):
+            if cand.fqn not in have and cand.fqn in table:
+                result.candidates.append(Candidate(cand.fqn, table[cand.fqn][1], cand.shape, cand.dtype,
+                                                   [Use(UseKind.LINEAR, cand.holder, "Linear")]))
+                self.scanned.add(cand.fqn)
+
     def annotate(self, decisions: list) -> None:
         notes = expert_notes(self.scan)
         for d in decisions:
             if d.fqn in notes:
                 d.notes.append(notes[d.fqn])
+            if d.fqn in self.scanned:
+                d.notes.append("found by the expert-list scan: the captured graphs did not record its op")
 
     def build(self, first_index: int) -> None:
         build_banks(self.model, self.plans, self.config, first_index)

@@ -58,6 +58,7 @@ class ExpertCandidate:
     unsupported: list[str] = field(default_factory=list)
     experts_seen: tuple[int, ...] | None = None
     expert_index: int | None = None  # module-list layout: which expert this nn.Linear belongs to
+    expert_list: str | None = None  # module-list layout: the nn.ModuleList's path
 
     @property
     def slice_shape(self) -> tuple[int, int]:
@@ -67,7 +68,7 @@ class ExpertCandidate:
     def describe(self) -> str:
         """One line for the summary: the expert dimension, and what was seen."""
         if self.layout == MODULE_LIST:
-            return (f"expert {self.expert_index} of {self.num_experts} in the nn.ModuleList {self.holder!r} "
+            return (f"expert {self.expert_index} of {self.num_experts} in the nn.ModuleList {self.expert_list!r} "
                     f"(expert dim = the list index)")
         seen = "" if self.experts_seen is None else (
             f"; ops of experts {list(self.experts_seen)} ran on the example inputs" if self.experts_seen
@@ -141,7 +142,7 @@ def _module_list_experts(module: nn.ModuleList, path: str, fqn_of: Mapping[int, 
             w = linear.weight
             holder = f"{path}.{index}" + (f".{name}" if name else "")
             out.append(ExpertCandidate(fqn_of[id(w)], holder, MODULE_LIST, tuple(w.shape), w.dtype, len(members),
-                                       expert_dim=0, uses=["linear"], expert_index=index))
+                                       expert_dim=0, uses=["linear"], expert_index=index, expert_list=path))
     return out
 
 

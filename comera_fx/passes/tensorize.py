@@ -243,6 +243,7 @@ def tensorize_(
     result: FindResult = find_in_model(model, example_inputs)
     earlier = _earlier_tt_layers(model, config, filter_fn)
     experts = ExpertStep(model, config, filter_fn, example_inputs, _expert_decision)  # MoE: 3D expert weights
+    experts.add_missed(result)  # and expert-list linears the captured graphs did not record
     decisions, plans = [], []
     for cand in result.candidates:
         decision = LayerDecision(cand.fqn, cand.aliases, cand.kind, cand.shape,
