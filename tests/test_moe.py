@@ -335,3 +335,59 @@ def test_save_tensorized_round_trips_the_bmm_layout(tmp_path):
     loaded = comera_fx.load_tensorized(path, lambda: wrapped(BmmMoE()))
     assert isinstance(loaded[1].w_in, ExpertWeight)
     torch.testing.assert_close(loaded(x), model(x), rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------------------------- RMM and compilation
+
+
+def _experts_and_routing(seed: int = 0, tokens_: int = 24):
+    model = mixtral(seed).double()
+    comera_fx.tensorize_(model, TensorizeConfig(max_rank=8, min_numel=0, min_dim=1, **EXPERTS_ONLY))
+    hidden = torch.randn(tokens_, HIDDEN, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    _, weights, index = model.model.layers[0].mlp.gate(hidden)
+    return model, hidden, index, weights.detach().to(torch.float64)
+
+
+def _grads(experts, hidden, index, weights):
+    x = hidden.clone().requires_grad_(True)
+    out = experts(x, index, weights)
+    out.square().sum().backward()
+    cores = [None if tt.cores[1].grad is None else tt.cores[1].grad.clone() for tt in experts.gate_up_proj]
+    experts.zero_grad(set_to_none=True)
+    return out.detach(), x.grad, cores
+
+
+def test_randomize_backward_reaches_each_experts_products():
+    model, hidden, index, weights = _experts_and_routing()
+    experts = experts_of(model).train()
+    exact_out, exact_dx, exact_cores = _grads(experts, hidden, index, weights)
+    summary = comera_fx.randomize_backward_(model, rho=0.5, min_numel=0)
+    banks = [d for d in summary.layers if d.kind == "tt_experts"]
+    assert [d.fqn for d in banks] == ["model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"]
+    assert all(d.randomized for d in banks)
+    out, dx, cores = _grads(experts, hidden, index, weights)
+    torch.testing.assert_close(out, exact_out, rtol=1e-12, atol=1e-12)  # forward exact
+    torch.testing.assert_close(dx, exact_dx, rtol=1e-10, atol=1e-12)  # dX exact
+    assert all(torch.isfinite(c).all() for c in cores)
+    assert all(not torch.allclose(c, e) for c, e in zip(cores, exact_cores))  # sketched core gradients
+    assert comera_fx.restore_backward_(model) >= 2
+    _, _, restored = _grads(experts, hidden, index, weights)
+    for c, e in zip(restored, exact_cores):
+        torch.testing.assert_close(c, e, rtol=1e-10, atol=1e-12)
+
+
+def test_the_backend_compiles_the_experts_products():
+    """One small check in the default run (the backend's eager mode: no Inductor): forward and gradients of the
+    compiled experts module equal the eager ones. Two experts are hit, to keep the trace short."""
+    model, hidden, index, weights = _experts_and_routing(tokens_=12)
+    index = index % 2
+    experts = experts_of(model)
+    expected, expected_dx, expected_cores = _grads(experts, hidden, index, weights)
+    backend = comera_fx.make_backend(inductor=False)
+    out, dx, cores = _grads(torch.compile(experts, backend=backend), hidden, index, weights)
+    assert backend.stats.graphs >= 1
+    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(dx, expected_dx, rtol=1e-10, atol=1e-12)
+    assert [c is None for c in cores] == [c is None for c in expected_cores] == [False, False, True, True]
+    for c, e in zip(cores[:2], expected_cores[:2]):
+        torch.testing.assert_close(c, e, rtol=1e-10, atol=1e-12)

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
+from ..rmm.functions import rmm_tt_product
 from ..tt.layers import TTMatrix, make_tt_matrix
 
 #: How a slice P[e] is read: "linear" (y = x P[e]ᵀ, P[e] is out × in) or "matmul" (y = x P[e], P[e] is in × out).
@@ -41,6 +42,7 @@ class TTExpertBank(nn.ModuleList):
             raise ValueError(f"the experts of one bank must have one shape; got {sorted(shapes)}")
         super().__init__(matrices)
         self.slice_use = slice_use
+        self.rmm = None  # an RMMConfig once randomize_backward_ randomizes the experts' backward (moe/rmm.py)
 
     @classmethod
     def from_dense(cls, weight: Tensor, slice_use: str, *, generators: Sequence[torch.Generator | None] | None = None,
@@ -80,20 +82,22 @@ class TTExpertBank(nn.ModuleList):
 
     # -- math ----------------------------------------------------------------------------------------------------
 
-    def forward_expert(self, expert: int, x: Tensor, bias: Tensor | None = None) -> Tensor:
-        """Expert ``expert``'s product on its tokens ``x`` (… × in_features): ``F.linear(x, P[e], bias)`` for a
-        linear-read bank, ``x @ P[e] + bias`` for a matmul-read one — both are x M_e (+ bias)."""
-        return self[expert].matmul(x, bias)
-
     def linear(self, expert: int, x: Tensor, bias: Tensor | None = None) -> Tensor:
-        """``F.linear(x, P[e], bias)`` = x P[e]ᵀ."""
-        tt = self[expert]
-        return tt.matmul(x, bias) if self.slice_use == "linear" else tt.matmul_t(x, bias)
+        """``F.linear(x, P[e], bias)`` = x P[e]ᵀ, through expert e's planned TT product."""
+        return self._product(expert, x, transposed=self.slice_use == "matmul", bias=bias)
 
     def mm(self, expert: int, x: Tensor) -> Tensor:
         """``x @ P[e]``."""
+        return self._product(expert, x, transposed=self.slice_use == "linear")
+
+    def _product(self, expert: int, x: Tensor, *, transposed: bool, bias: Tensor | None = None) -> Tensor:
+        """x M_e or x M_eᵀ (+ bias); with ``rmm`` set and in training, the core gradients come from a sketch of
+        ρ of this expert's tokens."""
         tt = self[expert]
-        return tt.matmul(x) if self.slice_use == "matmul" else tt.matmul_t(x)
+        if self.rmm is not None and self.training and x.shape[0] > 0:
+            y = rmm_tt_product(x, tt, transposed=transposed, rho=self.rmm.ratio, sketch=self.rmm.sketch)
+            return y if bias is None else y + bias
+        return tt.matmul_t(x, bias) if transposed else tt.matmul(x, bias)
 
     def dense_expert(self, expert: int) -> Tensor:
         """P[e] itself. Builds the matrix: for checks and for ops the bank has no TT product for."""
