@@ -119,7 +119,9 @@ def find_experts(model: nn.Module, example_inputs=None) -> ExpertScan:
                 cand.uses = sorted(uses)
                 cand.experts_seen = tuple(sorted(seen))
                 if cand.layout == HF_EXPERTS and unsupported:  # grouped_mm / batched_mm read P whole: swapped anyway
-                    cand.uses += sorted(f"{op} (all experts at once)" for op in unsupported)
+                    impl = getattr(getattr(model.get_submodule(cand.holder), "config", None),
+                                   "_experts_implementation", None)
+                    cand.uses.append(f"{impl or 'experts'} path (all experts at once)")
                     cand.experts_seen = cand.experts_seen or None
     order = {fqn: i for i, fqn in enumerate(params)}
     return ExpertScan(sorted(found.values(), key=lambda c: order.get(c.fqn, len(order))), example_inputs is not None)
