@@ -391,3 +391,32 @@ def test_the_backend_compiles_the_experts_products():
     assert [c is None for c in cores] == [c is None for c in expected_cores] == [False, False, True, True]
     for c, e in zip(cores[:2], expected_cores[:2]):
         torch.testing.assert_close(c, e, rtol=1e-10, atol=1e-12)
+
+
+# ----------------------------------------------------------------------------------------------- shared form
+
+
+def test_the_shared_form_at_full_rank_reproduces_the_experts_and_shares_all_but_one_core():
+    from comera_fx.moe.shared import SharedTTExpertBank
+
+    model = mixtral().double()
+    model.config._experts_implementation = "eager"
+    dense = copy.deepcopy(model)
+    experts = experts_of(model)
+    up = SharedTTExpertBank.from_dense(experts.gate_up_proj, "linear", max_rank=10**6)
+    down = SharedTTExpertBank.from_dense(experts.down_proj, "linear", max_rank=10**6)
+    torch.testing.assert_close(up.dense(), experts.gate_up_proj.detach(), rtol=1e-10, atol=1e-12)
+    assert up.tt.col_modes[0] == EXPERTS and up.tt.cores[len(up.tt.row_modes)].shape[1] == EXPERTS  # expert core
+    # at one rank cap, the shared chain stores the non-expert cores once: fewer parameters than E chains
+    capped = SharedTTExpertBank.from_dense(experts.gate_up_proj, "linear", max_rank=4)
+    assert capped.tt.layout.num_params < sum(tt.layout.num_params for tt in TTExpertBank.from_dense(
+        experts.gate_up_proj, "linear", max_rank=4))
+    model.model.layers[0].mlp.experts = TTExperts.from_hf(experts, up, down)
+    ids = tokens()
+    torch.testing.assert_close(model(ids).logits, dense(ids).logits, rtol=1e-5, atol=1e-6)
+    # truncated, it still trains: the gradient reaches the shared cores through every expert hit
+    small = SharedTTExpertBank.from_dense(dense.model.layers[0].mlp.experts.down_proj, "linear", max_rank=4)
+    x = torch.randn(5, FFN, dtype=torch.float64)
+    torch.testing.assert_close(small.linear(1, x), x @ small.dense_expert(1).t(), rtol=1e-10, atol=1e-12)
+    small.linear(1, x).sum().backward()
+    assert all(c.grad is not None for c in small.tt.cores)
