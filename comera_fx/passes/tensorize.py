@@ -233,6 +233,10 @@ def tensorize_(
             are decomposed activation-aware (``comera_fx.tt.whiten``: small ||X(W - Ŵ)ᵀ|| on such inputs rather
             than small ||W - Ŵ||), and an energy allocation weighs their bonds by it. Embeddings are unaffected.
 
+    Mixture-of-experts weights are converted too, each expert its own TT matrix (``comera_fx.moe``,
+    docs/moe.md): transformers experts modules are swapped for ``TTExperts``; a raw 3D parameter read through
+    ``bmm`` or per-expert slices is found only with ``example_inputs``.
+
     Cores and gates take the dtype, device and ``requires_grad`` of the weight they replace; a swapped module's
     bias (the same parameter) and forward / backward hooks move to its TT twin. TT layers made by an earlier call
     are listed as skipped; a config asking for other settings for them raises ``ValueError``. Returns a
