@@ -152,13 +152,17 @@ def test_a_3d_parameter_read_by_an_unsupported_op_stays_dense():
             self.w = nn.Parameter(torch.randn(EXPERTS, HIDDEN, HIDDEN))
 
         def forward(self, x):
-            return torch.einsum("etd,edf->etf", x, self.w)
+            return torch.bmm(x, self.w) + torch.einsum("etd,edf->etf", x, self.w)
 
     model = wrapped(Einsum())
     summary = comera_fx.tensorize_(model, FULL, example_inputs=(torch.randn(EXPERTS, 3, HIDDEN),))
     (decision,) = [d for d in summary.layers if d.kind == "experts"]
     assert not decision.converted and "einsum" in decision.reason
     assert isinstance(model[1].w, nn.Parameter)
+    # a 3D weight no op reads as experts is no candidate at all
+    conv = nn.Sequential(nn.Identity(), nn.Conv1d(4, 4, 3))
+    summary = comera_fx.tensorize_(conv, FULL, example_inputs=(torch.randn(2, 4, 8),))
+    assert not [d for d in summary.layers if d.kind == "experts"]
 
 
 # ----------------------------------------------------------------------------------------- full-rank equivalence

@@ -16,7 +16,8 @@ which are not linear-like ops on a 2D weight. Three layouts are recognised here 
   ``TorchFunctionMode`` that records what every op does with a 3D parameter: ``P[e]`` feeding ``F.linear`` /
   ``matmul``, or the whole of P as the right operand of ``torch.bmm`` / ``matmul`` (the expert dimension is the
   batch dimension). It also records which experts' ops ran (``experts_seen``): the loop reaches only the experts
-  the example tokens were routed to. A parameter that any other op also reads is not converted.
+  the example tokens were routed to. A parameter that any other op also reads is not converted; one that only
+  other ops read (a ``Conv1d`` weight) is not an expert weight.
 """
 
 from __future__ import annotations
@@ -110,6 +111,8 @@ def find_experts(model: nn.Module, example_inputs=None) -> ExpertScan:
             for fqn, (uses, unsupported, seen) in record_expert_uses(model, example_inputs, three_d).items():
                 p = params[fqn][0]
                 cand = found.get(fqn)
+                if cand is None and not uses:
+                    continue  # no op read it as experts (e.g. a Conv1d weight): not an expert weight
                 if cand is None:
                     holder = fqn.rpartition(".")[0]
                     use = "linear" if any(u.startswith("linear") for u in uses) else "matmul"
