@@ -22,6 +22,8 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from .moe.checkpoint import HOLDER_TYPES as EXPERT_HOLDER_TYPES
+from .moe.checkpoint import expert_holders, install_expert_holder
 from .passes.holders import attach_tt_property
 from .tt.layers import TTEmbedding, TTLinear, TTMatrix
 from .tt.layout import TTFormat, TTLayout
@@ -73,6 +75,7 @@ def manifest_of(model: nn.Module) -> dict:
             for attr, transposed in type(module)._comera_fx_properties.items():
                 holders.append({"path": path, "type": "property", "attr": attr, "transposed": transposed,
                                 "tt": matrices[id(module._modules[f"{attr}_tt"])]})
+    holders.extend(expert_holders(model, matrices))  # MoE: banks of per-expert TT matrices
     return {"format_version": FORMAT_VERSION, "tt_matrices": entries, "holders": holders}
 
 
@@ -159,7 +162,10 @@ def load_tensorized(path: str | Path, build_fn: Callable[[], nn.Module], *,
             tt.made_with = made_with
         matrices[entry["fqn"]] = tt
     for holder in manifest["holders"]:
-        _install(model, holder, matrices[holder["tt"]])
+        if holder["type"] in EXPERT_HOLDER_TYPES:
+            install_expert_holder(model, holder, matrices)
+        else:
+            _install(model, holder, matrices[holder["tt"]])
     model.to_empty(device=device)
     state = {k: v for k, v in tensors.items() if not k.startswith(_BUFFER_PREFIX)}
     for key, target in manifest.get("aliases", {}).items():

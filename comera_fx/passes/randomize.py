@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
+from ..moe.rmm import randomize_banks, restore_banks
 from ..rmm.functions import RandomizedLinearFunction, prepare_rmm_plans, shared_sketch
 from ..rmm.modules import RMMConfig, randomize_module, restore_module, supported_kind
 from ..rmm.recompute import Selector, checkpoint_modules, restore_checkpointed
@@ -153,6 +154,7 @@ def randomize_backward_(model: nn.Module, rho: float = 0.25, sketch: str = "gaus
             randomize_module(module, config)
             if kind == "tt_linear" and not module.tt.is_zero:
                 prepare_rmm_plans(module.tt)  # a compiled model reads plans, it does not make them
+    summary.layers.extend(randomize_banks(model, config, filter_fn, RMMDecision))  # MoE: each expert's products
     if checkpoint is not None:
         summary.checkpointed = checkpoint_modules(model, checkpoint)
     return summary
@@ -194,7 +196,7 @@ def _readers(cand: Candidate) -> list[tuple[str, str]]:
 def restore_backward_(model: nn.Module) -> int:
     """Give every randomized layer of ``model`` its exact backward again and end the recomputation of
     checkpointed blocks; returns how many modules were restored."""
-    count = restore_checkpointed(model)
+    count = restore_checkpointed(model) + restore_banks(model)
     return count + sum(restore_module(module) or restore_uses(module) for module in model.modules())
 
 

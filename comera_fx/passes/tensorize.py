@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, fx, nn
 
 from ..config import Init, TensorizeConfig, warn_renamed
+from ..moe.convert import ExpertStep
 from ..tt import ops
 from ..tt import plan as planner
 from ..tt.inventory import is_hf_conv1d
@@ -234,6 +235,10 @@ def tensorize_(
             are decomposed activation-aware (``comera_fx.tt.whiten``: small ||X(W - Ŵ)ᵀ|| on such inputs rather
             than small ||W - Ŵ||), and an energy allocation weighs their bonds by it. Embeddings are unaffected.
 
+    Mixture-of-experts weights are converted too, each expert its own TT matrix (``comera_fx.moe``,
+    docs/moe.md): transformers experts modules are swapped for ``TTExperts``; a raw 3D parameter read through
+    ``bmm`` or per-expert slices is found only with ``example_inputs``.
+
     Cores and gates take the dtype, device and ``requires_grad`` of the weight they replace; a swapped module's
     bias (the same parameter) and forward / backward hooks move to its TT twin. TT layers made by an earlier call
     are listed as skipped; a config asking for other settings for them raises ``ValueError``. Returns a
@@ -243,6 +248,8 @@ def tensorize_(
     config = config or TensorizeConfig()
     result: FindResult = find_in_model(model, example_inputs)
     earlier = _earlier_tt_layers(model, config, filter_fn)
+    experts = ExpertStep(model, config, filter_fn, example_inputs, _expert_decision)  # MoE: 3D expert weights
+    experts.add_missed(result)  # and expert-list linears the captured graphs did not record
     decisions, plans = [], []
     for cand in result.candidates:
         decision = LayerDecision(cand.fqn, cand.aliases, cand.kind, cand.shape,
@@ -284,6 +291,8 @@ def tensorize_(
             if made is not None:
                 built.append((cand, decision, holders, *made))
     size_info = decided.size_info
+    experts.annotate(decisions)
+    experts.build(len(plans))
 
     # Mutate; whatever fails on the way (an exception, KeyboardInterrupt) restores every module touched.
     journal = Journal()
@@ -293,8 +302,10 @@ def tensorize_(
                 _replace_holder(model, module, path, attr, tt, cand.kind, stores_transpose(cand), journal)
             if not tt.is_zero:
                 tt.prepare_plans()  # a graph compiled before any eager call then runs the planned order
+        experts.install(journal)
     except BaseException:
         journal.undo()
+        experts.undo()
         raise
     for cand, decision, holders, tt, notes in built:
         decision.converted = True
@@ -303,7 +314,10 @@ def tensorize_(
         decision.params = tt.layout.num_params
     if size_info is not None:
         size_info.reached = sum(tt.layout.num_params for *_, tt, _ in built)
-    return TensorizeSummary(decisions + earlier, result.method, result.fallback_reason, size_info)
+    return TensorizeSummary(decisions + experts.finish() + earlier, result.method, result.fallback_reason, size_info)
+def _expert_decision(cand) -> LayerDecision:
+    """The decision for one 3D expert parameter (``comera_fx.moe``); its kind is "experts"."""
+    return LayerDecision(cand.fqn, (cand.fqn,), "experts", cand.shape, tuple(cand.uses) or (cand.layout,))
 
 
 def _tt_matrix_of(param: Tensor, cand: Candidate) -> Tensor:

@@ -14,6 +14,10 @@ from 1.3e-3 to 0.17). So:
 * **importance of a whole layer** (the rank-0 decision): the smoothed |Σ_i g_k[i] · ∂L/∂g_k[i]| = |⟨W, ∂L/∂W⟩|,
   the same for every bond k: the first-order loss change of setting W to 0. Unlike a bond's sum of |·| it does not
   shrink as the bond loses directions, so a layer is not judged negligible just because it was pruned before.
+* **matrices no gradient reached** (an expert of a mixture-of-experts layer that no token was routed to): a step
+  whose gate gradient is missing or exactly zero leaves the averages as they were, and ``unseen`` names the
+  matrices that got no such gradient since the last prune, which ``RankAdaptive`` then leaves at their ranks
+  (zero importance would otherwise read as "useless" and prune the expert first).
 * **share of each direction** (``slice_importance``): at a prune, the bond's singular values σ (gauge-invariant,
   ``shrink.bond_singular_values``) split the bond's sensitivity: direction i gets Ī_k · σ_i² / Σ_j σ_j². The
   budget schedule removes the least important directions by TT rounding (``shrink.round_to_ranks_``).
@@ -38,6 +42,7 @@ class BondSensitivity:
         self.beta = float(beta)
         self.ema: dict[str, list[Tensor]] = {}
         self.layer: dict[str, Tensor] = {}
+        self.seen: dict[str, Tensor] = {}  # 0-d bool per matrix: a non-zero gate gradient since start_window()
         self.updates = 0
 
     def update(self, entries: Sequence[Any]) -> None:
@@ -52,20 +57,37 @@ class BondSensitivity:
                 elif ema[k].device != gate.device or ema[k].dtype != gate.dtype:  # e.g. loaded from a checkpoint
                     ema[k] = ema[k].to(gate.device, gate.dtype)
                 if gate.grad is not None:
+                    # An all-zero gradient (zero_grad(set_to_none=False), an expert no token reached) is no
+                    # evidence: the averages keep their value, decided on the device (no host sync).
+                    hit = (gate.grad != 0).any()
                     terms = gate.detach() * gate.grad
-                    ema[k].mul_(self.beta).add_(terms.abs().sum(), alpha=1 - self.beta)
+                    _masked_ema_(ema[k], terms.abs().sum(), self.beta, hit)
                     if k == 0:
                         layer = self.layer.get(entry.name)
                         if layer is None or layer.device != gate.device or layer.dtype != gate.dtype:
                             layer = self.layer[entry.name] = (gate.new_zeros(()) if layer is None
                                                               else layer.to(gate.device, gate.dtype))
-                        layer.mul_(self.beta).add_(terms.sum().abs(), alpha=1 - self.beta)
+                        _masked_ema_(layer, terms.sum().abs(), self.beta, hit)
+                        seen = self.seen.get(entry.name)
+                        self.seen[entry.name] = hit if seen is None else seen.to(hit.device) | hit
         self.updates += 1
 
     def forget(self, name: str) -> None:
         """A zeroed matrix has no bonds left."""
         self.ema.pop(name, None)
         self.layer.pop(name, None)
+        self.seen.pop(name, None)
+
+    def unseen(self, entries: Sequence[Any]) -> set[str]:
+        """Names of the non-zero matrices that got no non-zero gradient since ``start_window`` (one transfer)."""
+        live = [e.name for e in entries if not e.tt.is_zero]
+        flags = [self.seen[n].detach().cpu() for n in live if n in self.seen]
+        values = iter(torch.stack(flags).tolist() if flags else [])
+        return {n for n in live if n not in self.seen or not next(values)}
+
+    def start_window(self) -> None:
+        """Forget which matrices were reached (``RankAdaptive`` calls it after each prune)."""
+        self.seen.clear()
 
     def values(self, entries: Sequence[Any]) -> tuple[dict[str, tuple[float, ...]], dict[str, float]]:
         """(Ī of every bond, the layer importance) of every non-zero matrix as Python floats (one host transfer);
@@ -96,12 +118,19 @@ class BondSensitivity:
     def state_dict(self) -> dict[str, Any]:
         return {"beta": self.beta, "updates": self.updates,
                 "ema": {name: [t.detach().clone() for t in ema] for name, ema in self.ema.items()},
-                "layer": {name: t.detach().clone() for name, t in self.layer.items()}}
+                "layer": {name: t.detach().clone() for name, t in self.layer.items()},
+                "seen": {name: t.detach().clone() for name, t in self.seen.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.updates = state["updates"]
         self.ema = {name: [t.detach().clone() for t in ema] for name, ema in state["ema"].items()}
         self.layer = {name: t.detach().clone() for name, t in state.get("layer", {}).items()}
+        self.seen = {name: t.detach().clone() for name, t in state.get("seen", {}).items()}
+
+
+def _masked_ema_(average: Tensor, value: Tensor, beta: float, hit: Tensor) -> None:
+    """average <- beta·average + (1 − beta)·value where ``hit``, unchanged elsewhere (in place, on the device)."""
+    average.copy_(torch.where(hit, average * beta + value * (1 - beta), average))
 
 
 def slice_importance(sensitivity: float, sigmas: Sequence[float], rank: int) -> tuple[float, ...]:

@@ -317,6 +317,10 @@ class RankAdaptive:
             self.distributed.check()
         s = self.settings
         entries = [m for m in self.matrices if m.shrinkable and not m.tt.is_zero]
+        unseen = self.importance.unseen(entries)  # e.g. experts no token reached since the last prune: kept as is
+        if len(unseen) < len(entries):
+            entries = [m for m in entries if m.name not in unseen]
+        self.importance.start_window()
         fixed = self.tt_params() - sum(live_params(m.tt) for m in entries)
         sensitivity, layer_importance = self.importance.values(entries)
         mean = sum(layer_importance.values()) / max(len(entries), 1)

@@ -1,0 +1,51 @@
+"""The MoE part of ``save_tensorized`` / ``load_tensorized``: which modules hold expert banks, and how to put
+them back into a freshly built (meta) model. Each expert's ``TTMatrix`` is saved like any other."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from torch import nn
+
+from ..tt.layers import TTMatrix
+from .bank import TTExpertBank
+from .convert import attach_expert_weight
+from .experts import TTExperts
+from .weight import ExpertWeight
+
+HOLDER_TYPES = ("experts", "expert_weight")
+
+
+def _bank_entry(bank: TTExpertBank, path_of: Mapping[int, str]) -> dict:
+    return {"slice_use": bank.slice_use, "tt": [path_of[id(tt)] for tt in bank]}
+
+
+def expert_holders(model: nn.Module, path_of: Mapping[int, str]) -> list[dict]:
+    """Manifest entries for the ``TTExperts`` modules and ``ExpertWeight`` attributes of ``model``
+    (``path_of``: id of each TTMatrix -> its manifest name)."""
+    holders = []
+    for path, module in model.named_modules():
+        if isinstance(module, TTExperts):
+            holders.append({"path": path, "type": "experts", "up_name": module.up_name,
+                            "up": _bank_entry(module.up, path_of), "down": _bank_entry(module.down_proj, path_of)})
+        for attr, value in vars(module).items():
+            if isinstance(value, ExpertWeight):
+                holders.append({"path": path, "type": "expert_weight", "attr": attr,
+                                "bank": _bank_entry(value.bank, path_of)})
+    return holders
+
+
+def install_expert_holder(model: nn.Module, holder: dict, matrices: Mapping[str, TTMatrix]) -> None:
+    """Put one manifest entry's banks into ``model`` (built by ``build_fn``, dense experts still in place)."""
+    def bank(entry: dict) -> TTExpertBank:
+        return TTExpertBank([matrices[name] for name in entry["tt"]], entry["slice_use"])
+
+    module = model.get_submodule(holder["path"])
+    if holder["type"] == "experts":
+        new = TTExperts.from_hf(module, bank(holder["up"]), bank(holder["down"]))
+        parent_path, _, child = holder["path"].rpartition(".")
+        setattr(model.get_submodule(parent_path), child, new)
+    elif holder["type"] == "expert_weight":
+        attach_expert_weight(module, holder["attr"], bank(holder["bank"]))
+    else:
+        raise ValueError(f"unknown expert holder type {holder['type']!r} in the manifest")

@@ -1,0 +1,229 @@
+"""Decide, build and install the TT form of the expert weights ``find_experts`` found (``tensorize_``'s MoE step).
+
+The same three phases as the rest of ``tensorize_``: decide (a ``LayerDecision`` per expert parameter, with the
+reason when it stays dense), build every ``TTExpertBank`` before touching the model, then install them:
+
+* a transformers experts module is swapped for ``TTExperts`` (both of its projections, or neither);
+* a raw 3D parameter is deleted from its module, its bank registered as ``<attr>_tt`` and the attribute ``<attr>``
+  set to an ``ExpertWeight`` that runs ``bmm`` / slice products through the bank.
+
+Expert lists (``nn.ModuleList`` of linears) need no step of their own: their linears are converted like any
+other; ``expert_notes`` only says which expert each one is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..config import TensorizeConfig
+from ..passes.find import Candidate, Use, UseKind, parameter_table
+from ..passes.holders import Journal, hook_problem, move_hooks
+from .bank import TTExpertBank
+from .experts import TTExperts, hf_experts_problem
+from .find import HF_EXPERTS, MODULE_LIST, PARAMETER_3D, ExpertCandidate, ExpertScan
+from .weight import ExpertWeight
+
+FilterFn = Callable[[nn.Module, str], bool]
+
+
+@dataclass
+class ExpertPlan:
+    """One holder to convert: its candidates (two projections of a transformers module, or one 3D parameter)
+    with their decisions, and, once built, their banks."""
+
+    holder: str
+    layout: str
+    candidates: list[ExpertCandidate]
+    decisions: list  # LayerDecision, one per candidate
+    banks: list[TTExpertBank] | None = None
+
+
+def expert_notes(scan: ExpertScan) -> dict[str, str]:
+    """{linear weight FQN: which expert of which list it is} for the expert-list layout."""
+    return {c.fqn: c.describe() for c in scan.of_layout(MODULE_LIST)}
+
+
+def plan_experts(model: nn.Module, scan: ExpertScan, config: TensorizeConfig, filter_fn: FilterFn | None,
+                 make_decision: Callable[[ExpertCandidate], object]) -> tuple[list, list[ExpertPlan]]:
+    """(a decision for every 3D expert parameter, the holders to convert). ``make_decision`` builds a
+    ``LayerDecision`` (passed in so that this module does not import ``passes.tensorize``)."""
+    groups: dict[str, list[ExpertCandidate]] = {}
+    for cand in scan.candidates:
+        if cand.layout != MODULE_LIST:
+            groups.setdefault(cand.holder, []).append(cand)
+    decisions, plans = [], []
+    for holder_path, cands in groups.items():
+        holder = model.get_submodule(holder_path)
+        made = [make_decision(c) for c in cands]
+        decisions.extend(made)
+        reasons = [_skip_reason(model, holder, holder_path, c, config, filter_fn) for c in cands]
+        if cands[0].layout == HF_EXPERTS and any(reasons):
+            first = next(r for r in reasons if r)
+            reasons = [r or f"its partner projection stays dense ({first}); an experts module is converted whole"
+                       for r in reasons]
+        for d, r in zip(made, reasons):
+            d.reason = r
+        if cands[0].layout == HF_EXPERTS:
+            if not any(reasons):
+                plans.append(ExpertPlan(holder_path, HF_EXPERTS, cands, made))
+        else:
+            plans.extend(ExpertPlan(holder_path, PARAMETER_3D, [c], [d]) for c, d in zip(cands, made) if not d.reason)
+    return decisions, plans
+
+
+def _skip_reason(model: nn.Module, holder: nn.Module, path: str, cand: ExpertCandidate, config: TensorizeConfig,
+                 filter_fn: FilterFn | None) -> str | None:
+    if not cand.dtype.is_floating_point:
+        return f"weight dtype {cand.dtype} is not floating point; only float weights can be tensorized"
+    if cand.unsupported:
+        return (f"also read by {cand.unsupported}, which comera_fx cannot run on TT experts (bmm / matmul with "
+                f"the whole parameter, or F.linear / matmul on one expert's slice, are supported)")
+    if cand.layout == PARAMETER_3D and not cand.uses:
+        return "no op read it on the example inputs"
+    if not config.is_large(cand.slice_shape):
+        return (f"one expert's matrix {cand.slice_shape} is below the size threshold (needs >= {config.min_numel} "
+                f"elements and both dims >= {config.min_dim}; set TensorizeConfig.min_numel / min_dim)")
+    if config.is_skipped(cand.fqn):
+        return "excluded by TensorizeConfig.skip / overrides"
+    if filter_fn is not None and not filter_fn(holder, path):
+        return f"filter_fn rejected {path or '<root>'}"
+    if cand.layout == HF_EXPERTS:
+        return hf_experts_problem(holder) or hook_problem(holder)
+    if not path:
+        return "tensorize_ cannot replace a parameter of the root module itself; wrap it in a parent module"
+    return None
+
+
+def build_banks(model: nn.Module, plans: list[ExpertPlan], config: TensorizeConfig, first_index: int) -> None:
+    """Build every plan's banks (TT-SVD or random init of each expert), before anything in the model changes."""
+    params = dict(model.named_parameters())
+    index = first_index
+    for plan in plans:
+        plan.banks = []
+        for cand in plan.candidates:
+            weight = params[cand.fqn]
+            settings = config.settings_for(cand.fqn)
+            generators = None
+            if config.seed is not None:
+                generators = [torch.Generator(device=weight.device).manual_seed(config.seed + index + e)
+                              for e in range(cand.num_experts)]
+            index += cand.num_experts
+            try:
+                bank = TTExpertBank.from_dense(weight, cand.slice_use, generators=generators,
+                                               **settings.tt_options("linear"))
+            except (ValueError, TypeError) as exc:
+                raise type(exc)(f"cannot tensorize the experts {cand.fqn} {cand.shape}: {exc}") from exc
+            bank.to(device=weight.device, dtype=weight.dtype).requires_grad_(weight.requires_grad)
+            for tt in bank:
+                tt.made_with = ("linear", settings.tt_options("linear"))
+            plan.banks.append(bank)
+
+
+def install_banks(model: nn.Module, plans: list[ExpertPlan], journal: Journal) -> None:
+    """Put the built banks in the model (see the module docstring); ``journal`` can undo it with ``undo_views``."""
+    for plan in plans:
+        holder = model.get_submodule(plan.holder)
+        if plan.layout == HF_EXPERTS:
+            new = TTExperts.from_hf(holder, *plan.banks)
+            move_hooks(holder, new)
+            parent_path, _, child = plan.holder.rpartition(".")
+            parent = model.get_submodule(parent_path)
+            journal.touch(parent)
+            setattr(parent, child, new)
+        else:
+            (cand,), (bank,) = plan.candidates, plan.banks
+            attach_expert_weight(holder, cand.fqn.rpartition(".")[2], bank, journal)
+        for cand, decision, bank in zip(plan.candidates, plan.decisions, plan.banks):
+            for tt in bank:
+                if not tt.is_zero:
+                    tt.prepare_plans()
+
+
+def attach_expert_weight(holder: nn.Module, attr: str, bank: TTExpertBank, journal: Journal | None = None) -> None:
+    """Replace parameter ``holder.<attr>`` by ``bank`` (registered as ``<attr>_tt``), read through an
+    ``ExpertWeight`` in the instance's attribute ``<attr>``."""
+    if journal is not None:
+        journal.touch(holder)
+    holder._parameters.pop(attr, None)
+    holder.add_module(f"{attr}_tt", bank)
+    holder.__dict__[attr] = ExpertWeight(bank)
+
+
+def undo_views(plans: list[ExpertPlan], model: nn.Module) -> None:
+    """After ``Journal.undo``: drop the ``ExpertWeight`` attributes, which the journal does not record."""
+    for plan in plans:
+        if plan.layout == PARAMETER_3D:
+            holder = model.get_submodule(plan.holder)
+            attr = plan.candidates[0].fqn.rpartition(".")[2]
+            if isinstance(holder.__dict__.get(attr), ExpertWeight):
+                del holder.__dict__[attr]
+
+
+def record_decisions(plans: list[ExpertPlan]) -> None:
+    """Fill the converted decisions: ranks of the first expert (the layout all share), params of all."""
+    for plan in plans:
+        for cand, decision, bank in zip(plan.candidates, plan.decisions, plan.banks):
+            decision.converted = True
+            decision.ranks = bank[0].ranks
+            decision.params = sum(tt.layout.num_params for tt in bank)
+            decision.notes.append(cand.describe())
+            if len({tt.ranks for tt in bank}) > 1:
+                decision.notes.append(f"ranks differ between experts: {[tt.ranks for tt in bank]}")
+
+
+class ExpertStep:
+    """``tensorize_``'s MoE step, in the order ``tensorize_`` calls it: ``annotate`` (notes on expert-list
+    linears), ``build`` (before any change), ``install`` (inside the mutate phase), ``undo`` (if that fails),
+    ``finish`` (the expert decisions for the summary)."""
+
+    def __init__(self, model: nn.Module, config: TensorizeConfig, filter_fn: FilterFn | None, example_inputs,
+                 make_decision: Callable[[ExpertCandidate], object]):
+        from .find import find_experts
+
+        self.model, self.config = model, config
+        self.scanned: set[str] = set()
+        self.scan = find_experts(model, example_inputs)
+        self.decisions, self.plans = plan_experts(model, self.scan, config, filter_fn, make_decision)
+        if config.size_target is not None:
+            for plan in self.plans:
+                for d in plan.decisions:
+                    d.reason = ("TensorizeConfig.size_target does not cover expert weights yet; they would be "
+                                "converted with max_rank / rank_ratio outside the budget")
+            self.plans = []
+
+    def add_missed(self, result) -> None:
+        """Add to the graph finder's ``result`` the linears of expert lists it did not record. Dynamo records an
+        expert's linears only if the example tokens reached that expert, and after the loop's graph break it
+        may reuse one expert's compiled frame for the next (its ops are then not recorded again)."""
+        have = {alias for c in result.candidates for alias in c.aliases}
+        table = parameter_table(self.model)
+        for cand in self.scan.of_layout(MODULE_LIST):
+            if cand.fqn not in have and cand.fqn in table:
+                result.candidates.append(Candidate(cand.fqn, table[cand.fqn][1], cand.shape, cand.dtype,
+                                                   [Use(UseKind.LINEAR, cand.holder, "Linear")]))
+                self.scanned.add(cand.fqn)
+
+    def annotate(self, decisions: list) -> None:
+        notes = expert_notes(self.scan)
+        for d in decisions:
+            if d.fqn in notes:
+                d.notes.append(notes[d.fqn])
+            if d.fqn in self.scanned:
+                d.notes.append("found by the expert-list scan: the captured graphs did not record its op")
+
+    def build(self, first_index: int) -> None:
+        build_banks(self.model, self.plans, self.config, first_index)
+
+    def install(self, journal: Journal) -> None:
+        install_banks(self.model, self.plans, journal)
+
+    def undo(self) -> None:
+        undo_views(self.plans, self.model)
+
+    def finish(self) -> list:
+        record_decisions(self.plans)
+        return self.decisions

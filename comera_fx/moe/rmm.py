@@ -1,0 +1,46 @@
+"""Randomized backward (RMM) on the experts' TT products: ``randomize_backward_`` sets ``bank.rmm`` on every
+``TTExpertBank`` it accepts, and each expert's product then keeps a sketch of ρ of *that expert's* tokens for its
+core gradients (``rmm.functions.rmm_tt_product``); forward and dX stay exact. ``restore_backward_`` clears it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import nn
+
+from ..rmm.functions import prepare_rmm_plans
+from .bank import TTExpertBank
+
+
+def randomize_banks(model: nn.Module, config, filter_fn: Callable[[nn.Module, str], bool] | None,
+                    decision: Callable) -> list:
+    """Give every expert bank of ``model`` (each expert's matrix at least ``config.min_numel`` entries, trainable,
+    accepted by ``filter_fn``) the randomized backward; returns one ``decision(fqn, kind, shape, randomized,
+    reason)`` per bank."""
+    out = []
+    for fqn, bank in model.named_modules():
+        if not isinstance(bank, TTExpertBank):
+            continue
+        shape = bank.weight_shape
+        reason = None
+        if shape[1] * shape[2] < config.min_numel:
+            reason = f"{shape[1] * shape[2]:,} entries per expert < min_numel={config.min_numel:,}"
+        elif not any(p.requires_grad for p in bank.parameters()):
+            reason = "frozen experts: no core gradient to estimate"
+        elif filter_fn is not None and not filter_fn(bank, fqn):
+            reason = "filter_fn rejected it"
+        out.append(decision(fqn, "tt_experts", shape, reason is None, reason))
+        if reason is None:
+            bank.rmm = config
+            for tt in bank:
+                if not tt.is_zero:
+                    prepare_rmm_plans(tt)  # a compiled model reads plans, it does not make them
+    return out
+
+
+def restore_banks(model: nn.Module) -> int:
+    """Exact backward for every randomized expert bank again; returns how many were restored."""
+    banks = [m for m in model.modules() if isinstance(m, TTExpertBank) and m.rmm is not None]
+    for bank in banks:
+        bank.rmm = None
+    return len(banks)
