@@ -16,6 +16,22 @@ settings.register_profile("dev", max_examples=25, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+@pytest.fixture(scope="session")
+def session_threads() -> int:
+    """torch's thread count as the session found it (set up before any module or test fixture)."""
+    return torch.get_num_threads()
+
+
+@pytest.fixture(autouse=True)
+def threads_left_as_found(session_threads):
+    """A test or fixture that changes torch's thread count must restore it: a leaked ``set_num_threads(1)`` slows
+    every later test and changes what they measure. Checked after each test (module fixtures set up during it)."""
+    yield
+    assert torch.get_num_threads() == session_threads, (
+        f"torch's thread count is {torch.get_num_threads()} after this test, {session_threads} before the session: "
+        "restore it where it is set")
+
+
 @pytest.fixture
 def one_thread():
     """torch on one thread for the test (a module opts in with ``pytestmark = pytest.mark.usefixtures(...)``): tiny

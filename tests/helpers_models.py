@@ -6,6 +6,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import opt_einsum as oe
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -13,7 +14,7 @@ from torch.utils import _pytree as pytree
 
 from hypothesis import strategies as st
 
-from comera_fx import TTMatrix
+from comera_fx import TTFormat, TTMatrix
 from comera_fx.tt import plan as planner
 
 DEMO_SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "train_code_lm.py"
@@ -37,6 +38,22 @@ def random_trees(draw, n: int) -> planner.Tree:
         b = nodes.pop(draw(st.integers(0, len(nodes) - 1)))
         nodes.append((a, b))
     return nodes[0]
+
+
+def tt_dense_reference(tt: TTMatrix) -> Tensor:
+    """M (rows × cols) of a TT matrix in float64 by opt_einsum from its cores and gate vectors (each gate its own
+    operand on its bond, not folded into a core), padding sliced away: independent of the library's products."""
+    layout = tt.layout
+    operands = []
+    for k, core in enumerate(tt.cores):
+        modes = [100 + k] if layout.format is TTFormat.TT else [100 + k, 200 + k]
+        operands += [core.detach().double(), [k, *modes, k + 1]]
+    for k, gate in enumerate(tt.gates):
+        operands += [gate.detach().double(), [k + 1]]
+    n = len(tt.cores)
+    modes = [100 + k for k in range(n)] + ([200 + k for k in range(n)] if layout.format is TTFormat.TTM else [])
+    full = oe.contract(*operands, [0, *modes, n])
+    return full.reshape(layout.padded_rows, layout.padded_cols)[: layout.rows, : layout.cols]
 
 
 def rel_err(actual: Tensor, expected: Tensor) -> float:

@@ -75,15 +75,20 @@ def largest_cut(tt: TTMatrix) -> int:
 
 @pytest.fixture(scope="module")
 def teacher_run():
-    """The issue's new-user case: target_ratio=0.25, total_steps=400, AdamW, no other argument."""
+    """The issue's new-user case: target_ratio=0.25, total_steps=400, AdamW, no other argument. Trained on one
+    thread (the module's ``one_thread`` is per test and starts after this module-wide fixture), restored after."""
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    model, x, y, x_val, y_val = teacher_problem()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    hook = RankAdaptive(model, optimizer, target_ratio=0.25, total_steps=400)
-    cuts = {}  # step -> largest single cut before that step's prune
-    for step in range(1, 401):
-        cuts[step] = largest_cut(model[0].tt)
-        fit(model, optimizer, x, y, 1, hook)
+    try:
+        model, x, y, x_val, y_val = teacher_problem()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        hook = RankAdaptive(model, optimizer, target_ratio=0.25, total_steps=400)
+        cuts = {}  # step -> largest single cut before that step's prune
+        for step in range(1, 401):
+            cuts[step] = largest_cut(model[0].tt)
+            fit(model, optimizer, x, y, 1, hook)
+    finally:
+        torch.set_num_threads(threads)
     return model, hook, cuts, x_val, y_val
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers  # a test dependency (pyproject's [test] extra)
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import comera_fx
@@ -32,6 +34,45 @@ def test_second_moments_match_the_inputs():
         assert stats.tokens == x.shape[0] == 4 * 16 * 8
         assert stats.second_moment.dtype == torch.float64
         torch.testing.assert_close(stats.second_moment, x.T @ x / x.shape[0], rtol=1e-5, atol=1e-7)
+
+
+class TwoLayers(nn.Module):
+    def __init__(self, d_in: int, hidden: int, d_out: int):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(d_in, hidden), nn.Linear(hidden, d_out)
+
+    def forward(self, x, attention_mask=None):  # the mask is for calibrate's token_mask only
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+BATCH_SHAPES = st.lists(st.tuples(st.integers(1, 3), st.integers(1, 5)), min_size=1, max_size=3)
+
+
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture])  # one thread for the test: not per example
+@given(sizes=st.tuples(*[st.integers(1, 24)] * 3), shapes=BATCH_SHAPES, masked=st.booleans(),
+       seed=st.integers(0, 2**31 - 1))
+def test_second_moments_of_drawn_batches_equal_a_float64_reference(sizes, shapes, masked, seed, one_thread):
+    """Drawn widths and (batch, seq) shapes, with or without a token mask (padding rows, sometimes all of a batch's
+    or all of them): each layer's C = XᵀX / n over its real input rows, X built here in float64 (the second layer's
+    from the first layer applied to those rows). A layer that saw no real row has no entry."""
+    d_in, hidden, d_out = sizes
+    g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    model = TwoLayers(d_in, hidden, d_out)
+    batches = [{"x": torch.randn(b, t, d_in, generator=g),
+                "attention_mask": (torch.rand(b, t, generator=g) < 0.6).long()} for b, t in shapes]
+    cal = comera_fx.calibrate(model, batches, config=TensorizeConfig(min_numel=1, min_dim=1),
+                              token_mask=(lambda batch: batch["attention_mask"]) if masked else None)
+    rows = torch.cat([b["x"][b["attention_mask"].bool()] if masked else b["x"].reshape(-1, d_in) for b in batches])
+    with torch.no_grad():
+        inputs = {"fc1.weight": rows.double(), "fc2.weight": torch.tanh(model.fc1(rows)).double()}
+    assert cal.batches == len(shapes)
+    for fqn, x in inputs.items():
+        if x.shape[0] == 0:
+            assert fqn not in cal
+            continue
+        assert cal[fqn].tokens == x.shape[0]
+        torch.testing.assert_close(cal[fqn].second_moment, x.T @ x / x.shape[0], rtol=1e-5, atol=1e-6)
 
 
 class SharedInput(nn.Module):

@@ -8,7 +8,7 @@ runs on the graphs Dynamo captures (parameters as inputs), as the backend runs i
 from __future__ import annotations
 
 import pytest
-from hypothesis import assume, given, settings
+from hypothesis import given, settings
 from torch import nn
 
 import comera_fx
@@ -27,13 +27,6 @@ def functional_linear_calls(spec) -> int:
                for kind, b in zip(kinds, spec.blocks))
 
 
-def reuses_a_functional_linear(spec) -> bool:
-    """A FunctionalLinear called twice. tensorize_ crashed on it (fixed; tests/test_tensorize.py
-    test_functional_linear_called_twice_is_converted_once); this property has not been re-run on such models
-    (each example compiles), so it still leaves them out."""
-    return any(b.kind == "shared" and spec.blocks[b.source].kind == "functional_linear" for b in spec.blocks)
-
-
 # Small models with F.linear blocks: each example captures the model and compiles it (Dynamo, no AOTAutograd);
 # measured ~20 s per example on the loaded 2-core machine (396 s for 20), so 5 here and 50 in the slow suite.
 MODELS = strategies.models(block_kinds=("functional_linear", "linear", "mlp", "residual", "layernorm", "shared"),
@@ -42,7 +35,6 @@ MODELS = strategies.models(block_kinds=("functional_linear", "linear", "mlp", "r
 
 def check_contraction(case) -> None:
     model, example_inputs = case
-    assume(not reuses_a_functional_linear(model.spec))
     rewrites: list[int] = []
 
     def contract(gm, inputs):

@@ -10,12 +10,15 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import comera_fx
 from comera_fx.rmm import rmm_linear, rmm_tt_product, sketch_matrix
 from comera_fx.rmm.sketch import _hadamard_selected, hadamard_rows
-from helpers_models import assert_bf16_autocast_grads_close
+from comera_fx.testing import strategies
+from helpers_models import assert_bf16_autocast_grads_close, tt_dense_reference
 
 SKETCHES = ("gaussian", "rademacher", "srht")
 
@@ -95,6 +98,62 @@ def test_forward_input_and_other_gradients_are_exact_on_a_transformer_block(sket
             assert not torch.allclose(p_rmm.grad, p_exact.grad)  # an estimate, not the exact gradient
         else:  # biases and LayerNorm parameters
             torch.testing.assert_close(p_rmm.grad, p_exact.grad, rtol=1e-12, atol=1e-12)
+
+
+# Leading shapes with a token axis (RMM refuses an input without one), empty ones included; any rho in (0, 1].
+TOKEN_SHAPES = st.lists(st.integers(0, 9), min_size=1, max_size=2).map(tuple)
+RHOS = st.one_of(st.sampled_from([1.0, 0.5, 0.25]), st.floats(0.01, 1.0))
+
+
+def _cotangent(y: torch.Tensor, seed: int) -> torch.Tensor:
+    return torch.randn(y.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+
+
+ONE_THREAD = settings(suppress_health_check=[HealthCheck.function_scoped_fixture])  # not reset per example: fine
+
+
+@ONE_THREAD
+@given(d_in=st.integers(1, 20), d_out=st.integers(1, 20), bias=st.booleans(), rho=RHOS,
+       sketch=st.sampled_from(SKETCHES), seed=st.integers(0, 2**31 - 1), data=st.data())
+def test_rmm_linear_forward_input_and_bias_gradients_are_exact_on_drawn_shapes(d_in, d_out, bias, rho, sketch, seed,
+                                                                               data, one_thread):
+    """Against dense float64 algebra: y = x Wᵀ + b, dX = dY W, db = Σ dY over tokens; dW has W's shape and is
+    finite. Inputs in any memory layout (strided, transposed, expanded)."""
+    g = torch.Generator().manual_seed(seed)
+    x = data.draw(strategies.float_tensors(d_in, batch_shapes=TOKEN_SHAPES), label="x").requires_grad_()
+    weight = torch.randn(d_out, d_in, dtype=torch.float64, generator=g).requires_grad_()
+    b = torch.randn(d_out, dtype=torch.float64, generator=g).requires_grad_() if bias else None
+    y = rmm_linear(x, weight, b, rho=rho, sketch=sketch)
+    dy = _cotangent(y, seed + 1)
+    y.backward(dy)
+    w = weight.detach()
+    expected = x.detach() @ w.t() + (b.detach() if bias else 0)
+    torch.testing.assert_close(y.detach(), expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(x.grad, dy @ w, rtol=1e-12, atol=1e-12)
+    if bias:
+        torch.testing.assert_close(b.grad, dy.reshape(-1, d_out).sum(0), rtol=1e-12, atol=1e-12)
+    assert weight.grad.shape == weight.shape and torch.isfinite(weight.grad).all()
+
+
+@ONE_THREAD
+@given(spec=strategies.tt_specs(max_modes=3, max_rank=4), transposed=st.booleans(), rho=RHOS,
+       sketch=st.sampled_from(SKETCHES), seed=st.integers(0, 2**31 - 1), data=st.data())
+def test_rmm_tt_product_forward_and_input_gradient_are_exact_on_drawn_matrices(spec, transposed, rho, sketch, seed,
+                                                                               data, one_thread):
+    """x @ M (or x @ Mᵀ) of a drawn TT matrix (TT or TTM, padded sizes, dead gates) and its dX, against M built by
+    opt_einsum in float64; the core and gate gradients have their parameters' shapes and are finite."""
+    tt = spec.matrix()
+    x = data.draw(strategies.tt_inputs(tt.layout, side="cols" if transposed else "rows", batch_shapes=TOKEN_SHAPES),
+                  label="x").requires_grad_()
+    y = rmm_tt_product(x, tt, transposed=transposed, rho=rho, sketch=sketch)
+    dy = _cotangent(y, seed)
+    y.backward(dy)
+    matrix = tt_dense_reference(tt)
+    matrix = matrix.t() if transposed else matrix
+    torch.testing.assert_close(y.detach(), x.detach() @ matrix, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(x.grad, dy @ matrix.t(), rtol=1e-10, atol=1e-10)
+    for p in tt.parameters():
+        assert p.grad is None or (p.grad.shape == p.shape and torch.isfinite(p.grad).all())
 
 
 def test_sketch_matrices_have_identity_second_moment_and_srht_at_rho_one_is_orthogonal(one_thread):
@@ -467,6 +526,68 @@ def test_compiled_randomized_block_shares_sketches_and_tt_compiles():
     comera_fx.randomize_backward_(layer, rho=1.0, sketch="srht")
     compiled_tt = torch.compile(layer, backend=comera_fx.make_backend(inductor=False), fullgraph=True, dynamic=True)
     _assert_matches_reference(compiled_tt, reference, [torch.randn(tokens, 64) for tokens in (16, 32)])
+
+
+class _DenseAndTT(nn.Module):
+    """A dense and a TT linear on separate inputs: each weight gradient gets its own well-conditioned problem."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(2)
+        self.dense = nn.Linear(6, 5).double()
+        self.tt = _tt_problem()[0]
+
+    def forward(self, x, z):
+        return self.dense(x), self.tt(z)
+
+
+def check_compiled_rmm_below_rho_one(backend, sketch: str, seeds: int) -> None:
+    """The compiled randomized backward at rho 0.5, run once per seed. Against dense float64 algebra: outputs, input
+    gradients and bias gradients equal at every seed; the weight, core and gate gradients, averaged over the seeds,
+    equal the exact ones within the estimate's spread (and a 10% scale error would not)."""
+    model = _DenseAndTT()
+    x, dy = _linear_problem()
+    _, z, dz = _tt_problem()
+    weight, bias = model.dense.weight.detach().clone(), model.dense.bias.detach().clone()
+    tt_params = list(model.tt.tt.parameters())
+    exact_tt = torch.autograd.grad(z @ model.tt.tt.dense(), tt_params, dz)  # through the reconstruction M
+    matrix = model.tt.tt.dense().detach()
+    expected = {"y": x @ weight.t() + bias, "dx": dy @ weight, "db": dy.sum(0),
+                "y_tt": z @ matrix + model.tt.bias.detach(), "dz": dz @ matrix.t(), "db_tt": dz.sum(0)}
+    exact = torch.cat([(dy.t() @ x).reshape(-1)] + [g.reshape(-1) for g in exact_tt])
+    comera_fx.randomize_backward_(model, rho=0.5, sketch=sketch, min_numel=0)
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    samples = []
+    for seed in range(seeds):
+        torch.manual_seed(seed)
+        x1, z1 = x.clone().requires_grad_(), z.clone().requires_grad_()
+        y, y_tt = compiled(x1, z1)
+        torch.autograd.backward((y, y_tt), (dy, dz))
+        got = {"y": y, "dx": x1.grad, "db": model.dense.bias.grad, "y_tt": y_tt, "dz": z1.grad,
+               "db_tt": model.tt.bias.grad}
+        for name, value in expected.items():
+            torch.testing.assert_close(got[name].detach(), value, rtol=1e-10, atol=1e-10, msg=name)
+        samples.append(torch.cat([model.dense.weight.grad.reshape(-1)] + [p.grad.reshape(-1) for p in tt_params]))
+        model.zero_grad(set_to_none=True)
+    samples = torch.stack(samples)
+    assert not torch.allclose(samples[0], samples[1])  # each call draws its own sketch
+    assert _bias_in_standard_errors(samples, exact) < 4.0
+    assert _bias_in_standard_errors(samples * 1.1, exact) > 4.0
+
+
+# 300 seeds tell the true mean from a 10% scale error by a wide margin (the statistic ~1 against ~10 for Gaussian
+# sketches, ~20 for SRHT) at ~10 s here; the slow suite runs SRHT and Inductor at 1000.
+def test_compiled_randomized_backward_below_rho_one(one_thread):
+    """The backend without Inductor (AOTAutograd's graphs run as captured): one compile, 300 calls."""
+    torch._dynamo.reset()
+    check_compiled_rmm_below_rho_one(comera_fx.make_backend(inductor=False), "gaussian", seeds=300)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sketch, inductor", [("srht", False), ("gaussian", True)])
+def test_compiled_randomized_backward_below_rho_one_thoroughly(sketch, inductor, one_thread):
+    torch._dynamo.reset()
+    check_compiled_rmm_below_rho_one(comera_fx.make_backend(inductor=inductor), sketch, seeds=1000)
 
 
 def test_inductor_compiles_the_randomized_backward():

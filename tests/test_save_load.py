@@ -1,19 +1,27 @@
-"""save_tensorized / load_tensorized: identical outputs in a fresh process, no dense weight ever allocated."""
+"""save_tensorized / load_tensorized: identical outputs in a fresh process, no dense weight ever allocated; trained
+and pruned random models round-trip through it and through the plain state_dict."""
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 import transformers  # a test dependency (pyproject's [test] extra)
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import comera_fx
 from comera_fx import TensorizeConfig
+from comera_fx.testing import strategies
+from comera_fx.testing.models import build_model, make_example_input
 
 from helpers_models import Big, Mixed, TiedLM
 
@@ -163,3 +171,66 @@ def test_bert_non_persistent_buffers_and_calibrated_model(tmp_path):
     with torch.no_grad():
         expected = model(**batches[0]).last_hidden_state
         assert torch.equal(loaded(**batches[0]).last_hidden_state, expected)
+
+
+# ------------------------------------------------------------- trained, then pruned by RankAdaptive, then saved
+
+TRAINING_STEPS = 12
+TRAINED_MODELS = strategies.models(block_kinds=("linear", "mlp", "residual", "tied_linear"),  # each has a linear
+                                   max_blocks=3, min_features=4, max_features=24, batch_sizes=st.integers(1, 3),
+                                   num_inputs=2)
+
+
+def train_until_pruned(model: nn.Module, spec, config: TensorizeConfig) -> comera_fx.RankAdaptive:
+    """tensorize_, then AdamW with RankAdaptive taking the TT size to a third over ``TRAINING_STEPS`` steps."""
+    comera_fx.tensorize_(model, config)
+    # Something to prune: a bond above rank 1 (a prime-sized weight's single core, or rank 1 everywhere, has none)
+    assume(any(r > 1 for m in model.modules() if isinstance(m, comera_fx.TTMatrix) for r in m.ranks))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    hook = comera_fx.RankAdaptive(model, optimizer, target_ratio=1 / 3, total_steps=TRAINING_STEPS)
+    x = make_example_input(dataclasses.replace(spec, batch=8, seed=spec.seed + 1))
+    for _ in range(TRAINING_STEPS):
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        hook.observe(loss)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return hook
+
+
+def assert_same_outputs(loaded: nn.Module, model: nn.Module, inputs) -> None:
+    with torch.no_grad():
+        for (x,) in inputs:
+            assert torch.equal(loaded(x), model(x))
+
+
+# Each example trains 12 steps, prunes about 6 times, saves, loads and rebuilds twice (~0.3-3 s of CPU on one
+# thread), so 20 examples. One thread for the whole test (the fixture is not per example, and needs not be).
+@pytest.mark.filterwarnings("ignore:RankAdaptive. the scheduled size:UserWarning")  # tiny models hit rank floors
+@settings(max_examples=20, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=TRAINED_MODELS, max_rank=st.integers(2, 6))
+def test_trained_and_pruned_random_models_save_and_load_to_the_same_outputs(case, max_rank, one_thread):
+    """Random models tensorized, trained and pruned by RankAdaptive (ranks below the tensorized ones), then saved
+    two ways: ``save_tensorized`` / ``load_tensorized`` into the bare architecture, and ``torch.save`` of the
+    ``state_dict`` loaded into a freshly tensorized model of other weights at the original ranks (which adopts the
+    pruned ranks). Both compute exactly what the trained model computes, on two batches."""
+    model, example_inputs = case
+    spec = model.spec
+    config = TensorizeConfig(max_rank=max_rank, min_numel=1, min_dim=1)
+    hook = train_until_pruned(model, spec, config)
+    assert hook.tt_params() < hook.initial_tt_params, hook.summary()  # it was pruned
+    model.eval()
+    inputs = [example_inputs, *case.more_inputs]
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "model.safetensors"
+        comera_fx.save_tensorized(model, path)
+        loaded = comera_fx.load_tensorized(path, lambda: build_model(spec)).eval()
+        assert_same_outputs(loaded, model, inputs)
+
+        buffer = io.BytesIO()
+        torch.save(model.state_dict(), buffer)
+        buffer.seek(0)
+        fresh = build_model(dataclasses.replace(spec, seed=spec.seed + 2))
+        comera_fx.tensorize_(fresh, config)
+        fresh.load_state_dict(torch.load(buffer))
+        assert_same_outputs(fresh.eval(), model, inputs)

@@ -398,8 +398,10 @@ def test_full_rank_tensorize_of_random_models_equals_the_dense_model(case, captu
     summary = summaries[0]
     assert summary.method == ("dynamo" if capture else "module-scan"), summary  # no silent fallback
     assert all(d.reason for d in summary.skipped), summary
-    if summary.converted:
-        assert any(isinstance(m, TTMatrix) for m in rewritten.modules())
+    # one TT matrix per converted weight (a tied weight is one decision), and no converted weight left dense
+    assert len({id(m) for m in rewritten.modules() if isinstance(m, TTMatrix)}) == len(summary.converted), summary
+    dense_left = dict(rewritten.named_parameters(remove_duplicate=False))
+    assert not [d.fqn for d in summary.converted if d.fqn in dense_left], summary
 
 
 # ---------------------------------------------------------------------------------- transformers models

@@ -6,11 +6,13 @@ Per architecture (parametrized, so a failure names it):
 * default run: full-rank equivalence in float32 (relative error <= 1e-5 of the output RMS, element-wise, on the
   capture's input and on another batch / length), every large 2-D weight converted, and a ``state_dict`` round
   trip into a freshly tensorized model built from other weights at another rank;
-* slow (``-m slow``): 20 training steps under ``torch.compile(backend=comera_fx)`` (AOTAutograd, no Inductor)
-  with ``RankAdaptive`` — the loss falls, the model shrinks, the last compiled loss equals the eager loss of the
-  pruned model and no graph break comes from comera_fx (breaks from ``transformers`` are listed in
-  ``TRANSFORMERS_BREAKS``); greedy ``generate()`` of the causal and encoder-decoder LMs equals the original's;
-  bf16 parameters and bf16 autocast on CPU. The CNN + MLP hybrid's compiled training also runs by default.
+* slow (``-m slow``): 20 training steps under ``torch.compile`` with comera_fx's backend without Inductor
+  (AOTAutograd's graphs as captured) with ``RankAdaptive`` — the loss falls, the model shrinks, the last compiled
+  loss equals the eager loss of the pruned model and no graph break comes from comera_fx (breaks from
+  ``transformers`` are listed in ``TRANSFORMERS_BREAKS``); greedy ``generate()`` of the causal and encoder-decoder
+  LMs equals the original's; bf16 parameters and bf16 autocast on CPU. The CNN + MLP hybrid's compiled training
+  (without Inductor) also runs by default; with Inductor (the default backend, ``comera_fx.backend``) in the slow
+  suite.
 
 Widths are 64 (heads of 16, 2 key/value heads for GQA), so the config lowers ``min_numel`` / ``min_dim`` until
 every projection (the 64 × 32 key/value projections of GQA included) counts as large.
@@ -262,16 +264,17 @@ def _breaks(explained) -> list[tuple[str, list[str]]]:
     return [(br.reason, [f.filename for f in br.user_stack]) for br in explained.break_reasons]
 
 
-def train_compiled(name: str, steps: int = 20, prunes: int = 2):
-    """``steps`` AdamW steps on one batch under torch.compile(backend=comera_fx, inductor=False), RankAdaptive
-    taking the TT size to half by 80% of them. Returns losses, the eager loss at the last step's parameters,
-    the hook, the explain record and the backend."""
+def train_compiled(name: str, inductor: bool, steps: int = 20, prunes: int = 2):
+    """``steps`` AdamW steps on one batch under torch.compile with comera_fx's backend (``inductor=True``: the
+    default backend, ``comera_fx.backend``; False: AOTAutograd's graphs run as captured, seconds per compile),
+    RankAdaptive taking the TT size to half by 80% of them. Returns losses, the eager loss at the last step's
+    parameters, the hook, the explain record and the backend."""
     _, tt_model, _ = zoo(name)
     model = copy.deepcopy(tt_model).train()
     arch = ARCHS[name]
     batch = arch.inputs(1)
     batch |= arch.labels(batch)
-    inner = comera_fx.make_backend(inductor=False)
+    inner = comera_fx.make_backend(inductor=inductor)
     explained = torch._dynamo.backends.debugging.ExplainWithBackend(inner)
     torch._dynamo.reset()  # the same transformers forward may have been compiled for another model
     compiled = torch.compile(model, backend=explained)
@@ -294,12 +297,16 @@ def train_compiled(name: str, steps: int = 20, prunes: int = 2):
     return losses, float(eager), hook, explained, inner
 
 
-TRAIN_CASES = [pytest.param(n, marks=() if n in DEFAULT_TRAINED else pytest.mark.slow) for n in ARCHS]
+# Without Inductor for every architecture; with Inductor (the default backend) for the hybrid, in the slow suite:
+# each pruning changes the cores' shapes, so its 20 steps compile forward and backward three times (minutes here).
+TRAIN_CASES = [pytest.param(n, False, marks=() if n in DEFAULT_TRAINED else pytest.mark.slow,
+                            id=f"{n}-aot_autograd") for n in ARCHS]
+TRAIN_CASES += [pytest.param(n, True, marks=pytest.mark.slow, id=f"{n}-inductor") for n in DEFAULT_TRAINED]
 
 
-@pytest.mark.parametrize("name", TRAIN_CASES)
-def test_compiled_training_with_rank_adaptation(name):
-    losses, eager_last, hook, explained, backend = train_compiled(name)
+@pytest.mark.parametrize("name, inductor", TRAIN_CASES)
+def test_compiled_training_with_rank_adaptation(name, inductor):
+    losses, eager_last, hook, explained, backend = train_compiled(name, inductor)
     assert losses[-1] < 0.5 * losses[0], losses
     torch.testing.assert_close(losses[-1], eager_last, rtol=1e-3, atol=1e-5)
     assert hook.tt_params() <= 0.55 * hook.initial_tt_params, hook.summary()
