@@ -47,7 +47,8 @@ DEFAULT_METHODS = "exact,rmm0.5,rmm0.2,rmm0.1,topk0.5,topk0.2,topk0.1,int8"
 # copy of the input x (tokens × features, leading dims flattened):
 #
 # * ``TopKLinearFunction`` (DropIT-style): keep the k largest |x| entries of the whole input (values fp32 + int32 flat
-#   indices, 8 bytes per kept entry), zeros elsewhere; dW = dYᵀ·x̃ (biased: small entries are dropped, not rescaled).
+#   indices, 8 bytes per kept entry), zeros elsewhere; dW = dYᵀ·x̃ (biased: small entries are dropped, not
+#   rescaled).
 #   At a saved-bytes budget of ρ × the exact input, k = ρ/2 × numel.
 # * ``Int8LinearFunction``: x quantized per token (row) to int8 with an absmax scale (round to nearest), 1 byte per
 #   entry + 4 per row, ≈ 0.25 × the exact input; dW = dYᵀ·dequant(x).

@@ -57,7 +57,8 @@ from torch import nn  # noqa: E402
 import common  # noqa: E402  (benchmarks/ is this script's sys.path[0])
 
 common.use_this_checkout()  # this checkout's comera_fx, not an installed copy
-from common import comera_randomize_backward_, loadavg, proc_status, reset_peak_rss, rmm_missing, saved_bytes_by_op, write_record  # noqa: E402,E501
+from common import (comera_randomize_backward_, loadavg, proc_status, reset_peak_rss, rmm_missing,  # noqa: E402
+                    saved_bytes_by_op, write_record)
 
 # The Inductor-compiled variants (``..._compiled``) are opt-in: their compile took > 15 min on the loaded 2-core
 # machine (RESULTS.md, RMM section).

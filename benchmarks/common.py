@@ -27,8 +27,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def use_this_checkout() -> None:
-    """Put this checkout's root and ``examples/`` first on ``sys.path``: a script's path starts at its own folder, and an
-    editable install of another checkout would otherwise lend its ``comera_fx``; the demo's modules live in examples/."""
+    """Put this checkout's root and ``examples/`` first on ``sys.path``: a script's path starts at its own folder,
+    and an editable install of another checkout would otherwise lend its ``comera_fx``; the demo's modules live in
+    examples/."""
     for path in (str(REPO / "examples"), str(REPO)):
         if path in sys.path:
             sys.path.remove(path)
