@@ -56,9 +56,12 @@ import torch._inductor.config
 import torch.nn.functional as F
 from torch import nn
 
-import comera_fx
-from bench_openmp_wait import openmp_setting
-from comera_fx.tt.plan import autograd as planned_autograd
+import common  # benchmarks/ is this script's sys.path[0]
+
+common.use_this_checkout()  # this checkout's comera_fx, not an installed copy
+import comera_fx  # noqa: E402
+from common import openmp_setting  # noqa: E402
+from comera_fx.tt.plan import autograd as planned_autograd  # noqa: E402
 
 
 class EncoderLayer(nn.Module):

@@ -13,22 +13,19 @@ examples/compress_pretrained.py. Run timing-relevant runs under ``flock /tmp/com
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import sys
 import time
-from pathlib import Path
 
 import torch
 from torch import nn
 
-from comera_fx.pretrained.distill import match_teacher
+import common  # benchmarks/ is this script's sys.path[0]
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "compress_pretrained.py"
-spec = importlib.util.spec_from_file_location("compress_pretrained", EXAMPLE)
-cp = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = cp
-spec.loader.exec_module(cp)
+common.use_this_checkout()  # this checkout's comera_fx, not an installed copy
+from comera_fx.pretrained.distill import match_teacher  # noqa: E402
+
+cp = common.load_example("compress_pretrained")
 
 
 class LowRankLinear(nn.Module):
@@ -76,10 +73,10 @@ def run_low_rank(teacher, data, ratio, args) -> dict:
 
 
 def main() -> None:
-    load_before = Path("/proc/loadavg").read_text().split()[:3]
+    load_before = common.loadavg()
     result = cp.main(sys.argv[1:], extra={"low-rank distill": run_low_rank})
     record = {"teacher": result["teacher"], "results": result["results"], "loadavg_before": load_before,
-              "loadavg_after": Path("/proc/loadavg").read_text().split()[:3], "argv": sys.argv[1:]}
+              "loadavg_after": common.loadavg(), "argv": sys.argv[1:]}
     (result["out"] / "bench.json").write_text(json.dumps(record, indent=1))
     print(json.dumps({k: record[k] for k in ("loadavg_before", "loadavg_after")}))
 

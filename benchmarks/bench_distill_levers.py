@@ -27,23 +27,20 @@ import argparse
 import contextlib
 import copy
 import fcntl
-import importlib.util
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 from torch import nn
 
-import comera_fx
-from comera_fx.pretrained.distill import linear_sizes, match_teacher
+import common  # benchmarks/ is this script's sys.path[0]
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "compress_pretrained.py"
-spec = importlib.util.spec_from_file_location("compress_pretrained", EXAMPLE)
-cp = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = cp
-spec.loader.exec_module(cp)
+common.use_this_checkout()  # this checkout's comera_fx, not an installed copy
+import comera_fx  # noqa: E402
+from comera_fx.pretrained.distill import linear_sizes, match_teacher  # noqa: E402
+
+cp = common.load_example("compress_pretrained")
 
 RECIPES = {  # name: match_teacher keyword arguments (hidden_weight 1/6 per layer unless given)
     "base": dict(lr=5e-4),
@@ -55,10 +52,6 @@ RECIPES = {  # name: match_teacher keyword arguments (hidden_weight 1/6 per laye
     "hid0": dict(lr=5e-4, hidden_weight=0.0),
     "hid1": dict(lr=5e-4, hidden_weight=1.0),
 }
-
-
-def load(path: Path) -> str:
-    return " ".join(path.read_text().split()[:3]) if path.exists() else "?"
 
 
 @contextlib.contextmanager
@@ -158,7 +151,7 @@ def run_cell(cell: str, teacher, data, reference, start, calibration, args) -> d
         steps_seen[0] += 1
 
     with timing_lock(args.lock):
-        load_before, began = load(Path("/proc/loadavg")), time.perf_counter()
+        load_before, began = common.loadavg(), time.perf_counter()
         if shrink:
             summary = comera_fx.distill_(
                 student, teacher, draw, target_ratio=args.ratio, start_ratio=shrink,
@@ -169,7 +162,7 @@ def run_cell(cell: str, teacher, data, reference, start, calibration, args) -> d
             losses, _, _ = match_teacher(student, teacher, draw, steps=None, budget_seconds=args.budget_seconds,
                                          loss_fn=cp.distill_loss, hidden_modules=cp.hidden_layers(teacher),
                                          progress=False, observe=observe, clock=clock, **kw)
-        wall, load_after = time.perf_counter() - began, load(Path("/proc/loadavg"))
+        wall, load_after = time.perf_counter() - began, common.loadavg()
     tt, dense = linear_sizes(student)
     return {"cell": cell, "steps": len(losses), "texts": len(losses) * batch, "wall_s": round(wall, 1),
             "ratio": tt / dense, "loss_first": losses[0], "loss_last": sum(losses[-10:]) / len(losses[-10:]),

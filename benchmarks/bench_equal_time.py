@@ -52,8 +52,9 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples"))
+import common  # noqa: E402  (torch-free; benchmarks/ is this script's sys.path[0])
+
+common.use_this_checkout()
 import openmp_policy  # noqa: E402  (torch-free)
 
 # Before torch loads OpenMP, as the demo does; the children inherit the choice (examples/openmp_policy.py).
@@ -63,36 +64,13 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 import train_code_lm as demo  # noqa: E402
+from common import loadavg, proc_status, reset_peak_rss, write_record  # noqa: E402
 
 RUNS = ("dense", "comera_fx", "lowrank", "narrow", "galore")
 EXTRA_RUNS = ("tt_fixed", "tt_size", "lowrank_size")  # not run by default: --runs ...,tt_fixed
 LINEAR_NAMES = ("qkv", "proj", "fc", "out")
 
 # --------------------------------------------------------------------------------------------- system readings
-
-
-def loadavg() -> str:
-    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
-
-
-def _proc_status(key: str) -> int | None:
-    """A /proc/self/status memory field in bytes (VmHWM, VmRSS), or None off Linux."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def reset_peak_rss() -> bool:
-    """Reset VmHWM to the current RSS (Linux ≥ 4.0: write 5 to /proc/self/clear_refs)."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        return True
-    except OSError:
-        return False
 
 
 def _busy_seconds() -> float:
@@ -367,15 +345,15 @@ def child(opts) -> dict:
     else:
         raise SystemExit(f"unknown run {opts.child!r}")
 
-    rss_before = _proc_status("VmRSS")
-    peak_setup = _proc_status("VmHWM")
+    rss_before = proc_status("VmRSS")
+    peak_setup = proc_status("VmHWM")
     reset_ok = reset_peak_rss()
     load_start, meter = loadavg(), OthersMeter().start()
     wall = time.perf_counter()
     demo.train(opts.child, model, optimizer, hook, train_data, val_set, run_p, args, device, result)
     wall = time.perf_counter() - wall
     others, load_end = meter.stop(), loadavg()
-    peak_train = _proc_status("VmHWM")
+    peak_train = proc_status("VmHWM")
     state_bytes = training_state_bytes(model, optimizer)  # after the last step: gradients still there
 
     if hook is not None:
@@ -399,7 +377,7 @@ def child(opts) -> dict:
         "linear_params_end": result.linear_params_end, "total_params_start": result.total_params_start,
         "total_params_end": result.total_params_end, "setup_seconds": result.setup_seconds,
         "eval_seconds": result.eval_seconds, "rss_before_train": rss_before, "peak_rss_setup": peak_setup,
-        "peak_rss_train": peak_train if reset_ok else None, "peak_rss_process": _proc_status("VmHWM"),
+        "peak_rss_train": peak_train if reset_ok else None, "peak_rss_process": proc_status("VmHWM"),
         "peak_reset_ok": reset_ok, "state_bytes": state_bytes, "load_start": load_start, "load_end": load_end,
         "others_cores": others,
         "wall_seconds": wall, "threads": torch.get_num_threads(), "extra": extra, "profile": profile,
@@ -535,9 +513,7 @@ def parent(opts) -> None:
     print("\n" + text)
     print(f"\nfinished {datetime.now():%Y-%m-%d %H:%M:%S}, load {loadavg()}")
     if opts.json:
-        Path(opts.json).write_text(json.dumps({"argv": sys.argv, "date": f"{datetime.now():%Y-%m-%d %H:%M:%S}",
-                                               "torch": torch.__version__, "openmp": WAIT_POLICY,
-                                               "results": results}, indent=1))
+        write_record(opts.json, openmp=WAIT_POLICY, results=results)
 
 
 def parse(argv):

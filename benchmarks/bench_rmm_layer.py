@@ -23,7 +23,6 @@ Usage (timing only under the shared lock)::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -35,11 +34,11 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
-# This checkout's comera_fx (a script's sys.path starts at benchmarks/, which would find an installed copy).
-sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
-from bench_equal_time import loadavg  # noqa: E402
-from rmm_common import (comera_rmm_linear, exact_linear, fewbit_linear, load_fewbit, rmm_missing,  # noqa: E402
-                        saved_bytes_by_op)
+import common  # noqa: E402  (benchmarks/ is this script's sys.path[0])
+
+common.use_this_checkout()  # this checkout's comera_fx, not an installed copy
+from common import (comera_rmm_linear, exact_linear, fewbit_linear, load_fewbit, loadavg, rmm_missing,  # noqa: E402
+                    saved_bytes_by_op, write_record)
 
 COMERA_SKETCHES = ("gaussian", "rademacher", "srht")
 FEWBIT_MATMULS = ("gaussian", "rademacher", "dct")
@@ -149,9 +148,7 @@ def main(argv=None):
         print("skipped:", s)
     print(f"load {load_start} → {load_end}")
     if opts.json:
-        Path(opts.json).write_text(json.dumps({"argv": sys.argv, "date": f"{datetime.now():%Y-%m-%d %H:%M:%S}",
-                                               "torch": torch.__version__, "load": [load_start, load_end],
-                                               "results": results, "skipped": skipped}, indent=1))
+        write_record(opts.json, load=[load_start, load_end], results=results, skipped=skipped)
 
 
 if __name__ == "__main__":

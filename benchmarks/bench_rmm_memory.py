@@ -54,10 +54,11 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-# This checkout's comera_fx (a script's sys.path starts at benchmarks/, which would find an installed copy).
-sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
-from bench_equal_time import _proc_status, loadavg, reset_peak_rss  # noqa: E402
-from rmm_common import comera_randomize_backward_, rmm_missing, saved_bytes_by_op  # noqa: E402
+import common  # noqa: E402  (benchmarks/ is this script's sys.path[0])
+
+common.use_this_checkout()  # this checkout's comera_fx, not an installed copy
+from common import (comera_randomize_backward_, loadavg, proc_status, reset_peak_rss, rmm_missing,  # noqa: E402
+                    saved_bytes_by_op, write_record)
 
 # The Inductor-compiled variants (``..._compiled``) are opt-in: their compile took > 15 min on the loaded 2-core
 # machine (RESULTS.md, RMM section).
@@ -152,7 +153,7 @@ def child(opts) -> dict:
         loss_of(step_model).backward()
         model.zero_grad(set_to_none=True)
         info["compile_seconds"] = time.perf_counter() - t0
-    rss_before = _proc_status("VmRSS")
+    rss_before = proc_status("VmRSS")
     reset_ok = reset_peak_rss()
     load_start = loadavg()
     t0 = time.perf_counter()
@@ -163,9 +164,9 @@ def child(opts) -> dict:
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
-        per_step.append((_proc_status("VmHWM") - rss_before, _proc_status("VmRSS") - rss_before))
+        per_step.append((proc_status("VmHWM") - rss_before, proc_status("VmRSS") - rss_before))
     step_seconds = (time.perf_counter() - t0) / opts.steps
-    peak = _proc_status("VmHWM")
+    peak = proc_status("VmHWM")
     load_end = loadavg()
     params = list(model.parameters())
     state = sum(p.numel() * p.element_size() * 2 for p in params)  # parameters + gradients
@@ -269,8 +270,7 @@ def main(argv=None):
                                        f"MiB, {r['step_seconds']:.2f} s/step, load {r['load_end']}")
             print(f"{datetime.now():%H:%M:%S} {name} batch {batch}: {msg[:400]}", flush=True)
             if opts.json:
-                Path(opts.json).write_text(json.dumps({"argv": sys.argv, "torch": torch.__version__,
-                                                       "results": results}, indent=1))
+                write_record(opts.json, results=results)
     print(report(results))
 
 

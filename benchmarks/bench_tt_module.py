@@ -27,10 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import statistics
-import sys
-import time
 from pathlib import Path
 
 # No OpenMP wait policy is set here: libgomp's default (spin briefly, then sleep) is what users run, and
@@ -38,11 +34,12 @@ from pathlib import Path
 # a dense one (benchmarks/RESULTS.md, "The OpenMP wait policy"). Time on a quiet machine.
 
 import torch  # noqa: E402
-from bench_openmp_wait import openmp_setting  # noqa: E402
 from torch import nn  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import common  # noqa: E402  (benchmarks/ is this script's sys.path[0])
 
+common.use_this_checkout()  # this checkout's comera_fx, not an installed copy
+from common import loadavg, openmp_setting, time_rotated  # noqa: E402
 from comera_fx.tt import TTLinear, layers  # noqa: E402
 from comera_fx.tt.plan import autograd as planned_autograd  # noqa: E402
 
@@ -73,26 +70,6 @@ def step_fn(layer: nn.Module, x: torch.Tensor, dy: torch.Tensor, pad: bool = Tru
     return run
 
 
-def time_columns(columns: dict, repeats: int, inner: int) -> dict[str, float]:
-    """Median seconds per call of each column, columns interleaved within every round, the order rotated from
-    round to round: a column timed right after dense pays for the memory dense just freed (on the benchmark VM,
-    4096² runs 9–15 % slower in that seat), so no column may sit there every round."""
-    samples: dict[str, list[float]] = {name: [] for name in columns}
-    for fn in columns.values():  # warm-up: plans, allocator, first-touch pages
-        fn()
-        fn()
-    names = list(columns)
-    for round_ in range(repeats):
-        shift = round_ % len(names)
-        for name in names[shift:] + names[:shift]:
-            fn = columns[name]
-            start = time.perf_counter()
-            for _ in range(inner):
-                fn()
-            samples[name].append((time.perf_counter() - start) / inner)
-    return {name: statistics.median(v) for name, v in samples.items()}
-
-
 def tt_pair(n_in: int, n_out: int, rank: int, seed: int) -> tuple[nn.Linear, TTLinear, TTLinear]:
     torch.manual_seed(seed)
     dense = nn.Linear(n_in, n_out)
@@ -108,7 +85,7 @@ def measure_shape(n_in: int, n_out: int, rank: int, tokens: int, repeats: int, s
     dy = torch.randn(tokens, n_out, generator=gen)
     chosen = layers.choose_plan(layers.planned_envelope(tt.tt.layout, "matmul"), tokens)
     inner = 1 if n_in * n_out > 4_000_000 else 3
-    times = time_columns({"dense": step_fn(dense, x, dy), "tt": step_fn(tt, x, dy),
+    times = time_rotated({"dense": step_fn(dense, x, dy), "tt": step_fn(tt, x, dy),
                           "tt_addmm": step_fn(tt, x, dy, bias_in_gemm=False),
                           "tt_unpadded": step_fn(tt, x, dy, pad=False, bias_in_gemm=False),
                           "tt_no_bias": step_fn(no_bias, x, dy)},
@@ -136,7 +113,7 @@ def measure_pruned(ranks: list[int], tokens: int, repeats: int, seed: int) -> li
             name = f"r{rank}" + ("" if padded else "_unpadded")
             columns[name] = step_fn(tt, x, dy, pad=padded, bias_in_gemm=padded)
             flops[name], modules[name] = chosen.flops(tokens, backward=True), tt
-    times = time_columns(columns, repeats, 3)
+    times = time_rotated(columns, repeats, 3)
     rows = []
     for name, seconds in times.items():
         rows.append(dict(rank=int(name[1:].split("_")[0]), padded=not name.endswith("_unpadded"),
@@ -162,7 +139,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {args.threads} threads, {args.tokens} tokens, "
           f"{openmp_setting()}, load "
-          f"{open('/proc/loadavg').read().split()[:3]}")
+          f"{loadavg()}")
     results = {"shapes": [], "pruned": []}
     print("| shape | rank (padded) | bias | dense ms | TT ms | addmm ms | unpadded ms | no-bias ms | dense/TT "
           "| dense/addmm | dense/unpadded | dense/no-bias | FLOP ratio |")
@@ -186,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"| {row['rank']} | {'yes' if row['padded'] else 'no'} | {row['ranks']} | "
                   f"{row['seconds'] * 1e3:.2f} | {row['time_vs_16']:.2f} | {row['gflops']:.3f} | "
                   f"{row['s_per_gflop'] * 1e3:.1f} | {row['per_flop_vs_16']:.2f} |")
-    print(f"load after: {open('/proc/loadavg').read().split()[:3]}")
+    print(f"load after: {loadavg()}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 

@@ -16,7 +16,7 @@ What runs, per graph Dynamo captures:
    forward, which already emits the planner's pairwise reshape / permute / mm steps, with the plan chosen by
    comparisons of the batch size against the breakpoints (one graph per planner interval under dynamic shapes).
    On CPU graphs ``passes.fast_dropout`` draws training-mode dropout masks from bulk random words (CoMERA's softmax +
-   dropout site 2.4x faster than with aten's per-element ``bernoulli_``, bench_cpu_dropout.py;
+   dropout site 2.4x faster than with aten's per-element ``bernoulli_``, investigations/bench_cpu_dropout.py;
    ``BackendConfig.fast_dropout``). With ``rmm`` set, ``passes.randomize_backward`` gives the large dense
    linear-like ops a randomized backward (TT layers get theirs from ``comera_fx.randomize_backward_`` on the
    model); ``passes.share_sketches`` always runs, so randomized layers reading one tensor keep one sketch of it.
@@ -73,12 +73,14 @@ class BackendConfig:
         inductor_options: Inductor config patches, as ``torch.compile(options=...)`` takes them. On CPU graphs
             the backend adds ``fallback_random=True`` unless given here: random ops (dropout) then run eager's
             aten kernels instead of Inductor's generated RNG, which is slower on CPU (CoMERA's two dropout sites:
-            2.3-3.0x eager's time with it, 1.4-1.6x without; benchmarks/bench_cpu_dropout.py), and the masks
-            follow the eager RNG stream. GPU graphs keep Inductor's.
+            2.3-3.0x eager's time with it, 1.4-1.6x without;
+            benchmarks/investigations/bench_cpu_dropout.py), and the masks follow the eager RNG stream. GPU graphs
+            keep Inductor's.
         cpu_aten_kernels: ops Inductor would decompose that CPU graphs run as aten's kernels instead. Default:
             ``aten.embedding_dense_backward`` — Inductor's decomposition (a scatter-add loop) took 3x aten's
             kernel for a position embedding's gradient, 2.8x for a TT-matrix lookup's and 1.1x for a dense
-            30522 x 768 table's (benchmarks/bench_embedding_backward.py). ``()`` keeps Inductor's decompositions.
+            30522 x 768 table's (benchmarks/investigations/bench_embedding_backward.py). ``()`` keeps Inductor's
+            decompositions.
         fast_dropout: on CPU graphs, rewrite training-mode dropout with ``passes.fast_dropout`` (default): masks
             from 64-bit random words, four 16-bit lanes each, instead of one ``bernoulli_`` draw per element — the
             drop rate rounded to a multiple of 2**-16, the output's expectation exact, reproducible under

@@ -9,7 +9,7 @@ drop rate rounded to a multiple of 2**-16 (|p' - p| <= 2**-17), and kept values 
 the output's expectation is the input exactly. The words come from the default generator (``randint`` over the
 int64 range), so ``torch.manual_seed`` makes the masks reproducible; they are not eager's masks (as with
 Inductor's own RNG). About 4x fewer generator calls, and the compare and the multiply fuse under Inductor
-(benchmarks/bench_cpu_dropout.py).
+(benchmarks/investigations/bench_cpu_dropout.py).
 
 Left as they are: dropout in eval mode, in-place dropout, a drop rate that is not a Python number or rounds to
 0 or 1 (a rate outside [0, 1] keeps its error), the channel-wise / alpha variants, ``scaled_dot_product_attention``'s

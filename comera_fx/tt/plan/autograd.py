@@ -39,9 +39,9 @@ def _unview(grad, view: tuple, dims: tuple[int, ...], rows: int, cols: int, batc
 # MKL (torch 2.13 CPU, 2 threads, AMD EPYC) runs the skinny GEMMs of a two-factor plan (x·L with N = r, t·R with
 # K = r, and their gradients) far below their rate at kernel-friendly widths: at 4096 × 768 and r = 7 / 11 / 13 / 30
 # the six b-dependent GEMMs took 8.4 / 10.5 / 7.6 / 12.1 ms against 5.6 ms at r = 16 and 9.7 ms at r = 32
-# (benchmarks/bench_rank_widths.py; benchmarks/RESULTS.md, "Kernel-friendly rank padding"). Zero slices on the bond
-# between the two factors change no number: x·[L 0] = [t 0] and [t 0]·[R; 0] = t·R, and the gradients of the true
-# slices are the same.
+# (benchmarks/investigations/bench_rank_widths.py; benchmarks/RESULTS.md, "Kernel-friendly rank padding"). Zero
+# slices on the bond between the two factors change no number: x·[L 0] = [t 0] and [t 0]·[R; 0] = t·R, and the
+# gradients of the true slices are the same.
 #: Pad the bond between the two factors of a two-factor plan to ``kernel_rank`` (False: the A/B switch of
 #: benchmarks/bench_tt_module.py).
 PAD_RANKS = True

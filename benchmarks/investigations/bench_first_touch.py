@@ -14,29 +14,30 @@ A TT layer's y = t·R and dx = dt·Lᵀ are GEMMs with K = rank: little arithmet
 
 Usage::
 
-    python benchmarks/bench_first_touch.py              # all three tables, ~1 minute
-    python benchmarks/bench_first_touch.py --no-advise  # tables 0 and 1
+    python benchmarks/investigations/bench_first_touch.py              # all three tables, ~1 minute
+    python benchmarks/investigations/bench_first_touch.py --no-advise  # tables 0 and 1
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
-import os
 import resource
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
-from bench_rank_widths import median_ms  # the same timing loop
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for common
+import common  # noqa: E402
+
+common.use_this_checkout()  # this checkout's comera_fx, not an installed copy
+from common import loadavg, median_ms  # noqa: E402
 
 _HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14
-
-
-def _load() -> str:
-    return " ".join(f"{v:.2f}" for v in os.getloadavg()) if hasattr(os, "getloadavg") else "unknown"
 
 
 def _minor_faults() -> int:
@@ -117,7 +118,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-advise", action="store_true", help="skip the huge-page table")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {args.threads} threads, load {_load()}")
+    print(f"torch {torch.__version__}, {args.threads} threads, load {loadavg()}")
     widths = [int(w) for w in args.widths.split(",")]
     rates = {n: gemm_rates(args.tokens, n, args.rank, args.calls) for n in widths}
     names = list(rates[widths[0]])

@@ -9,23 +9,32 @@ aten kernel" leaves that op to aten, which is what comera_fx's backend does on C
 
 Usage::
 
-    python benchmarks/bench_embedding_backward.py     # ~1 minute
+    python benchmarks/investigations/bench_embedding_backward.py     # ~1 minute
 """
 
 from __future__ import annotations
 
-import os
+import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch._inductor.config
 import torch.nn.functional as F
 
-import comera_fx
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for common
+import common  # noqa: E402
+
+common.use_this_checkout()  # this checkout's comera_fx, not an installed copy
+import comera_fx  # noqa: E402
 
 
-def main():
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=22, help="timed rounds after three warm-up rounds")
+    args = parser.parse_args(argv)
     torch.set_num_threads(2)
     torch._inductor.config.force_disable_caches = True
     torch.manual_seed(0)
@@ -55,13 +64,13 @@ def main():
         variants[(site, "inductor")] = torch.compile(fn, backend=decomposed)
         variants[(site, "inductor, aten kernel")] = torch.compile(fn, backend=aten_kernel)
     times = {key: [] for key in variants}
-    for rnd in range(25):
+    for rnd in range(args.rounds + 3):
         for key, fn in variants.items():
             start = time.perf_counter()
             fn(ids).sum().backward()
             if rnd >= 3:  # the first rounds compile and warm up
                 times[key].append(time.perf_counter() - start)
-    print(f"load {os.getloadavg()}")
+    print(f"load {common.loadavg()}")
     sites = dict.fromkeys(site for site, _ in variants)
     kinds = dict.fromkeys(kind for _, kind in variants)
     print(f"{'site':20s} " + " ".join(f"{kind + ' ms':>24s}" for kind in kinds))

@@ -10,37 +10,30 @@ the two weight gradients in the faster of their two orientations, as the planned
 
 Usage::
 
-    .venv/bin/python benchmarks/bench_rank_widths.py                      # 4096 × 768 -> 768, r = 4..40
-    .venv/bin/python benchmarks/bench_rank_widths.py --shape 4096x768x3072 --ranks 16,30,32
+    .venv/bin/python benchmarks/investigations/bench_rank_widths.py        # 4096 × 768 -> 768, r = 4..40
+    .venv/bin/python benchmarks/investigations/bench_rank_widths.py --shape 4096x768x3072 --ranks 16,30,32
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import statistics
-import time
+import sys
+from pathlib import Path
 
 # No OpenMP wait policy is set here: libgomp's default (spin briefly, then sleep) is what users run, and
 # OMP_WAIT_POLICY=PASSIVE adds ~0.1 ms to every short parallel region, which a TT layer has many more of than
 # a dense one (benchmarks/RESULTS.md, "The OpenMP wait policy"). Time on a quiet machine.
 
 import torch  # noqa: E402
-from bench_openmp_wait import openmp_setting  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for common
+import common  # noqa: E402
+
+common.use_this_checkout()  # this checkout's comera_fx, not an installed copy
+from common import loadavg, median_ms, openmp_setting  # noqa: E402
 
 
 RANKS = "4,7,8,11,12,13,16,20,24,28,30,32,40"
-
-
-def median_ms(fn, repeats: int) -> float:
-    for _ in range(3):
-        fn()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples) * 1e3
 
 
 def six_gemms(tokens: int, n_in: int, n_out: int, rank: int, repeats: int) -> dict[str, float]:
@@ -72,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
     tokens, n_in, n_out = (int(v) for v in args.shape.split("x"))
     print(f"torch {torch.__version__}, {args.threads} threads, {tokens} tokens, {n_in} -> {n_out}, "
           f"{openmp_setting()}, load "
-          f"{open('/proc/loadavg').read().split()[:3]}")
+          f"{loadavg()}")
     rows = [(rank, six_gemms(tokens, n_in, n_out, int(rank), args.repeats)) for rank in args.ranks.split(",")]
     names = list(rows[0][1])
     print("| r | " + " | ".join(names) + " | per unit of r |")
@@ -80,7 +73,7 @@ def main(argv: list[str] | None = None) -> None:
     for rank, times in rows:
         cells = " | ".join(f"{times[name]:.2f}" for name in names)
         print(f"| {rank} | {cells} | {times['sum'] / int(rank):.3f} |", flush=True)
-    print(f"load after: {open('/proc/loadavg').read().split()[:3]}")
+    print(f"load after: {loadavg()}")
 
 
 if __name__ == "__main__":

@@ -8,21 +8,27 @@ dropout with ``fast_dropout`` on CPU graphs because of this measurement (benchma
 
 Usage::
 
-    python benchmarks/bench_cpu_dropout.py            # ~1 minute (two small Inductor compiles per variant)
+    python benchmarks/investigations/bench_cpu_dropout.py    # ~1 minute (two small Inductor compiles per variant)
 """
 
 from __future__ import annotations
 
-import os
+import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch._inductor.config
 import torch.nn.functional as F
 from torch import fx
 
-from comera_fx.passes import fast_dropout
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for common
+import common  # noqa: E402
+
+common.use_this_checkout()  # this checkout's comera_fx, not an installed copy
+from comera_fx.passes import fast_dropout  # noqa: E402
 
 
 def attention(x):
@@ -38,7 +44,10 @@ def word_dropout(fn):
     return fast_dropout(fx.symbolic_trace(fn))
 
 
-def main():
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=30, help="timed rounds after two warm-up rounds")
+    args = parser.parse_args(argv)
     torch.set_num_threads(2)
     torch._inductor.config.force_disable_caches = True
     scores = torch.randn(8, 12, 128, 128, requires_grad=True)
@@ -54,14 +63,14 @@ def main():
     variants["word dropout, inductor"] = tuple(torch.compile(w, options={"fallback_random": True}) for w in words)
     sites = {"softmax+dropout": lambda f: f[0](scores).sum(), "layernorm+dropout": lambda f: f[1](acts, w, b).sum()}
     times = {(v, s): [] for v in variants for s in sites}
-    for rnd in range(32):
+    for rnd in range(args.rounds + 2):
         for v, fns in variants.items():
             for s, run in sites.items():
                 start = time.perf_counter()
                 run(fns).backward()
                 if rnd >= 2:  # the first two rounds compile and warm up
                     times[(v, s)].append(time.perf_counter() - start)
-    print(f"load {os.getloadavg()}")
+    print(f"load {common.loadavg()}")
     print(f"{'variant':20s} " + " ".join(f"{s + ' ms':>20s}" for s in sites))
     for v in variants:
         print(f"{v:20s} " + " ".join(f"{1000 * statistics.median(times[(v, s)]):20.1f}" for s in sites))
