@@ -35,8 +35,12 @@ import statistics
 import tempfile
 import time
 
-import torch
-import torch.nn.functional as F
+import common  # benchmarks/common.py: this checkout first on sys.path, the example loader
+
+common.use_this_checkout()
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -47,22 +51,7 @@ from comera_fx.runtime import RankAdaptive, RankConfig
 VOCAB = 256
 
 
-class Block(nn.Module):
-    """Pre-LN transformer block: causal SDPA attention with a fused qkv projection, GELU MLP."""
-
-    def __init__(self, d_model: int, heads: int, d_ff: int):
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
-        self.qkv, self.proj = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
-        self.fc, self.out = nn.Linear(d_model, d_ff), nn.Linear(d_ff, d_model)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+Block = common.load_example("train_code_lm").Block  # the demo's pre-LN block: one definition of it
 
 
 class CausalLM(nn.Module):
