@@ -57,6 +57,9 @@ def _batch_sizes_crossing(envelope, top=4096):
     return sorted(s for s in sizes if 1 <= s <= top)
 
 
+# About 80 s on 2 cores (one compiled call per size): the slow suite. The default run keeps the same property on
+# fewer sizes in tests/test_backend.py::test_dynamic_shapes_give_one_graph_per_planner_interval.
+@pytest.mark.slow
 def test_dynamic_compile_recompiles_only_at_breakpoints():
     _, tt = _dense_and_tt()
     envelope = comera_fx.plan(tt)

@@ -187,6 +187,8 @@ def test_bert_refit_groups_qkv_and_masks_padding():
     assert "12 layers on 4 batches" in str(summary)
 
 
+# Two full refits of a tiny BERT (about 90 s on 2 cores): the slow suite; the default run refits whole forwards.
+@pytest.mark.slow
 def test_blocks_give_the_same_refit_as_whole_forwards():
     teacher = tiny_bert()
     data = padded_batches()
