@@ -44,7 +44,7 @@ def tensorized_gpt2(seed: int) -> torch.nn.Module:
 def test_trainer_run_shrinks_ranks_and_saves_a_loadable_model(tmp_path):
     model = tensorized_gpt2(seed=0)
     before = sum(p.numel() for m in model.modules() if isinstance(m, comera_fx.TTMatrix) for p in m.parameters())
-    callback = RankAdaptiveCallback(target_ratio=0.4, prunes=3)
+    callback = RankAdaptiveCallback(keep_fraction=0.4, prunes=3)
     args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=30, per_device_train_batch_size=4,
                                           learning_rate=1e-3, logging_steps=5, save_strategy="no", report_to=[],
                                           use_cpu=True, disable_tqdm=True, dataloader_num_workers=0)
@@ -88,3 +88,13 @@ def _load_state(path):
 
         return load_file(str(path))
     return torch.load(path, weights_only=True)
+
+
+def test_callback_options_are_rank_config_fields():
+    with pytest.raises(TypeError, match="unexpected keyword arguments \\['keep_fractoin'\\]"):
+        RankAdaptiveCallback(keep_fractoin=0.4)
+    with pytest.raises(TypeError, match="in the RankConfig only"):
+        RankAdaptiveCallback(comera_fx.RankConfig(keep_fraction=0.4, total_steps=10), prunes=3)
+    with pytest.warns(DeprecationWarning, match="pass keep_fraction="):
+        old = RankAdaptiveCallback(target_ratio=0.4, history_every=2)
+    assert old.config_fields == {"keep_fraction": 0.4} and old.hook_options == {"history_every": 2}
