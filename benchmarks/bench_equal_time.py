@@ -15,7 +15,7 @@ clock of the training steps; validation outside the clock) for:
 * ``tt_fixed``  — (only with ``--runs ...,tt_fixed``) the comera_fx run's TT layers at fixed rank 16, no
                   RankAdaptive (gates at lr 1e-3): the equal-rank figure to set against public CoMERA's TT layers;
 * ``tt_size``   — (only with ``--runs``) TT at the fixed uniform max rank whose TT size is closest to the size
-                  target S of the comera_fx run (``--target-ratio`` of the rank-16 TT size), from the start;
+                  target S of the comera_fx run (``--keep-fraction`` of the rank-16 TT size), from the start;
 * ``lowrank_size`` — (only with ``--runs``) low-rank x·A·B at the uniform r whose factors are closest to S;
 * ``galore``    — the dense model trained with ``galore_torch.GaLoreAdamW`` (rank ``--galore-rank`` projections of
                   the block linears' gradients; benchmark-only dependency ``pip install galore-torch``); skipped with
@@ -151,14 +151,14 @@ def tt_params_of(model: nn.Module) -> int:
 
 
 def size_target(model: nn.Module, p: demo.Preset, args, example: torch.Tensor, rank: int) -> tuple[int, float]:
-    """(TT size at max rank ``rank``, the comera_fx run's target S = --target-ratio of it), from a throwaway copy
+    """(TT size at max rank ``rank``, the comera_fx run's target S = --keep-fraction of it), from a throwaway copy
     (init "random": only the shapes matter)."""
     import copy
 
     trial = copy.deepcopy(model)
     demo.tensorize(trial, p, argparse.Namespace(**{**vars(args), "init": "random", "max_rank": rank}), example)
     full = tt_params_of(trial)
-    return full, args.target_ratio * full
+    return full, args.keep_fraction * full
 
 
 def rank_for_size(model: nn.Module, p: demo.Preset, args, example: torch.Tensor, target: float,

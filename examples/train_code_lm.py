@@ -278,12 +278,12 @@ def gate_lr(args, expected_steps: float) -> float:
 
 def make_hook(model: nn.Module, optimizer: torch.optim.Optimizer, args, late_start_step: int | None,
               result: "RunResult", expected_steps: float) -> RankAdaptive:
-    """``--schedule budget`` (default): RankAdaptive's budget schedule towards ``--target-ratio`` of the TT size,
+    """``--schedule budget`` (default): RankAdaptive's budget schedule towards ``--keep-fraction`` of the TT size,
     reached at ``--prune-by`` of the horizon (final_fraction = 1 − prune_by). The horizon is the run's training
     clock (``result.train_seconds``, validation excluded), or ``--max-steps`` when that ends the run first.
 
     ``--schedule comera``: CoMERA's two stages: a light ℓ1 pull on the gates, then (from ``late_start_step``) the achievement
-    scalarization towards ``--target-ratio`` of the initial TT size; dead slices removed every ``prune_every``.
+    scalarization towards ``--keep-fraction`` of the initial TT size; dead slices removed every ``prune_every``.
 
     The price in a run this short is real. Trial (small preset, 174 steps, same batches, 1 thread): rank-16 TT
     without a late stage reached 2.376 nats/byte; with the late stage from step 44 (gate lr 0.011), 2.567 at 52%
@@ -304,10 +304,10 @@ def make_hook(model: nn.Module, optimizer: torch.optim.Optimizer, args, late_sta
         else:
             horizon = {"budget_seconds": args.budget_seconds}
         clock = None if "total_steps" in horizon else (lambda: result.train_seconds)
-        config = RankConfig(keep_fraction=args.target_ratio, final_fraction=1 - args.prune_by, **horizon)
+        config = RankConfig(keep_fraction=args.keep_fraction, final_fraction=1 - args.prune_by, **horizon)
         return RankAdaptive(model, optimizer, config, clock=clock, history_every=1)
     config = RankConfig(schedule="comera", l1_weight=args.l1_weight, prune_every=args.prune_every,
-                        keep_fraction=args.target_ratio, late_start_step=late_start_step,
+                        keep_fraction=args.keep_fraction, late_start_step=late_start_step,
                         late_size_weight=args.late_size_weight)
     return RankAdaptive(model, optimizer, config, history_every=1)
 
@@ -447,7 +447,7 @@ def calibrate_step_seconds(model: nn.Module, args, train_data, p: Preset, device
     optimizer = make_tt_optimizer(trial, args, 1e-3)
     # the hook's per-step work (importance or penalty, history entry) is part of a step: count it (no pruning)
     if args.schedule == "budget":
-        config = RankConfig(keep_fraction=args.target_ratio, total_steps=10**9)
+        config = RankConfig(keep_fraction=args.keep_fraction, total_steps=10**9)
     else:
         config = RankConfig(schedule="comera", l1_weight=args.l1_weight, prune_every=None)
     hook = RankAdaptive(trial, optimizer, config, history_every=1)
@@ -605,10 +605,10 @@ def write_report(out: Path, args, p: Preset, data_info: dict, results: list[RunR
         ("comera_fx optimizer", f"AdamW (param_groups) cores {args.lr_cores:g} / gates {args.gate_lr_used:.2g} "
                                 f"({'auto' if args.lr_gates == 'auto' else 'fixed'}) / other {args.lr:g}, "
                                 f"same warm-up and clipping"),
-        ("RankAdaptive", f"budget schedule: keep_fraction={args.target_ratio:g}, reached at {args.prune_by:.0%} of "
+        ("RankAdaptive", f"budget schedule: keep_fraction={args.keep_fraction:g}, reached at {args.prune_by:.0%} of "
                          f"the training clock (warm-up 10%, cubic decay, 10 prunes)" if args.schedule == "budget"
                          else f"schedule='comera', l1_weight={args.l1_weight:g}, prune_every={args.prune_every}, "
-                         f"keep_fraction={args.target_ratio:g}, late_size_weight={args.late_size_weight:g}, "
+                         f"keep_fraction={args.keep_fraction:g}, late_size_weight={args.late_size_weight:g}, "
                          f"late stage from ~{args.late_fraction:.0%} of the "
                          f"budget (step estimated before training)"),
         ("seed / device / threads", f"{args.seed} / {args.device} / {torch.get_num_threads()} "
@@ -658,7 +658,7 @@ def parse_args(argv):
     parser.add_argument("--lr-gates", default="auto",
                         help="gate learning rate, or 'auto': reach the size target at --prune-by of the budget")
     parser.add_argument("--schedule", choices=("budget", "comera"), default="budget",
-                        help="RankAdaptive's schedule: budget (default; reaches --target-ratio at --prune-by of the "
+                        help="RankAdaptive's schedule: budget (default; reaches --keep-fraction at --prune-by of the "
                              "training clock) or comera (ℓ1 + late stage; --l1-weight, --prune-every, "
                              "--late-size-weight, --late-fraction, --lr-gates auto apply to it)")
     parser.add_argument("--l1-weight", type=float, default=0.01)
@@ -666,8 +666,9 @@ def parse_args(argv):
     parser.add_argument("--late-size-weight", type=float, default=0.0,
                         help="RankAdaptive late_size_weight (library default 0; CoMERA 0.01): the gate pull that "
                              "stays on once the size target is met; see make_hook")
-    parser.add_argument("--target-ratio", type=float, default=0.5,
-                        help="size target, as a fraction of the initial TT parameters")
+    parser.add_argument("--keep-fraction", "--target-ratio", dest="keep_fraction", type=float, default=0.5,
+                        help="size target, as a fraction of the initial TT parameters (RankConfig.keep_fraction; "
+                             "--target-ratio is its old spelling)")
     parser.add_argument("--late-fraction", type=float, default=0.25,
                         help="comera schedule: the late stage starts after about this fraction of the budget")
     parser.add_argument("--prune-by", type=float, default=0.75,
@@ -789,7 +790,7 @@ def _run(args, p: Preset) -> dict:
     if tt_result.history:
         last = tt_result.history[-1]
         extra += (f" Rank adaptation: size target {tt_result.target_params:,.0f} TT params "
-                  f"({args.target_ratio:.0%} of {hook.initial_tt_params:,}); at the end {last['tt_params']:,} stored, "
+                  f"({args.keep_fraction:.0%} of {hook.initial_tt_params:,}); at the end {last['tt_params']:,} stored, "
                   f"{last['live_tt_params']:,} live.")
     import matplotlib
 
