@@ -154,7 +154,7 @@ def run_cell(cell: str, teacher, data, reference, start, calibration, args) -> d
         load_before, began = common.loadavg(), time.perf_counter()
         if shrink:
             summary = comera_fx.distill_(
-                student, teacher, draw, target_ratio=args.ratio, start_ratio=shrink,
+                student, teacher, draw, size_target=args.ratio, start_ratio=shrink,
                 budget_seconds=args.budget_seconds, loss_fn=cp.distill_loss, hidden_modules=cp.hidden_layers(teacher),
                 calibration=calibration, progress=False, **kw)
             losses = summary.losses
