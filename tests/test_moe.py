@@ -18,7 +18,8 @@ from torch import nn
 
 import comera_fx
 from comera_fx import RankAdaptive, RankConfig, TensorizeConfig
-from comera_fx.moe import ExpertWeight, TTExpertBank, TTExperts, find_experts
+from comera_fx.moe import ExpertWeight, TTExpertBank, TTExperts
+from comera_fx.passes import find_experts
 
 transformers = pytest.importorskip("transformers")
 

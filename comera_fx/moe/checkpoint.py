@@ -9,9 +9,8 @@ from torch import nn
 
 from ..tt.layers import TTMatrix
 from .bank import TTExpertBank
-from .convert import attach_expert_weight
 from .experts import TTExperts
-from .weight import ExpertWeight
+from .weight import ExpertWeight, attach_expert_weight
 
 HOLDER_TYPES = ("experts", "expert_weight")
 

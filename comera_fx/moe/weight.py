@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 
 from .bank import TTExpertBank
@@ -142,3 +142,11 @@ def single_index(index) -> int | None:
             and index.dtype != torch.bool and index.dim() <= 1:
         return int(index)
     return None
+
+
+def attach_expert_weight(holder: nn.Module, attr: str, bank: TTExpertBank) -> None:
+    """Replace parameter ``holder.<attr>`` by ``bank`` (registered as ``<attr>_tt``), read through an
+    ``ExpertWeight`` in the instance's attribute ``<attr>``."""
+    holder._parameters.pop(attr, None)
+    holder.add_module(f"{attr}_tt", bank)
+    holder.__dict__[attr] = ExpertWeight(bank)

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, fx, nn
 
 from ..config import Init, TensorizeConfig, warn_renamed
-from ..moe.convert import ExpertStep
+from .experts import ExpertStep
 from ..tt import ops
 from ..tt import plan as planner
 from ..tt.inventory import is_hf_conv1d

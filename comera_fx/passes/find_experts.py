@@ -30,10 +30,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from ..passes.find import parameter_table, split_example_inputs
-from ..passes.isolation import _restore_buffers, _snapshot_buffers
-from .experts import hf_projection_names, is_hf_experts
-from .weight import single_index
+from ..moe.experts import hf_projection_names, is_hf_experts
+from ..moe.weight import single_index
+from .find import parameter_table, split_example_inputs
+from .isolation import _restore_buffers, _snapshot_buffers
 
 HF_EXPERTS, MODULE_LIST, PARAMETER_3D = "hf-experts", "module-list", "3d-parameter"
 

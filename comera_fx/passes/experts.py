@@ -20,12 +20,12 @@ import torch
 from torch import nn
 
 from ..config import TensorizeConfig
-from ..passes.find import Candidate, Use, UseKind, parameter_table
-from ..passes.holders import Journal, hook_problem, move_hooks
-from .bank import TTExpertBank
-from .experts import TTExperts, hf_experts_problem
-from .find import HF_EXPERTS, MODULE_LIST, PARAMETER_3D, ExpertCandidate, ExpertScan
-from .weight import ExpertWeight
+from ..moe.bank import TTExpertBank
+from ..moe.experts import TTExperts, hf_experts_problem
+from ..moe.weight import ExpertWeight, attach_expert_weight
+from .find import Candidate, Use, UseKind, parameter_table
+from .find_experts import HF_EXPERTS, MODULE_LIST, PARAMETER_3D, ExpertCandidate, ExpertScan
+from .holders import Journal, hook_problem, move_hooks
 
 FilterFn = Callable[[nn.Module, str], bool]
 
@@ -136,21 +136,12 @@ def install_banks(model: nn.Module, plans: list[ExpertPlan], journal: Journal) -
             setattr(parent, child, new)
         else:
             (cand,), (bank,) = plan.candidates, plan.banks
-            attach_expert_weight(holder, cand.fqn.rpartition(".")[2], bank, journal)
+            journal.touch(holder)
+            attach_expert_weight(holder, cand.fqn.rpartition(".")[2], bank)
         for cand, decision, bank in zip(plan.candidates, plan.decisions, plan.banks):
             for tt in bank:
                 if not tt.is_zero:
                     tt.prepare_plans()
-
-
-def attach_expert_weight(holder: nn.Module, attr: str, bank: TTExpertBank, journal: Journal | None = None) -> None:
-    """Replace parameter ``holder.<attr>`` by ``bank`` (registered as ``<attr>_tt``), read through an
-    ``ExpertWeight`` in the instance's attribute ``<attr>``."""
-    if journal is not None:
-        journal.touch(holder)
-    holder._parameters.pop(attr, None)
-    holder.add_module(f"{attr}_tt", bank)
-    holder.__dict__[attr] = ExpertWeight(bank)
 
 
 def undo_views(plans: list[ExpertPlan], model: nn.Module) -> None:
@@ -182,7 +173,7 @@ class ExpertStep:
 
     def __init__(self, model: nn.Module, config: TensorizeConfig, filter_fn: FilterFn | None, example_inputs,
                  make_decision: Callable[[ExpertCandidate], object]):
-        from .find import find_experts
+        from .find_experts import find_experts
 
         self.model, self.config = model, config
         self.scanned: set[str] = set()
