@@ -9,6 +9,10 @@ with comera_fx's backend from a fresh Inductor cache (a temporary ``TORCHINDUCTO
 * ``--dense``: the LM left dense under stock ``torch.compile`` (Inductor), no pruning: its first step and Dynamo's
   compile-time table, the reference for where a TT model's cold compile time goes.
 
+``--regional``: ``comera_fx.compile_regions(model)`` instead of compiling the whole model: each block compiled on
+its own, one graph shared by every block of one shape (with ``--dense``: ``block.compile()`` per block, stock
+Inductor); embeddings, head and loss run eagerly.
+
 ``--slack S`` (default 4) runs ``RankConfig(shrink_slack=S)``: a prune writes the rounded cores into the stored
 ones in place while the stored TT size stays within S × the live size, so no shape changes and nothing recompiles;
 with S >= S_0 / S_T (here 1 / 0.3) only the last prune point shrinks physically: one recompile in the run.
@@ -23,6 +27,7 @@ at the same ranks, and Dynamo's compile-time table (``torch._dynamo.utils.compil
 
     flock /tmp/timing.lock .venv/bin/python benchmarks/bench_recompile.py                  # LM, slack 4
     flock /tmp/timing.lock .venv/bin/python benchmarks/bench_recompile.py --slack 0        # one recompile per prune
+    flock /tmp/timing.lock .venv/bin/python benchmarks/bench_recompile.py --layers 6 --regional   # one block's compile
     .venv/bin/python benchmarks/bench_recompile.py --no-inductor                            # AOTAutograd graphs eagerly
 """
 
@@ -118,13 +123,19 @@ def eager_step_seconds(model, loss_fn, batch, steps: int = 5) -> float:
     return statistics.median(times[1:])
 
 
-def dense_first_steps(model, batch, loss_fn, steps: int = 5) -> None:
+def dense_first_steps(model, batch, loss_fn, regional: bool, steps: int = 5) -> None:
     """The dense model under stock torch.compile: first step (the cold compile) and median step."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     torch._dynamo.reset()
-    compiled = torch.compile(model)
+    if regional:
+        for block in model.blocks:
+            block.compile()
+        compiled = model
+    else:
+        compiled = torch.compile(model)
     times = [train_step(compiled, optimizer, loss_fn, batch) for _ in range(steps)]
-    print(f"dense, stock torch.compile: first step (compile) {times[0]:.1f} s; median step "
+    label = "stock torch.compile" + (" per block" if regional else "")
+    print(f"dense, {label}: first step (compile) {times[0]:.1f} s; median step "
           f"{statistics.median(times[1:]):.4f} s; Inductor cache {os.environ['TORCHINDUCTOR_CACHE_DIR']}")
     print("\nDynamo compile times:\n" + str(torch._dynamo.utils.compile_times(repr="str")))
 
@@ -143,6 +154,7 @@ def main(argv=None) -> None:
     ap.add_argument("--no-inductor", action="store_true")
     ap.add_argument("--cache-dir", help="Inductor cache directory (default: a fresh temporary one)")
     ap.add_argument("--dense", action="store_true", help="the dense LM under stock torch.compile, first steps only")
+    ap.add_argument("--regional", action="store_true", help="compile each LM block on its own (compile_regions)")
     opts = ap.parse_args(argv)
     # A cold compile: Inductor's caches start empty. (Importing torch's Inductor sets TORCHINDUCTOR_CACHE_DIR to
     # its shared default, so the variable is always set by now: override it unless --cache-dir names one.)
@@ -151,7 +163,7 @@ def main(argv=None) -> None:
     torch.manual_seed(0)
     model, batch, loss_fn = build(opts)
     if opts.dense:
-        dense_first_steps(model, batch, loss_fn)
+        dense_first_steps(model, batch, loss_fn, opts.regional)
         return
     flops_before = step_flops(model, loss_fn, batch)
     eager_before = eager_step_seconds(model, loss_fn, batch)
@@ -161,7 +173,12 @@ def main(argv=None) -> None:
                                                      prunes=opts.prunes, shrink_slack=slack))
     backend = make_backend(inductor=not opts.no_inductor)
     torch._dynamo.reset()
-    compiled = torch.compile(model, backend=backend)
+    if opts.regional:
+        regions = comera_fx.compile_regions(model, backend=backend)
+        print(f"compiled regions: {', '.join(regions)}")
+        compiled = model
+    else:
+        compiled = torch.compile(model, backend=backend)
     rows = []
     for step in range(1, opts.steps + 1):
         seconds = train_step(compiled, optimizer, loss_fn, batch)
@@ -175,22 +192,25 @@ def main(argv=None) -> None:
     print(f"{'step':>4} {'s':>8} graphs pruned stored-TT-params")
     for step, t, graphs, pruned, stored in rows:
         print(f"{step:4d} {t:8.3f} {graphs:6d} {'yes' if pruned else '':6s} {stored}")
-    print(f"\nmodel {opts.model}, slack {slack}, inductor {not opts.no_inductor}, threads {opts.threads}, Inductor "
+    print(f"\nmodel {opts.model}, {opts.layers} blocks{', regional' if opts.regional else ''}, slack {slack}, "
+          f"inductor {not opts.no_inductor}, threads {opts.threads}, Inductor "
           f"cache {os.environ['TORCHINDUCTOR_CACHE_DIR']}")
     print(f"first step (compile) {first:.1f} s; median step {median:.4f} s; prunes at {prune_steps}")
     print(f"post-prune overhead {overhead:.1f} s = {overhead / first:.2f}x the first step; graphs compiled "
           f"{backend.stats.graphs} (first step {rows[0][2]}, recompiles after it {recompiles}); backend "
           f"compile_seconds {backend.stats.compile_seconds:.1f}, pass_seconds {backend.stats.pass_seconds:.1f}")
     x, _ = batch
+    # Regional: the model's own blocks are compiled in place; a deep copy drops the compiled calls (eager).
+    eager_model = copy.deepcopy(model) if opts.regional else model
     with torch.no_grad():
-        expected = model(x)
+        expected = eager_model(x)
     got = compiled(x).detach()  # grad on: the training graph, no new compile
     rel = ((got - expected).norm() / expected.norm()).item()
     print(f"compiled vs eager after the last prune: relative error {rel:.2e}; graphs {backend.stats.graphs}")
     print(f"TT params: before {hook.initial_tt_params}, after {hook.tt_params()} live / {hook.stored_tt_params()} "
           f"stored (target {hook.target_size:.0f})")
     hook.remove()
-    flops_after = step_flops(model, loss_fn, batch)
+    flops_after = step_flops(eager_model, loss_fn, batch)
     eager_after = eager_step_seconds(model, loss_fn, batch)
     unpruned = statistics.median(t for s, t, _, _, _ in rows[1:] if s < prune_steps[0]) if prune_steps else median
     pruned = statistics.median(t for s, t, _, _, _ in rows if prune_steps and s > prune_steps[-1] + 1) \

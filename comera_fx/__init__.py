@@ -14,12 +14,14 @@ Public API::
     comera_fx.save_tensorized(model, path); comera_fx.load_tensorized(path, build_fn)  # no dense weights on load
     comera_fx.distill_(student, teacher, batches, size_target=0.25, budget_seconds=600)  # compress a trained model
     torch.compile(model, backend=comera_fx.backend)          # or backend="comera_fx"; comera_fx.compile(model, config)
+    comera_fx.compile_regions(model)                          # each repeated block compiled once, shared by all
     program = comera_fx.export(model.eval(), (x,), dynamic_shapes=({0: Dim("b", max=64)},))  # one plan per range
     comera_fx.package(program, "model.pt2")                  # AOTInductor: runs with torch alone
 """
 
 from . import passes
-from .backend import BackendConfig, ComeraBackend, DenseWeightsWarning, backend, compile, make_backend
+from .backend import (BackendConfig, ComeraBackend, DenseWeightsWarning, backend, compile, compile_regions,
+                      make_backend)
 from .checkpoint import load_tensorized, save_tensorized
 from .config import Allocation, Init, LayerSettings, TensorizeConfig
 from .passes.randomize import RandomizeSummary, randomize_backward_, restore_backward_
@@ -49,6 +51,7 @@ __all__ = [
     "ExportRangeError",
     "backend",
     "compile",
+    "compile_regions",
     "distill_",
     "export",
     "make_backend",

@@ -6,6 +6,7 @@ Usage::
     compiled = torch.compile(model, backend=comera_fx.backend)        # a model already tensorized
     compiled = torch.compile(model, backend="comera_fx")               # the same, by name (entry point)
     compiled = torch.compile(model, backend=comera_fx.make_backend(BackendConfig(inductor=False)))
+    comera_fx.compile_regions(model)                                   # each repeated block, one graph for all
 
 What runs, per graph Dynamo captures:
 
@@ -348,12 +349,14 @@ backend = ComeraBackend()
 
 
 def compile(model: nn.Module, config: TensorizeConfig | None = None, *, example_inputs=None,
-            backend_config: BackendConfig | None = None, **compile_kwargs):
+            backend_config: BackendConfig | None = None, regional: bool = False, **compile_kwargs):
     """``tensorize_`` the model in place, plan its TT products, then ``torch.compile`` it with comera_fx's backend.
 
     Build the optimizer after this call (the cores are new parameters). ``compile_kwargs`` go to
     ``torch.compile`` (``dynamic``, ``fullgraph``, ``mode``, ``options``). Returns the compiled module; the
-    tensorize summary is on it as ``compiled.comera_fx_summary``.
+    tensorize summary is on it as ``compiled.comera_fx_summary``. ``regional=True``: compile each repeated block
+    on its own instead (``compile_regions``; the cold compile of N blocks costs about one) and return ``model``
+    itself, its blocks compiled in place.
     """
     from .passes.tensorize import tensorize_
     from .tt.layers import TTMatrix
@@ -363,6 +366,83 @@ def compile(model: nn.Module, config: TensorizeConfig | None = None, *, example_
         if isinstance(module, TTMatrix) and not module.stored_empty:
             module.prepare_plans()
     chosen = make_backend(backend_config) if backend_config is not None else backend
+    if regional:
+        compile_regions(model, backend=chosen, **compile_kwargs)
+        model.comera_fx_summary = summary
+        return model
     compiled = torch.compile(model, backend=chosen, **compile_kwargs)
     compiled.comera_fx_summary = summary
     return compiled
+
+
+def repeated_blocks(model: nn.Module) -> list[str]:
+    """Names of the blocks a model repeats: the children of every ``nn.ModuleList`` that holds at least two
+    modules of one class, each a module with submodules (a transformer's layers), outermost lists only."""
+    names: list[str] = []
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.ModuleList) or any(name.startswith(n + ".") for n in names):
+            continue
+        counts: dict[type, int] = {}
+        for child in module.children():
+            counts[type(child)] = counts.get(type(child), 0) + 1
+        names += [f"{name}.{key}" if name else key for key, child in module.named_children()
+                  if counts[type(child)] >= 2 and next(child.children(), None) is not None]
+    return names
+
+
+def _region_names(model: nn.Module, regions) -> list[str]:
+    if regions is None:
+        return repeated_blocks(model)
+    if isinstance(regions, type) or (isinstance(regions, tuple) and regions and isinstance(regions[0], type)):
+        classes = regions if isinstance(regions, tuple) else (regions,)
+        names: list[str] = []
+        for name, module in model.named_modules():
+            if name and isinstance(module, classes) and not any(name.startswith(n + ".") for n in names):
+                names.append(name)
+        return names
+    names = list(regions)
+    for name in names:
+        model.get_submodule(name)  # AttributeError naming the missing module, before anything is compiled
+    return names
+
+
+def compile_regions(model: nn.Module, regions=None, *, backend: Callable | None = None,
+                    **compile_kwargs) -> list[str]:
+    """Compile each repeated block of ``model`` on its own, in place (regional compilation); returns their names.
+
+    Blocks of one class share their ``forward``'s code, so Dynamo reuses one compiled graph for every block with
+    the same shapes: an N-block model's cold compile costs about one block's instead of growing with N (a TT
+    model's blocks are long chains of small contractions, so whole-model compiles of them are slow). The rest of
+    the model (embeddings, head, loss) runs eagerly; ``state_dict`` keys do not change.
+
+    ``regions``: a module class or a tuple of classes (every outermost instance is compiled), or module names;
+    default: ``repeated_blocks(model)``. ``backend``: default ``comera_fx.backend``; ``compile_kwargs`` go to
+    ``torch.compile``.
+
+    After a physical rank shrink the blocks' shapes differ, and each block compiles a graph of its own (a
+    fraction of a whole-model recompile each). Those graphs all belong to one code object, so this raises
+    Dynamo's ``recompile_limit`` to twice the number of regions plus one when it is lower — room for one shape
+    per block before and after a shrink (``RankConfig(shrink_slack=...)`` keeps it to one physical shrink);
+    beyond the limit Dynamo runs a block eagerly, correct but slow.
+    """
+    names = _region_names(model, regions)
+    if not names:
+        raise ValueError(f"{type(model).__name__} has no repeated blocks (children of an nn.ModuleList sharing a "
+                         f"class); pass regions=(YourBlock,) or the names of the modules to compile, or use "
+                         f"torch.compile(model, backend=comera_fx.backend) for the whole model")
+    chosen = backend if backend is not None else _SHARED_BACKEND
+    from .tt.layers import TTMatrix
+
+    for name in names:
+        region = model.get_submodule(name)
+        for module in region.modules():
+            if isinstance(module, TTMatrix) and not module.stored_empty:
+                module.prepare_plans()  # the traced regions read plans, they do not make them
+        region.compile(backend=chosen, **compile_kwargs)
+    needed = 2 * len(names) + 1
+    if torch._dynamo.config.recompile_limit < needed:
+        torch._dynamo.config.recompile_limit = needed
+    return names
+
+
+_SHARED_BACKEND = backend

@@ -519,3 +519,65 @@ def test_backend_on_transformers_models(name):
         expected = g_eager.get(key, torch.zeros_like(g[key]))
         torch.testing.assert_close(g[key], expected, rtol=1e-8, atol=1e-10, msg=key)
     assert backend.stats.graphs >= 1
+
+
+class Stack(nn.Module):
+    """Three identical blocks behind a ModuleList (a transformer's layers), plus a head left eager."""
+
+    def __init__(self, d=64):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(d) for _ in range(3))
+        self.head = nn.Linear(d, 8)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def test_compile_regions_shares_one_graph_across_same_shaped_blocks_and_recompiles_a_shrunk_one():
+    from comera_fx.runtime.shrink import shrink_
+
+    torch.manual_seed(0)
+    dense = Stack().double()
+    x = torch.randn(2, 5, 64, dtype=torch.float64)
+    tt_model = full_rank_copy(dense, x)
+    keys = list(tt_model.state_dict())
+    backend = eager_backend()
+    names = comera_fx.compile_regions(tt_model, backend=backend)
+    assert names == ["blocks.0", "blocks.1", "blocks.2"]
+    assert list(tt_model.state_dict()) == keys  # compiled in place: no ``_orig_mod.`` in the keys
+    y_ref, dx_ref, _ = outputs_and_grads(dense, x)  # full rank: the dense model is the reference
+    y, dx, grads = outputs_and_grads(tt_model, x)
+    torch.testing.assert_close(y, y_ref, rtol=1e-9, atol=1e-10)
+    torch.testing.assert_close(dx, dx_ref, rtol=1e-9, atol=1e-10)
+    assert any(name.startswith("blocks.2.") for name in grads)
+    assert backend.stats.graphs == 1, "three blocks of one shape should share one compiled graph"
+
+    fc = tt_model.blocks[1].fc.tt
+    with torch.no_grad():
+        fc.gates[0][0] = 0.0  # a dead rank slice: shrinking it is exact
+    ranks = fc.layout.internal_ranks
+    assert shrink_(fc) is not None and fc.layout.internal_ranks != ranks
+    reference = copy.deepcopy(tt_model)  # the same TT model, shrunk, run eagerly
+    for block in reference.blocks:
+        block._compiled_call_impl = None
+    y_ref, dx_ref, g_ref = outputs_and_grads(reference, x)
+    y, dx, grads = outputs_and_grads(tt_model, x)
+    torch.testing.assert_close(y, y_ref, rtol=1e-9, atol=1e-10)
+    torch.testing.assert_close(dx, dx_ref, rtol=1e-9, atol=1e-10)
+    for name in g_ref:
+        torch.testing.assert_close(grads[name], g_ref[name], rtol=1e-9, atol=1e-10, msg=name)
+    assert backend.stats.graphs == 2, "only the shrunk block compiles a graph of its own"
+    assert torch._dynamo.config.recompile_limit >= 2 * len(names) + 1
+
+
+def test_compile_regions_takes_classes_or_names_and_refuses_a_model_without_blocks():
+    model = Stack()
+    assert comera_fx.compile_regions(copy.deepcopy(model), (Block,), backend=eager_backend()) == \
+        ["blocks.0", "blocks.1", "blocks.2"]
+    assert comera_fx.compile_regions(copy.deepcopy(model), ["blocks.1"], backend=eager_backend()) == ["blocks.1"]
+    with pytest.raises(AttributeError, match="nope"):
+        comera_fx.compile_regions(copy.deepcopy(model), ["nope"], backend=eager_backend())
+    with pytest.raises(ValueError, match=r"regions=\(YourBlock,\)"):
+        comera_fx.compile_regions(MLP(16, 32, 4), backend=eager_backend())

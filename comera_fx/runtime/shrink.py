@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from ..tt.inventory import DEFAULT_GATE_THRESHOLD, physical_params
-from ..tt.layers import TTMatrix, planned_envelope, planned_ops
+from ..tt.layers import TTMatrix, planned_ops
 
 
 def params_at_ranks(tt: TTMatrix, internal_ranks: Sequence[int]) -> int:
@@ -142,8 +142,7 @@ def remove_slices_(tt: TTMatrix, masks: Sequence[Tensor], *, optimizer: torch.op
     if not tt.is_zero:
         # Plan the new ranks now for what was planned before: a compiled model retraces after the shapes change,
         # and a traced graph can only read plans (without one it would run the fixed fallback order).
-        for op in was_planned:
-            planned_envelope(tt.layout, op)
+        tt.prepare_plans(was_planned)
     kept = tuple(tuple(k.tolist()) for k in keep)
     return ShrinkRecord(name, old_ranks, tt.ranks, before, physical_params(tt), zeroed and not was_zero, kept)
 
@@ -254,8 +253,7 @@ def round_to_ranks_(tt: TTMatrix, internal_ranks: Sequence[int], *, optimizer: t
                     group["params"][:] = [new if p is old else p for p in group["params"]]
                 optimizer.state.pop(old, None)
     tt.live_internal_ranks = None  # every core and gate is new, at the new ranks
-    for op in was_planned:
-        planned_envelope(tt.layout, op)
+    tt.prepare_plans(was_planned)
     return ShrinkRecord(name, old_ranks, tt.ranks, before, physical_params(tt), False, ())
 
 

@@ -47,6 +47,11 @@ class TTMatrix(nn.Module):
         self.gates = nn.ParameterList([nn.Parameter(g.detach().clone()) for g in gates])
         #: The live internal ranks when the stored cores are wider (zero slices past them), else None.
         self.live_internal_ranks: tuple[int, ...] | None = None
+        #: The planner's envelope per product ("matmul", "matmul_t") that this matrix last ran or prepared: what
+        #: compiled code reads. Dynamo then guards on this matrix's own entry, so matrices of one layout share a
+        #: compiled graph and planning another layout recompiles nothing (reading the global cache, Dynamo guards on
+        #: its keys: any insertion recompiled every region). Never copied or pickled (shared, rebuilt on first use).
+        self._plan_pins: dict[str, planner.PlanEnvelope] = {}
 
     # -- construction --------------------------------------------------------------------------------------------
 
@@ -181,19 +186,37 @@ class TTMatrix(nn.Module):
             return _with_bias(_zero_product(x, self.rows), bias)
         return self._planned_product(x, "matmul_t", bias)
 
-    def prepare_plans(self) -> None:
-        """Plan both products for the current ranks now. Call before ``torch.compile`` if the module has not run
-        eagerly since its ranks last changed: a compiled graph reads plans, it does not make them."""
-        for op in planner.OPS:
-            planned_envelope(self.layout, op)
+    def prepare_plans(self, ops: Sequence[str] = planner.OPS) -> None:
+        """Plan the products (both by default) for the current ranks now. Call before ``torch.compile`` if the
+        module has not run eagerly since its ranks last changed: a compiled graph reads plans, it does not make
+        them."""
+        for op in ops:
+            self._plan_pins[op] = planned_envelope(self.layout, op)
+
+    def _envelope(self, layout: TTLayout, op: str) -> "planner.PlanEnvelope | None":
+        """Eagerly: the planner's envelope (made if needed) and pinned. Compiling: the pinned one if it is for
+        ``layout``, else the global cache's (None when nothing was planned: the caller's fixed order)."""
+        if not torch.compiler.is_compiling():
+            envelope = self._plan_pins[op] = planned_envelope(layout, op)
+            return envelope
+        pinned = self._plan_pins.get(op)
+        if pinned is not None and pinned.network.layout == layout:
+            return pinned
+        return cached_envelope(layout, op)
+
+    def __getstate__(self):
+        state = super().__getstate__()
+        state["_plan_pins"] = {}  # envelopes are shared planner objects: a copy or a checkpoint pins its own
+        return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self.__dict__.setdefault("_plan_pins", {})  # modules pickled before the pins existed
 
     def _planned_product(self, x: Tensor, op: str, bias: Tensor | None = None) -> Tensor:
         layout = self.layout
         cores = self.gated_cores()
-        if torch.compiler.is_compiling():
-            envelope = cached_envelope(layout, op)
-        else:
-            envelope = planned_envelope(layout, op)
+        envelope = self._envelope(layout, op)
         if envelope is None:  # compiled before any plan was made: CoMERA's fixed order
             fixed = ops.matmul if op == "matmul" else ops.matmul_t
             return _with_bias(fixed(x, cores, layout), bias)
