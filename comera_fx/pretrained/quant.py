@@ -1,0 +1,74 @@
+"""Weight bytes and weight fake-quantization: the baselines a compressed model is compared with at equal bytes.
+
+A user choosing how to shrink a pretrained encoder compares methods by the bytes its weights take, not by
+parameter counts: int8 weights are 4x fewer bytes than fp32 at the same parameter count. These helpers count
+the bytes of a model's weight matrices (dense fp32, low-rank factors, TT cores, and the same stored as int8 or
+int4 with fp32 scales per group) and round weights to such a grid in place (fake-quantization: the model still
+runs in float, with exactly the values the quantized storage would give), so the quality of each storage is
+measured by the same evaluation code.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+ENCODER_PREFIX = "bert.encoder."
+
+
+def quantized_bytes(numel: int, bits: int, group_size: int | None = None, scale_bytes: int = 4) -> int:
+    """Bytes of ``numel`` weights stored at ``bits`` bits each plus one ``scale_bytes`` scale per group of
+    ``group_size`` consecutive weights (``None``: one scale for the whole tensor). ``bits >= 16`` is float storage:
+    no scales."""
+    if bits >= 16:
+        return numel * bits // 8
+    groups = 1 if group_size is None else math.ceil(numel / group_size)
+    return math.ceil(numel * bits / 8) + groups * scale_bytes
+
+
+def fake_quant(weight: Tensor, bits: int, group_size: int | None = None) -> Tensor:
+    """Symmetric round-to-nearest quantization of ``weight`` (flattened row-major, in groups of ``group_size``
+    consecutive values, ``None``: the whole tensor is one group) to the integers [-(2^(bits-1) - 1), 2^(bits-1) - 1]
+    times the group's scale max|w| / (2^(bits-1) - 1), returned dequantized in ``weight``'s dtype and shape. For a
+    (out, in) linear weight ``group_size=in`` is per-output-channel quantization. Each value moves by at most half
+    its group's scale."""
+    qmax = 2 ** (bits - 1) - 1
+    flat = weight.detach().reshape(-1)
+    size = flat.numel() if group_size is None else group_size
+    pad = (-flat.numel()) % size
+    groups = torch.cat([flat, flat.new_zeros(pad)]).reshape(-1, size)
+    scale = groups.abs().amax(1, keepdim=True) / qmax
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero group stays zero
+    q = torch.clamp(torch.round(groups / scale), -qmax, qmax) * scale
+    return q.reshape(-1)[: flat.numel()].reshape(weight.shape).to(weight.dtype)
+
+
+def encoder_weights(model: nn.Module, prefix: str = ENCODER_PREFIX) -> dict[str, Tensor]:
+    """The weight tensors the compression methods act on: every parameter under ``prefix`` with two or more
+    dimensions (dense linear weights, low-rank factors, TT cores); biases, LayerNorms and rank gates (1-D) are
+    not counted (they are the same few KiB for every method)."""
+    return {name: p for name, p in model.named_parameters() if name.startswith(prefix) and p.dim() >= 2}
+
+
+def weight_bytes(model: nn.Module, bits: int = 32, group_size: int | None = None, prefix: str = ENCODER_PREFIX,
+                 per_row: bool = False) -> int:
+    """Bytes of the weights of ``encoder_weights(model, prefix)`` stored at ``bits`` bits with a scale per group
+    of ``group_size`` (``per_row``: one scale per row of the tensor viewed as (shape[0], -1), i.e. per output
+    channel of a linear weight)."""
+    total = 0
+    for p in encoder_weights(model, prefix).values():
+        group = p[0].numel() if per_row else group_size
+        total += quantized_bytes(p.numel(), bits, group)
+    return total
+
+
+@torch.no_grad()
+def fake_quant_(model: nn.Module, bits: int, group_size: int | None = None, prefix: str = ENCODER_PREFIX,
+                per_row: bool = False) -> nn.Module:
+    """``fake_quant`` every tensor of ``encoder_weights(model, prefix)`` in place (grouping as in
+    ``weight_bytes``); returns ``model``."""
+    for p in encoder_weights(model, prefix).values():
+        p.copy_(fake_quant(p, bits, p[0].numel() if per_row else group_size))
+    return model

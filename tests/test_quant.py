@@ -1,0 +1,100 @@
+"""comera_fx.pretrained.quant (weight bytes, fake-quantization) and the other-source evaluation text of
+examples/compress_pretrained.py, checked against hand counts and a float64 reference."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from comera_fx.pretrained.quant import fake_quant, fake_quant_, quantized_bytes, weight_bytes
+
+
+class Tiny(nn.Module):
+    """Encoder-named weights: a dense (8, 16) linear with bias, two low-rank factors (3, 16) and (8, 3)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bert = nn.Module()
+        self.bert.embeddings = nn.Embedding(100, 16)  # outside the encoder: never counted
+        self.bert.encoder = nn.Module()
+        self.bert.encoder.dense = nn.Linear(16, 8)
+        self.bert.encoder.norm = nn.LayerNorm(8)
+        self.bert.encoder.a = nn.Parameter(torch.randn(3, 16))
+        self.bert.encoder.b = nn.Parameter(torch.randn(8, 3))
+
+
+def test_weight_bytes_by_hand():
+    """128 + 48 + 24 = 200 weights (bias, LayerNorm and the embedding excluded)."""
+    model = Tiny()
+    assert weight_bytes(model) == 200 * 4
+    # int8 per row: 200 bytes + one fp32 scale per row: 8 + 3 + 8 rows
+    assert weight_bytes(model, 8, per_row=True) == 200 + 4 * (8 + 3 + 8)
+    # int4 groups of 32: 128 -> 64 B + 4 groups; 48 -> 24 B + 2 groups; 24 -> 12 B + 1 group
+    assert weight_bytes(model, 4, 32) == 64 + 24 + 12 + 4 * (4 + 2 + 1)
+    assert quantized_bytes(10, 4, None) == 5 + 4 and quantized_bytes(7, 4, 4) == 4 + 2 * 4
+    assert quantized_bytes(10, 16) == 20
+
+
+@pytest.mark.parametrize("bits,group", [(8, 16), (4, 32), (4, 64), (8, None)])
+def test_fake_quant_error_bound_and_grid(bits, group):
+    """Every value moves by at most half its group's scale max|w|/qmax (computed here in float64 from the raw
+    weight), and lands on an integer multiple of that scale within [-qmax, qmax]."""
+    torch.manual_seed(0)
+    w = torch.randn(12, 64) * torch.logspace(-2, 1, 12)[:, None]  # rows of very different magnitude
+    q = fake_quant(w, bits, group).double()
+    qmax = 2 ** (bits - 1) - 1
+    size = w.numel() if group is None else group
+    groups = w.double().reshape(-1, size)
+    scale = groups.abs().amax(1, keepdim=True) / qmax
+    err = (q.reshape(-1, size) - groups).abs()
+    assert bool((err <= scale / 2 * (1 + 1e-5) + 1e-12).all()), float((err / scale).max())
+    steps = q.reshape(-1, size) / scale
+    assert torch.allclose(steps, steps.round(), atol=1e-3) and float(steps.abs().max()) <= qmax + 1e-3
+
+
+def test_fake_quant_groups_are_local():
+    """A huge value in one group leaves the other groups' grids fine (group scales, not one scale per tensor)."""
+    w = torch.full((2, 64), 0.01)
+    w[0, 0] = 100.0
+    q = fake_quant(w, 4, 64)
+    assert torch.allclose(q[1], w[1])  # its own group: 0.01 is exactly max|w|, kept
+    assert float(fake_quant(w, 4, None)[1].abs().max()) == 0.0  # one scale for all: 0.01 rounds to 0
+
+
+def test_fake_quant_in_place_only_encoder_weights():
+    model = Tiny()
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    fake_quant_(model, 4, 32)
+    after = model.state_dict()
+    assert torch.equal(after["bert.embeddings.weight"], before["bert.embeddings.weight"])
+    assert torch.equal(after["bert.encoder.dense.bias"], before["bert.encoder.dense.bias"])
+    assert not torch.equal(after["bert.encoder.a"], before["bert.encoder.a"])
+
+
+def load_example():
+    path = Path(__file__).resolve().parents[1] / "examples" / "compress_pretrained.py"
+    spec = importlib.util.spec_from_file_location("compress_pretrained", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_other_source_text_deterministic_and_disjoint():
+    """numpy docstrings: the same list twice, no duplicates, none of the excluded (training) texts, none of the
+    standard library's own docstrings when those are excluded."""
+    cp = load_example()
+    first = cp.mine_other_source(limit=50, packages=("numpy",), max_files=40)
+    assert first == cp.mine_other_source(limit=50, packages=("numpy",), max_files=40)
+    assert len(first) == 50 and len(set(first)) == 50
+    excluded = set(first[::2])
+    again = cp.mine_other_source(excluded, limit=50, packages=("numpy",), max_files=40)
+    assert not excluded & set(again) and len(again) == 50
+    stdlib = cp.mine_stdlib(max_files=20)
+    train = set(stdlib["train"])
+    assert not train & set(cp.mine_other_source(train, limit=50, packages=("numpy",), max_files=40))
