@@ -6,7 +6,8 @@ CPU, ``--threads`` threads (2), eager (no torch.compile). Measures, per model, i
   ``--new`` new tokens after a prompt of ``--prompt`` tokens, the prompt's own forward (timed apart) subtracted,
   best of ``--repeats``;
 * prefill: one forward over ``--prefill`` tokens at batch 1 (ms, best of ``--repeats``);
-* resident weight bytes: every parameter and buffer the model holds, shared storage counted once.
+* resident weight bytes: every parameter and buffer the model holds, shared storage counted once, plus the TT
+  matrices' cached two-factor forms (``tt.layers.USE_MERGED_FORMS``; ``--no-cache`` turns them off).
 
 Random init (``TensorizeConfig(init="random")``): the speed and the bytes depend on shapes, not on values.
 Ratios (TT / dense) are printed at the end.
@@ -48,6 +49,12 @@ def resident_bytes(model: torch.nn.Module) -> int:
     return total
 
 
+def merged_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the (L, R) factors TT matrices cache for no-grad products of few tokens."""
+    return sum(t.untyped_storage().nbytes() for m in model.modules() if isinstance(m, comera_fx.TTMatrix)
+               for t in m.__dict__.get("_merged", (None, ()))[1])
+
+
 def best_seconds(fn, repeats: int) -> float:
     times = []
     for _ in range(repeats):
@@ -75,6 +82,7 @@ def measure(model, opts) -> dict[str, float]:
     long = torch.randint(0, 50257, (1, opts.prefill), generator=g)
     model(long)
     out[f"prefill {opts.prefill} ms"] = 1000 * best_seconds(lambda: model(long), opts.repeats)
+    out["cache MB"] = merged_bytes(model) / 2**20
     return out
 
 
@@ -87,7 +95,9 @@ def main(argv=None) -> None:
     ap.add_argument("--prefill", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-cache", action="store_true", help="TT products without the cached two-factor forms")
     opts = ap.parse_args(argv)
+    comera_fx.tt.layers.USE_MERGED_FORMS = not opts.no_cache
     torch.set_num_threads(opts.threads)
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, {opts.threads} threads; GPT-2 "
           f"n_layer={opts.layers} n_embd=768 vocab=50257, TT max rank {opts.rank}; prompt {opts.prompt}, "
@@ -96,7 +106,8 @@ def main(argv=None) -> None:
     for name, tensorized in (("dense", False), ("tt", True)):
         results[name] = measure(build(opts, tensorized), opts)
         print(name, "  ".join(f"{k}: {v:.1f}" for k, v in results[name].items()), flush=True)
-    print("tt / dense", "  ".join(f"{k}: {results['tt'][k] / results['dense'][k]:.2f}" for k in results["tt"]))
+    print("tt / dense", "  ".join(f"{k}: {results['tt'][k] / results['dense'][k]:.2f}" for k in results["tt"]
+                                   if results["dense"][k]))
 
 
 if __name__ == "__main__":
