@@ -581,3 +581,16 @@ def test_compile_regions_takes_classes_or_names_and_refuses_a_model_without_bloc
         comera_fx.compile_regions(copy.deepcopy(model), ["nope"], backend=eager_backend())
     with pytest.raises(ValueError, match=r"regions=\(YourBlock,\)"):
         comera_fx.compile_regions(MLP(16, 32, 4), backend=eager_backend())
+
+
+def test_compile_with_regional_tensorizes_and_compiles_the_blocks_in_place():
+    torch.manual_seed(0)
+    model = Stack().double()
+    dense = copy.deepcopy(model)
+    x = torch.randn(2, 5, 64, dtype=torch.float64)
+    returned = comera_fx.compile(model, FULL, example_inputs=(x,), backend_config=BackendConfig(inductor=False),
+                                 regional=True)
+    assert returned is model and returned.comera_fx_summary.converted
+    assert all(block._compiled_call_impl is not None for block in model.blocks)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), dense(x), rtol=1e-9, atol=1e-10)
