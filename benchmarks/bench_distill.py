@@ -58,6 +58,13 @@ def to_low_rank_(model: nn.Module, ratio: float) -> tuple[int, int]:
     return params, dense
 
 
+def scored(student, data, args, start: float, info: dict) -> dict:
+    """``info`` with the student's evaluation (cosine, retrieval, other-source text) and the seconds since ``start``."""
+    info.update(cp.evaluate(student, data, args.reference))
+    info["total_s"] = time.perf_counter() - start
+    return info
+
+
 def run_low_rank(teacher, data, ratio, args) -> dict:
     student = copy.deepcopy(teacher)
     start = time.perf_counter()
@@ -69,9 +76,7 @@ def run_low_rank(teacher, data, ratio, args) -> dict:
         hidden_modules=cp.hidden_layers(teacher), hidden_weight=1 / 6, lr=args.lr, progress=not args.no_progress)
     info = {"steps": len(losses), "train_s": seconds, "ratio": params / dense, "ranks": {},
             "bytes_ratio": weight_bytes(student) / weight_bytes(teacher)}
-    info.update(cp.evaluate(student, data, args.reference))
-    info["total_s"] = time.perf_counter() - start
-    return info
+    return scored(student, data, args, start, info)
 
 
 def run_int8_dynamic(teacher, data, ratio, args) -> dict:
@@ -82,9 +87,7 @@ def run_int8_dynamic(teacher, data, ratio, args) -> dict:
     student.bert.encoder = torch.ao.quantization.quantize_dynamic(student.bert.encoder, {nn.Linear}, torch.qint8)
     info = {"steps": 0, "train_s": 0.0, "ratio": 1.0, "ranks": {},
             "bytes_ratio": weight_bytes(teacher, bits=8) / weight_bytes(teacher)}
-    info.update(cp.evaluate(student, data, args.reference))
-    info["total_s"] = time.perf_counter() - start
-    return info
+    return scored(student, data, args, start, info)
 
 
 def run_int4_group(teacher, data, ratio, args, group_size: int = 64) -> dict:
@@ -94,9 +97,7 @@ def run_int4_group(teacher, data, ratio, args, group_size: int = 64) -> dict:
     student = fake_quant_(copy.deepcopy(teacher), 4, group_size)
     info = {"steps": 0, "train_s": 0.0, "ratio": 1.0, "ranks": {},
             "bytes_ratio": weight_bytes(teacher, 4, group_size) / weight_bytes(teacher)}
-    info.update(cp.evaluate(student, data, args.reference))
-    info["total_s"] = time.perf_counter() - start
-    return info
+    return scored(student, data, args, start, info)
 
 
 def run_layer_drop(teacher, data, ratio, args) -> dict:
@@ -113,9 +114,7 @@ def run_layer_drop(teacher, data, ratio, args) -> dict:
         progress=not args.no_progress)
     bytes_ratio = weight_bytes(student) / weight_bytes(teacher)
     info = {"steps": len(losses), "train_s": seconds, "ratio": bytes_ratio, "ranks": {}, "bytes_ratio": bytes_ratio}
-    info.update(cp.evaluate(student, data, args.reference))
-    info["total_s"] = time.perf_counter() - start
-    return info
+    return scored(student, data, args, start, info)
 
 
 def run_tt_int8(teacher, data, ratio, args) -> dict:

@@ -359,20 +359,26 @@ def compile(model: nn.Module, config: TensorizeConfig | None = None, *, example_
     itself, its blocks compiled in place.
     """
     from .passes.tensorize import tensorize_
-    from .tt.layers import TTMatrix
 
     summary = tensorize_(model, config, example_inputs=example_inputs)
-    for module in model.modules():
-        if isinstance(module, TTMatrix) and not module.stored_empty:
-            module.prepare_plans()
     chosen = make_backend(backend_config) if backend_config is not None else backend
     if regional:
-        compile_regions(model, backend=chosen, **compile_kwargs)
+        compile_regions(model, backend=chosen, **compile_kwargs)  # plans its regions; the rest runs eagerly
         model.comera_fx_summary = summary
         return model
+    _prepare_plans_under(model)
     compiled = torch.compile(model, backend=chosen, **compile_kwargs)
     compiled.comera_fx_summary = summary
     return compiled
+
+
+def _prepare_plans_under(root: nn.Module) -> None:
+    """Plan every TT matrix under ``root`` that stores cores: compiled code reads plans, it does not make them."""
+    from .tt.layers import TTMatrix
+
+    for module in root.modules():
+        if isinstance(module, TTMatrix) and not module.stored_empty:
+            module.prepare_plans()
 
 
 def repeated_blocks(model: nn.Module) -> list[str]:
@@ -431,13 +437,9 @@ def compile_regions(model: nn.Module, regions=None, *, backend: Callable | None 
                          f"class); pass regions=(YourBlock,) or the names of the modules to compile, or use "
                          f"torch.compile(model, backend=comera_fx.backend) for the whole model")
     chosen = backend if backend is not None else _SHARED_BACKEND
-    from .tt.layers import TTMatrix
-
     for name in names:
         region = model.get_submodule(name)
-        for module in region.modules():
-            if isinstance(module, TTMatrix) and not module.stored_empty:
-                module.prepare_plans()  # the traced regions read plans, they do not make them
+        _prepare_plans_under(region)
         region.compile(backend=chosen, **compile_kwargs)
     needed = 2 * len(names) + 1
     if torch._dynamo.config.recompile_limit < needed:
