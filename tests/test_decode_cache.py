@@ -1,16 +1,22 @@
-"""The cached two-factor form of TT matrices for eager no-grad products (decoding): equal to the dense matrix,
-rebuilt whenever the cores change, never used under autograd or a compiler, never saved."""
+"""The cached merged forms of TT and TTM matrices for eager no-grad products and lookups (decoding): equal to the
+dense matrix, rebuilt whenever the cores change, never used under autograd or a compiler, never saved."""
 
 from __future__ import annotations
 
 import copy
+import math
 
+import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import comera_fx
 from comera_fx.runtime.shrink import shrink_
-from comera_fx.tt import layers
+from comera_fx.testing.strategies import batch_shapes, index_tensors, tt_inputs, tt_specs
+from comera_fx.tt import TTFormat, TTLayout, TTMatrix, merged, ops
+from comera_fx.tt.decompose import random_tt_cores
 
 FULL = comera_fx.TensorizeConfig(min_numel=1, min_dim=1, max_rank=None)
 
@@ -82,9 +88,9 @@ def test_grad_mode_large_batches_and_the_switch_leave_the_cache_alone(monkeypatc
     model(x).sum().backward()
     assert "_merged" not in matrix_of(model).__dict__ and x.grad is not None
     with torch.no_grad():
-        model(torch.randn(layers.MERGED_MAX_TOKENS + 1, 48, dtype=torch.float64))
+        model(torch.randn(merged.MERGED_MAX_TOKENS + 1, 48, dtype=torch.float64))
     assert "_merged" not in matrix_of(model).__dict__
-    monkeypatch.setattr(layers, "USE_MERGED_FORMS", False)
+    monkeypatch.setattr(merged, "USE_MERGED_FORMS", False)
     with torch.no_grad():
         model(x)
     assert "_merged" not in matrix_of(model).__dict__
@@ -107,3 +113,62 @@ def test_the_cache_is_not_copied_saved_or_compiled(tmp_path):
     torch.testing.assert_close(y, dense(x).detach(), rtol=1e-10, atol=1e-10)
     assert "_merged" not in matrix_of(compiled).__dict__, "compiled code must not build or read the cache"
     torch._dynamo.reset()
+
+
+@settings(deadline=None, max_examples=60)
+@given(spec=tt_specs(max_modes=4), kind=st.sampled_from(["matmul", "matmul_t", "rows"]), data=st.data())
+def test_every_format_and_product_from_the_cache_equals_the_dense_matrix(spec, kind, data):
+    """TT and TTM (1–4 modes, padded, pruned gates): each cached product and lookup equals the dense M (float64)."""
+    tt = spec.matrix()
+    dense = ops.to_dense(ops.gate_cores(spec.cores, spec.gates, spec.layout), spec.layout)  # independent of merged
+    if kind == "rows":
+        x = data.draw(index_tensors(tt.rows, batch_shapes=batch_shapes(max_side=5)))
+        expected = dense[x]
+    else:
+        x = data.draw(tt_inputs(spec.layout, side="rows" if kind == "matmul" else "cols",
+                                batch_shapes=batch_shapes(max_side=5)))
+        expected = x @ (dense if kind == "matmul" else dense.T)
+    with torch.no_grad():
+        got = tt.take_rows(x) if kind == "rows" else getattr(tt, kind)(x)
+    uses_cache = tt.layout.format is TTFormat.TT or tt.layout.n_cores >= 2
+    assert (merged.cached_bytes(tt) > 0) == (uses_cache and not tt.stored_empty)
+    torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-9)
+
+
+def test_a_tied_ttm_embedding_and_head_decode_from_the_cache():
+    """GPT-2's layout: one TTM matrix serves the token lookup and the output head; both equal the dense table."""
+    torch.manual_seed(0)
+    vocab, width = 203, 24
+    model = nn.Sequential(nn.Embedding(vocab, width), nn.Linear(width, vocab, bias=False)).double()
+    model[1].weight = model[0].weight
+    reference = copy.deepcopy(model)
+    tokens = torch.tensor([[5, 202, 0]])
+    assert comera_fx.tensorize_(model, FULL, example_inputs=(tokens,)).converted
+    tt = matrix_of(model)
+    assert tt.layout.format is TTFormat.TTM and tt.layout.n_cores >= 2
+    with torch.no_grad():
+        got = model(tokens)
+    assert set(tt.__dict__["_merged"].forms) == {"rows", "matmul_t"}
+    assert merged.cached_bytes(tt) > 0
+    torch.testing.assert_close(got, reference(tokens).detach(), rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("kind", ["matmul", "matmul_t"])
+@pytest.mark.parametrize("row_modes, col_modes", [((2, 3), (5, 2)), ((5, 2), (2, 3)), ((3, 2, 2), (2, 4, 5))])
+def test_ttm_products_equal_dense_in_either_order_of_the_halves(row_modes, col_modes, kind):
+    """The cheaper half goes first; these shapes make each order the cheaper one for some product."""
+    ranks = (1,) + (3,) * (len(row_modes) - 1) + (1,)
+    layout = TTLayout(TTFormat.TTM, math.prod(row_modes) - 1, math.prod(col_modes) - 1, row_modes, col_modes, ranks)
+    tt = TTMatrix(layout, random_tt_cores(layout.core_shapes, 1.0, dtype=torch.float64,
+                                          generator=torch.Generator().manual_seed(0)))
+    dense = ops.to_dense(list(tt.cores), layout)
+    x = torch.randn(4, layout.rows if kind == "matmul" else layout.cols, dtype=torch.float64)
+    with torch.no_grad():
+        got = getattr(tt, kind)(x)
+    torch.testing.assert_close(got, x @ (dense if kind == "matmul" else dense.T), rtol=1e-10, atol=1e-10)
+
+
+def test_both_orders_of_the_halves_are_covered_above():
+    orders = {merged._left_half_first(TTLayout(TTFormat.TTM, math.prod(r), math.prod(c), r, c, (1, 3, 1)), kind)
+              for r, c in [((2, 3), (5, 2)), ((5, 2), (2, 3))] for kind in ("matmul", "matmul_t")}
+    assert orders == {True, False}

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from comera_fx.testing.strategies import tt_inputs, tt_specs
 from comera_fx.tt import TTFormat, TTLayout, TTLinear, TTMatrix, layers
-from comera_fx.tt import ops
+from comera_fx.tt import merged, ops
 from comera_fx.tt import plan as planner
 from helpers_models import assert_bf16_autocast_grads_close, random_trees
 
@@ -140,12 +140,13 @@ def test_module_uses_the_function_and_matches_dense(monkeypatch, transposed, wit
         assert_rel_close(g, w)
 
 
-
 @pytest.fixture(autouse=True)
 def planned_path_only(monkeypatch):
     """These tests are about the plan runners: no-grad calls of few tokens would take the cached two-factor form
     (tests/test_decode_cache.py) instead."""
-    monkeypatch.setattr(layers, "USE_MERGED_FORMS", False)
+    monkeypatch.setattr(merged, "USE_MERGED_FORMS", False)
+
+
 def aten_calls(fn, *args, shapes: bool = False) -> list:
     """The aten ops ``fn(*args)`` dispatches, by name (with ``shapes``: (name, shapes of its tensor arguments))."""
     from torch.utils._python_dispatch import TorchDispatchMode

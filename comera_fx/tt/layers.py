@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from . import decompose, ops
+from . import decompose, merged, ops
 from .dense_view import check_same_size, dense_view, source_of
 from . import plan as planner
 from .layout import TTFormat, TTLayout, chain_dims
@@ -175,13 +175,18 @@ class TTMatrix(nn.Module):
 
     def matmul(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
         """x @ M (+ bias) in the order the planner chose for this batch size (see ``comera_fx.plan``); the bias
-        rides in the last GEMM where the order allows, as in nn.Linear's addmm."""
+        rides in the last GEMM where the order allows, as in nn.Linear's addmm. Eager no-grad products of few
+        tokens (decoding) run from cached merged forms instead (``tt.merged``)."""
+        if merged.may_serve(x, self.rows) and (found := merged.cached_form(self, "matmul")):
+            return merged.product(x, *found, "matmul", bias)
         if self.stored_empty:
             return _with_bias(_zero_product(x, self.cols), bias)
         return self._planned_product(x, "matmul", bias)
 
     def matmul_t(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
         """x @ Mᵀ (+ bias) (a tied output head), planned like ``matmul``."""
+        if merged.may_serve(x, self.cols) and (found := merged.cached_form(self, "matmul_t")):
+            return merged.product(x, *found, "matmul_t", bias)
         if self.stored_empty:
             return _with_bias(_zero_product(x, self.rows), bias)
         return self._planned_product(x, "matmul_t", bias)
@@ -207,42 +212,15 @@ class TTMatrix(nn.Module):
     def __getstate__(self):
         state = super().__getstate__()
         state["_plan_pins"] = {}  # envelopes are shared planner objects: a copy or a checkpoint pins its own
-        state.pop("_merged", None)  # a cache of the cores' product: never copied or saved
+        state.pop("_merged", None)  # merged.py's cache of the cores' products: never copied or saved
         return state
 
     def __setstate__(self, state):
         super().__setstate__(state)
         self.__dict__.setdefault("_plan_pins", {})  # modules pickled before the pins existed
 
-    def _merged_factors(self) -> tuple[Tensor, Tensor]:
-        """(L, R) with M = L @ R, made once per state of the cores and gates and cached on the matrix. The key holds
-        every core's and gate's version counter (bumped by optimizer steps, ``load_state_dict``, in-place prunes),
-        storage and shape (a shrink makes new parameters), so any change of M makes new factors."""
-        key = tuple((t._version, t.data_ptr(), tuple(t.shape)) for t in [*self.cores, *self.gates])
-        cached = self.__dict__.get("_merged")
-        if cached is not None and cached[0] == key:
-            return cached[1]
-        with torch.no_grad():
-            factors = ops.tt_factors(self.gated_cores(), self.layout)
-        self.__dict__["_merged"] = (key, factors)
-        return factors
-
-    def _may_use_merged(self, x: Tensor, op: str) -> bool:
-        """The cached two-factor form serves eager no-grad products of few tokens (decoding): never under autograd,
-        a compiler or a tracer (a plain tensor only), never for TTM (whose merged halves are not a thin pair)."""
-        if not USE_MERGED_FORMS or torch.is_grad_enabled() or type(x) is not torch.Tensor:
-            return False
-        if self.format is not TTFormat.TT or torch.compiler.is_compiling():
-            return False
-        return x.numel() // (self.rows if op == "matmul" else self.cols) <= MERGED_MAX_TOKENS
-
     def _planned_product(self, x: Tensor, op: str, bias: Tensor | None = None) -> Tensor:
         layout = self.layout
-        if self._may_use_merged(x, op):
-            left, right = self._merged_factors()
-            if op == "matmul":
-                return _with_bias((x @ left.to(x.dtype)) @ right.to(x.dtype), bias)
-            return _with_bias((x @ right.to(x.dtype).T) @ left.to(x.dtype).T, bias)
         cores = self.gated_cores()
         envelope = self._envelope(layout, op)
         if envelope is None:  # compiled before any plan was made: CoMERA's fixed order
@@ -257,6 +235,8 @@ class TTMatrix(nn.Module):
     def take_rows(self, index: Tensor) -> Tensor:
         if self.stored_empty:
             return self.cores[0].new_zeros(tuple(index.shape) + (self.cols,))
+        if merged.may_serve(index, 1) and (found := merged.cached_form(self, "rows")):
+            return merged.rows(index, *found)
         # The kernels run on CUDA when triton is there (the gates folded into the merges, never as a separate
         # pass); everywhere else this is ops.take_rows.
         from . import kernels
@@ -323,11 +303,6 @@ def _zero_product(x: Tensor, n_out: int) -> Tensor:
 #: planned GEMMs and saves only the operands the cost model counts) instead of autograd on ``plan.execute``.
 CUSTOM_AUTOGRAD = True
 
-#: Eager products under ``torch.no_grad()`` / inference mode of at most ``MERGED_MAX_TOKENS`` tokens (decoding) use
-#: a TT matrix's cached two factors, (x·L)·R: two GEMMs per layer per token instead of the planned chain, and
-#: L, R are made once per change of the cores. Costs r·(rows + cols) extra values per matrix while cached.
-USE_MERGED_FORMS = True
-MERGED_MAX_TOKENS = 64
 
 #: How many (layout, op) envelopes ``planned_envelope`` keeps. Every pruned layout is a new key, so an unbounded
 #: cache would grow for the whole of a rank-adaptive run; 1024 covers both products of 512 live layouts (a

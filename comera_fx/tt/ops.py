@@ -175,21 +175,49 @@ def take_rows(index: Tensor, cores: Sequence[Tensor], layout: TTLayout) -> Tenso
     if layout.format is TTFormat.TT:
         left, right = tt_factors(cores, layout)
         return F.embedding(index, left) @ right
-    d = len(layout.row_modes)
-    ranks, rows_m, cols_m = layout.ranks, layout.row_modes, layout.col_modes
-    if d == 1:
+    if len(layout.row_modes) == 1:
         table = cores[0].reshape(layout.padded_rows, layout.padded_cols)
         return _trim_cols(F.embedding(index, table), layout.cols, layout.padded_cols)
-    h = (d + 1) // 2
-    a_left, b_left = math.prod(rows_m[:h]), math.prod(cols_m[:h])
-    a_right, b_right = math.prod(rows_m[h:]), math.prod(cols_m[h:])
-    r = ranks[h]
-    left = ttm_merge(cores[:h], rows_m[:h], cols_m[:h], ranks[: h + 1]).reshape(a_left, b_left * r)
-    right = ttm_merge(cores[h:], rows_m[h:], cols_m[h:], ranks[h:])  # (r, A_R, B_R, 1)
-    right = right.reshape(r, a_right, b_right).permute(1, 0, 2).reshape(a_right, r * b_right)
+    return ttm_gather_rows(index, *ttm_row_tables(*ttm_halves(cores, layout), layout), layout)
+
+
+def ttm_split(layout: TTLayout) -> int:
+    """The bond at which a TTM chain is cut into two halves (the middle one, the left half the longer)."""
+    return (len(layout.row_modes) + 1) // 2
+
+
+def ttm_half_sizes(layout: TTLayout) -> tuple[int, int, int, int, int]:
+    """(A_L, B_L, r, A_R, B_R): row- and column-mode products of each half and the rank of the cut bond."""
+    h = ttm_split(layout)
+    rows_m, cols_m = layout.row_modes, layout.col_modes
+    return (math.prod(rows_m[:h]), math.prod(cols_m[:h]), layout.ranks[h], math.prod(rows_m[h:]),
+            math.prod(cols_m[h:]))
+
+
+def ttm_halves(cores: Sequence[Tensor], layout: TTLayout) -> tuple[Tensor, Tensor]:
+    """The chain contracted into two halves at ``ttm_split``: left (A_L, B_L, r) and right (r, A_R, B_R), with A the
+    row modes and B the column modes of each half; M[(a_L, a_R), (b_L, b_R)] = Σ_r left[a_L, b_L, r]·right[r, a_R, b_R]
+    (padded sizes). Needs at least two cores."""
+    h = ttm_split(layout)
+    a_left, b_left, r, a_right, b_right = ttm_half_sizes(layout)
+    ranks, rows_m, cols_m = layout.ranks, layout.row_modes, layout.col_modes
+    left = ttm_merge(cores[:h], rows_m[:h], cols_m[:h], ranks[: h + 1]).reshape(a_left, b_left, r)
+    right = ttm_merge(cores[h:], rows_m[h:], cols_m[h:], ranks[h:]).reshape(r, a_right, b_right)
+    return left, right
+
+
+def ttm_row_tables(left: Tensor, right: Tensor, layout: TTLayout) -> tuple[Tensor, Tensor]:
+    """The halves as lookup tables (CoMERA's trick): (A_L, B_L·r) and (A_R, r·B_R), one row per row-mode index."""
+    a_left, b_left, r, a_right, b_right = ttm_half_sizes(layout)
+    return left.reshape(a_left, b_left * r), right.permute(1, 0, 2).reshape(a_right, r * b_right)
+
+
+def ttm_gather_rows(index: Tensor, left_table: Tensor, right_table: Tensor, layout: TTLayout) -> Tensor:
+    """M[index] from the two row tables: one slice of each per token and one batched GEMM over the rank."""
+    _, b_left, r, a_right, b_right = ttm_half_sizes(layout)
     flat = index.reshape(-1)
-    picked_left = F.embedding(torch.div(flat, a_right, rounding_mode="floor"), left).reshape(-1, b_left, r)
-    picked_right = F.embedding(torch.remainder(flat, a_right), right).reshape(-1, r, b_right)
+    picked_left = F.embedding(torch.div(flat, a_right, rounding_mode="floor"), left_table).reshape(-1, b_left, r)
+    picked_right = F.embedding(torch.remainder(flat, a_right), right_table).reshape(-1, r, b_right)
     out = torch.bmm(picked_left, picked_right).reshape(index.shape + (b_left * b_right,))
     return _trim_cols(out, layout.cols, layout.padded_cols)
 
