@@ -20,6 +20,7 @@ import comera_fx
 from comera_fx import RankAdaptive, RankConfig, TensorizeConfig
 from comera_fx.moe import ExpertWeight, TTExpertBank, TTExperts
 from comera_fx.passes import find_experts
+from comera_fx.runtime.shrink import shrink_
 
 transformers = pytest.importorskip("transformers")
 
@@ -425,3 +426,28 @@ def test_the_shared_form_at_full_rank_reproduces_the_experts_and_shares_all_but_
     torch.testing.assert_close(small.linear(1, x), x @ small.dense_expert(1).t(), rtol=1e-10, atol=1e-12)
     small.linear(1, x).sum().backward()
     assert all(c.grad is not None for c in small.tt.cores)
+
+
+def test_save_tensorized_round_trips_the_shared_form_after_a_prune(tmp_path):
+    from comera_fx.moe.shared import SharedTTExpertBank
+
+    model = mixtral()
+    model.config._experts_implementation = "eager"
+    experts = experts_of(model)
+    up = SharedTTExpertBank.from_dense(experts.gate_up_proj, "linear", max_rank=6)
+    down = SharedTTExpertBank.from_dense(experts.down_proj, "linear", max_rank=6)
+    model.model.layers[0].mlp.experts = TTExperts.from_hf(experts, up, down)
+    with torch.no_grad():  # a prune: the shared chain's stored ranks differ from a fresh TT-SVD's
+        for gate in up.tt.gates:
+            gate[-1] = 0.0
+    assert shrink_(up.tt) is not None
+    ids = tokens()
+    expected = model(ids).logits
+    path = tmp_path / "shared.safetensors"
+    comera_fx.save_tensorized(model, path)
+    loaded = comera_fx.load_tensorized(path, mixtral)
+    loaded.config._experts_implementation = "eager"
+    banks = experts_of(loaded)
+    assert isinstance(banks.up, SharedTTExpertBank) and isinstance(banks.down_proj, SharedTTExpertBank)
+    assert banks.up.tt.ranks == up.tt.ranks and banks.up.num_experts == EXPERTS
+    torch.testing.assert_close(loaded(ids).logits, expected, rtol=0, atol=0)

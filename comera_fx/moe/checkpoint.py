@@ -1,5 +1,6 @@
 """The MoE part of ``save_tensorized`` / ``load_tensorized``: which modules hold expert banks, and how to put
-them back into a freshly built (meta) model. Each expert's ``TTMatrix`` is saved like any other."""
+them back into a freshly built (meta) model. Each expert's ``TTMatrix`` (or a shared bank's one chain) is saved
+like any other."""
 
 from __future__ import annotations
 
@@ -10,12 +11,15 @@ from torch import nn
 from ..tt.layers import TTMatrix
 from .bank import TTExpertBank
 from .experts import TTExperts
+from .shared import SharedTTExpertBank
 from .weight import ExpertWeight, attach_expert_weight
 
 HOLDER_TYPES = ("experts", "expert_weight")
 
 
-def _bank_entry(bank: TTExpertBank, path_of: Mapping[int, str]) -> dict:
+def _bank_entry(bank: TTExpertBank | SharedTTExpertBank, path_of: Mapping[int, str]) -> dict:
+    if isinstance(bank, SharedTTExpertBank):  # one chain over all experts
+        return {"slice_use": bank.slice_use, "shared": path_of[id(bank.tt)], "num_experts": bank.num_experts}
     return {"slice_use": bank.slice_use, "tt": [path_of[id(tt)] for tt in bank]}
 
 
@@ -36,7 +40,9 @@ def expert_holders(model: nn.Module, path_of: Mapping[int, str]) -> list[dict]:
 
 def install_expert_holder(model: nn.Module, holder: dict, matrices: Mapping[str, TTMatrix]) -> None:
     """Put one manifest entry's banks into ``model`` (built by ``build_fn``, dense experts still in place)."""
-    def bank(entry: dict) -> TTExpertBank:
+    def bank(entry: dict) -> TTExpertBank | SharedTTExpertBank:
+        if "shared" in entry:
+            return SharedTTExpertBank(matrices[entry["shared"]], entry["num_experts"], entry["slice_use"])
         return TTExpertBank([matrices[name] for name in entry["tt"]], entry["slice_use"])
 
     module = model.get_submodule(holder["path"])

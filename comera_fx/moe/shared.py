@@ -8,8 +8,8 @@ stored once. At full ranks TT-SVD makes it exact, like the per-expert form.
 
 It is one ordinary ``TTMatrix`` (gates on every bond, the expert bonds included), so ``RankAdaptive`` adapts its
 ranks, and each expert's product is a planned product of the chain with X[:, e, :] folded into the next core.
-Not yet carried by ``save_tensorized`` (state_dict works) and not chosen by ``tensorize_``: build it with
-``SharedTTExpertBank.from_dense`` and swap it in with ``TTExperts.from_hf`` (benchmarks/bench_moe.py does).
+``state_dict`` and ``save_tensorized`` / ``load_tensorized`` carry it. ``tensorize_`` does not choose it: build it
+with ``SharedTTExpertBank.from_dense`` and swap it in with ``TTExperts.from_hf`` (benchmarks/bench_moe.py does).
 """
 
 from __future__ import annotations
