@@ -13,6 +13,9 @@ with comera_fx's backend from a fresh Inductor cache (a temporary ``TORCHINDUCTO
 its own, one graph shared by every block of one shape (with ``--dense``: ``block.compile()`` per block, stock
 Inductor); embeddings, head and loss run eagerly.
 
+``--same-shape-blocks``: ``RankConfig(same_shape_blocks=True)``: the physical shrink stores the same matrix of every
+block at one width (the widest live rank), so a regionally compiled model recompiles one graph, not one per block.
+
 ``--slack S`` (default 4) runs ``RankConfig(shrink_slack=S)``: a prune writes the rounded cores into the stored
 ones in place while the stored TT size stays within S × the live size, so no shape changes and nothing recompiles;
 with S >= S_0 / S_T (here 1 / 0.3) only the last prune point shrinks physically: one recompile in the run.
@@ -28,6 +31,7 @@ at the same ranks, and Dynamo's compile-time table (``torch._dynamo.utils.compil
     flock /tmp/timing.lock .venv/bin/python benchmarks/bench_recompile.py                  # LM, slack 4
     flock /tmp/timing.lock .venv/bin/python benchmarks/bench_recompile.py --slack 0        # one recompile per prune
     flock /tmp/timing.lock .venv/bin/python benchmarks/bench_recompile.py --layers 6 --regional   # one block's compile
+    flock /tmp/timing.lock .venv/bin/python benchmarks/bench_recompile.py --layers 6 --regional --same-shape-blocks
     .venv/bin/python benchmarks/bench_recompile.py --no-inductor                            # AOTAutograd graphs eagerly
 """
 
@@ -155,6 +159,8 @@ def main(argv=None) -> None:
     ap.add_argument("--cache-dir", help="Inductor cache directory (default: a fresh temporary one)")
     ap.add_argument("--dense", action="store_true", help="the dense LM under stock torch.compile, first steps only")
     ap.add_argument("--regional", action="store_true", help="compile each LM block on its own (compile_regions)")
+    ap.add_argument("--same-shape-blocks", action="store_true",
+                    help="RankConfig(same_shape_blocks=True): one stored width per matrix role across blocks")
     opts = ap.parse_args(argv)
     # A cold compile: Inductor's caches start empty. (Importing torch's Inductor sets TORCHINDUCTOR_CACHE_DIR to
     # its shared default, so the variable is always set by now: override it unless --cache-dir names one.)
@@ -170,7 +176,8 @@ def main(argv=None) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     slack = opts.slack if opts.slack > 0 else None
     hook = RankAdaptive(model, optimizer, RankConfig(keep_fraction=opts.target_ratio, total_steps=opts.steps,
-                                                     prunes=opts.prunes, shrink_slack=slack))
+                                                     prunes=opts.prunes, shrink_slack=slack,
+                                                     same_shape_blocks=opts.same_shape_blocks))
     backend = make_backend(inductor=not opts.no_inductor)
     torch._dynamo.reset()
     if opts.regional:
@@ -192,7 +199,8 @@ def main(argv=None) -> None:
     print(f"{'step':>4} {'s':>8} graphs pruned stored-TT-params")
     for step, t, graphs, pruned, stored in rows:
         print(f"{step:4d} {t:8.3f} {graphs:6d} {'yes' if pruned else '':6s} {stored}")
-    print(f"\nmodel {opts.model}, {opts.layers} blocks{', regional' if opts.regional else ''}, slack {slack}, "
+    print(f"\nmodel {opts.model}, {opts.layers} blocks{', regional' if opts.regional else ''}"
+          f"{', same-shape blocks' if opts.same_shape_blocks else ''}, slack {slack}, "
           f"inductor {not opts.no_inductor}, threads {opts.threads}, Inductor "
           f"cache {os.environ['TORCHINDUCTOR_CACHE_DIR']}")
     print(f"first step (compile) {first:.1f} s; median step {median:.4f} s; prunes at {prune_steps}")

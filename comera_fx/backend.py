@@ -426,10 +426,11 @@ def compile_regions(model: nn.Module, regions=None, *, backend: Callable | None 
     ``torch.compile``.
 
     After a physical rank shrink the blocks' shapes differ, and each block compiles a graph of its own (a
-    fraction of a whole-model recompile each). Those graphs all belong to one code object, so this raises
-    Dynamo's ``recompile_limit`` to twice the number of regions plus one when it is lower — room for one shape
-    per block before and after a shrink (``RankConfig(shrink_slack=...)`` keeps it to one physical shrink);
-    beyond the limit Dynamo runs a block eagerly, correct but slow.
+    fraction of a whole-model recompile each), unless ``RankConfig(same_shape_blocks=True)`` keeps one shape for
+    the blocks. Those graphs all belong to one code object, so this raises Dynamo's ``recompile_limit`` to twice
+    the number of regions plus one when it is lower — room for one shape per block before and after a shrink
+    (``RankConfig(shrink_slack=...)`` keeps it to one physical shrink); beyond the limit Dynamo runs a block
+    eagerly, correct but slow.
     """
     names = _region_names(model, regions)
     if not names:

@@ -547,3 +547,81 @@ def test_rank_config_round_trips_and_fills_the_schedules_defaults():
     comera = RankConfig(schedule="comera")
     assert RankConfig.from_dict(comera.to_dict()) == comera and comera.resolved().prune_every == 100
     assert RankConfig(schedule="comera", prune_every=None).resolved().prune_every is None  # None: never prune
+
+
+class Block(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.up, self.down = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        return x + self.down(torch.tanh(self.up(x)))
+
+
+class Stack(nn.Module):
+    def __init__(self, d: int = 32, n: int = 3):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(d) for _ in range(n))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def reference_stack(model: Stack, x: torch.Tensor) -> torch.Tensor:
+    """The stack from each TT matrix's dense form (independent of the products under test)."""
+    with torch.no_grad():
+        for block in model.blocks:
+            hidden = torch.tanh(x @ block.up.tt.dense() + block.up.bias)
+            x = x + hidden @ block.down.tt.dense() + block.down.bias
+    return x
+
+
+def regional_prune(same_shape_blocks: bool, slack: float | None = None):
+    """A 3-block TT stack compiled per block (a counting backend), one step, one physical prune, one no-grad
+    forward, two more training steps; returns (model, hook, graphs compiled before the prune, graphs after that
+    forward, its output, the dense reference's)."""
+    from torch._dynamo.testing import CompileCounter
+
+    torch.manual_seed(0)
+    model = Stack().double()
+    comera_fx.tensorize_(model, comera_fx.TensorizeConfig(max_rank=8, min_numel=1, min_dim=1))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    hook = RankAdaptive(model, optimizer, comera_fx.RankConfig(keep_fraction=0.4, total_steps=100, shrink_slack=slack,
+                                                               same_shape_blocks=same_shape_blocks))
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    comera_fx.compile_regions(model, backend=counter)
+    gen = torch.Generator().manual_seed(1)
+    x, y = (torch.randn(64, 32, generator=gen, dtype=torch.float64) for _ in range(2))
+    _one_gradient_step(model, hook, x, y)
+    before = counter.frame_count
+    hook.prune_to(0.4 * hook.initial_tt_params)
+    if slack is not None:
+        assert counter.frame_count == before and hook.stored_tt_params() == hook.initial_tt_params  # in place
+        hook.compact()  # the stored widths are cut, not padded
+    with torch.no_grad():
+        out = model(x)
+    after, expected = counter.frame_count, reference_stack(model, x)
+    fit(model, optimizer, x, y, 2, hook)  # the optimizer's state follows the resized cores
+    torch._dynamo.reset()
+    return model, hook, before, after, out, expected
+
+
+@pytest.mark.parametrize("slack", [None, 4.0])
+def test_same_shape_blocks_give_repeated_blocks_one_shape_and_one_graph_after_a_shrink(slack):
+    """Regional compilation reuses one graph for blocks of equal shapes; after a physical prune the blocks' live
+    ranks differ. With ``same_shape_blocks`` each matrix role is stored at its widest live rank (zero slices past
+    the others'), so one new graph serves every block, and the output still equals the dense reference."""
+    model, hook, before, after, out, expected = regional_prune(True, slack)
+    ups = [block.up.tt for block in model.blocks]
+    assert len({tt.ranks for tt in ups}) > 1, "the blocks should have been pruned to different live ranks"
+    assert len({tt.layout for tt in ups}) == 1 and len({b.down.tt.layout for b in model.blocks}) == 1
+    assert after == before + 1  # the no-grad forward after the prune: one graph for the three blocks
+    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-12)
+    assert hook.tt_params() <= 0.4 * hook.initial_tt_params + 1 < hook.stored_tt_params()
+
+    model, _, before, after, out, expected = regional_prune(False, slack)  # the default: one graph per block after the shrink
+    assert after == before + len(model.blocks)
+    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-12)

@@ -43,7 +43,7 @@ from .importance import BondSensitivity, slice_importance
 from .rank_config import BUDGET, COMERA, RankConfig
 from .schedule import BudgetSchedule, LayerSlices, allocate
 from .shrink import (ShrinkRecord, bond_singular_values, compact_, live_params, params_at_ranks, remove_slices_,
-                     round_to_ranks_, shrink_)
+                     resize_bonds_, round_to_ranks_, same_shape_widths, shrink_)
 
 __all__ = ["RankAdaptive", "RankConfig", "param_groups", "tt_matrices", "MatrixEntry", "HistoryEntry", "RankSummary",
            "EARLY", "LATE", "achievement_lambda", "add_gate_penalty_", "shrink_", "remove_slices_", "ShrinkRecord",
@@ -360,7 +360,8 @@ class RankAdaptive:
 
     def compact(self) -> list[ShrinkRecord]:
         """Shrink every matrix held wider (``shrink_slack``) to its live ranks now, physically (the schedule does it
-        at its last prune point; a run stopped before that point keeps the zero slices until this call)."""
+        at its last prune point; a run stopped before that point keeps the zero slices until this call). With
+        ``same_shape_blocks`` the same matrix of repeated blocks goes to the group's widest live rank instead."""
         if self.distributed is not None:
             self.distributed.check()
         records = self._compact_all()
@@ -368,8 +369,17 @@ class RankAdaptive:
         return records
 
     def _compact_all(self) -> list[ShrinkRecord]:
-        return [r for m in self.matrices if m.shrinkable
-                for r in [compact_(m.tt, optimizer=self.optimizer, name=m.name)] if r is not None]
+        shrinkable = [m for m in self.matrices if m.shrinkable]
+        widths = same_shape_widths([(m.name, m.tt) for m in shrinkable]) if self.settings.same_shape_blocks else {}
+        records = []
+        for m in shrinkable:
+            if m.name in widths:
+                record = resize_bonds_(m.tt, widths[m.name], optimizer=self.optimizer, name=m.name)
+            else:
+                record = compact_(m.tt, optimizer=self.optimizer, name=m.name)
+            if record is not None:
+                records.append(record)
+        return records
 
     def _compacts(self, compact: bool | None, live_after: int) -> bool:
         """Does this prune shrink physically? Yes without ``shrink_slack``, when asked, or when the stored size

@@ -21,7 +21,7 @@ BUDGET_DEFAULTS = {"warmup_fraction": 0.1, "final_fraction": 0.2, "prunes": 10, 
                    "min_rank": 1, "rank0_below": 0.01}
 COMERA_DEFAULTS = {"l1_weight": 0.01, "prune_every": 100, "plateau_tol": 1e-3, "reduction": "mean",
                    "late_loss_weight": 0.1, "late_size_weight": 0.0}
-_ONLY = {BUDGET: (*BUDGET_DEFAULTS, "total_steps", "budget_seconds", "shrink_slack"),
+_ONLY = {BUDGET: (*BUDGET_DEFAULTS, "total_steps", "budget_seconds", "shrink_slack", "same_shape_blocks"),
          COMERA: (*COMERA_DEFAULTS, "target_loss", "late_start_step", "plateau_patience")}
 
 
@@ -67,6 +67,11 @@ class RankConfig:
         shrink_slack: budget schedule, for ``torch.compile``: keep the stored cores at their widths while the stored
             TT size stays within ``shrink_slack`` (>= 1) × the live size, so prunes change no shape and recompile
             nothing; None (default) shrinks physically at every prune (docs/rank_adaptive.md, "Under torch.compile").
+        same_shape_blocks: budget schedule, for ``comera_fx.compile_regions``: when the cores shrink physically,
+            the same matrix of every repeated block (names equal up to the block index, same modes) is stored at
+            one width per bond, the widest live rank among them, the narrower ones holding zero slices past their
+            live ranks. The blocks keep one shape, so a regionally compiled model recompiles one graph instead of
+            one per block. None/False (default): each matrix is stored at its own live ranks.
         threshold: a gate entry with |g| <= threshold is dead.
     """
 
@@ -91,6 +96,7 @@ class RankConfig:
     late_loss_weight: float | None = None
     late_size_weight: float | None = None
     shrink_slack: float | None = None
+    same_shape_blocks: bool | None = None
     threshold: float = DEFAULT_GATE_THRESHOLD
 
     def __post_init__(self) -> None:
@@ -131,6 +137,8 @@ class RankConfig:
         _check("min_rank", self.min_rank, self.min_rank is None or _is_int(self.min_rank, 0), "an int >= 0")
         _check("shrink_slack", self.shrink_slack, self.shrink_slack is None or (
             _is_number(self.shrink_slack) and self.shrink_slack >= 1), "a number >= 1 or None")
+        _check("same_shape_blocks", self.same_shape_blocks, self.same_shape_blocks in (None, True, False),
+               "True, False or None")
         _check("rank0_below", self.rank0_below, self.rank0_below is None or self.rank0_below >= 0, "a float >= 0")
 
     def _check_comera(self) -> None:

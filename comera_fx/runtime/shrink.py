@@ -172,6 +172,73 @@ def compact_(tt: TTMatrix, *, optimizer: torch.optim.Optimizer | None = None, na
     return record
 
 
+def _fit(t: Tensor, axis: int, size: int) -> Tensor:
+    """``t`` cut or zero-padded along ``axis`` to ``size`` (a copy: the result owns its memory)."""
+    have = t.shape[axis]
+    if have >= size:
+        return t.narrow(axis, 0, size).clone()
+    pad = list(t.shape)
+    pad[axis] = size - have
+    return torch.cat([t, t.new_zeros(pad)], dim=axis)
+
+
+def resize_bonds_(tt: TTMatrix, widths: Sequence[int], *, optimizer: torch.optim.Optimizer | None = None,
+                  name: str = "") -> ShrinkRecord | None:
+    """Store every bond k of ``tt`` at ``widths[k]`` slices (>= its live rank), physically: the live slices
+    first, zeros (cores and gates) past them, cut or padded as needed; optimizer state and gradients follow, new
+    parameters in the old ones' places. The matrix is then held wider wherever a width exceeds the live rank.
+    Used to give the same matrix of repeated blocks one stored shape (``RankConfig.same_shape_blocks``). Returns
+    None when every bond already has its width."""
+    live = tuple(tt.live_internal_ranks or tt.layout.internal_ranks)
+    widths = tuple(int(w) for w in widths)
+    if len(widths) != len(live) or any(w < r for w, r in zip(widths, live)):
+        raise ValueError(f"{name or 'TTMatrix'}: widths {widths} must give every bond at least its live rank {live}")
+    if not tt.gates or tt.stored_empty or tt.is_zero:
+        return None
+    stored = tt.layout.internal_ranks
+    if widths == stored:
+        return None
+    before, old_ranks, was_planned = live_params(tt), tt.ranks, planned_ops(tt.layout)
+    n = len(tt.cores)
+    for k in range(n):
+        first = widths[k - 1] if k > 0 and widths[k - 1] != stored[k - 1] else None
+        last = widths[k] if k < n - 1 and widths[k] != stored[k] else None
+        if first is not None or last is not None:
+            def fit(t, f=first, l=last):
+                t = _fit(t, 0, f) if f is not None else t
+                return _fit(t, t.dim() - 1, l) if l is not None else t
+            _replace_(tt.cores, k, fit, optimizer)
+    for k in range(n - 1):
+        if widths[k] != stored[k]:
+            _replace_(tt.gates, k, lambda t, w=widths[k]: _fit(t, 0, w), optimizer)
+    tt.live_internal_ranks = None if widths == live else live
+    tt.prepare_plans(was_planned)
+    return ShrinkRecord(name, old_ranks, tt.ranks, before, live_params(tt), False, ())
+
+
+def block_role(name: str) -> str:
+    """A matrix's name with every numeric component replaced by ``#``: the same matrix of every repeated block
+    (``blocks.0.attn.q.tt`` and ``blocks.5.attn.q.tt``) has one role."""
+    return ".".join("#" if part.isdigit() else part for part in name.split("."))
+
+
+def same_shape_widths(named: Sequence[tuple[str, TTMatrix]]) -> dict[str, tuple[int, ...]]:
+    """{name: stored width per bond} for matrices sharing a role (``block_role``) and modes with at least one
+    other: the widest live rank of the group on each bond. Zero matrices and lone matrices are left out."""
+    groups: dict[tuple, list[tuple[str, TTMatrix]]] = {}
+    for name, tt in named:
+        if tt.gates and not tt.is_zero:
+            key = (block_role(name), tt.format, tt.rows, tt.cols, tt.row_modes, tt.col_modes)
+            groups.setdefault(key, []).append((name, tt))
+    widths = {}
+    for members in groups.values():
+        if len(members) > 1:
+            live = [tt.live_internal_ranks or tt.layout.internal_ranks for _, tt in members]
+            widest = tuple(max(bond) for bond in zip(*live))
+            widths.update((name, widest) for name, _ in members)
+    return widths
+
+
 # ------------------------------------------------------------------------------------------------ TT rounding
 
 
