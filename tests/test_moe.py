@@ -10,6 +10,7 @@ the model's expert path has one.
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -451,3 +452,53 @@ def test_save_tensorized_round_trips_the_shared_form_after_a_prune(tmp_path):
     assert isinstance(banks.up, SharedTTExpertBank) and isinstance(banks.down_proj, SharedTTExpertBank)
     assert banks.up.tt.ranks == up.tt.ranks and banks.up.num_experts == EXPERTS
     torch.testing.assert_close(loaded(ids).logits, expected, rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------------------------------------- size target
+
+
+def _expert_tt_params(model) -> int:
+    return sum(tt.layout.num_params for bank in (experts_of(model).up, experts_of(model).down_proj) for tt in bank)
+
+
+@pytest.mark.parametrize("allocation", ["uniform", "energy"])
+def test_a_size_target_sizes_the_experts_with_the_other_layers(allocation):
+    """The experts count towards the size target (each expert's matrix sized like a layer), the target holds over
+    everything converted, and with room for full ranks everywhere the model equals the dense one."""
+    model = mixtral().double()
+    model.config._experts_implementation = "eager"
+    dense = copy.deepcopy(model)
+    config = TensorizeConfig(size_target=0.3, max_rank=None, allocation=allocation, min_numel=0, min_dim=1,
+                             skip=(r"embed", r"lm_head"))
+    summary = comera_fx.tensorize_(model, config)
+    assert isinstance(experts_of(model), TTExperts)
+    converted = [d for d in summary.layers if d.converted]
+    dense_total = sum(math.prod(d.shape) for d in converted)
+    tt_total = sum(m.layout.num_params for m in model.modules() if isinstance(m, comera_fx.TTMatrix))
+    assert summary.size_target.reached == tt_total <= 0.3 * dense_total  # experts inside the target
+    full = mixtral().double()
+    comera_fx.tensorize_(full, FULL.replace(skip=(r"embed", r"lm_head")))
+    assert 0 < _expert_tt_params(model) < _expert_tt_params(full)  # sized, not left at full rank
+    ids = tokens()
+    with torch.no_grad():
+        got, want = model(ids).logits, dense(ids).logits
+    assert ((got - want).norm() / want.norm()).item() < 1.0  # a compressed model, not a broken one
+
+    loose = mixtral().double()
+    loose.config._experts_implementation = "eager"
+    comera_fx.tensorize_(loose, config.replace(size_target=10**9))  # room for every bond at full rank: exact
+    with torch.no_grad():
+        torch.testing.assert_close(loose(ids).logits, want, rtol=1e-6, atol=1e-8)
+
+
+def test_a_size_target_covers_bmm_experts_and_names_each_expert_in_the_allocation():
+    torch.manual_seed(0)
+    model = wrapped(BmmMoE()).double()
+    x = torch.randn(12, HIDDEN, dtype=torch.float64)
+    expected = model(x)
+    summary = comera_fx.tensorize_(model, TensorizeConfig(size_target=10**9, max_rank=None, min_numel=0, min_dim=1,
+                                                          skip=(r"router",)), example_inputs=(x,))
+    assert isinstance(model[1].w_in, ExpertWeight) and isinstance(model[1].w_out, ExpertWeight)
+    assert summary.size_target.reached == sum(tt.layout.num_params for bank in (model[1].w_in_tt, model[1].w_out_tt)
+                                              for tt in bank)
+    torch.testing.assert_close(model(x), expected, rtol=1e-8, atol=1e-10)

@@ -52,7 +52,7 @@ class TTExpertBank(nn.ModuleList):
         if weight.dim() != 3:
             raise ValueError(f"expert weights are 3D (experts × a × b), got shape {tuple(weight.shape)}")
         generators = generators or [None] * weight.shape[0]
-        matrices = [make_tt_matrix(_stored_matrix(p, slice_use), kind="linear", generator=g, **options)
+        matrices = [make_tt_matrix(stored_matrix(p, slice_use), kind="linear", generator=g, **options)
                     for p, g in zip(weight.detach(), generators)]
         return cls(matrices, slice_use)
 
@@ -109,6 +109,6 @@ class TTExpertBank(nn.ModuleList):
         return torch.stack([self.dense_expert(e) for e in range(len(self))])
 
 
-def _stored_matrix(slice_: Tensor, slice_use: str) -> Tensor:
+def stored_matrix(slice_: Tensor, slice_use: str) -> Tensor:
     """M_e for a slice P[e]: rows are the input features."""
     return slice_.t() if slice_use == "linear" else slice_

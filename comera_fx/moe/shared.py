@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from ..tt import plan as planner
 from ..tt.layers import CUSTOM_AUTOGRAD, TTMatrix, choose_layout_modes, choose_plan, planned_envelope
 from ..tt.layout import TTFormat, TTLayout
-from .bank import SLICE_USES, _stored_matrix
+from .bank import SLICE_USES, stored_matrix
 
 
 class SharedTTExpertBank(nn.Module):
@@ -45,7 +45,7 @@ class SharedTTExpertBank(nn.Module):
         """TT-SVD of the experts of ``weight`` (E × a × b) side by side, the expert mode first among the column
         modes (the middle of the chain). The per-expert output size must factor without padding."""
         experts = weight.shape[0]
-        stacked = torch.cat([_stored_matrix(p, slice_use) for p in weight.detach()], dim=1)  # in × E·out
+        stacked = torch.cat([stored_matrix(p, slice_use) for p in weight.detach()], dim=1)  # in × E·out
         rows, cols = stacked.shape[0], stacked.shape[1] // experts
         row_modes, col_modes = choose_layout_modes(rows, cols, TTFormat.TT, max_pad_fraction=max_pad_fraction)
         if torch.Size(col_modes).numel() != cols:

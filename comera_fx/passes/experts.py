@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ..config import TensorizeConfig
-from ..moe.bank import TTExpertBank
+from ..moe.bank import TTExpertBank, stored_matrix
 from ..moe.experts import TTExperts, hf_experts_problem
 from ..moe.weight import ExpertWeight, attach_expert_weight
 from .find import Candidate, Use, UseKind, parameter_table
@@ -40,6 +40,7 @@ class ExpertPlan:
     candidates: list[ExpertCandidate]
     decisions: list  # LayerDecision, one per candidate
     banks: list[TTExpertBank] | None = None
+    layer_plans: list[list] | None = None  # per candidate, one LayerPlan per expert (a size target decided them)
 
 
 def expert_notes(scan: ExpertScan) -> dict[str, str]:
@@ -98,14 +99,26 @@ def _skip_reason(model: nn.Module, holder: nn.Module, path: str, cand: ExpertCan
     return None
 
 
-def build_banks(model: nn.Module, plans: list[ExpertPlan], config: TensorizeConfig, first_index: int) -> None:
-    """Build every plan's banks (TT-SVD or random init of each expert), before anything in the model changes."""
+def expert_name(fqn: str, expert: int) -> str:
+    """The name one expert's matrix goes by in the size target's allocation (``<3D parameter FQN>.<e>``)."""
+    return f"{fqn}.{expert}"
+
+
+def build_banks(model: nn.Module, plans: list[ExpertPlan], config: TensorizeConfig, first_index: int,
+                build_tt: Callable | None = None) -> None:
+    """Build every plan's banks (TT-SVD or random init of each expert), before anything in the model changes.
+    Experts a size target planned (``plan.layer_plans``) are built by ``build_tt(slice, layer_plan)``."""
     params = dict(model.named_parameters())
     index = first_index
     for plan in plans:
         plan.banks = []
-        for cand in plan.candidates:
+        for i, cand in enumerate(plan.candidates):
             weight = params[cand.fqn]
+            if plan.layer_plans is not None:
+                matrices = [build_tt(weight[e], layer_plan)[0] for e, layer_plan in enumerate(plan.layer_plans[i])]
+                index += cand.num_experts
+                plan.banks.append(TTExpertBank(matrices, cand.slice_use))
+                continue
             settings = config.settings_for(cand.fqn)
             generators = None
             if config.seed is not None:
@@ -179,12 +192,47 @@ class ExpertStep:
         self.scanned: set[str] = set()
         self.scan = find_experts(model, example_inputs)
         self.decisions, self.plans = plan_experts(model, self.scan, config, filter_fn, make_decision)
-        if config.size_target is not None:
-            for plan in self.plans:
+
+    def layer_inputs(self, first_index: int) -> list:
+        """Under a size target, one ``LayerInput`` per expert matrix (named by ``expert_name``), so that the
+        allocation sizes the experts with the other layers; nothing otherwise."""
+        from .layer_plan import LayerInput
+
+        if self.config.size_target is None:
+            return []
+        params = dict(self.model.named_parameters())
+        inputs, index = [], first_index
+        for plan in self.plans:
+            for cand in plan.candidates:
+                weight = params[cand.fqn].detach()
+                for e in range(cand.num_experts):
+                    inputs.append(LayerInput(expert_name(cand.fqn, e), "linear", cand.slice_use == "linear",
+                                             stored_matrix(weight[e], cand.slice_use), index + e, cand.fqn))
+                index += cand.num_experts
+        return inputs
+
+    def take_plans(self, decided, reason_for: Callable[[str], str]) -> None:
+        """Read the size target's per-expert plans from ``plan_layers``'s result; a holder with an expert that
+        found no balanced modes stays dense (``reason_for`` words it)."""
+        if self.config.size_target is None:
+            return
+        kept = []
+        for plan in self.plans:
+            names = [[expert_name(c.fqn, e) for e in range(c.num_experts)] for c in plan.candidates]
+            missing = [n for group in names for n in group if n in decided.no_modes]
+            if missing:
                 for d in plan.decisions:
-                    d.reason = ("TensorizeConfig.size_target does not cover expert weights yet; they would be "
-                                "converted with max_rank / rank_ratio outside the budget")
-            self.plans = []
+                    d.reason = reason_for(decided.no_modes[missing[0]])
+                continue
+            plan.layer_plans = [[decided.plans[n] for n in group] for group in names]
+            for d, group in zip(plan.decisions, names):
+                d.notes.extend(dict.fromkeys(note for n in group for note in decided.notes[n]))
+            kept.append(plan)
+        self.plans = kept
+
+    def tt_params(self) -> int:
+        """TT parameters of the banks built."""
+        return sum(tt.layout.num_params for plan in self.plans for bank in plan.banks or () for tt in bank)
 
     def add_missed(self, result) -> None:
         """Add to the graph finder's ``result`` the linears of expert lists it did not record. Dynamo records an
@@ -206,8 +254,8 @@ class ExpertStep:
             if d.fqn in self.scanned:
                 d.notes.append("found by the expert-list scan: the captured graphs did not record its op")
 
-    def build(self, first_index: int) -> None:
-        build_banks(self.model, self.plans, self.config, first_index)
+    def build(self, first_index: int, build_tt: Callable) -> None:
+        build_banks(self.model, self.plans, self.config, first_index, build_tt)
 
     def install(self, journal: Journal) -> None:
         install_banks(self.model, self.plans, journal)

@@ -23,13 +23,15 @@ from .sizing import LayerFit, SizeTargetInfo, plan_fits
 class LayerInput:
     """What ``plan_layers`` needs of one selected layer: ``matrix`` is its TT matrix to be (rows × cols; Pᵀ when
     ``transposed``). ``index`` fixes its random-init seed (``config.seed + index``); None: its position among the
-    planned layers."""
+    planned layers. ``settings_fqn``: the FQN whose settings (overrides) apply, when ``fqn`` names a part of a
+    parameter (one expert of a 3D expert weight: ``<fqn>.<e>``)."""
 
     fqn: str
     kind: str
     transposed: bool
     matrix: Tensor
     index: int | None = None
+    settings_fqn: str | None = None
 
 
 @dataclass(frozen=True)
@@ -61,7 +63,7 @@ class LayerPlans:
 
 def plan_layers(layers: Sequence[LayerInput], config: TensorizeConfig, calibration=None) -> LayerPlans:
     """One ``LayerPlan`` per layer; ``config.settings_for`` is called once per layer, here only."""
-    settings = {layer.fqn: config.settings_for(layer.fqn) for layer in layers}
+    settings = {layer.fqn: config.settings_for(layer.settings_fqn or layer.fqn) for layer in layers}
     fits: dict[str, LayerFit | str] = {}
     size_info, notes = None, {layer.fqn: [] for layer in layers}
     if config.size_target is not None or calibration is not None:

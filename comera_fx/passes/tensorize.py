@@ -237,7 +237,8 @@ def tensorize_(
 
     Mixture-of-experts weights are converted too, each expert its own TT matrix (``comera_fx.moe``,
     docs/moe.md): transformers experts modules are swapped for ``TTExperts``; a raw 3D parameter read through
-    ``bmm`` or per-expert slices is found only with ``example_inputs``.
+    ``bmm`` or per-expert slices is found only with ``example_inputs``. A size target counts and sizes every
+    expert's matrix with the other layers.
 
     Cores and gates take the dtype, device and ``requires_grad`` of the weight they replace; a swapped module's
     bias (the same parameter) and forward / backward hooks move to its TT twin. TT layers made by an earlier call
@@ -277,7 +278,9 @@ def tensorize_(
                          "TT-SVD truncates to ranks, not to a tolerance)")
     layers = [LayerInput(cand.fqn, cand.kind, stores_transpose(cand), _tt_matrix_of(params[cand.fqn], cand))
               for cand, _, _ in plans]
+    layers += experts.layer_inputs(len(plans))  # a size target sizes each expert's matrix with the other layers
     decided = plan_layers(layers, config, calibration)
+    experts.take_plans(decided, no_modes_reason)
     for cand, decision, _ in plans:
         decision.notes.extend(decided.notes[cand.fqn])
         if cand.fqn in decided.no_modes:
@@ -292,7 +295,7 @@ def tensorize_(
                 built.append((cand, decision, holders, *made))
     size_info = decided.size_info
     experts.annotate(decisions)
-    experts.build(len(plans))
+    experts.build(len(plans), build_tt)
 
     # Mutate; whatever fails on the way (an exception, KeyboardInterrupt) restores every module touched.
     journal = Journal()
@@ -313,7 +316,7 @@ def tensorize_(
         decision.ranks = tt.ranks
         decision.params = tt.layout.num_params
     if size_info is not None:
-        size_info.reached = sum(tt.layout.num_params for *_, tt, _ in built)
+        size_info.reached = sum(tt.layout.num_params for *_, tt, _ in built) + experts.tt_params()
     return TensorizeSummary(decisions + experts.finish() + earlier, result.method, result.fallback_reason, size_info)
 def _expert_decision(cand) -> LayerDecision:
     """The decision for one 3D expert parameter (``comera_fx.moe``); its kind is "experts"."""
