@@ -109,12 +109,19 @@ def _ranks_text(row: LayerRow) -> str:
     return inner
 
 
+def _randomized_bank(module: nn.Module) -> bool:
+    """An expert bank (``comera_fx.moe.TTExpertBank``: a ModuleList of TT matrices) with a randomized backward;
+    recognised by shape, as ``moe`` sits beside this module, not below it."""
+    return isinstance(module, nn.ModuleList) and getattr(module, "rmm", None) is not None
+
+
 def _randomized(model: nn.Module) -> tuple[RandomizedRow, ...]:
     """Randomized modules by their path; raw parameters read by a module's own code by the parameter's path."""
     rows = []
     for name, module in model.named_modules():
-        if isinstance(module, RandomizedBackward):
-            rows.append(RandomizedRow(name, module._rmm_base.__name__, module.rmm.rho, module.rmm.sketch))
+        if isinstance(module, RandomizedBackward) or _randomized_bank(module):
+            base = module._rmm_base.__name__ if isinstance(module, RandomizedBackward) else type(module).__name__
+            rows.append(RandomizedRow(name, base, module.rmm.rho, module.rmm.sketch))
         if isinstance(module, RandomizedUses):
             rows += [RandomizedRow(f"{name}.{param}" if name else param, f"{module._rmm_uses_base.__name__}.forward",
                                    module.rmm.rho, module.rmm.sketch) for param in module.rmm_parameters]
@@ -124,6 +131,8 @@ def _randomized(model: nn.Module) -> tuple[RandomizedRow, ...]:
 def _backward_of(model: nn.Module, tt: TTMatrix) -> str:
     for module in model.modules():
         if isinstance(module, RandomizedBackward) and getattr(module, "tt", None) is tt:
+            return f"rmm {module.rmm.describe()}"
+        if _randomized_bank(module) and any(expert is tt for expert in module):
             return f"rmm {module.rmm.describe()}"
     return "exact"
 

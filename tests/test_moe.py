@@ -372,6 +372,10 @@ def test_randomize_backward_reaches_each_experts_products():
     banks = [d for d in summary.layers if d.kind == "tt_experts"]
     assert [d.fqn for d in banks] == ["model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"]
     assert all(d.randomized for d in banks)
+    shown = comera_fx.report(model)
+    expert_rows = [r for r in shown.layers if ".experts." in r.fqn]
+    assert expert_rows and all(r.backward.startswith("rmm rho=0.5") for r in expert_rows), expert_rows
+    assert {r.fqn for r in shown.randomized} >= {d.fqn for d in banks}
     out, dx, cores = _grads(experts, hidden, index, weights)
     torch.testing.assert_close(out, exact_out, rtol=1e-12, atol=1e-12)  # forward exact
     torch.testing.assert_close(dx, exact_dx, rtol=1e-10, atol=1e-12)  # dX exact
