@@ -159,6 +159,8 @@ class LayerSettings:
 _LAYER_FIELDS = {f.name for f in dataclasses.fields(LayerSettings)}
 _OVERRIDE_FIELDS = _LAYER_FIELDS | {"skip"}
 _TENSORIZE_RENAMED = {"param_budget": "size_target"}  # renamed in 0.2: "budget" alone is time elsewhere
+#: ``TensorizeConfig.expert_form`` values.
+EXPERT_FORMS = ("per_expert", "shared")
 
 
 @accepts_renamed(_TENSORIZE_RENAMED)
@@ -189,6 +191,9 @@ class TensorizeConfig(LayerSettings):
             (Was ``param_budget``, which still works with a ``DeprecationWarning``.)
         allocation: ``"uniform"`` (one max_rank, the largest whose total fits the size target) or ``"energy"``
             (ranks per layer and per bond, see ``comera_fx.tt.allocate``; needs ``init="svd"``).
+        expert_form: how a transformers experts module's 3D weights become TT (docs/moe.md): ``"per_expert"``
+            (default: each expert its own TT matrix) or ``"shared"`` (one TT chain over the experts side by side,
+            one small core per expert; TT-SVD only, without a size target).
     """
 
     min_numel: int = 2**16
@@ -198,10 +203,17 @@ class TensorizeConfig(LayerSettings):
     seed: int | None = None
     size_target: int | float | None = None
     allocation: Allocation = Allocation.UNIFORM
+    expert_form: str = "per_expert"
 
     def __post_init__(self) -> None:
         owner = type(self).__name__
         super().__post_init__()
+        if self.expert_form not in EXPERT_FORMS:
+            raise ValueError(f"{owner}.expert_form must be one of {EXPERT_FORMS}; got {self.expert_form!r}")
+        if self.expert_form == "shared" and (self.init is not Init.SVD or self.size_target is not None):
+            raise ValueError(f"{owner}.expert_form='shared' is built by TT-SVD of the experts side by side: it needs "
+                             f"init='svd' and no size_target (got init={self.init.value!r}, "
+                             f"size_target={self.size_target!r}); use expert_form='per_expert' for those")
         _check_size_target(owner, self.size_target)
         object.__setattr__(self, "allocation", _coerce_enum(owner, "allocation", self.allocation, Allocation))
         if self.size_target is not None and self.rel_tol is not None:

@@ -506,3 +506,33 @@ def test_a_size_target_covers_bmm_experts_and_names_each_expert_in_the_allocatio
     assert summary.size_target.reached == sum(tt.layout.num_params for bank in (model[1].w_in_tt, model[1].w_out_tt)
                                               for tt in bank)
     torch.testing.assert_close(model(x), expected, rtol=1e-8, atol=1e-10)
+
+
+def test_tensorize_builds_the_shared_form_when_asked_and_leaves_bmm_experts_per_expert():
+    from comera_fx.moe.shared import SharedTTExpertBank
+    from comera_fx.runtime.rank_adaptive import tt_matrices
+
+    model = mixtral().double()
+    model.config._experts_implementation = "eager"
+    dense = copy.deepcopy(model)
+    summary = comera_fx.tensorize_(model, FULL.replace(expert_form="shared", **EXPERTS_ONLY))
+    experts = experts_of(model)
+    assert isinstance(experts.up, SharedTTExpertBank) and isinstance(experts.down_proj, SharedTTExpertBank)
+    notes = [n for d in summary.layers if d.kind == "experts" and d.converted for n in d.notes]
+    assert sum("shared form" in n for n in notes) == 2
+    ids = tokens()
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, dense(ids).logits, rtol=1e-6, atol=1e-8)  # full rank: exact
+    assert {m.name for m in tt_matrices(model)} == {"model.layers.0.mlp.experts.gate_up_proj",
+                                                     "model.layers.0.mlp.experts.down_proj"}  # RankAdaptive sees both
+
+    torch.manual_seed(0)
+    bmm = wrapped(BmmMoE())
+    x = torch.randn(12, HIDDEN)
+    summary = comera_fx.tensorize_(bmm, TensorizeConfig(max_rank=4, min_numel=0, min_dim=1, skip=(r"router",),
+                                                        expert_form="shared"), example_inputs=(x,))
+    assert isinstance(bmm[1].w_in, ExpertWeight)
+    assert any("expert_form='shared' needs a transformers experts module" in n for d in summary.layers
+               for n in d.notes)
+    with pytest.raises(ValueError, match="expert_form"):
+        TensorizeConfig(expert_form="shared", init="random")

@@ -8,8 +8,9 @@ stored once. At full ranks TT-SVD makes it exact, like the per-expert form.
 
 It is one ordinary ``TTMatrix`` (gates on every bond, the expert bonds included), so ``RankAdaptive`` adapts its
 ranks, and each expert's product is a planned product of the chain with X[:, e, :] folded into the next core.
-``state_dict`` and ``save_tensorized`` / ``load_tensorized`` carry it. ``tensorize_`` does not choose it: build it
-with ``SharedTTExpertBank.from_dense`` and swap it in with ``TTExperts.from_hf`` (benchmarks/bench_moe.py does).
+``state_dict`` and ``save_tensorized`` / ``load_tensorized`` carry it. ``tensorize_`` builds it for transformers
+experts modules with ``TensorizeConfig(expert_form="shared")``; by hand: ``SharedTTExpertBank.from_dense`` and
+``TTExperts.from_hf`` (benchmarks/bench_moe.py does).
 """
 
 from __future__ import annotations

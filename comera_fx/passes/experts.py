@@ -21,6 +21,8 @@ from torch import nn
 
 from ..config import TensorizeConfig
 from ..moe.bank import TTExpertBank, stored_matrix
+from ..moe.shared import SharedTTExpertBank
+from ..tt.layers import TTMatrix
 from ..moe.experts import TTExperts, hf_experts_problem
 from ..moe.weight import ExpertWeight, attach_expert_weight
 from .find import Candidate, Use, UseKind, parameter_table
@@ -120,6 +122,13 @@ def build_banks(model: nn.Module, plans: list[ExpertPlan], config: TensorizeConf
                 plan.banks.append(TTExpertBank(matrices, cand.slice_use))
                 continue
             settings = config.settings_for(cand.fqn)
+            if config.expert_form == "shared" and plan.layout == HF_EXPERTS:
+                plan.banks.append(_shared_bank(weight, cand, settings))
+                index += cand.num_experts
+                continue
+            if config.expert_form == "shared":
+                plan.decisions[i].notes.append("expert_form='shared' needs a transformers experts module: each "
+                                               "expert its own TT matrix here")
             generators = None
             if config.seed is not None:
                 generators = [torch.Generator(device=weight.device).manual_seed(config.seed + index + e)
@@ -134,6 +143,25 @@ def build_banks(model: nn.Module, plans: list[ExpertPlan], config: TensorizeConf
             for tt in bank:
                 tt.made_with = ("linear", settings.tt_options("linear"))
             plan.banks.append(bank)
+
+
+def _shared_bank(weight, cand: ExpertCandidate, settings) -> SharedTTExpertBank:
+    """``TensorizeConfig(expert_form="shared")``: one TT chain over the experts of ``weight`` (TT-SVD)."""
+    try:
+        bank = SharedTTExpertBank.from_dense(weight, cand.slice_use, max_rank=settings.max_rank,
+                                             rank_ratio=settings.rank_ratio, rel_tol=settings.rel_tol,
+                                             max_pad_fraction=settings.max_pad_fraction)
+    except (ValueError, TypeError) as exc:
+        raise type(exc)(f"cannot build the shared form of the experts {cand.fqn} {cand.shape}: {exc}; "
+                        f"TensorizeConfig(expert_form='per_expert') converts each expert on its own") from exc
+    bank.to(device=weight.device, dtype=weight.dtype).requires_grad_(weight.requires_grad)
+    bank.tt.made_with = ("linear", settings.tt_options("linear"))
+    return bank
+
+
+def bank_matrices(bank) -> list[TTMatrix]:
+    """The TT matrices of a bank: each expert's, or the shared chain."""
+    return [bank.tt] if isinstance(bank, SharedTTExpertBank) else list(bank)
 
 
 def install_banks(model: nn.Module, plans: list[ExpertPlan], journal: Journal) -> None:
@@ -151,8 +179,8 @@ def install_banks(model: nn.Module, plans: list[ExpertPlan], journal: Journal) -
             (cand,), (bank,) = plan.candidates, plan.banks
             journal.touch(holder)
             attach_expert_weight(holder, cand.fqn.rpartition(".")[2], bank)
-        for cand, decision, bank in zip(plan.candidates, plan.decisions, plan.banks):
-            for tt in bank:
+        for bank in plan.banks:
+            for tt in bank_matrices(bank):
                 if not tt.is_zero:
                     tt.prepare_plans()
 
@@ -168,15 +196,20 @@ def undo_views(plans: list[ExpertPlan], model: nn.Module) -> None:
 
 
 def record_decisions(plans: list[ExpertPlan]) -> None:
-    """Fill the converted decisions: ranks of the first expert (the layout all share), params of all."""
+    """Fill the converted decisions: ranks of the first expert (the layout all share) or of the shared chain,
+    params of all."""
     for plan in plans:
         for cand, decision, bank in zip(plan.candidates, plan.decisions, plan.banks):
+            matrices = bank_matrices(bank)
             decision.converted = True
-            decision.ranks = bank[0].ranks
-            decision.params = sum(tt.layout.num_params for tt in bank)
+            decision.ranks = matrices[0].ranks
+            decision.params = sum(tt.layout.num_params for tt in matrices)
             decision.notes.append(cand.describe())
-            if len({tt.ranks for tt in bank}) > 1:
-                decision.notes.append(f"ranks differ between experts: {[tt.ranks for tt in bank]}")
+            if isinstance(bank, SharedTTExpertBank):
+                decision.notes.append("shared form: one TT chain over the experts, one core per expert "
+                                      f"({bank.tt.layout.describe_modes()})")
+            elif len({tt.ranks for tt in matrices}) > 1:
+                decision.notes.append(f"ranks differ between experts: {[tt.ranks for tt in matrices]}")
 
 
 class ExpertStep:
@@ -232,7 +265,8 @@ class ExpertStep:
 
     def tt_params(self) -> int:
         """TT parameters of the banks built."""
-        return sum(tt.layout.num_params for plan in self.plans for bank in plan.banks or () for tt in bank)
+        return sum(tt.layout.num_params for plan in self.plans for bank in plan.banks or ()
+                   for tt in bank_matrices(bank))
 
     def add_missed(self, result) -> None:
         """Add to the graph finder's ``result`` the linears of expert lists it did not record. Dynamo records an
