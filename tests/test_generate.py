@@ -42,7 +42,17 @@ def test_compiled_greedy_generate_gives_eager_tokens():
         expected = reference.generate(prompt, **options)
         eager = model.generate(prompt, **options)
         compiled_model = copy.deepcopy(model)
-        compiled_model.forward = torch.compile(compiled_model.forward, backend=comera_fx.backend)
+        backend = comera_fx.make_backend()
+        torch._dynamo.reset()
+        compiled_model.forward = torch.compile(compiled_model.forward, backend=backend)
         compiled = compiled_model.generate(prompt, **options)
+        graphs = backend.stats.graphs
+        longer = compiled_model.generate(prompt, **{**options, "max_new_tokens": 20, "min_new_tokens": 20})
+        graphs_after = backend.stats.graphs
+    torch._dynamo.reset()
     assert torch.equal(eager, expected)
     assert torch.equal(compiled, eager)
+    assert torch.equal(longer[:, :compiled.shape[1]], compiled)
+    # Dynamo makes the growing cache length dynamic after its first recompile: a longer generation (other cache
+    # lengths) compiles nothing new, so the compiled path does not recompile per generated length.
+    assert graphs <= 4 and graphs_after == graphs, (graphs, graphs_after)
