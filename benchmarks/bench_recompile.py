@@ -206,7 +206,8 @@ def main(argv=None) -> None:
     print(f"first step (compile) {first:.1f} s; median step {median:.4f} s; prunes at {prune_steps}")
     print(f"post-prune overhead {overhead:.1f} s = {overhead / first:.2f}x the first step; graphs compiled "
           f"{backend.stats.graphs} (first step {rows[0][2]}, recompiles after it {recompiles}); backend "
-          f"compile_seconds {backend.stats.compile_seconds:.1f}, pass_seconds {backend.stats.pass_seconds:.1f}")
+          f"compile_seconds {backend.stats.compile_seconds:.1f}, pass_seconds {backend.stats.pass_seconds:.1f}, "
+          f"AOTAutograd cache hits {backend.stats.cache_hits}")
     x, _ = batch
     # Regional: the model's own blocks are compiled in place; a deep copy drops the compiled calls (eager).
     eager_model = copy.deepcopy(model) if opts.regional else model

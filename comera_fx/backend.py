@@ -29,9 +29,9 @@ What runs, per graph Dynamo captures:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
+import hashlib
 import inspect
 import re
 import time
@@ -70,7 +70,10 @@ class BackendConfig:
         warn_dense: report large dense weights left in the graph (once per weight per backend).
         large: what counts as large for that report (``TensorizeConfig.min_numel`` / ``min_dim``).
         post_aot_passes: functions GraphModule -> GraphModule run on the forward and the backward aten graphs
-            before Inductor; a pass with an ``is_backward`` keyword parameter is told which graph it gets.
+            before Inductor; a pass with an ``is_backward`` keyword parameter is told which graph it gets. They run
+            when a graph is compiled: a graph that AOTAutograd's on-disk cache returns (a warm start) was compiled
+            with them, keyed by each pass's ``uuid()`` or source, and does not call them again. A pass with neither
+            (a builtin) turns that cache off.
         inductor_options: Inductor config patches, as ``torch.compile(options=...)`` takes them. On CPU graphs
             the backend adds ``fallback_random=True`` unless given here: random ops (dropout) then run eager's
             aten kernels instead of Inductor's generated RNG, which is slower on CPU (CoMERA's two dropout sites:
@@ -150,6 +153,7 @@ class BackendStats:
     pass_seconds: float = 0.0      # in comera_fx's own passes (both stages)
     compile_seconds: float = 0.0   # in the backend calls: passes, AOTAutograd, Inductor's forward (Inductor
     #                                lowers the backward lazily, at the first backward call, outside this figure)
+    cache_hits: int = 0            # graphs AOTAutograd's on-disk cache returned instead of compiling (warm starts)
 
 
 class ComeraBackend:
@@ -183,7 +187,9 @@ class ComeraBackend:
         budget = ({} if config.activation_memory_budget is None
                   else {"activation_memory_budget": float(config.activation_memory_budget)})
         with torch._functorch.config.patch(**budget):
+            hits_before = _autograd_cache_hits()
             compiled = self._compile(gm, example_inputs, config, mode)
+            self.stats.cache_hits += _autograd_cache_hits() - hits_before
         # Counted on success only: AOTAutograd may abort a first attempt (e.g. to specialise a float) and Dynamo
         # then calls the backend again for the same frame.
         self.stats.graphs += 1
@@ -204,12 +210,18 @@ class ComeraBackend:
                 patches["fallback_random"] = True
             decompositions = _aten_kernel_decompositions(config.cpu_aten_kernels, patches) if on_cpu else None
             inner = functools.partial(_inner_compile, passes=config.post_aot_passes, stats=self.stats)
-            # AOTAutograd's cache (on disk, across processes) returns compiled graphs without calling our inner
-            # compile, so ``post_aot_passes`` would be skipped on a hit, and its key does not hold the
-            # decomposition table. Off for such compiles; Inductor's own graph cache (inside the inner compile,
-            # keyed on the graph after our passes) still spares the C++ builds.
-            bypass = bool(config.post_aot_passes) or decompositions is not None
-            with torch._functorch.config.patch(enable_autograd_cache=False) if bypass else contextlib.nullcontext():
+            # AOTAutograd's cache (on disk, across processes) returns the graphs our inner compile made without
+            # calling it again: right only if its key holds what that compile depended on beyond the graph, our
+            # ``post_aot_passes`` and decomposition table. A no-op Inductor pass carries them into the key
+            # (Inductor hashes a custom pass's uuid); where a pass has no stable identity, the cache stays off and
+            # Inductor's own graph cache (keyed on the graph after our passes) still spares the C++ builds.
+            tag = _cache_tag(config, patches) if config.post_aot_passes or decompositions is not None else None
+            if tag is not None:
+                patches["post_grad_custom_pre_pass"] = tag
+            bypass = (bool(config.post_aot_passes) or decompositions is not None) and tag is None
+            autograd_cache = {"enable_autograd_cache": False} if bypass else {
+                "autograd_cache_allow_custom_autograd_functions": True}  # the planner's Function: keyed by its graph
+            with torch._functorch.config.patch(**autograd_cache):
                 return compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches or None,
                                   decompositions=decompositions)
         return _aot_eager(gm, example_inputs, config.post_aot_passes, self.stats,
@@ -274,7 +286,20 @@ def _aten_kernel_decompositions(ops, patches: Mapping[str, Any]):
         for overload in overloads:
             table.pop(overload, None)
             _register_aten_fallback(overload)
-    return table
+    return _DecompTable(table, [str(op) for op in ops])
+
+
+class _DecompTable(dict):
+    """Inductor's decomposition table less the ops kept as aten kernels. Inductor pickles the table into its FX
+    graph cache key, and the table's C++ functions do not pickle (the cache was bypassed): this one pickles as what
+    it is made from (the ops taken out; torch's version and Inductor's config are in the key already)."""
+
+    def __init__(self, table: Mapping, without: list[str]):
+        super().__init__(table)
+        self.without = tuple(sorted(without))
+
+    def __reduce__(self):
+        return (tuple, (("comera_fx: Inductor's decompositions without", *self.without),))
 
 
 def _register_aten_fallback(overload) -> None:
@@ -302,6 +327,51 @@ def _apply(passes, gm: fx.GraphModule, is_backward: bool, stats: BackendStats) -
         gm = graph_pass(gm, is_backward=is_backward) if _takes_is_backward(graph_pass) else graph_pass(gm)
     stats.pass_seconds += time.perf_counter() - started
     return gm
+
+
+def _autograd_cache_hits() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["aot_autograd"]["autograd_cache_hit"]
+
+
+def _pass_identity(graph_pass) -> str | None:
+    """A stable text for a post-AOT pass across processes: its ``uuid()``, or a function's module, name and
+    source; None when it has neither (a lambda's source still counts; a builtin or C callable does not)."""
+    if hasattr(graph_pass, "uuid"):
+        return f"uuid:{graph_pass.uuid()}"
+    if isinstance(graph_pass, functools.partial):
+        inner = _pass_identity(graph_pass.func)
+        return None if inner is None else f"partial:{inner}:{graph_pass.args!r}:{sorted(graph_pass.keywords.items())!r}"
+    try:
+        source = inspect.getsource(graph_pass)
+    except (OSError, TypeError):
+        return None
+    return f"{getattr(graph_pass, '__module__', '')}.{getattr(graph_pass, '__qualname__', '')}:{source}"
+
+
+def _cache_tag(config: "BackendConfig", patches: Mapping[str, Any]):
+    """The no-op Inductor pass that puts this backend's post-AOT passes and aten-kernel ops into AOTAutograd's
+    cache key, or None (the cache must stay off): a pass without a stable identity, or a pre-pass of the user's."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    identities = [_pass_identity(p) for p in config.post_aot_passes]
+    if any(i is None for i in identities) or patches.get("post_grad_custom_pre_pass") is not None \
+            or torch._inductor.config.post_grad_custom_pre_pass is not None:
+        return None
+    ops = sorted(str(op) for op in config.cpu_aten_kernels)
+    digest = hashlib.sha256("\n".join(["comera_fx backend", *ops, *identities]).encode()).hexdigest()
+
+    class CacheTag(CustomGraphPass):
+        """Changes nothing; its uuid is the key material AOTAutograd's cache would otherwise miss."""
+
+        def __call__(self, graph: fx.Graph) -> None:
+            return None
+
+        def uuid(self) -> str:
+            return digest
+
+    return CacheTag()
 
 
 def _inner_compile(gm: fx.GraphModule, example_inputs, *, passes, stats: BackendStats, **kwargs):

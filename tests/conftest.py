@@ -1,9 +1,14 @@
 """Hypothesis profiles: "ci" (default, thorough and reproducible) and "dev" (quick local runs).
 
 Select with HYPOTHESIS_PROFILE=dev. torch's thread count is deliberately left as configured by the environment.
+Each session compiles into a fresh Inductor cache: AOTAutograd's cache skips a compile (and the backend's
+post-AOT passes with it) when an earlier run stored the same graph, so a shared cache would make a test's outcome
+depend on what ran before it on this machine.
 """
 
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -14,6 +19,15 @@ settings.register_profile(
 )
 settings.register_profile("dev", max_examples=25, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def pytest_configure(config):
+    config.comera_fx_inductor_cache = tempfile.mkdtemp(prefix="comera_fx_tests_inductor_")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = config.comera_fx_inductor_cache
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(getattr(config, "comera_fx_inductor_cache", ""), ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
