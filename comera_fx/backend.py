@@ -336,18 +336,36 @@ def _autograd_cache_hits() -> int:
 
 
 def _pass_identity(graph_pass) -> str | None:
-    """A stable text for a post-AOT pass across processes: its ``uuid()``, or a function's module, name and
-    source; None when it has neither (a lambda's source still counts; a builtin or C callable does not)."""
+    """A stable text for a post-AOT pass across processes: its ``uuid()``, or a function's module, name, source,
+    defaults and closure values; None (no caching) when it has no source, or closes over or defaults to anything
+    but plain values (a threshold in a closure must change the key, and an object's repr may not say what it is)."""
     if hasattr(graph_pass, "uuid"):
         return f"uuid:{graph_pass.uuid()}"
     if isinstance(graph_pass, functools.partial):
         inner = _pass_identity(graph_pass.func)
-        return None if inner is None else f"partial:{inner}:{graph_pass.args!r}:{sorted(graph_pass.keywords.items())!r}"
+        bound = (graph_pass.args, tuple(sorted(graph_pass.keywords.items())))
+        return None if inner is None or not _plain(bound) else f"partial:{inner}:{bound!r}"
     try:
         source = inspect.getsource(graph_pass)
     except (OSError, TypeError):
         return None
-    return f"{getattr(graph_pass, '__module__', '')}.{getattr(graph_pass, '__qualname__', '')}:{source}"
+    closure = tuple(cell.cell_contents for cell in getattr(graph_pass, "__closure__", None) or ())
+    defaults = (getattr(graph_pass, "__defaults__", None), getattr(graph_pass, "__kwdefaults__", None))
+    if not _plain((closure, defaults)):
+        return None
+    return (f"{getattr(graph_pass, '__module__', '')}.{getattr(graph_pass, '__qualname__', '')}:{source}:"
+            f"{closure!r}:{defaults!r}")
+
+
+def _plain(value) -> bool:
+    """Numbers, strings, bools, None and tuples / lists / dicts of them: values whose repr says what they are."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True
+    if isinstance(value, (tuple, list)):
+        return all(_plain(v) for v in value)
+    if isinstance(value, dict):
+        return all(_plain(k) and _plain(v) for k, v in value.items())
+    return False
 
 
 def _cache_tag(config: "BackendConfig", patches: Mapping[str, Any]):

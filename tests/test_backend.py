@@ -10,6 +10,7 @@ random TT models (2 examples by default, 10 in the slow suite).
 from __future__ import annotations
 
 import copy
+import functools
 import warnings
 from pathlib import Path
 
@@ -594,3 +595,20 @@ def test_compile_with_regional_tensorizes_and_compiles_the_blocks_in_place():
     assert all(block._compiled_call_impl is not None for block in model.blocks)
     with torch.no_grad():
         torch.testing.assert_close(model(x), dense(x), rtol=1e-9, atol=1e-10)
+
+
+def test_a_post_aot_pass_is_keyed_by_source_and_plain_closure_values_or_not_cached():
+    """A warm start may reuse a graph only if it was compiled with the same passes: a pass's closure values are part
+    of its identity, and a pass closing over an object whose repr may not say what it is turns the cache off."""
+    from comera_fx.backend import _pass_identity
+
+    def make(threshold):
+        def prune_small(gm):
+            return gm if threshold else gm
+        return prune_small
+
+    assert _pass_identity(make(0.1)) != _pass_identity(make(0.2)) and _pass_identity(make(0.1)) is not None
+    assert _pass_identity(make(object())) is None
+    assert _pass_identity(len) is None  # a builtin: no source
+    assert _pass_identity(functools.partial(make(1), )) is not None
+    assert _pass_identity(functools.partial(make(1), object())) is None
