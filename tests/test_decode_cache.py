@@ -172,3 +172,17 @@ def test_both_orders_of_the_halves_are_covered_above():
     orders = {merged._left_half_first(TTLayout(TTFormat.TTM, math.prod(r), math.prod(c), r, c, (1, 3, 1)), kind)
               for r, c in [((2, 3), (5, 2)), ((5, 2), (2, 3))] for kind in ("matmul", "matmul_t")}
     assert orders == {True, False}
+
+
+def test_forms_made_under_inference_mode_serve_no_grad_calls_and_leave_training_alone():
+    model, dense = tt_linear()
+    x = torch.randn(3, 48, dtype=torch.float64)
+    with torch.inference_mode():
+        first = model(x)
+    with torch.no_grad():
+        second = model(x)  # reads the inference-mode forms
+    trained = model(x)
+    trained.sum().backward()  # the planned path, with gradients
+    for y in (first, second, trained.detach()):
+        torch.testing.assert_close(y, dense(x).detach(), rtol=1e-10, atol=1e-10)
+    assert all(p.grad is not None for p in matrix_of(model).parameters())
