@@ -20,9 +20,11 @@ its start by ``--prune-by`` of the budget, the least important rank directions r
 ``--schedule comera``: CoMERA's ℓ1 pull and late stage instead). Each run gets the same training wall-clock budget; validation (nats/byte on a fixed
 set of held-out batches) runs every ``--eval-every`` seconds of training time, outside the budget clock.
 
-Both runs are eager PyTorch: comera_fx's ``torch.compile`` backend exists, but a cold Inductor compile of the TT
-model costs about 4x the dense model's (``benchmarks/bench_recompile.py --dense``), more than a 2-minute budget gains
-(prunes need not each recompile: ``RankConfig(shrink_slack=...)`` keeps the cores' stored shapes between shrinks). Run as a script it chooses OpenMP's wait policy from the machine's load unless the environment
+Both runs are eager PyTorch. comera_fx's ``torch.compile`` backend exists and compiles cheaply per block
+(``comera_fx.compile_regions``: a 6-block TT LM's cold first step 0.81x the dense model's, one recompile across
+prunes with ``RankConfig(shrink_slack=..., same_shape_blocks=True)``, ``benchmarks/bench_recompile.py``), but on
+such small models the compiled step is only 1.02-1.13x the eager one, which a 2-minute budget does not repay. Run
+as a script it chooses OpenMP's wait policy from the machine's load unless the environment
 sets one (``openmp_policy.py``: libgomp's spin-then-sleep when idle, ``OMP_WAIT_POLICY=PASSIVE`` when busy; the
 report says which); ``--threads 1`` can still be faster on a machine that other jobs keep busy.
 
@@ -576,15 +578,16 @@ def plot_ranks(tt: RunResult, path: Path) -> None:
     plt.close(fig)
 
 
-EAGER_NOTE = ("Both runs are **eager PyTorch**. comera_fx's `torch.compile` backend "
-              "(`torch.compile(model, backend=comera_fx.backend)`) is not used here: a cold Inductor compile of the "
-              "TT model costs about 4x the dense model's (two blocks: 236 s vs 57 s on 2 CPU cores, "
-              "`benchmarks/bench_recompile.py --dense`), more than this budget gains. Prunes need not each recompile "
-              "(`RankConfig(shrink_slack=...)` keeps the cores' stored shapes between physical shrinks). The "
-              "contraction order of every TT product is the planner's (`comera_fx.plan`), chosen per batch size; a "
-              "TT layer runs as a chain of small matmuls, one kernel launch per op, and pruned ranks only pay off as "
-              "far as these eager ops get cheaper. Step-time and tokens/s figures are therefore eager figures, not "
-              "what a compiled/fused TT path would give.")
+EAGER_NOTE = ("Both runs are **eager PyTorch**. comera_fx's `torch.compile` backend is not used here. It compiles "
+              "cheaply per block (`comera_fx.compile_regions`: a 6-block TT LM's cold first step 0.81x the dense "
+              "model's under stock `torch.compile`, a warm second process 0.22x of its cold time, one recompile "
+              "across prunes with `RankConfig(shrink_slack=..., same_shape_blocks=True)`; "
+              "`benchmarks/bench_recompile.py`, benchmarks/RESULTS.md), but on models this small the compiled step "
+              "is only 1.02-1.13x the eager one, which this budget does not repay. The contraction order of every "
+              "TT product is the planner's (`comera_fx.plan`), chosen per batch size; a TT layer runs as a chain of "
+              "small matmuls, one kernel launch per op, and pruned ranks only pay off as far as these eager ops get "
+              "cheaper. Step-time and tokens/s figures are therefore eager figures, not what a compiled/fused TT "
+              "path would give.")
 
 
 def write_report(out: Path, args, p: Preset, data_info: dict, results: list[RunResult], table: str,
