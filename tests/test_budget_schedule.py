@@ -622,6 +622,7 @@ def test_same_shape_blocks_give_repeated_blocks_one_shape_and_one_graph_after_a_
     torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-12)
     assert hook.tt_params() <= 0.4 * hook.initial_tt_params + 1 < hook.stored_tt_params()
 
-    model, _, before, after, out, expected = regional_prune(False, slack)  # the default: one graph per block after the shrink
+    # the default: one graph per block after the shrink
+    model, _, before, after, out, expected = regional_prune(False, slack)
     assert after == before + len(model.blocks)
     torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-12)

@@ -196,8 +196,8 @@ def ttm_half_sizes(layout: TTLayout) -> tuple[int, int, int, int, int]:
 
 def ttm_halves(cores: Sequence[Tensor], layout: TTLayout) -> tuple[Tensor, Tensor]:
     """The chain contracted into two halves at ``ttm_split``: left (A_L, B_L, r) and right (r, A_R, B_R), with A the
-    row modes and B the column modes of each half; M[(a_L, a_R), (b_L, b_R)] = Σ_r left[a_L, b_L, r]·right[r, a_R, b_R]
-    (padded sizes). Needs at least two cores."""
+    row modes and B the column modes of each half, so that (padded sizes)
+    M[(a_L, a_R), (b_L, b_R)] = Σ_r left[a_L, b_L, r]·right[r, a_R, b_R]. Needs at least two cores."""
     h = ttm_split(layout)
     a_left, b_left, r, a_right, b_right = ttm_half_sizes(layout)
     ranks, rows_m, cols_m = layout.ranks, layout.row_modes, layout.col_modes
