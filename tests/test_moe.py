@@ -495,7 +495,7 @@ def test_a_size_target_sizes_the_experts_with_the_other_layers(allocation):
         torch.testing.assert_close(loose(ids).logits, want, rtol=1e-6, atol=1e-8)
 
 
-def test_a_size_target_covers_bmm_experts_and_names_each_expert_in_the_allocation():
+def test_a_size_target_covers_bmm_experts():
     torch.manual_seed(0)
     model = wrapped(BmmMoE()).double()
     x = torch.randn(12, HIDDEN, dtype=torch.float64)
