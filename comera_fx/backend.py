@@ -215,10 +215,11 @@ class ComeraBackend:
             # ``post_aot_passes`` and decomposition table. A no-op Inductor pass carries them into the key
             # (Inductor hashes a custom pass's uuid); where a pass has no stable identity, the cache stays off and
             # Inductor's own graph cache (keyed on the graph after our passes) still spares the C++ builds.
-            tag = _cache_tag(config, patches) if config.post_aot_passes or decompositions is not None else None
+            needs_key = bool(config.post_aot_passes) or decompositions is not None
+            tag = _cache_tag(config, patches) if needs_key else None
             if tag is not None:
                 patches["post_grad_custom_pre_pass"] = tag
-            bypass = (bool(config.post_aot_passes) or decompositions is not None) and tag is None
+            bypass = needs_key and tag is None
             autograd_cache = {"enable_autograd_cache": False} if bypass else {
                 "autograd_cache_allow_custom_autograd_functions": True}  # the planner's Function: keyed by its graph
             with torch._functorch.config.patch(**autograd_cache):

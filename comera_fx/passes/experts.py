@@ -115,34 +115,34 @@ def build_banks(model: nn.Module, plans: list[ExpertPlan], config: TensorizeConf
     for plan in plans:
         plan.banks = []
         for i, cand in enumerate(plan.candidates):
-            weight = params[cand.fqn]
+            weight, first, index = params[cand.fqn], index, index + cand.num_experts  # experts first.. index - 1
+            settings = config.settings_for(cand.fqn)
             if plan.layer_plans is not None:
                 matrices = [build_tt(weight[e], layer_plan)[0] for e, layer_plan in enumerate(plan.layer_plans[i])]
-                index += cand.num_experts
                 plan.banks.append(TTExpertBank(matrices, cand.slice_use))
-                continue
-            settings = config.settings_for(cand.fqn)
-            if config.expert_form == "shared" and plan.layout == HF_EXPERTS:
+            elif config.expert_form == "shared" and plan.layout == HF_EXPERTS:
                 plan.banks.append(_shared_bank(weight, cand, settings))
-                index += cand.num_experts
-                continue
-            if config.expert_form == "shared":
-                plan.decisions[i].notes.append("expert_form='shared' needs a transformers experts module: each "
-                                               "expert its own TT matrix here")
-            generators = None
-            if config.seed is not None:
-                generators = [torch.Generator(device=weight.device).manual_seed(config.seed + index + e)
-                              for e in range(cand.num_experts)]
-            index += cand.num_experts
-            try:
-                bank = TTExpertBank.from_dense(weight, cand.slice_use, generators=generators,
-                                               **settings.tt_options("linear"))
-            except (ValueError, TypeError) as exc:
-                raise type(exc)(f"cannot tensorize the experts {cand.fqn} {cand.shape}: {exc}") from exc
-            bank.to(device=weight.device, dtype=weight.dtype).requires_grad_(weight.requires_grad)
-            for tt in bank:
-                tt.made_with = ("linear", settings.tt_options("linear"))
-            plan.banks.append(bank)
+            else:
+                if config.expert_form == "shared":
+                    plan.decisions[i].notes.append("expert_form='shared' needs a transformers experts module: "
+                                                   "each expert its own TT matrix here")
+                seed = None if config.seed is None else config.seed + first
+                plan.banks.append(_per_expert_bank(weight, cand, settings, seed))
+
+
+def _per_expert_bank(weight, cand: ExpertCandidate, settings, seed: int | None) -> TTExpertBank:
+    """Each expert its own TT matrix (TT-SVD or random init; expert e's generator seeded ``seed + e``)."""
+    generators = None
+    if seed is not None:
+        generators = [torch.Generator(device=weight.device).manual_seed(seed + e) for e in range(cand.num_experts)]
+    try:
+        bank = TTExpertBank.from_dense(weight, cand.slice_use, generators=generators, **settings.tt_options("linear"))
+    except (ValueError, TypeError) as exc:
+        raise type(exc)(f"cannot tensorize the experts {cand.fqn} {cand.shape}: {exc}") from exc
+    bank.to(device=weight.device, dtype=weight.dtype).requires_grad_(weight.requires_grad)
+    for tt in bank:
+        tt.made_with = ("linear", settings.tt_options("linear"))
+    return bank
 
 
 def _shared_bank(weight, cand: ExpertCandidate, settings) -> SharedTTExpertBank:
