@@ -457,6 +457,20 @@ def test_without_slack_every_shrinking_prune_recompiles():
     assert len(pruned_at) >= 2 and last - first == len(pruned_at)
 
 
+def test_dynamic_parameter_shapes_compile_and_stay_exact_across_prunes():
+    """A user who traces parameters with dynamic shapes (``force_parameter_static_shapes = False``) gets symbolic core
+    sizes after a rank change. That crashed inside Dynamo at the planner's layout check; the TT products now
+    specialize the ranks (a recompile per shrink, as with static shapes) and stay exact against the float64
+    reference after every prune (``compiled_budget_run`` checks it)."""
+    from comera_fx.backend import make_backend
+
+    backend = make_backend(inductor=False)
+    with torch._dynamo.config.patch(force_parameter_static_shapes=False):
+        _, first, last, pruned_at = compiled_budget_run(backend, None, steps=20, prunes=3)
+    torch._dynamo.reset()
+    assert len(pruned_at) >= 2 and first == 1 and last - first == len(pruned_at)
+
+
 @pytest.mark.slow
 def test_compiled_rank_adaptation_with_inductor_stays_within_the_bound():
     """The same run through Inductor (C++ codegen): the bound on recompiles and compiled ≡ reference hold."""

@@ -106,7 +106,10 @@ class TTMatrix(nn.Module):
     def layout(self) -> TTLayout:
         """The stored cores' layout: what every product and plan runs (wider than ``live_layout`` while the matrix
         is held wider)."""
-        ranks = (1,) + tuple(core.shape[-1] for core in self._stored_cores())
+        cores = self._stored_cores()
+        if torch.compiler.is_compiling():
+            _specialize_ranks(cores)
+        ranks = (1,) + tuple(core.shape[-1] for core in cores)
         return TTLayout(self.format, self.rows, self.cols, self.row_modes, self.col_modes, ranks)
 
     def _stored_cores(self) -> list[Tensor]:
@@ -286,6 +289,18 @@ class TTMatrix(nn.Module):
                     f"(neighbouring cores and gates must agree on each rank, the end ranks must be 1); the model's "
                     f"cores are {mine}")
         return None
+
+
+def _specialize_ranks(cores: Sequence[Tensor]) -> None:
+    """Make Dynamo treat the cores' sizes as constants (guarded on) should it trace them as symbols.
+
+    A user may trace parameters with dynamic shapes (``torch._dynamo.config.force_parameter_static_shapes =
+    False``, or ``torch.compiler.config.dynamic_sources``); Dynamo then makes the cores' sizes symbols after a rank
+    change. Plans are made for concrete ranks (the contraction order and every view depend on them), so the TT
+    products specialize the ranks instead: a rank change recompiles, as with static shapes, where it would
+    otherwise crash inside Dynamo. ``RankConfig(shrink_slack=...)`` is how rank changes avoid recompiles."""
+    for core in cores:
+        torch._dynamo.mark_static(core)
 
 
 def _with_bias(y: Tensor, bias: Tensor | None) -> Tensor:
