@@ -12,6 +12,8 @@ Public API::
     comera_fx.tensorize_(model, TensorizeConfig(size_target=0.25, allocation="energy"), calibration=cal)
     comera_fx.refit_sequential_(model, teacher, batches)      # refit layer by layer on the compressed model's inputs
     comera_fx.save_tensorized(model, path); comera_fx.load_tensorized(path, build_fn)  # no dense weights on load
+    comera_fx.quantize_(model, bits=8)                        # TT cores on an int8 grid; saved as int8 codes
+    plan = comera_fx.choose_formats(model, cal, byte_budget=0.125); comera_fx.apply_formats_(model, plan, cal)
     comera_fx.distill_(student, teacher, batches, size_target=0.25, budget_seconds=600)  # compress a trained model
     torch.compile(model, backend=comera_fx.backend)          # or backend="comera_fx"; comera_fx.compile(model, config)
     comera_fx.compile_regions(model)                          # each repeated block compiled once, shared by all
@@ -26,8 +28,9 @@ from .checkpoint import load_tensorized, save_tensorized
 from .config import Allocation, Init, LayerSettings, TensorizeConfig
 from .passes.randomize import RandomizeSummary, randomize_backward_, restore_backward_
 from .passes.tensorize import TensorizeSummary, tensorize_
-from .pretrained import (Calibration, DistillSummary, InputStats, RefitSummary, calibrate, distill_,
-                         refit_sequential_)
+from .quantize import QuantizeSummary, quantize_
+from .pretrained import (Calibration, DistillSummary, FormatPlan, InputStats, RefitSummary, apply_formats_,
+                         calibrate, choose_formats, distill_, refit_sequential_)
 from .report import Report, report
 from .rmm import RMMConfig
 from .runtime import RankAdaptive, RankConfig, param_groups
@@ -72,6 +75,11 @@ __all__ = [
     "TensorizeConfig",
     "TensorizeSummary",
     "package",
+    "apply_formats_",
+    "choose_formats",
+    "FormatPlan",
+    "quantize_",
+    "QuantizeSummary",
     "param_groups",
     "plan",
     "plan_for_range",

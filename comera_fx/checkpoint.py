@@ -6,7 +6,9 @@ otherwise a ``torch.save`` of ``{"manifest": str, "tensors": dict}`` (loadable w
 manifest lists every TT matrix (its layout: format, sizes, modes, live ranks — a pruned model records its pruned
 ranks) and every module that holds one (a ``TTLinear``, a ``TTEmbedding``, or a module reading a reconstructing
 property), the aliases of tensors shared between state-dict keys (tied weights, a shared TT matrix), and the
-model's non-persistent buffers (``to_empty`` would leave them uninitialised).
+model's non-persistent buffers (``to_empty`` would leave them uninitialised), and the weights ``quantize_`` put on
+an int8 / int4 grid: those are stored as their integer codes (int4 two to a byte) plus one fp32 scale per group, and
+come back as the same float values, bit for bit.
 
 Loading calls ``build_fn()`` under ``torch.device("meta")`` (no memory), swaps the TT holders in with TT matrices
 of the recorded layouts (meta too), then ``to_empty`` allocates only what the tensorized model holds, and the state
@@ -16,6 +18,7 @@ is copied in.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -25,11 +28,13 @@ from torch import Tensor, nn
 from .moe.checkpoint import HOLDER_TYPES as EXPERT_HOLDER_TYPES
 from .moe.checkpoint import expert_holders, install_expert_holder
 from .passes.holders import attach_tt_property
+from .quantize import QuantSpec, dequantize, pack, quantize_groups, quantized_specs, set_spec, unpack
 from .tt.layers import TTEmbedding, TTLinear, TTMatrix
 from .tt.layout import TTFormat, TTLayout
 
 FORMAT_VERSION = 1
 _BUFFER_PREFIX = "__comera_fx_nonpersistent__."
+_SCALE_PREFIX = "__comera_fx_scales__."
 
 
 def _made_with_to_json(made_with):
@@ -104,6 +109,7 @@ def save_tensorized(model: nn.Module, path: str | Path) -> dict:
             storages.add(storage)
         tensors[key] = tensor.contiguous().cpu()
     manifest["aliases"] = aliases
+    manifest["quantized"] = _store_quantized(tensors, quantized_specs(model))
     text = json.dumps(manifest)
     try:
         from safetensors.torch import save_file
@@ -112,6 +118,33 @@ def save_tensorized(model: nn.Module, path: str | Path) -> dict:
     else:
         save_file(tensors, str(path), metadata={"comera_fx": text})
     return manifest
+
+
+def _store_quantized(tensors: dict[str, Tensor], specs: dict[str, QuantSpec]) -> dict[str, dict]:
+    """Replace each quantized weight in ``tensors`` by its codes and add its scales; returns the manifest entries."""
+    entries = {}
+    for key, spec in specs.items():
+        tensor = tensors.get(key)
+        if tensor is None:  # an alias of a key stored under another name
+            continue
+        codes, scales = quantize_groups(tensor, spec)
+        tensors[key] = pack(codes, spec.bits)
+        tensors[_SCALE_PREFIX + key] = scales
+        entries[key] = {"bits": spec.bits, "group_size": spec.group_size, "shape": list(tensor.shape),
+                        "dtype": str(tensor.dtype).removeprefix("torch.")}
+    return entries
+
+
+def _restore_quantized(tensors: dict[str, Tensor], entries: dict[str, dict]) -> dict[str, QuantSpec]:
+    """Undo ``_store_quantized`` in ``tensors``; returns {key: its grid}."""
+    specs = {}
+    for key, entry in entries.items():
+        spec = QuantSpec(entry["bits"], entry["group_size"])
+        shape = tuple(entry["shape"])
+        codes = unpack(tensors[key], spec.bits, math.prod(shape))
+        tensors[key] = dequantize(codes, tensors.pop(_SCALE_PREFIX + key), spec, shape, getattr(torch, entry["dtype"]))
+        specs[key] = spec
+    return specs
 
 
 def _read(path: str | Path) -> tuple[dict, dict[str, Tensor]]:
@@ -167,12 +200,18 @@ def load_tensorized(path: str | Path, build_fn: Callable[[], nn.Module], *,
         else:
             _install(model, holder, matrices[holder["tt"]])
     model.to_empty(device=device)
+    specs = _restore_quantized(tensors, manifest.get("quantized", {}))
     state = {k: v for k, v in tensors.items() if not k.startswith(_BUFFER_PREFIX)}
     for key, target in manifest.get("aliases", {}).items():
         state[key] = tensors[target]
     buffers = {k[len(_BUFFER_PREFIX):]: v for k, v in tensors.items() if k.startswith(_BUFFER_PREFIX)}
     _cast_to_saved_dtypes(model, state)
     model.load_state_dict(state, strict=True)
+    for key, spec in specs.items():
+        set_spec(model, key, spec)
+    for key, target in manifest.get("aliases", {}).items():
+        if target in specs:
+            set_spec(model, key, specs[target])
     named = dict(model.named_buffers(remove_duplicate=False))
     with torch.no_grad():
         for name, value in buffers.items():

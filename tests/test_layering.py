@@ -14,7 +14,7 @@ PACKAGE = Path(comera_fx.__file__).parent
 # Lower numbers are lower layers; a module may import from strictly lower layers and from its own subpackage.
 LAYER = {
     "tt": 0,
-    "rmm": 1, "config": 1, "runtime": 1, "serving": 1,
+    "rmm": 1, "config": 1, "quantize": 1, "runtime": 1, "serving": 1,
     "moe": 2, "report": 2, "integrations": 2,
     "passes": 3,
     "backend": 4, "checkpoint": 4, "pretrained": 4, "testing": 4,

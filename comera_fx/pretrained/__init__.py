@@ -8,11 +8,15 @@ tensorizes through ``tensorize_``); nothing below imports it.
     calibrate.py   input second moments of the layers ``tensorize_`` would convert
     refit.py       ``refit_sequential_``: each layer refit on the compressed model's own inputs
     distill.py     ``distill_``: calibrate, tensorize at a target, then train against the teacher
+    formats.py     ``choose_formats`` / ``apply_formats_``: a storage format per layer (int8, int4, TT with int8
+                   cores) under one byte budget, from calibration error per byte
+    quant.py       weight bytes and fake-quantization of the baselines in benchmarks/bench_distill.py
 """
 
 from .calibrate import Calibration, InputStats, calibrate
 from .distill import DistillSummary, distill_
+from .formats import FormatChoice, FormatPlan, FormatSummary, apply_formats_, choose_formats
 from .refit import RefitSummary, refit_sequential_
 
-__all__ = ["Calibration", "DistillSummary", "InputStats", "RefitSummary", "calibrate", "distill_",
-           "refit_sequential_"]
+__all__ = ["Calibration", "DistillSummary", "FormatChoice", "FormatPlan", "FormatSummary", "InputStats",
+           "RefitSummary", "apply_formats_", "calibrate", "choose_formats", "distill_", "refit_sequential_"]

@@ -15,6 +15,8 @@ import math
 import torch
 from torch import Tensor, nn
 
+from ..quantize import fake_quant  # noqa: F401  (the grid; re-exported for the benchmarks)
+
 ENCODER_PREFIX = "bert.encoder."
 
 
@@ -26,23 +28,6 @@ def quantized_bytes(numel: int, bits: int, group_size: int | None = None, scale_
         return numel * bits // 8
     groups = 1 if group_size is None else math.ceil(numel / group_size)
     return math.ceil(numel * bits / 8) + groups * scale_bytes
-
-
-def fake_quant(weight: Tensor, bits: int, group_size: int | None = None) -> Tensor:
-    """Symmetric round-to-nearest quantization of ``weight`` (flattened row-major, in groups of ``group_size``
-    consecutive values, ``None``: the whole tensor is one group) to the integers [-(2^(bits-1) - 1), 2^(bits-1) - 1]
-    times the group's scale max|w| / (2^(bits-1) - 1), returned dequantized in ``weight``'s dtype and shape. For a
-    (out, in) linear weight ``group_size=in`` is per-output-channel quantization. Each value moves by at most half
-    its group's scale."""
-    qmax = 2 ** (bits - 1) - 1
-    flat = weight.detach().reshape(-1)
-    size = flat.numel() if group_size is None else group_size
-    pad = (-flat.numel()) % size
-    groups = torch.cat([flat, flat.new_zeros(pad)]).reshape(-1, size)
-    scale = groups.abs().amax(1, keepdim=True) / qmax
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero group stays zero
-    q = torch.clamp(torch.round(groups / scale), -qmax, qmax) * scale
-    return q.reshape(-1)[: flat.numel()].reshape(weight.shape).to(weight.dtype)
 
 
 def encoder_weights(model: nn.Module, prefix: str = ENCODER_PREFIX) -> dict[str, Tensor]:

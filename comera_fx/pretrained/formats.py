@@ -1,0 +1,308 @@
+"""One byte budget, a storage format per layer: ``choose_formats`` measures what each format costs each layer on
+calibration data and picks the mix with the least total error that fits; ``apply_formats_`` builds it.
+
+Layers are not equally compressible: a layer whose whitened spectrum is flat loses much to a TT of small rank but
+little to int8, and one with a steep spectrum is the reverse. The candidates per large linear layer are
+
+    int8 / int4   the dense weight on a grid (``comera_fx.quantize``, a scale per ``group_size`` weights)
+    tt            activation-aware TT-SVD at each rank in ``ranks`` (what ``tensorize_`` builds with the
+                  calibration), its cores on the int8 grid: structure and precision multiply
+
+and each is scored by its relative output error on the calibration inputs,
+e(Ŵ) = ||X (M - M̂)||² / ||X M||² = tr((M - M̂)ᵀ C (M - M̂)) / tr(Mᵀ C M), M = Wᵀ, C = XᵀX / n. The plan minimises
+the sum of e over the layers under the budget: a multiple-choice knapsack, solved greedily on each layer's lower
+convex hull of (bytes, error), best error saved per byte first. The sum is a proxy for the model's output error
+(it treats the layers alike); distillation afterwards (``distill_``) repairs what the proxy misjudges.
+"""
+
+from __future__ import annotations
+
+import heapq
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from ..config import TensorizeConfig
+from ..passes.tensorize import tensorize_
+from ..quantize import QuantSpec, fake_quant, quantize_, stored_bytes
+from .calibrate import Calibration, InputStats, _linear_holders
+
+FORMATS = ("int8", "int4", "tt")
+DEFAULT_RANKS = (4, 8, 16, 32, 64, 96)
+
+
+@dataclass(frozen=True)
+class FormatChoice:
+    """One way to store one layer: ``format`` (``"int8"``, ``"int4"``, ``"tt"``: TT at ``max_rank`` with int8
+    cores), the bytes it takes and its relative output error on the calibration inputs."""
+
+    fqn: str
+    format: str
+    max_rank: int | None
+    bytes: int
+    error: float
+
+    def label(self) -> str:
+        return f"tt r{self.max_rank} int8" if self.format == "tt" else self.format
+
+
+@dataclass
+class FormatPlan:
+    """``choose_formats``' answer: the chosen format per weight FQN, every candidate measured, the budget."""
+
+    choices: dict[str, FormatChoice]
+    candidates: dict[str, list[FormatChoice]]
+    budget_bytes: int
+    dense_bytes: int
+    group_size: int
+    num_modes: int | None = None
+    module_paths: dict[str, str] = field(default_factory=dict)  # weight FQN -> its nn.Linear's path
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(c.bytes for c in self.choices.values())
+
+    @property
+    def total_error(self) -> float:
+        return sum(c.error for c in self.choices.values())
+
+    def counts(self) -> dict[str, int]:
+        found: dict[str, int] = {}
+        for choice in self.choices.values():
+            found[choice.label()] = found.get(choice.label(), 0) + 1
+        return found
+
+    def __str__(self) -> str:
+        lines = [f"FormatPlan: {len(self.choices)} layers, {self.total_bytes:,} bytes = "
+                 f"{self.total_bytes / self.dense_bytes:.4f} of fp32 dense (budget {self.budget_bytes:,}), "
+                 f"summed relative error {self.total_error:.4g}",
+                 "  " + ", ".join(f"{n} x {label}" for label, n in sorted(self.counts().items()))]
+        for fqn, c in self.choices.items():
+            lines.append(f"  {fqn:60s} {c.label():12s} {c.bytes:>10,} B  error {c.error:.3e}")
+        return "\n".join(lines)
+
+
+def relative_error(matrix: Tensor, approx: Tensor, gram: Tensor) -> float:
+    """tr((M - M̂)ᵀ C (M - M̂)) / tr(Mᵀ C M) in float64 (M, M̂: in × out; C: in × in)."""
+    m, diff = matrix.double(), (matrix - approx).double()
+    c = gram.double()
+    total = float((m * (c @ m)).sum())
+    return float((diff * (c @ diff)).sum()) / total if total > 0 else 0.0
+
+
+def check_calibration(model: nn.Module, calibration: Calibration, config: TensorizeConfig) -> list[tuple]:
+    """The (module path, module, weight FQN, in features) of the layers to plan; refuses a calibration that was
+    not made on this model (another model's layer names or widths) before anything is computed."""
+    if not isinstance(calibration, Calibration):
+        raise TypeError(f"calibration must be a comera_fx.Calibration (comera_fx.calibrate(model, batches)), got "
+                        f"{type(calibration).__name__}")
+    holders = [h for h in _linear_holders(model, config, None) if isinstance(h[1], nn.Linear)]
+    if not holders:
+        raise ValueError("choose_formats found no large nn.Linear layers in the model (TensorizeConfig.min_numel / "
+                         "min_dim decide what is large); is it already tensorized?")
+    names = {fqn for _, _, fqn, _ in holders}
+    foreign = sorted(set(calibration) - names)
+    missing = sorted(names - set(calibration))
+    if foreign or missing:
+        raise ValueError(f"the calibration does not belong to this model: {len(missing)} of its large linears have "
+                         f"no statistics (e.g. {missing[:2]}) and {len(foreign)} statistics name no large linear of it "
+                         f"(e.g. {foreign[:2]}); run comera_fx.calibrate(model, batches) on this model, with the "
+                         f"same TensorizeConfig")
+    for _, _, fqn, d_in in holders:
+        if calibration[fqn].in_features != d_in:
+            raise ValueError(f"the calibration of {fqn} has {calibration[fqn].in_features} input features but the "
+                             f"layer has {d_in}: run comera_fx.calibrate(model, batches) on this model")
+    return holders
+
+
+def _tt_candidate(linear: nn.Linear, stats: InputStats, rank: int, group_size: int, num_modes: int | None,
+                  fqn: str) -> tuple[FormatChoice, Tensor]:
+    """The int8-cored TT of ``linear`` at ``rank`` as ``tensorize_`` builds it with this calibration."""
+    holder = nn.Module()
+    holder.lin = nn.Linear(linear.in_features, linear.out_features, bias=False, device=linear.weight.device,
+                           dtype=linear.weight.dtype)
+    with torch.no_grad():
+        holder.lin.weight.copy_(linear.weight)
+    config = TensorizeConfig(max_rank=rank, num_modes=num_modes, min_numel=1, min_dim=1)
+    tensorize_(holder, config, calibration=Calibration({"lin.weight": stats}))
+    quantize_(holder, 8, group_size)
+    with torch.no_grad():
+        approx = holder.lin.tt.dense()
+    return FormatChoice(fqn, "tt", rank, stored_bytes(holder), 0.0), approx
+
+
+def _hull(candidates: list[FormatChoice]) -> list[FormatChoice]:
+    """The lower convex hull of (bytes, error), bytes ascending: the candidates a greedy upgrade should visit."""
+    pareto: list[FormatChoice] = []
+    for c in sorted(candidates, key=lambda c: (c.bytes, c.error)):
+        if not pareto or c.error < pareto[-1].error:
+            pareto.append(c)
+    hull: list[FormatChoice] = []
+    for c in pareto:
+        while len(hull) >= 2:
+            a, b = hull[-2], hull[-1]  # drop b when it lies on or above the segment a -> c
+            if (b.error - a.error) * (c.bytes - a.bytes) >= (c.error - a.error) * (b.bytes - a.bytes):
+                hull.pop()
+            else:
+                break
+        hull.append(c)
+    return hull
+
+
+def select_on_hulls(hulls: dict[str, list[FormatChoice]], budget: int) -> dict[str, int]:
+    """Index into each layer's hull (``_hull``) of its chosen candidate: start every layer at its smallest, then
+    take the step with the most error saved per extra byte while it fits (a step that does not fit is passed over;
+    smaller steps of other layers may still). Optimal whenever the budget falls on one of the steps' running
+    totals (the knapsack's LP relaxation is then integral); otherwise within one step of it."""
+    chosen = {fqn: 0 for fqn in hulls}
+    spent = sum(h[0].bytes for h in hulls.values())
+    heap: list[tuple[float, str]] = []
+
+    def push(fqn: str) -> None:
+        hull, at = hulls[fqn], chosen[fqn]
+        if at + 1 < len(hull):
+            gain = (hull[at].error - hull[at + 1].error) / (hull[at + 1].bytes - hull[at].bytes)
+            heapq.heappush(heap, (-gain, fqn))
+
+    for fqn in hulls:
+        push(fqn)
+    while heap:
+        _, fqn = heapq.heappop(heap)
+        hull, at = hulls[fqn], chosen[fqn]
+        extra = hull[at + 1].bytes - hull[at].bytes
+        if spent + extra > budget:
+            continue
+        chosen[fqn], spent = at + 1, spent + extra
+        push(fqn)
+    return chosen
+
+
+def _budget_bytes(byte_budget, dense: int) -> int:
+    if isinstance(byte_budget, bool) or not isinstance(byte_budget, (int, float)) or byte_budget <= 0:
+        raise ValueError(f"byte_budget must be a positive int (bytes) or a float in (0, 1] (a fraction of the fp32 "
+                         f"dense bytes), got {byte_budget!r}")
+    if isinstance(byte_budget, float):
+        if byte_budget > 1:
+            raise ValueError(f"a float byte_budget is a fraction of the fp32 dense bytes, in (0, 1]; got "
+                             f"{byte_budget}")
+        return int(byte_budget * dense)
+    return byte_budget
+
+
+@torch.no_grad()
+def choose_formats(model: nn.Module, calibration: Calibration, byte_budget: int | float, *,
+                   formats: Sequence[str] = FORMATS, ranks: Sequence[int] = DEFAULT_RANKS, group_size: int = 64,
+                   num_modes: int | None = None, config: TensorizeConfig | None = None) -> FormatPlan:
+    """Choose a storage format per large ``nn.Linear`` of the dense ``model`` so that their weights fit
+    ``byte_budget`` (bytes, or a float fraction of their fp32 bytes) with the least summed relative output error on
+    ``calibration`` (``comera_fx.calibrate(model, batches)``). Reads the model only; ``apply_formats_`` builds it.
+
+    ``formats``: the candidates (module docstring); ``ranks``: the TT ranks tried (``max_rank``), TT-SVD with
+    ``num_modes`` modes per side; ``group_size``: weights per fp32 scale of every int grid; ``config``: which
+    layers are large (``min_numel`` / ``min_dim`` / ``skip``), as for ``calibrate``. A budget below the smallest
+    candidates' total, or a calibration of another model, is refused before anything is computed."""
+    unknown = sorted(set(formats) - set(FORMATS))
+    if unknown or not formats:
+        raise ValueError(f"formats must be a non-empty subset of {FORMATS}, got {tuple(formats)}")
+    QuantSpec(8, group_size)  # validates group_size
+    config = config or TensorizeConfig()
+    holders = check_calibration(model, calibration, config)
+    dense = sum(4 * module.weight.numel() for _, module, _, _ in holders)
+    budget = _budget_bytes(byte_budget, dense)
+    candidates: dict[str, list[FormatChoice]] = {}
+    paths = {}
+    for path, module, fqn, _ in holders:
+        paths[fqn] = path
+        weight, stats = module.weight.detach(), calibration[fqn]
+        found = []
+        for bits in (8, 4):
+            if f"int{bits}" in formats:
+                approx = fake_quant(weight, bits, group_size)
+                found.append(FormatChoice(fqn, f"int{bits}", None, QuantSpec(bits, group_size).nbytes(weight.numel()),
+                                          relative_error(weight.t(), approx.t(), stats.second_moment)))
+        if "tt" in formats:
+            seen_bytes = set()
+            for rank in sorted(ranks):
+                choice, approx = _tt_candidate(module, stats, rank, group_size, num_modes, fqn)
+                if choice.bytes in seen_bytes:  # the rank was clamped to a smaller one's
+                    continue
+                seen_bytes.add(choice.bytes)
+                error = relative_error(weight.t(), approx, stats.second_moment)
+                found.append(FormatChoice(fqn, "tt", rank, choice.bytes, error))
+        candidates[fqn] = found
+    hulls = {fqn: _hull(found) for fqn, found in candidates.items()}
+    smallest = sum(h[0].bytes for h in hulls.values())
+    if smallest > budget:
+        raise ValueError(f"byte_budget {budget:,} bytes ({budget / dense:.4f} of the fp32 dense {dense:,}) is below "
+                         f"the smallest formats' total, {smallest:,} bytes ({smallest / dense:.4f}); raise the budget "
+                         f"or allow smaller formats (ranks={tuple(ranks)}, formats={tuple(formats)})")
+    chosen = select_on_hulls(hulls, budget)
+    choices = {fqn: hulls[fqn][at] for fqn, at in chosen.items()}
+    return FormatPlan(choices, candidates, budget, dense, group_size, num_modes, paths)
+
+
+@dataclass
+class FormatSummary:
+    """What ``apply_formats_`` built: the plan, the tensorize summary of its TT layers, bytes as stored."""
+
+    plan: FormatPlan
+    tensorize: object
+    stored_bytes: int
+
+
+def apply_formats_(model: nn.Module, plan: FormatPlan, calibration: Calibration) -> FormatSummary:
+    """Build ``plan`` in ``model`` (the model ``choose_formats`` read) in place: its TT layers by ``tensorize_``
+    with the calibration at their ranks, TT cores and int layers by ``quantize_``. Build the optimizer after this
+    call (the TT cores are new parameters)."""
+    _check_plan_fits(model, plan, calibration)
+    tt = {fqn: c for fqn, c in plan.choices.items() if c.format == "tt"}
+    summary = None
+    if tt:
+        overrides = {rf"^{re.escape(fqn)}$": {"max_rank": c.max_rank} for fqn, c in tt.items()}
+        config = TensorizeConfig(num_modes=plan.num_modes, min_numel=1, min_dim=1, skip=[_only(tt)], overrides=overrides)
+        summary = tensorize_(model, config, calibration=Calibration({f: calibration[f] for f in tt}))
+        quantize_(model, 8, plan.group_size, include=_paths_regex(plan, tt))
+    for bits in (8, 4):
+        dense = {fqn for fqn, c in plan.choices.items() if c.format == f"int{bits}"}
+        if dense:
+            quantize_(model, bits, plan.group_size, dense_linears=True, include=_paths_regex(plan, dense))
+    return FormatSummary(plan, summary, stored_bytes(model, only=_planned_params(model, plan)))
+
+
+def _check_plan_fits(model: nn.Module, plan: FormatPlan, calibration: Calibration) -> None:
+    """Refuse a plan or calibration made on another model before any weight is touched."""
+    for fqn, path in plan.module_paths.items():
+        try:
+            module = model.get_submodule(path)
+        except AttributeError:
+            module = None
+        if not isinstance(module, nn.Linear) or f"{path}.weight".lstrip(".") != fqn:
+            raise ValueError(f"the plan does not belong to this model: it has no nn.Linear {path!r} (or it was "
+                             f"converted already); run choose_formats on this model")
+        stats = calibration.get(fqn) if isinstance(calibration, Calibration) else None
+        if stats is None or stats.in_features != module.in_features:
+            raise ValueError(f"the calibration does not belong to this model: no statistics of {module.in_features} "
+                             f"input features for {fqn}; pass the calibration choose_formats was given")
+
+
+def _only(fqns) -> str:
+    """A ``skip`` regex matching every FQN except these."""
+    return "^(?!(?:" + "|".join(re.escape(f) for f in fqns) + ")$)"
+
+
+def _paths_regex(plan: FormatPlan, fqns) -> str:
+    return "^(?:" + "|".join(re.escape(plan.module_paths[f]) for f in fqns) + r")(?:\.|$)"
+
+
+def _planned_params(model: nn.Module, plan: FormatPlan) -> dict[int, None]:
+    """The parameters (by id) holding the planned layers' weights now: TT cores or the dense weight."""
+    found = {}
+    for path in plan.module_paths.values():
+        module = model.get_submodule(path)
+        for p in module.parameters():
+            if p.dim() >= 2:
+                found[id(p)] = None
+    return found

@@ -1,0 +1,215 @@
+"""Weight quantization that composes with tensorization: TT cores (and dense linears, if asked) stored as int8 or
+int4 with one fp32 scale per group of consecutive weights.
+
+TT cores and low-rank factors are small dense matrices, so structure and precision multiply: a TT student at a
+quarter of the parameters with int8 cores takes about 1/16 of the fp32 dense bytes. ``quantize_`` rounds the
+chosen weights onto their grid in place (the model keeps running in float with exactly the values the quantized
+storage holds, so it is evaluated, fine-tuned or compiled by the same code), and records the grid on the module
+that owns each weight. ``save_tensorized`` then writes those weights as integer codes plus scales, and
+``load_tensorized`` restores them, bit for bit, as float tensors: the loaded model runs with plain torch ops.
+
+The grid is symmetric round-to-nearest: a group of ``group_size`` consecutive row-major weights (``None``: the
+whole tensor) shares the scale max|w| / qmax, qmax = 2^(bits-1) - 1, and each weight becomes an integer in
+[-qmax, qmax] times it, moving by at most half a scale.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from .tt.layers import TTMatrix
+
+#: Attribute of a module that owns quantized parameters: {parameter name: QuantSpec}.
+SPEC_ATTR = "_comera_fx_quantized"
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """How a weight is stored: ``bits`` (8 or 4) per weight, one fp32 scale per ``group_size`` consecutive
+    row-major weights (``None``: one scale for the tensor)."""
+
+    bits: int = 8
+    group_size: int | None = 64
+
+    def __post_init__(self) -> None:
+        if self.bits not in (4, 8):
+            raise ValueError(f"bits must be 8 or 4, got {self.bits!r}")
+        if self.group_size is not None and (isinstance(self.group_size, bool) or not isinstance(self.group_size, int)
+                                            or self.group_size < 1):
+            raise ValueError(f"group_size must be a positive int or None, got {self.group_size!r}")
+
+    @property
+    def qmax(self) -> int:
+        return 2 ** (self.bits - 1) - 1
+
+    def groups(self, numel: int) -> int:
+        return 1 if self.group_size is None else math.ceil(numel / self.group_size)
+
+    def nbytes(self, numel: int, scale_bytes: int = 4) -> int:
+        """Bytes of ``numel`` weights stored on this grid: the codes plus one scale per group."""
+        return math.ceil(numel * self.bits / 8) + self.groups(numel) * scale_bytes
+
+
+def _grouped(weight: Tensor, spec: QuantSpec) -> Tensor:
+    """``weight`` flattened row-major, zero-padded to whole groups, as (groups, group size)."""
+    flat = weight.detach().reshape(-1)
+    size = max(flat.numel(), 1) if spec.group_size is None else spec.group_size
+    pad = (-flat.numel()) % size
+    return torch.cat([flat, flat.new_zeros(pad)]).reshape(-1, size)
+
+
+def quantize_groups(weight: Tensor, spec: QuantSpec) -> tuple[Tensor, Tensor]:
+    """(int8 codes of the ``weight.numel()`` weights, fp32 scales, one per group). An all-zero group has scale 1.
+
+    Quantizing a tensor that is already on its grid gives back the same codes and scales (its largest value is
+    qmax · s, and fl(fl(qmax · s) / qmax) = s for these small qmax), so a save after ``quantize_`` loses nothing;
+    tests/test_quantize.py checks it over magnitudes from 1e-6 to 1e3."""
+    groups = _grouped(weight, spec)
+    scale = groups.abs().amax(1, keepdim=True) / spec.qmax
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = torch.clamp(torch.round(groups / scale), -spec.qmax, spec.qmax)
+    return codes.reshape(-1)[: weight.numel()].to(torch.int8), scale.reshape(-1).float()
+
+
+def dequantize(codes: Tensor, scales: Tensor, spec: QuantSpec, shape, dtype: torch.dtype) -> Tensor:
+    """The float tensor of ``shape`` that ``codes`` (as ``quantize_groups`` returns them) and ``scales`` stand for."""
+    numel = math.prod(shape)
+    size = max(numel, 1) if spec.group_size is None else spec.group_size
+    pad = (-numel) % size
+    grid = torch.cat([codes.to(dtype), codes.new_zeros(pad, dtype=dtype)]).reshape(-1, size)
+    return (grid * scales.to(dtype)[:, None]).reshape(-1)[:numel].reshape(shape)
+
+
+def fake_quant(weight: Tensor, bits: int, group_size: int | None = None) -> Tensor:
+    """``weight`` rounded onto the grid of ``QuantSpec(bits, group_size)``, in its dtype and shape."""
+    spec = QuantSpec(bits, group_size)
+    codes, scales = quantize_groups(weight, spec)
+    return dequantize(codes, scales, spec, weight.shape, weight.dtype)
+
+
+def pack(codes: Tensor, bits: int) -> Tensor:
+    """Codes as stored: int8 as they are; int4 two to a byte (code + 8 in each nibble, low nibble first)."""
+    if bits == 8:
+        return codes.to(torch.int8)
+    nibbles = (codes.to(torch.int16) + 8).to(torch.uint8)
+    if nibbles.numel() % 2:
+        nibbles = torch.cat([nibbles, nibbles.new_full((1,), 8)])
+    return nibbles[0::2] | (nibbles[1::2] << 4)
+
+
+def unpack(stored: Tensor, bits: int, numel: int) -> Tensor:
+    """The int8 codes ``pack`` stored."""
+    if bits == 8:
+        return stored.to(torch.int8)
+    low, high = stored & 0xF, stored >> 4
+    return (torch.stack([low, high], 1).reshape(-1)[:numel].to(torch.int16) - 8).to(torch.int8)
+
+
+@dataclass(frozen=True)
+class QuantizeSummary:
+    """What ``quantize_`` did: the weights it put on a grid, and their bytes before (as stored) and after."""
+
+    quantized: tuple[str, ...]
+    bytes_before: int
+    bytes_after: int
+
+    def __str__(self) -> str:
+        ratio = self.bytes_after / self.bytes_before if self.bytes_before else 1.0
+        return (f"quantize_: {len(self.quantized)} weights, {self.bytes_before:,} -> {self.bytes_after:,} bytes "
+                f"({ratio:.3f}x)")
+
+
+def _selected(model: nn.Module, dense_linears: bool, include: str | None) -> dict[int, nn.Parameter]:
+    """The parameters ``quantize_`` acts on, by identity: every TT core, and nn.Linear weights if asked, under
+    modules whose name matches ``include``."""
+    chosen: dict[int, nn.Parameter] = {}
+    for path, module in model.named_modules():
+        if include is not None and not re.search(include, path):
+            continue
+        if isinstance(module, TTMatrix):
+            chosen.update((id(core), core) for core in module.cores)
+        elif dense_linears and isinstance(module, nn.Linear):
+            chosen[id(module.weight)] = module.weight
+    return chosen
+
+
+def _owners(model: nn.Module):
+    """(owning module, parameter name, full name, parameter) for every registration of every parameter."""
+    for path, module in model.named_modules(remove_duplicate=False):
+        for name, param in module._parameters.items():
+            if param is not None:
+                yield module, name, f"{path}.{name}" if path else name, param
+
+
+@torch.no_grad()
+def quantize_(model: nn.Module, bits: int = 8, group_size: int | None = 64, *, dense_linears: bool = False,
+              include: str | None = None) -> QuantizeSummary:
+    """Round every TT core of ``model`` (and every ``nn.Linear`` weight with ``dense_linears=True``) onto a
+    ``bits``-bit grid with a scale per ``group_size`` weights, in place, and record the grid so that
+    ``save_tensorized`` stores the codes. ``include``: a regex; only modules whose name matches it (``re.search``).
+
+    Parameters stay the same objects (an optimizer built before keeps working; ``requires_grad`` is untouched).
+    Quantize after training: a weight that moves off its grid (a later optimizer step, a rank shrink) is
+    re-quantized from its new values when saved. ``comera_fx.quantize.stored_bytes`` counts the bytes."""
+    spec = QuantSpec(bits, group_size)
+    chosen = _selected(model, dense_linears, include)
+    if not chosen:
+        what = "TT cores or nn.Linear weights" if dense_linears else "TT cores (pass dense_linears=True for nn.Linear)"
+        where = f" under modules matching {include!r}" if include is not None else ""
+        raise ValueError(f"quantize_ found no {what}{where}; tensorize_ the model first")
+    before = stored_bytes(model, only=chosen)
+    names = []
+    for module, name, full, param in _owners(model):
+        if id(param) not in chosen:
+            continue
+        if chosen[id(param)] is not None:
+            param.copy_(fake_quant(param, bits, group_size))
+            chosen[id(param)] = None  # once per tensor, however many names it has
+            names.append(full)
+        specs = dict(getattr(module, SPEC_ATTR, {}))
+        specs[name] = spec
+        setattr(module, SPEC_ATTR, specs)
+    return QuantizeSummary(tuple(names), before, stored_bytes(model, only={i: None for i in chosen}))
+
+
+def quantized_specs(model: nn.Module) -> dict[str, QuantSpec]:
+    """{full parameter name: its grid} for every registration of a quantized parameter (``state_dict`` keys)."""
+    found = {}
+    for module, name, full, _ in _owners(model):
+        spec = getattr(module, SPEC_ATTR, {}).get(name)
+        if spec is not None:
+            found[full] = spec
+    return found
+
+
+def set_spec(model: nn.Module, full_name: str, spec: QuantSpec) -> None:
+    """Record ``spec`` for the parameter ``full_name`` on its owning module (what ``load_tensorized`` restores)."""
+    path, _, name = full_name.rpartition(".")
+    module = model.get_submodule(path)
+    setattr(module, SPEC_ATTR, {**getattr(module, SPEC_ATTR, {}), name: spec})
+
+
+def stored_bytes(model: nn.Module, prefix: str = "", *, only: dict | None = None) -> int:
+    """Bytes of the weights (parameters with two or more dimensions, each tensor once) under ``prefix`` as
+    ``save_tensorized`` stores them: quantized ones at their grid's bytes, the rest at their dtype's size.
+    ``only``: count just these parameters (by ``id``)."""
+    specs = {}
+    for module, name, _, param in _owners(model):
+        spec = getattr(module, SPEC_ATTR, {}).get(name)
+        if spec is not None:
+            specs[id(param)] = spec
+    total, seen = 0, set()
+    for name, param in model.named_parameters():
+        if not name.startswith(prefix) or param.dim() < 2 or id(param) in seen:
+            continue
+        if only is not None and id(param) not in only:
+            continue
+        seen.add(id(param))
+        spec = specs.get(id(param))
+        total += spec.nbytes(param.numel()) if spec is not None else param.numel() * param.element_size()
+    return total

@@ -1,0 +1,160 @@
+"""comera_fx.choose_formats / apply_formats_: a storage format per layer under one byte budget. The selection is
+checked against brute force, the measured errors against the calibration inputs themselves (float64), and bad
+input is refused before any weight moves."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import comera_fx
+from comera_fx.pretrained.formats import FormatChoice, _hull, select_on_hulls
+from comera_fx.quantize import quantized_specs, stored_bytes
+from comera_fx.tt.layers import TTLinear
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.lists(st.tuples(st.integers(1, 60), st.floats(0, 1)), min_size=1, max_size=5),
+                min_size=1, max_size=3), st.integers(0, 200), st.integers(0, 12))
+def test_selection_fits_and_is_optimal_at_its_own_breakpoints(layers, budget_extra, steps):
+    """Against brute force over every combination of every candidate (dominated ones included): the choice always
+    fits the budget, and at a budget where the steps of best error per byte, taken in order, fill it exactly, no
+    combination of at most that many bytes has a smaller summed error."""
+    candidates = {f"l{i}": [FormatChoice(f"l{i}", "int8", None, b, e) for b, e in cands]
+                  for i, cands in enumerate(layers)}
+    hulls = {fqn: _hull(c) for fqn, c in candidates.items()}
+    smallest = sum(h[0].bytes for h in hulls.values())
+
+    def summed(chosen):
+        picked = [hulls[f][i] for f, i in chosen.items()]
+        return sum(c.bytes for c in picked), sum(c.error for c in picked)
+
+    def best_within(budget):
+        return min(sum(c.error for c in combo) for combo in itertools.product(*candidates.values())
+                   if sum(c.bytes for c in combo) <= budget)
+
+    budget = smallest + budget_extra
+    spent, _ = summed(select_on_hulls(hulls, budget))
+    assert spent <= budget
+    # the breakpoints: every hull step, in order of error saved per byte (a hull's own steps come in its order)
+    moves = sorted(((h[k].error - h[k + 1].error) / (h[k + 1].bytes - h[k].bytes), h[k + 1].bytes - h[k].bytes)
+                   for h in hulls.values() for k in range(len(h) - 1))[::-1]
+    assume(len({gain for gain, _ in moves}) == len(moves))  # ties make the order (and the breakpoints) ambiguous
+    breakpoint_budget = smallest + sum(extra for _, extra in moves[:steps])
+    spent, error = summed(select_on_hulls(hulls, breakpoint_budget))
+    assert spent == breakpoint_budget
+    assert error <= best_within(breakpoint_budget) + 1e-12
+
+
+class ThreeLayers(nn.Module):
+    """A layer of rank 2 (TT at a small rank is near exact), a full-rank random one (a flat spectrum: an int grid
+    wins), and a third in between, all reading the same full-rank input."""
+
+    def __init__(self):
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        self.low = nn.Linear(64, 64, bias=False)
+        self.flat = nn.Linear(64, 64, bias=False)
+        self.mid = nn.Linear(64, 64, bias=False)
+        with torch.no_grad():
+            self.low.weight.copy_(torch.randn(64, 2, generator=gen) @ torch.randn(2, 64, generator=gen))
+            self.flat.weight.copy_(torch.randn(64, 64, generator=gen))
+            u, _, vh = torch.linalg.svd(torch.randn(64, 64, generator=gen))
+            self.mid.weight.copy_(u @ torch.diag(torch.logspace(0, -3, 64)) @ vh)
+
+    def forward(self, x):
+        return self.low(x) + self.flat(x) + self.mid(x)  # full-rank inputs for each
+
+
+CONFIG = comera_fx.TensorizeConfig(min_numel=1, min_dim=1)
+
+
+def calibrated():
+    model = ThreeLayers()
+    gen = torch.Generator().manual_seed(1)
+    batches = [torch.randn(32, 64, generator=gen) for _ in range(4)]
+    return model, batches, comera_fx.calibrate(model, batches, config=CONFIG)
+
+
+def layer_inputs(model, batches):
+    """Each layer's inputs over the calibration batches, recorded by hooks (independent of the Calibration)."""
+    seen = {name: [] for name in ("low", "flat", "mid")}
+    handles = [getattr(model, n).register_forward_hook(lambda m, a, o, n=n: seen[n].append(a[0].double()))
+               for n in seen]
+    with torch.no_grad():
+        for b in batches:
+            model(b)
+    for h in handles:
+        h.remove()
+    return {n: torch.cat(v) for n, v in seen.items()}
+
+
+def test_plan_fits_the_budget_and_its_errors_are_the_built_models():
+    model, batches, cal = calibrated()
+    original = {n: getattr(model, n).weight.detach().double().clone() for n in ("low", "flat", "mid")}
+    inputs = layer_inputs(model, batches)
+    plan = comera_fx.choose_formats(model, cal, 0.15, ranks=(1, 2, 4, 8, 16), config=CONFIG)
+    assert plan.total_bytes <= plan.budget_bytes == int(0.15 * plan.dense_bytes)
+    assert plan.choices["low.weight"].format == "tt"
+    assert plan.choices["flat.weight"].format in ("int8", "int4")
+    comera_fx.apply_formats_(model, plan, cal)
+    assert isinstance(model.low, TTLinear) and isinstance(model.flat, nn.Linear)
+    for name, w in original.items():
+        module = getattr(model, name)
+        built = (module.tt.dense().t() if isinstance(module, TTLinear) else module.weight).detach().double()
+        x = inputs[name]
+        want = float((x @ (w - built).T).square().sum() / (x @ w.T).square().sum())
+        assert plan.choices[f"{name}.weight"].error == pytest.approx(want, rel=1e-6, abs=1e-12), name
+    assert stored_bytes(model) == plan.total_bytes
+    assert len(quantized_specs(model)) == sum(
+        len(list(getattr(model, n).tt.cores)) if isinstance(getattr(model, n), TTLinear) else 1
+        for n in ("low", "flat", "mid"))
+
+
+def test_a_larger_budget_never_has_a_larger_error():
+    model, _, cal = calibrated()
+    errors = [comera_fx.choose_formats(model, cal, b, ranks=(1, 2, 4, 8), config=CONFIG).total_error
+              for b in (0.05, 0.1, 0.2, 0.3)]
+    assert errors == sorted(errors, reverse=True) and errors[0] > errors[-1]
+
+
+def test_applied_plan_saves_and_loads_bit_for_bit(tmp_path):
+    model, batches, cal = calibrated()
+    plan = comera_fx.choose_formats(model, cal, 0.15, ranks=(1, 2, 4, 8), config=CONFIG)
+    comera_fx.apply_formats_(model, plan, cal)
+    path = tmp_path / "m.safetensors"
+    comera_fx.save_tensorized(model, path)
+    loaded = comera_fx.load_tensorized(path, ThreeLayers)
+    with torch.no_grad():
+        assert torch.equal(loaded(batches[0]), model(batches[0]))
+
+
+def test_bad_input_is_refused_before_any_weight_moves():
+    model, _, cal = calibrated()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match="below the smallest formats' total"):
+        comera_fx.choose_formats(model, cal, 0.001, ranks=(1, 2), config=CONFIG)
+    other = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+    with pytest.raises(ValueError, match="does not belong to this model"):
+        comera_fx.choose_formats(other, cal, 0.2, config=CONFIG)
+    narrow = comera_fx.calibrate(model, [torch.randn(8, 64)], config=CONFIG)
+    narrow = comera_fx.Calibration({k: comera_fx.InputStats(v.second_moment[:32, :32], v.tokens)
+                                    for k, v in narrow.items()})
+    with pytest.raises(ValueError, match="input features"):
+        comera_fx.choose_formats(model, narrow, 0.2, config=CONFIG)
+    plan = comera_fx.choose_formats(model, cal, 0.2, ranks=(1, 2), config=CONFIG)
+    with pytest.raises(ValueError, match="plan does not belong to this model"):
+        comera_fx.apply_formats_(other, plan, cal)
+    with pytest.raises(ValueError, match="calibration does not belong to this model"):
+        comera_fx.apply_formats_(model, plan, narrow)
+    with pytest.raises(ValueError, match="byte_budget"):
+        comera_fx.choose_formats(model, cal, 1.5, config=CONFIG)
+    with pytest.raises(ValueError, match="formats must be"):
+        comera_fx.choose_formats(model, cal, 0.2, formats=("fp8",), config=CONFIG)
+    after = model.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())

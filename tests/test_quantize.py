@@ -1,0 +1,161 @@
+"""comera_fx.quantize_ and quantized weights in save_tensorized / load_tensorized: grids checked against a float64
+reference computed here, round trips bit for bit, bytes by hand and in the file."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import comera_fx
+from comera_fx import TensorizeConfig
+from comera_fx.quantize import (QuantSpec, dequantize, fake_quant, pack, quantize_groups, quantized_specs,
+                                stored_bytes, unpack)
+from comera_fx.tt.layers import TTMatrix
+
+from helpers_models import Big, Mixed, TiedLM
+
+
+def reference_grid(weight: torch.Tensor, bits: int, group_size: int | None):
+    """(float64 groups of the weight, float64 scale per group) computed independently of comera_fx."""
+    flat = weight.detach().double().reshape(-1)
+    size = flat.numel() if group_size is None else group_size
+    flat = torch.cat([flat, flat.new_zeros((-flat.numel()) % size)])
+    groups = flat.reshape(-1, size)
+    return groups, groups.abs().amax(1, keepdim=True) / (2 ** (bits - 1) - 1)
+
+
+@settings(max_examples=40, deadline=None)
+@given(numel=st.integers(1, 300), bits=st.sampled_from([4, 8]), group=st.sampled_from([None, 1, 7, 64]),
+       magnitude=st.floats(-6, 3), seed=st.integers(0, 2**16))
+def test_grid_error_bound_codes_and_exact_requantization(numel, bits, group, magnitude, seed):
+    """Every value moves by at most half its group's scale (float64 reference), codes lie in [-qmax, qmax], int4
+    codes survive packing, and quantizing a quantized tensor again (what a save after ``quantize_`` does) gives
+    back exactly the same values."""
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(numel, generator=gen) * 10.0 ** magnitude
+    spec = QuantSpec(bits, group)
+    codes, scales = quantize_groups(w, spec)
+    assert codes.dtype == torch.int8 and int(codes.abs().max()) <= spec.qmax
+    assert scales.numel() == spec.groups(numel)
+    q = dequantize(codes, scales, spec, w.shape, w.dtype)
+    groups, scale = reference_grid(w, bits, group)
+    err = (torch.cat([q.double(), q.new_zeros(groups.numel() - numel, dtype=torch.float64)]).reshape(groups.shape)
+           - groups).abs()
+    assert bool((err <= scale / 2 * (1 + 1e-5) + 1e-30).all())
+    assert torch.equal(unpack(pack(codes, bits), bits, numel), codes)
+    again, again_scales = quantize_groups(q, spec)
+    assert torch.equal(dequantize(again, again_scales, spec, q.shape, q.dtype), q)
+
+
+def test_int4_packs_two_codes_per_byte():
+    codes = torch.tensor([-7, 7, 0, -1, 3], dtype=torch.int8)
+    stored = pack(codes, 4)
+    assert stored.dtype == torch.uint8 and stored.numel() == 3
+    assert stored.tolist() == [(1) | (15 << 4), (8) | (7 << 4), 11 | (8 << 4)]
+
+
+def tensorized_mlp():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64), nn.Linear(64, 64))
+    comera_fx.tensorize_(model, TensorizeConfig(max_rank=8, min_numel=1, min_dim=1, skip=[r"^3\b"]))
+    return model
+
+
+def test_quantize_rounds_cores_in_place_and_touches_nothing_else():
+    """TT cores land on the grid (float64 reference, groups of 16); gates, biases and the dense layer left out are
+    untouched; the parameter objects and their requires_grad stay, so an optimizer built before keeps working."""
+    model = tensorized_mlp()
+    model[2].tt.cores[0].requires_grad_(False)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    params = dict(model.named_parameters())
+    summary = comera_fx.quantize_(model, bits=4, group_size=16)
+    assert dict(model.named_parameters()) == params
+    assert not model[2].tt.cores[0].requires_grad
+    cores = {n for n in before if ".cores." in n}
+    assert set(summary.quantized) == cores and len(cores) == 8
+    for name, p in model.named_parameters():
+        if name not in cores:
+            assert torch.equal(p, before[name]), name
+            continue
+        groups, scale = reference_grid(before[name], 4, 16)
+        moved = torch.cat([p.detach().double().reshape(-1),
+                           groups.new_zeros(groups.numel() - p.numel())]).reshape(groups.shape)
+        steps = moved / torch.where(scale > 0, scale, 1)
+        assert bool(((moved - groups).abs() <= scale / 2 * (1 + 1e-5)).all())
+        assert torch.allclose(steps, steps.round(), atol=1e-4), name
+    assert summary.bytes_after == sum(QuantSpec(4, 16).nbytes(params[n].numel()) for n in cores)
+    assert summary.bytes_before == sum(4 * params[n].numel() for n in cores)
+
+
+def test_stored_bytes_by_hand():
+    """int8 groups of 64: a (1, 64, 8) core is 512 + 8 * 4 bytes; the dense (64, 64) weight stays fp32."""
+    model = tensorized_mlp()
+    dense = 64 * 64 * 4
+    fp32 = stored_bytes(model)
+    comera_fx.quantize_(model)
+    cores = [p for m in model.modules() if isinstance(m, TTMatrix) for p in m.cores]
+    assert fp32 == dense + sum(4 * c.numel() for c in cores)
+    assert stored_bytes(model) == dense + sum(c.numel() + 4 * math.ceil(c.numel() / 64) for c in cores)
+    comera_fx.quantize_(model, 8, None, dense_linears=True, include=r"^3$")
+    assert stored_bytes(model, "3.") == 64 * 64 + 4
+
+
+@pytest.mark.parametrize("model_cls", [Big, TiedLM, Mixed])
+@pytest.mark.parametrize("bits,group", [(8, 64), (4, 32)])
+def test_save_load_keeps_quantized_weights_bit_for_bit_in_a_smaller_file(tmp_path, model_cls, bits, group):
+    torch.manual_seed(0)
+    model = model_cls()
+    comera_fx.tensorize_(model, TensorizeConfig(max_rank=8, min_numel=10_000))
+    float_path, quant_path = tmp_path / "f.safetensors", tmp_path / "q.safetensors"
+    comera_fx.save_tensorized(model, float_path)
+    comera_fx.quantize_(model, bits, group)
+    manifest = comera_fx.save_tensorized(model, quant_path)
+    assert manifest["quantized"] and all(e["bits"] == bits for e in manifest["quantized"].values())
+    loaded = comera_fx.load_tensorized(quant_path, model_cls)
+    want = model.state_dict()
+    got = loaded.state_dict()
+    assert set(got) == set(want)
+    for key in want:
+        assert torch.equal(got[key], want[key]), key
+    assert quantized_specs(loaded) == quantized_specs(model)
+    ids = torch.randint(0, 300, (3, 7))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids), model(ids))
+    cores = [p for n, p in model.named_parameters() if ".cores." in n]
+    fewer = sum(4 * c.numel() - QuantSpec(bits, group).nbytes(c.numel()) for c in cores)
+    saved = float_path.stat().st_size - quant_path.stat().st_size
+    assert fewer - 400 * len(cores) <= saved <= fewer  # the cores' bytes left the file (headers: < 400 B a core)
+    again = tmp_path / "again.safetensors"
+    comera_fx.save_tensorized(loaded, again)  # the grids were restored: a re-save stays quantized
+    assert again.stat().st_size == quant_path.stat().st_size
+
+
+def test_a_weight_trained_off_its_grid_is_quantized_again_when_saved(tmp_path):
+    model = tensorized_mlp()
+    comera_fx.quantize_(model, 8, 64, dense_linears=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(4, 64)).square().sum().backward()
+    optimizer.step()
+    path = tmp_path / "m.safetensors"
+    comera_fx.save_tensorized(model, path)
+    loaded = comera_fx.load_tensorized(path, lambda: nn.Sequential(nn.Linear(64, 128), nn.GELU(),
+                                                                    nn.Linear(128, 64), nn.Linear(64, 64)))
+    for name, p in model.named_parameters():
+        want = fake_quant(p.detach(), 8, 64) if p.dim() >= 2 else p.detach()
+        assert torch.equal(loaded.get_parameter(name).detach(), want), name
+
+
+def test_refusals_name_the_fix():
+    with pytest.raises(ValueError, match="tensorize_ the model first"):
+        comera_fx.quantize_(nn.Sequential(nn.Linear(8, 8)))
+    with pytest.raises(ValueError, match="bits must be 8 or 4"):
+        comera_fx.quantize_(tensorized_mlp(), bits=3)
+    with pytest.raises(ValueError, match="group_size"):
+        comera_fx.quantize_(tensorized_mlp(), group_size=0)
+    with pytest.raises(ValueError, match="matching 'nothing'"):
+        comera_fx.quantize_(tensorized_mlp(), include="nothing")
