@@ -26,7 +26,7 @@ common.use_this_checkout()  # this checkout's comera_fx, not an installed copy
 import comera_fx  # noqa: E402
 from comera_fx.pretrained.distill import match_teacher  # noqa: E402
 from comera_fx.pretrained.quant import ENCODER_PREFIX, fake_quant_, weight_bytes  # noqa: E402
-from comera_fx.quantize import stored_bytes  # noqa: E402
+from comera_fx.quantize import requantize_, stored_bytes  # noqa: E402
 
 cp = common.load_example("compress_pretrained")
 
@@ -133,8 +133,53 @@ def run_tt_int8(teacher, data, ratio, args) -> dict:
     return info
 
 
+ENCODER_ONLY = comera_fx.TensorizeConfig(skip=[r"^(?!bert\.encoder\.)"])  # the pooler is not in the embedding
+
+
+def formats_student(teacher, data, ratio, args):
+    """``choose_formats`` + ``apply_formats_`` at ``ratio`` of the encoder linears' fp32 bytes (calibrated on the
+    training text): returns (student, info)."""
+    student = copy.deepcopy(teacher)
+    draw = cp.training_sampler(data, args, seed=args.seed)
+    start = time.perf_counter()
+    batches = [draw() for _ in range(args.calibration_batches)]
+    calibration = comera_fx.calibrate(student, batches, token_mask=cp.real_tokens, config=ENCODER_ONLY)
+    plan = comera_fx.choose_formats(student, calibration, ratio, config=ENCODER_ONLY)
+    comera_fx.apply_formats_(student, plan, calibration)
+    print(plan, flush=True)
+    info = {"steps": 0, "train_s": 0.0, "setup_s": time.perf_counter() - start, "ratio": ratio, "ranks": {},
+            "formats": {fqn: c.label() for fqn, c in plan.choices.items()}, "planned_error": plan.total_error,
+            "bytes_ratio": stored_bytes(student, ENCODER_PREFIX) / weight_bytes(teacher)}
+    return student, info
+
+
+def run_formats(teacher, data, ratio, args) -> dict:
+    """A format per layer (int8 / int4 / TT with int8 cores) under one byte budget, no training."""
+    start = time.perf_counter()
+    student, info = formats_student(teacher, data, ratio, args)
+    return scored(student, data, args, start, info)
+
+
+def run_formats_distill(teacher, data, ratio, args) -> dict:
+    """The same, then distilled in float for the budget and rounded back onto each layer's grid."""
+    start = time.perf_counter()
+    student, info = formats_student(teacher, data, ratio, args)
+    info.update({f"start_{k}": v for k, v in cp.evaluate(student, data, args.reference).items()
+                 if k in ("cosine", "cosine_other")})
+    cp.freeze_word_embedding(student, args)
+    losses, seconds, _ = match_teacher(
+        student, teacher, cp.training_sampler(data, args, seed=args.seed),
+        steps=args.steps, budget_seconds=args.budget_seconds, loss_fn=cp.distill_loss,
+        hidden_modules=cp.hidden_layers(teacher), hidden_weight=1 / 6, lr=args.lr, progress=not args.no_progress)
+    requantize_(student)
+    info.update({"steps": len(losses), "train_s": seconds,
+                 "bytes_ratio": stored_bytes(student, ENCODER_PREFIX) / weight_bytes(teacher)})
+    return scored(student, data, args, start, info)
+
+
 BASELINES = {"low-rank distill": run_low_rank, "int8 dynamic": run_int8_dynamic, "int4 group64": run_int4_group,
-             "layer drop distill": run_layer_drop, "distill calibrated+energy +int8": run_tt_int8}
+             "layer drop distill": run_layer_drop, "distill calibrated+energy +int8": run_tt_int8,
+             "formats": run_formats, "formats distill": run_formats_distill}
 
 
 def main() -> None:

@@ -177,6 +177,19 @@ def quantize_(model: nn.Module, bits: int = 8, group_size: int | None = 64, *, d
     return QuantizeSummary(tuple(names), before, stored_bytes(model, only={i: None for i in chosen}))
 
 
+@torch.no_grad()
+def requantize_(model: nn.Module) -> int:
+    """Round every weight ``quantize_`` recorded back onto its own grid (after fine-tuning moved it off: what
+    training in float and then storing quantized gives); returns how many tensors were rounded."""
+    done: set[int] = set()
+    for module, name, _, param in _owners(model):
+        spec = getattr(module, SPEC_ATTR, {}).get(name)
+        if spec is not None and id(param) not in done:
+            param.copy_(fake_quant(param, spec.bits, spec.group_size))
+            done.add(id(param))
+    return len(done)
+
+
 def quantized_specs(model: nn.Module) -> dict[str, QuantSpec]:
     """{full parameter name: its grid} for every registration of a quantized parameter (``state_dict`` keys)."""
     found = {}

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import comera_fx
-from comera_fx.pretrained.formats import FormatChoice, _hull, select_on_hulls
+from comera_fx.pretrained.formats import FormatChoice, _hull, select, select_on_hulls
 from comera_fx.quantize import quantized_specs, stored_bytes
 from comera_fx.tt.layers import TTLinear
 
@@ -23,7 +23,7 @@ from comera_fx.tt.layers import TTLinear
                 min_size=1, max_size=3), st.integers(0, 200), st.integers(0, 12))
 def test_selection_fits_and_is_optimal_at_its_own_breakpoints(layers, budget_extra, steps):
     """Against brute force over every combination of every candidate (dominated ones included): the choice always
-    fits the budget, and at a budget where the steps of best error per byte, taken in order, fill it exactly, no
+    fits the budget, no single swap that fits improves it, and at a budget where the steps of best error per byte, taken in order, fill it exactly, no
     combination of at most that many bytes has a smaller summed error."""
     candidates = {f"l{i}": [FormatChoice(f"l{i}", "int8", None, b, e) for b, e in cands]
                   for i, cands in enumerate(layers)}
@@ -41,6 +41,12 @@ def test_selection_fits_and_is_optimal_at_its_own_breakpoints(layers, budget_ext
     budget = smallest + budget_extra
     spent, _ = summed(select_on_hulls(hulls, budget))
     assert spent <= budget
+    final = select(candidates, budget)
+    spent = sum(c.bytes for c in final.values())
+    assert spent <= budget
+    for fqn, found in candidates.items():  # no single swap that fits lowers the error
+        for c in found:
+            assert not (spent - final[fqn].bytes + c.bytes <= budget and c.error < final[fqn].error - 1e-15)
     # the breakpoints: every hull step, in order of error saved per byte (a hull's own steps come in its order)
     moves = sorted(((h[k].error - h[k + 1].error) / (h[k + 1].bytes - h[k].bytes), h[k + 1].bytes - h[k].bytes)
                    for h in hulls.values() for k in range(len(h) - 1))[::-1]

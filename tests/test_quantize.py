@@ -14,7 +14,7 @@ from torch import nn
 import comera_fx
 from comera_fx import TensorizeConfig
 from comera_fx.quantize import (QuantSpec, dequantize, fake_quant, pack, quantize_groups, quantized_specs,
-                                stored_bytes, unpack)
+                                requantize_, stored_bytes, unpack)
 from comera_fx.tt.layers import TTMatrix
 
 from helpers_models import Big, Mixed, TiedLM
@@ -141,6 +141,7 @@ def test_a_weight_trained_off_its_grid_is_quantized_again_when_saved(tmp_path):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     model(torch.randn(4, 64)).square().sum().backward()
     optimizer.step()
+    trained = {name: p.detach().clone() for name, p in model.named_parameters()}
     path = tmp_path / "m.safetensors"
     comera_fx.save_tensorized(model, path)
     loaded = comera_fx.load_tensorized(path, lambda: nn.Sequential(nn.Linear(64, 128), nn.GELU(),
@@ -148,6 +149,10 @@ def test_a_weight_trained_off_its_grid_is_quantized_again_when_saved(tmp_path):
     for name, p in model.named_parameters():
         want = fake_quant(p.detach(), 8, 64) if p.dim() >= 2 else p.detach()
         assert torch.equal(loaded.get_parameter(name).detach(), want), name
+    assert requantize_(model) == 9  # eight cores and the dense weight: what the save stored, in memory too
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach(), loaded.get_parameter(name).detach()), name
+        assert torch.equal(p.detach(), trained[name]) == (p.dim() < 2), name
 
 
 def test_refusals_name_the_fix():

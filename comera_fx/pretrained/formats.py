@@ -4,7 +4,8 @@ calibration data and picks the mix with the least total error that fits; ``apply
 Layers are not equally compressible: a layer whose whitened spectrum is flat loses much to a TT of small rank but
 little to int8, and one with a steep spectrum is the reverse. The candidates per large linear layer are
 
-    int8 / int4   the dense weight on a grid (``comera_fx.quantize``, a scale per ``group_size`` weights)
+    int8 / int4   the dense weight on a grid (``comera_fx.quantize``), one fp32 scale per group of consecutive
+                  weights, for each group size in ``group_sizes`` (a larger group: fewer bytes, a coarser grid)
     tt            activation-aware TT-SVD at each rank in ``ranks`` (what ``tensorize_`` builds with the
                   calibration), its cores on the int8 grid: structure and precision multiply
 
@@ -32,21 +33,25 @@ from .calibrate import Calibration, InputStats, _linear_holders
 
 FORMATS = ("int8", "int4", "tt")
 DEFAULT_RANKS = (4, 8, 16, 32, 64, 96)
+DEFAULT_GROUPS = (32, 64, 128, 384)
 
 
 @dataclass(frozen=True)
 class FormatChoice:
     """One way to store one layer: ``format`` (``"int8"``, ``"int4"``, ``"tt"``: TT at ``max_rank`` with int8
-    cores), the bytes it takes and its relative output error on the calibration inputs."""
+    cores), its grid's ``group_size``, the bytes it takes and its relative output error on the calibration inputs."""
 
     fqn: str
     format: str
     max_rank: int | None
     bytes: int
     error: float
+    group_size: int = 64
 
     def label(self) -> str:
-        return f"tt r{self.max_rank} int8" if self.format == "tt" else self.format
+        if self.format == "tt":
+            return f"tt r{self.max_rank} int8"
+        return f"{self.format} g{self.group_size}"
 
 
 @dataclass
@@ -57,7 +62,6 @@ class FormatPlan:
     candidates: dict[str, list[FormatChoice]]
     budget_bytes: int
     dense_bytes: int
-    group_size: int
     num_modes: int | None = None
     module_paths: dict[str, str] = field(default_factory=dict)  # weight FQN -> its nn.Linear's path
 
@@ -180,6 +184,22 @@ def select_on_hulls(hulls: dict[str, list[FormatChoice]], budget: int) -> dict[s
     return chosen
 
 
+def select(candidates: dict[str, list[FormatChoice]], budget: int) -> dict[str, FormatChoice]:
+    """The choice per layer: ``select_on_hulls``, then the bytes it left spent on single swaps (any candidate,
+    hull or not) that lower the summed error most, while one fits. No single swap that fits improves the result."""
+    hulls = {fqn: _hull(found) for fqn, found in candidates.items()}
+    chosen = {fqn: hulls[fqn][at] for fqn, at in select_on_hulls(hulls, budget).items()}
+    left = budget - sum(c.bytes for c in chosen.values())
+    while True:
+        swaps = [(chosen[fqn].error - c.error, fqn, c) for fqn, found in candidates.items() for c in found
+                 if c.bytes - chosen[fqn].bytes <= left and c.error < chosen[fqn].error]
+        if not swaps:
+            return chosen
+        _, fqn, c = max(swaps, key=lambda s: s[0])
+        left -= c.bytes - chosen[fqn].bytes
+        chosen[fqn] = c
+
+
 def _budget_bytes(byte_budget, dense: int) -> int:
     if isinstance(byte_budget, bool) or not isinstance(byte_budget, (int, float)) or byte_budget <= 0:
         raise ValueError(f"byte_budget must be a positive int (bytes) or a float in (0, 1] (a fraction of the fp32 "
@@ -194,20 +214,23 @@ def _budget_bytes(byte_budget, dense: int) -> int:
 
 @torch.no_grad()
 def choose_formats(model: nn.Module, calibration: Calibration, byte_budget: int | float, *,
-                   formats: Sequence[str] = FORMATS, ranks: Sequence[int] = DEFAULT_RANKS, group_size: int = 64,
+                   formats: Sequence[str] = FORMATS, ranks: Sequence[int] = DEFAULT_RANKS,
+                   group_sizes: Sequence[int] = DEFAULT_GROUPS, core_group_size: int = 64,
                    num_modes: int | None = None, config: TensorizeConfig | None = None) -> FormatPlan:
     """Choose a storage format per large ``nn.Linear`` of the dense ``model`` so that their weights fit
     ``byte_budget`` (bytes, or a float fraction of their fp32 bytes) with the least summed relative output error on
     ``calibration`` (``comera_fx.calibrate(model, batches)``). Reads the model only; ``apply_formats_`` builds it.
 
     ``formats``: the candidates (module docstring); ``ranks``: the TT ranks tried (``max_rank``), TT-SVD with
-    ``num_modes`` modes per side; ``group_size``: weights per fp32 scale of every int grid; ``config``: which
+    ``num_modes`` modes per side; ``group_sizes``: the weights per fp32 scale tried for the dense int grids,
+    ``core_group_size`` the TT cores'; ``config``: which
     layers are large (``min_numel`` / ``min_dim`` / ``skip``), as for ``calibrate``. A budget below the smallest
     candidates' total, or a calibration of another model, is refused before anything is computed."""
     unknown = sorted(set(formats) - set(FORMATS))
     if unknown or not formats:
         raise ValueError(f"formats must be a non-empty subset of {FORMATS}, got {tuple(formats)}")
-    QuantSpec(8, group_size)  # validates group_size
+    for group in (*group_sizes, core_group_size):
+        QuantSpec(8, group)  # validates the group sizes
     config = config or TensorizeConfig()
     holders = check_calibration(model, calibration, config)
     dense = sum(4 * module.weight.numel() for _, module, _, _ in holders)
@@ -219,29 +242,27 @@ def choose_formats(model: nn.Module, calibration: Calibration, byte_budget: int 
         weight, stats = module.weight.detach(), calibration[fqn]
         found = []
         for bits in (8, 4):
-            if f"int{bits}" in formats:
-                approx = fake_quant(weight, bits, group_size)
-                found.append(FormatChoice(fqn, f"int{bits}", None, QuantSpec(bits, group_size).nbytes(weight.numel()),
-                                          relative_error(weight.t(), approx.t(), stats.second_moment)))
+            for group in group_sizes if f"int{bits}" in formats else ():
+                approx = fake_quant(weight, bits, group)
+                found.append(FormatChoice(fqn, f"int{bits}", None, QuantSpec(bits, group).nbytes(weight.numel()),
+                                          relative_error(weight.t(), approx.t(), stats.second_moment), group))
         if "tt" in formats:
             seen_bytes = set()
             for rank in sorted(ranks):
-                choice, approx = _tt_candidate(module, stats, rank, group_size, num_modes, fqn)
+                choice, approx = _tt_candidate(module, stats, rank, core_group_size, num_modes, fqn)
                 if choice.bytes in seen_bytes:  # the rank was clamped to a smaller one's
                     continue
                 seen_bytes.add(choice.bytes)
                 error = relative_error(weight.t(), approx, stats.second_moment)
-                found.append(FormatChoice(fqn, "tt", rank, choice.bytes, error))
+                found.append(FormatChoice(fqn, "tt", rank, choice.bytes, error, core_group_size))
         candidates[fqn] = found
-    hulls = {fqn: _hull(found) for fqn, found in candidates.items()}
-    smallest = sum(h[0].bytes for h in hulls.values())
+    smallest = sum(min(c.bytes for c in found) for found in candidates.values())
     if smallest > budget:
         raise ValueError(f"byte_budget {budget:,} bytes ({budget / dense:.4f} of the fp32 dense {dense:,}) is below "
                          f"the smallest formats' total, {smallest:,} bytes ({smallest / dense:.4f}); raise the budget "
                          f"or allow smaller formats (ranks={tuple(ranks)}, formats={tuple(formats)})")
-    chosen = select_on_hulls(hulls, budget)
-    choices = {fqn: hulls[fqn][at] for fqn, at in chosen.items()}
-    return FormatPlan(choices, candidates, budget, dense, group_size, num_modes, paths)
+    choices = select(candidates, budget)
+    return FormatPlan(choices, candidates, budget, dense, num_modes, paths)
 
 
 @dataclass
@@ -264,11 +285,9 @@ def apply_formats_(model: nn.Module, plan: FormatPlan, calibration: Calibration)
         overrides = {rf"^{re.escape(fqn)}$": {"max_rank": c.max_rank} for fqn, c in tt.items()}
         config = TensorizeConfig(num_modes=plan.num_modes, min_numel=1, min_dim=1, skip=[_only(tt)], overrides=overrides)
         summary = tensorize_(model, config, calibration=Calibration({f: calibration[f] for f in tt}))
-        quantize_(model, 8, plan.group_size, include=_paths_regex(plan, tt))
-    for bits in (8, 4):
-        dense = {fqn for fqn, c in plan.choices.items() if c.format == f"int{bits}"}
-        if dense:
-            quantize_(model, bits, plan.group_size, dense_linears=True, include=_paths_regex(plan, dense))
+    for fqn, c in plan.choices.items():  # TT cores and dense int grids, each layer on its own grid
+        bits = 8 if c.format == "tt" else int(c.format[3:])
+        quantize_(model, bits, c.group_size, dense_linears=c.format != "tt", include=_paths_regex(plan, [fqn]))
     return FormatSummary(plan, summary, stored_bytes(model, only=_planned_params(model, plan)))
 
 
