@@ -4,7 +4,15 @@ Cells per size target (TT size / dense size of the encoder's linear weights): TT
 energy-allocated), uniform ranks + distillation, calibrated + allocated ranks + distillation, and plain low-rank
 (matrix SVD of every linear, one rank per layer giving the same parameter count, trained by the same loop:
 ``comera_fx.pretrained.distill.match_teacher``) + distillation. Data, evaluation and loss are those of
-examples/compress_pretrained.py. Run timing-relevant runs under ``flock /tmp/comera_timing.lock``:
+examples/compress_pretrained.py.
+
+Issue 29's cells compare at equal *bytes* of the encoder's weight matrices, on held-out stdlib text and on
+other-source text (numpy / sympy docstrings): ``int8 dynamic`` (``quantize_dynamic``), ``int8 group64`` /
+``int4 group64`` (weight fake-quantization), ``layer drop distill``, ``low-rank distill``, ``distill
+calibrated+energy +int8`` (a TT student, then ``quantize_``), and ``formats`` / ``formats distill``
+(``choose_formats`` at ``--ratios`` read as a fraction of the fp32 bytes, then optionally distilled in float for the
+budget and rounded back onto each layer's grid). ``benchmarks/plot_frontier.py`` draws cosine against bytes from
+the ``results.json`` files. Run timing-relevant runs under ``flock /tmp/comera_timing.lock``:
 
     flock /tmp/comera_timing.lock .venv/bin/python benchmarks/bench_distill.py --ratios 0.25 \\
         --methods "distill calibrated+energy" --budget-seconds 600 --threads 1 --out runs/bench_distill_4x
@@ -92,13 +100,14 @@ def run_int8_dynamic(teacher, data, ratio, args) -> dict:
     return scored(student, data, args, start, info)
 
 
-def run_int4_group(teacher, data, ratio, args, group_size: int = 64) -> dict:
-    """int4 symmetric group-wise weight fake-quantization (groups of 64 along each row, fp32 scales), no
-    training: about 8x fewer bytes. ``ratio`` is ignored."""
+def run_int_group(teacher, data, ratio, args, bits: int = 4, group_size: int = 64) -> dict:
+    """Symmetric group-wise weight fake-quantization of every encoder linear (groups of 64 along each row, fp32
+    scales; activations stay float), no training: int4 about 7x fewer bytes, int8 about 3.8x. ``ratio`` is
+    ignored."""
     start = time.perf_counter()
-    student = fake_quant_(copy.deepcopy(teacher), 4, group_size)
+    student = fake_quant_(copy.deepcopy(teacher), bits, group_size)
     info = {"steps": 0, "train_s": 0.0, "ratio": 1.0, "ranks": {},
-            "bytes_ratio": weight_bytes(teacher, 4, group_size) / weight_bytes(teacher)}
+            "bytes_ratio": weight_bytes(teacher, bits, group_size) / weight_bytes(teacher)}
     return scored(student, data, args, start, info)
 
 
@@ -177,7 +186,8 @@ def run_formats_distill(teacher, data, ratio, args) -> dict:
     return scored(student, data, args, start, info)
 
 
-BASELINES = {"low-rank distill": run_low_rank, "int8 dynamic": run_int8_dynamic, "int4 group64": run_int4_group,
+BASELINES = {"low-rank distill": run_low_rank, "int8 dynamic": run_int8_dynamic, "int4 group64": run_int_group,
+             "int8 group64": lambda *a: run_int_group(*a, bits=8),
              "layer drop distill": run_layer_drop, "distill calibrated+energy +int8": run_tt_int8,
              "formats": run_formats, "formats distill": run_formats_distill}
 

@@ -164,3 +164,26 @@ def test_bad_input_is_refused_before_any_weight_moves():
         comera_fx.choose_formats(model, cal, 0.2, formats=("fp8",), config=CONFIG)
     after = model.state_dict()
     assert all(torch.equal(after[k], v) for k, v in before.items())
+
+
+def test_output_errors_are_measured_at_the_output_and_leave_the_model_as_it_was():
+    """With ``batches`` each candidate's error is the relative squared change of the model's output with that layer
+    alone replaced: checked in float64 from the weights (the layers add up: y = x (W_low + W_flat + W_mid)ᵀ).
+    The model comes back unchanged: weights, training flag, RNG state."""
+    model, batches, cal = calibrated()
+    model.train()
+    weights = {n: getattr(model, n).weight.detach().double().clone() for n in ("low", "flat", "mid")}
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.get_rng_state()
+    plan = comera_fx.choose_formats(model, cal, 0.15, ranks=(1, 2, 4, 8), config=CONFIG, batches=batches[:2])
+    assert model.training and torch.equal(torch.get_rng_state(), rng)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
+    assert plan.total_bytes <= plan.budget_bytes
+    x = torch.cat(batches[:2]).double()
+    total = x @ sum(weights.values()).T
+    comera_fx.apply_formats_(model, plan, cal)
+    for name, w in weights.items():
+        module = getattr(model, name)
+        built = (module.tt.dense().t() if isinstance(module, TTLinear) else module.weight).detach().double()
+        want = float((x @ (w - built).T).square().sum() / total.square().sum())
+        assert plan.choices[f"{name}.weight"].error == pytest.approx(want, rel=2e-3, abs=1e-9), name

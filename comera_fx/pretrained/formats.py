@@ -27,9 +27,13 @@ import torch
 from torch import Tensor, nn
 
 from ..config import TensorizeConfig
+from ..tt.layers import choose_layout_modes
+from ..tt.layout import TTFormat
+from ..tt.shapes import capped_ranks
 from ..passes.tensorize import tensorize_
 from ..quantize import QuantSpec, fake_quant, quantize_, stored_bytes
 from .calibrate import Calibration, InputStats, _linear_holders
+from .calling import default_output, eval_modes, preserved_rng
 
 FORMATS = ("int8", "int4", "tt")
 DEFAULT_RANKS = (4, 8, 16, 32, 64, 96)
@@ -212,20 +216,77 @@ def _budget_bytes(byte_budget, dense: int) -> int:
     return byte_budget
 
 
+def _tt_bytes_at_most(d_in: int, d_out: int, rank: int, num_modes: int | None, group: int) -> int:
+    """The bytes of the int8-cored TT at ``rank`` as ``tensorize_`` lays it out (its ranks can only come out
+    lower, for a rank-deficient weight), without decomposing anything."""
+    row_modes, col_modes = choose_layout_modes(d_in, d_out, TTFormat.TT, num_modes)
+    dims = row_modes + col_modes
+    ranks = capped_ranks(dims, rank)
+    return sum(QuantSpec(8, group).nbytes(ranks[k] * dims[k] * ranks[k + 1]) for k in range(len(dims)))
+
+
+def _smallest_bytes(holders, formats, ranks, group_sizes, core_group_size, num_modes) -> int:
+    """Per layer the fewest bytes any candidate could take, summed (an upper bound on the true minimum)."""
+    total = 0
+    for _, module, _, _ in holders:
+        sizes = [QuantSpec(bits, g).nbytes(module.weight.numel())
+                 for bits in (8, 4) if f"int{bits}" in formats for g in group_sizes]
+        if "tt" in formats:
+            sizes.append(_tt_bytes_at_most(module.in_features, module.out_features, min(ranks), num_modes,
+                                            core_group_size))
+        total += min(sizes)
+    return total
+
+
+class _OutputError:
+    """A candidate's error measured at the model's output: only that layer's weight swapped for the candidate's
+    dense equivalent, ||y' - y||² / ||y||² summed over ``batches``."""
+
+    def __init__(self, model: nn.Module, batches: Sequence, output_fn):
+        from ..passes.find import split_example_inputs
+
+        self.model, self.output_fn = model, output_fn or default_output
+        self.calls = [split_example_inputs(b) for b in batches]
+        self.reference = self._run()
+
+    def _run(self) -> list[Tensor]:
+        return [self.output_fn(self.model(*args, **kwargs)).detach().double() for args, kwargs in self.calls]
+
+    def __call__(self, module: nn.Linear, weight: Tensor) -> float:
+        original = module.weight.data
+        module.weight.data = weight.to(original.dtype)
+        try:
+            outputs = self._run()
+        finally:
+            module.weight.data = original
+        num = sum(float((o - r).square().sum()) for o, r in zip(outputs, self.reference))
+        den = sum(float(r.square().sum()) for r in self.reference)
+        return num / den if den > 0 else 0.0
+
+
 @torch.no_grad()
 def choose_formats(model: nn.Module, calibration: Calibration, byte_budget: int | float, *,
                    formats: Sequence[str] = FORMATS, ranks: Sequence[int] = DEFAULT_RANKS,
                    group_sizes: Sequence[int] = DEFAULT_GROUPS, core_group_size: int = 64,
-                   num_modes: int | None = None, config: TensorizeConfig | None = None) -> FormatPlan:
+                   num_modes: int | None = None, config: TensorizeConfig | None = None,
+                   batches: Sequence | None = None, output_fn=None) -> FormatPlan:
     """Choose a storage format per large ``nn.Linear`` of the dense ``model`` so that their weights fit
     ``byte_budget`` (bytes, or a float fraction of their fp32 bytes) with the least summed relative output error on
     ``calibration`` (``comera_fx.calibrate(model, batches)``). Reads the model only; ``apply_formats_`` builds it.
 
     ``formats``: the candidates (module docstring); ``ranks``: the TT ranks tried (``max_rank``), TT-SVD with
     ``num_modes`` modes per side; ``group_sizes``: the weights per fp32 scale tried for the dense int grids,
-    ``core_group_size`` the TT cores'; ``config``: which
-    layers are large (``min_numel`` / ``min_dim`` / ``skip``), as for ``calibrate``. A budget below the smallest
-    candidates' total, or a calibration of another model, is refused before anything is computed."""
+    ``core_group_size`` the TT cores'; ``config``: which layers are large (``min_numel`` / ``min_dim`` / ``skip``),
+    as for ``calibrate``.
+
+    ``batches`` (a few model inputs, as for ``calibrate``): score each candidate at the model's output instead, the
+    relative squared change of ``output_fn(model(batch))`` (default: the output tensor or ``last_hidden_state``)
+    with that layer alone replaced; slower (one pass over ``batches`` per candidate), but it sees how much each
+    layer's error reaches the output. The model is read only (its weights are swapped back; eval mode and the RNG
+    state are restored).
+
+    A budget below what the smallest candidates need, or a calibration of another model, is refused before any
+    candidate is computed; the model's weights are never changed."""
     unknown = sorted(set(formats) - set(FORMATS))
     if unknown or not formats:
         raise ValueError(f"formats must be a non-empty subset of {FORMATS}, got {tuple(formats)}")
@@ -235,6 +296,19 @@ def choose_formats(model: nn.Module, calibration: Calibration, byte_budget: int 
     holders = check_calibration(model, calibration, config)
     dense = sum(4 * module.weight.numel() for _, module, _, _ in holders)
     budget = _budget_bytes(byte_budget, dense)
+    smallest = _smallest_bytes(holders, formats, ranks, group_sizes, core_group_size, num_modes)
+    if smallest > budget:
+        raise ValueError(f"byte_budget {budget:,} bytes ({budget / dense:.4f} of the fp32 dense {dense:,}) is below "
+                         f"the smallest formats' total, {smallest:,} bytes ({smallest / dense:.4f}); raise the budget "
+                         f"or allow smaller formats (ranks={tuple(ranks)}, formats={tuple(formats)})")
+    with eval_modes(model), preserved_rng():
+        candidates, paths = _measure(model, holders, calibration, formats, ranks, group_sizes, core_group_size,
+                                     num_modes, _OutputError(model, batches, output_fn) if batches else None)
+    return FormatPlan(select(candidates, budget), candidates, budget, dense, num_modes, paths)
+
+
+def _measure(model, holders, calibration, formats, ranks, group_sizes, core_group_size, num_modes, output_error):
+    """Every candidate of every layer, with its bytes and error."""
     candidates: dict[str, list[FormatChoice]] = {}
     paths = {}
     for path, module, fqn, _ in holders:
@@ -244,8 +318,10 @@ def choose_formats(model: nn.Module, calibration: Calibration, byte_budget: int 
         for bits in (8, 4):
             for group in group_sizes if f"int{bits}" in formats else ():
                 approx = fake_quant(weight, bits, group)
+                error = (output_error(module, approx) if output_error else
+                         relative_error(weight.t(), approx.t(), stats.second_moment))
                 found.append(FormatChoice(fqn, f"int{bits}", None, QuantSpec(bits, group).nbytes(weight.numel()),
-                                          relative_error(weight.t(), approx.t(), stats.second_moment), group))
+                                          error, group))
         if "tt" in formats:
             seen_bytes = set()
             for rank in sorted(ranks):
@@ -253,16 +329,11 @@ def choose_formats(model: nn.Module, calibration: Calibration, byte_budget: int 
                 if choice.bytes in seen_bytes:  # the rank was clamped to a smaller one's
                     continue
                 seen_bytes.add(choice.bytes)
-                error = relative_error(weight.t(), approx, stats.second_moment)
+                error = (output_error(module, approx.t()) if output_error else
+                         relative_error(weight.t(), approx, stats.second_moment))
                 found.append(FormatChoice(fqn, "tt", rank, choice.bytes, error, core_group_size))
         candidates[fqn] = found
-    smallest = sum(min(c.bytes for c in found) for found in candidates.values())
-    if smallest > budget:
-        raise ValueError(f"byte_budget {budget:,} bytes ({budget / dense:.4f} of the fp32 dense {dense:,}) is below "
-                         f"the smallest formats' total, {smallest:,} bytes ({smallest / dense:.4f}); raise the budget "
-                         f"or allow smaller formats (ranks={tuple(ranks)}, formats={tuple(formats)})")
-    choices = select(candidates, budget)
-    return FormatPlan(choices, candidates, budget, dense, num_modes, paths)
+    return candidates, paths
 
 
 @dataclass

@@ -1,0 +1,60 @@
+"""Cosine to the teacher against weight bytes, every method of one or more ``bench_distill.py`` runs: the frontier a
+user reads before choosing how to shrink an encoder.
+
+    .venv/bin/python benchmarks/plot_frontier.py runs/a/results.json runs/b/results.json \\
+        --out docs/pretrained_run/cosine_vs_bytes.png
+
+Each point is one cell: x = the encoder weight matrices' bytes / their fp32 bytes, y = mean cosine to the teacher's
+sentence embeddings on the other-source text (``--held-out``: on held-out stdlib text). A method run twice at the same
+bytes (the same cell in two files) keeps its last figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def points(paths: list[Path], key: str) -> dict[str, dict[float, float]]:
+    """{method: {bytes ratio: cosine}} over every cell of every results file."""
+    found: dict[str, dict[float, float]] = {}
+    for path in paths:
+        data = json.loads(path.read_text())
+        for cell in data["results"] if isinstance(data, dict) else data:
+            if cell.get(key) is not None and cell.get("bytes_ratio") is not None:
+                found.setdefault(cell["method"], {})[round(cell["bytes_ratio"], 4)] = cell[key]
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("results", type=Path, nargs="+")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--held-out", action="store_true", help="held-out stdlib text instead of other-source text")
+    args = parser.parse_args()
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    key = "cosine" if args.held_out else "cosine_other"
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for method, cells in sorted(points(args.results, key).items()):
+        xs = sorted(cells)
+        ax.plot(xs, [cells[x] for x in xs], "o-", label=method)
+        for x in xs:
+            print(f"{method:36s} bytes {x:.4f}  cosine {cells[x]:.4f}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("encoder weight bytes / fp32 dense (log scale)")
+    ax.set_ylabel("mean cosine to the teacher, " + ("held-out stdlib text" if args.held_out else "other-source text"))
+    ax.axhline(0.95, color="grey", lw=0.5, ls="--")
+    ax.axhline(0.90, color="grey", lw=0.5, ls=":")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(args.out, dpi=120)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
