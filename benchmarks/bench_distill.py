@@ -142,18 +142,21 @@ def run_tt_int8(teacher, data, ratio, args) -> dict:
     return info
 
 
+OUTPUT_BATCHES = 2  # calibration batches that score candidates at the output in the "formats output" cells
 ENCODER_ONLY = comera_fx.TensorizeConfig(skip=[r"^(?!bert\.encoder\.)"])  # the pooler is not in the embedding
 
 
-def formats_student(teacher, data, ratio, args):
+def formats_student(teacher, data, ratio, args, output_batches: int = 0):
     """``choose_formats`` + ``apply_formats_`` at ``ratio`` of the encoder linears' fp32 bytes (calibrated on the
-    training text): returns (student, info)."""
+    training text; ``output_batches``: that many of those batches score the candidates at the model's output):
+    returns (student, info)."""
     student = copy.deepcopy(teacher)
     draw = cp.training_sampler(data, args, seed=args.seed)
     start = time.perf_counter()
     batches = [draw() for _ in range(args.calibration_batches)]
     calibration = comera_fx.calibrate(student, batches, token_mask=cp.real_tokens, config=ENCODER_ONLY)
-    plan = comera_fx.choose_formats(student, calibration, ratio, config=ENCODER_ONLY)
+    plan = comera_fx.choose_formats(student, calibration, ratio, config=ENCODER_ONLY,
+                                    batches=batches[:output_batches] or None)
     comera_fx.apply_formats_(student, plan, calibration)
     print(plan, flush=True)
     info = {"steps": 0, "train_s": 0.0, "setup_s": time.perf_counter() - start, "ratio": ratio, "ranks": {},
@@ -162,17 +165,17 @@ def formats_student(teacher, data, ratio, args):
     return student, info
 
 
-def run_formats(teacher, data, ratio, args) -> dict:
+def run_formats(teacher, data, ratio, args, output_batches: int = 0) -> dict:
     """A format per layer (int8 / int4 / TT with int8 cores) under one byte budget, no training."""
     start = time.perf_counter()
-    student, info = formats_student(teacher, data, ratio, args)
+    student, info = formats_student(teacher, data, ratio, args, output_batches)
     return scored(student, data, args, start, info)
 
 
-def run_formats_distill(teacher, data, ratio, args) -> dict:
+def run_formats_distill(teacher, data, ratio, args, output_batches: int = 0) -> dict:
     """The same, then distilled in float for the budget and rounded back onto each layer's grid."""
     start = time.perf_counter()
-    student, info = formats_student(teacher, data, ratio, args)
+    student, info = formats_student(teacher, data, ratio, args, output_batches)
     info.update({f"start_{k}": v for k, v in cp.evaluate(student, data, args.reference).items()
                  if k in ("cosine", "cosine_other")})
     cp.freeze_word_embedding(student, args)
@@ -189,7 +192,9 @@ def run_formats_distill(teacher, data, ratio, args) -> dict:
 BASELINES = {"low-rank distill": run_low_rank, "int8 dynamic": run_int8_dynamic, "int4 group64": run_int_group,
              "int8 group64": lambda *a: run_int_group(*a, bits=8),
              "layer drop distill": run_layer_drop, "distill calibrated+energy +int8": run_tt_int8,
-             "formats": run_formats, "formats distill": run_formats_distill}
+             "formats": run_formats, "formats distill": run_formats_distill,
+             "formats output": lambda *a: run_formats(*a, output_batches=OUTPUT_BATCHES),
+             "formats output distill": lambda *a: run_formats_distill(*a, output_batches=OUTPUT_BATCHES)}
 
 
 def main() -> None:

@@ -14,7 +14,7 @@ from torch import nn
 
 import comera_fx
 from comera_fx.pretrained.formats import FormatChoice, _hull, select, select_on_hulls
-from comera_fx.quantize import quantized_specs, stored_bytes
+from comera_fx.quantize import QuantSpec, quantized_specs, stored_bytes
 from comera_fx.tt.layers import TTLinear
 
 
@@ -106,7 +106,7 @@ def test_plan_fits_the_budget_and_its_errors_are_the_built_models():
     inputs = layer_inputs(model, batches)
     plan = comera_fx.choose_formats(model, cal, 0.15, ranks=(1, 2, 4, 8, 16), config=CONFIG)
     assert plan.total_bytes <= plan.budget_bytes == int(0.15 * plan.dense_bytes)
-    assert plan.choices["low.weight"].format == "tt"
+    assert plan.choices["low.weight"].format in ("tt", "tt4")
     assert plan.choices["flat.weight"].format in ("int8", "int4")
     comera_fx.apply_formats_(model, plan, cal)
     assert isinstance(model.low, TTLinear) and isinstance(model.flat, nn.Linear)
@@ -117,7 +117,13 @@ def test_plan_fits_the_budget_and_its_errors_are_the_built_models():
         want = float((x @ (w - built).T).square().sum() / (x @ w.T).square().sum())
         assert plan.choices[f"{name}.weight"].error == pytest.approx(want, rel=1e-6, abs=1e-12), name
     assert stored_bytes(model) == plan.total_bytes
-    assert len(quantized_specs(model)) == sum(
+    specs = quantized_specs(model)
+    for name in ("low", "flat", "mid"):  # each layer on its chosen grid
+        choice, module = plan.choices[f"{name}.weight"], getattr(model, name)
+        bits = {"tt": 8, "tt4": 4}.get(choice.format) or int(choice.format[3:])
+        mine = [spec for key, spec in specs.items() if key.startswith(f"{name}.")]
+        assert mine and all(spec == QuantSpec(bits, choice.group_size) for spec in mine), name
+    assert len(specs) == sum(
         len(list(getattr(model, n).tt.cores)) if isinstance(getattr(model, n), TTLinear) else 1
         for n in ("low", "flat", "mid"))
 

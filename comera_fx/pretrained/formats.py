@@ -6,8 +6,8 @@ little to int8, and one with a steep spectrum is the reverse. The candidates per
 
     int8 / int4   the dense weight on a grid (``comera_fx.quantize``), one fp32 scale per group of consecutive
                   weights, for each group size in ``group_sizes`` (a larger group: fewer bytes, a coarser grid)
-    tt            activation-aware TT-SVD at each rank in ``ranks`` (what ``tensorize_`` builds with the
-                  calibration), its cores on the int8 grid: structure and precision multiply
+    tt / tt4      activation-aware TT-SVD at each rank in ``ranks`` (what ``tensorize_`` builds with the
+                  calibration), its cores on the int8 / int4 grid: structure and precision multiply
 
 and each is scored by its relative output error on the calibration inputs,
 e(Ŵ) = ||X (M - M̂)||² / ||X M||² = tr((M - M̂)ᵀ C (M - M̂)) / tr(Mᵀ C M), M = Wᵀ, C = XᵀX / n. The plan minimises
@@ -35,15 +35,16 @@ from ..quantize import QuantSpec, fake_quant, quantize_, stored_bytes
 from .calibrate import Calibration, InputStats, _linear_holders
 from .calling import default_output, eval_modes, preserved_rng
 
-FORMATS = ("int8", "int4", "tt")
+FORMATS = ("int8", "int4", "tt", "tt4")
+CORE_BITS = {"tt": 8, "tt4": 4}  # the TT formats' core grids
 DEFAULT_RANKS = (4, 8, 16, 32, 64, 96)
 DEFAULT_GROUPS = (32, 64, 128, 384)
 
 
 @dataclass(frozen=True)
 class FormatChoice:
-    """One way to store one layer: ``format`` (``"int8"``, ``"int4"``, ``"tt"``: TT at ``max_rank`` with int8
-    cores), its grid's ``group_size``, the bytes it takes and its relative output error on the calibration inputs."""
+    """One way to store one layer: ``format`` (``"int8"``, ``"int4"``, ``"tt"`` / ``"tt4"``: TT at ``max_rank``
+    with int8 / int4 cores), its grid's ``group_size``, the bytes it takes and its relative output error on the calibration inputs."""
 
     fqn: str
     format: str
@@ -53,8 +54,8 @@ class FormatChoice:
     group_size: int = 64
 
     def label(self) -> str:
-        if self.format == "tt":
-            return f"tt r{self.max_rank} int8"
+        if self.format in CORE_BITS:
+            return f"tt r{self.max_rank} int{CORE_BITS[self.format]}"
         return f"{self.format} g{self.group_size}"
 
 
@@ -126,20 +127,24 @@ def check_calibration(model: nn.Module, calibration: Calibration, config: Tensor
     return holders
 
 
-def _tt_candidate(linear: nn.Linear, stats: InputStats, rank: int, group_size: int, num_modes: int | None,
-                  fqn: str) -> tuple[FormatChoice, Tensor]:
-    """The int8-cored TT of ``linear`` at ``rank`` as ``tensorize_`` builds it with this calibration."""
+def _tt_candidates(linear: nn.Linear, stats: InputStats, rank: int, group_size: int, num_modes: int | None,
+                   fqn: str, formats: Sequence[str]) -> list[tuple[FormatChoice, Tensor]]:
+    """The TT of ``linear`` at ``rank`` as ``tensorize_`` builds it with this calibration, its cores on each grid
+    of ``formats`` (``"tt"``: int8, ``"tt4"``: int4): (choice without its error, the dense M̂ it stands for)."""
     holder = nn.Module()
     holder.lin = nn.Linear(linear.in_features, linear.out_features, bias=False, device=linear.weight.device,
                            dtype=linear.weight.dtype)
-    with torch.no_grad():
-        holder.lin.weight.copy_(linear.weight)
+    holder.lin.weight.copy_(linear.weight)
     config = TensorizeConfig(max_rank=rank, num_modes=num_modes, min_numel=1, min_dim=1)
     tensorize_(holder, config, calibration=Calibration({"lin.weight": stats}))
-    quantize_(holder, 8, group_size)
-    with torch.no_grad():
-        approx = holder.lin.tt.dense()
-    return FormatChoice(fqn, "tt", rank, stored_bytes(holder), 0.0), approx
+    cores = [core.detach().clone() for core in holder.lin.tt.cores]
+    found = []
+    for name in (f for f in ("tt", "tt4") if f in formats):
+        for core, value in zip(holder.lin.tt.cores, cores):
+            core.copy_(value)
+        quantize_(holder, CORE_BITS[name], group_size)
+        found.append((FormatChoice(fqn, name, rank, stored_bytes(holder), 0.0, group_size), holder.lin.tt.dense()))
+    return found
 
 
 def _hull(candidates: list[FormatChoice]) -> list[FormatChoice]:
@@ -216,13 +221,13 @@ def _budget_bytes(byte_budget, dense: int) -> int:
     return byte_budget
 
 
-def _tt_bytes_at_most(d_in: int, d_out: int, rank: int, num_modes: int | None, group: int) -> int:
-    """The bytes of the int8-cored TT at ``rank`` as ``tensorize_`` lays it out (its ranks can only come out
+def _tt_bytes_at_most(d_in: int, d_out: int, rank: int, num_modes: int | None, bits: int, group: int) -> int:
+    """The bytes of the TT at ``rank`` with ``bits``-bit cores as ``tensorize_`` lays it out (its ranks can only come out
     lower, for a rank-deficient weight), without decomposing anything."""
     row_modes, col_modes = choose_layout_modes(d_in, d_out, TTFormat.TT, num_modes)
     dims = row_modes + col_modes
     ranks = capped_ranks(dims, rank)
-    return sum(QuantSpec(8, group).nbytes(ranks[k] * dims[k] * ranks[k + 1]) for k in range(len(dims)))
+    return sum(QuantSpec(bits, group).nbytes(ranks[k] * dims[k] * ranks[k + 1]) for k in range(len(dims)))
 
 
 def _smallest_bytes(holders, formats, ranks, group_sizes, core_group_size, num_modes) -> int:
@@ -231,9 +236,9 @@ def _smallest_bytes(holders, formats, ranks, group_sizes, core_group_size, num_m
     for _, module, _, _ in holders:
         sizes = [QuantSpec(bits, g).nbytes(module.weight.numel())
                  for bits in (8, 4) if f"int{bits}" in formats for g in group_sizes]
-        if "tt" in formats:
+        for name in (f for f in CORE_BITS if f in formats):
             sizes.append(_tt_bytes_at_most(module.in_features, module.out_features, min(ranks), num_modes,
-                                            core_group_size))
+                                            CORE_BITS[name], core_group_size))
         total += min(sizes)
     return total
 
@@ -322,16 +327,15 @@ def _measure(model, holders, calibration, formats, ranks, group_sizes, core_grou
                          relative_error(weight.t(), approx.t(), stats.second_moment))
                 found.append(FormatChoice(fqn, f"int{bits}", None, QuantSpec(bits, group).nbytes(weight.numel()),
                                           error, group))
-        if "tt" in formats:
-            seen_bytes = set()
-            for rank in sorted(ranks):
-                choice, approx = _tt_candidate(module, stats, rank, core_group_size, num_modes, fqn)
-                if choice.bytes in seen_bytes:  # the rank was clamped to a smaller one's
+        seen = set()
+        for rank in sorted(ranks) if any(f in formats for f in CORE_BITS) else ():
+            for choice, approx in _tt_candidates(module, stats, rank, core_group_size, num_modes, fqn, formats):
+                if (choice.format, choice.bytes) in seen:  # the rank was clamped to a smaller one's
                     continue
-                seen_bytes.add(choice.bytes)
+                seen.add((choice.format, choice.bytes))
                 error = (output_error(module, approx.t()) if output_error else
                          relative_error(weight.t(), approx, stats.second_moment))
-                found.append(FormatChoice(fqn, "tt", rank, choice.bytes, error, core_group_size))
+                found.append(FormatChoice(fqn, choice.format, rank, choice.bytes, error, core_group_size))
         candidates[fqn] = found
     return candidates, paths
 
@@ -350,15 +354,16 @@ def apply_formats_(model: nn.Module, plan: FormatPlan, calibration: Calibration)
     with the calibration at their ranks, TT cores and int layers by ``quantize_``. Build the optimizer after this
     call (the TT cores are new parameters)."""
     _check_plan_fits(model, plan, calibration)
-    tt = {fqn: c for fqn, c in plan.choices.items() if c.format == "tt"}
+    tt = {fqn: c for fqn, c in plan.choices.items() if c.format in CORE_BITS}
     summary = None
     if tt:
         overrides = {rf"^{re.escape(fqn)}$": {"max_rank": c.max_rank} for fqn, c in tt.items()}
         config = TensorizeConfig(num_modes=plan.num_modes, min_numel=1, min_dim=1, skip=[_only(tt)], overrides=overrides)
         summary = tensorize_(model, config, calibration=Calibration({f: calibration[f] for f in tt}))
     for fqn, c in plan.choices.items():  # TT cores and dense int grids, each layer on its own grid
-        bits = 8 if c.format == "tt" else int(c.format[3:])
-        quantize_(model, bits, c.group_size, dense_linears=c.format != "tt", include=_paths_regex(plan, [fqn]))
+        bits = CORE_BITS[c.format] if c.format in CORE_BITS else int(c.format[3:])
+        quantize_(model, bits, c.group_size, dense_linears=c.format not in CORE_BITS,
+                  include=_paths_regex(plan, [fqn]))
     return FormatSummary(plan, summary, stored_bytes(model, only=_planned_params(model, plan)))
 
 
