@@ -6,7 +6,7 @@ user reads before choosing how to shrink an encoder.
 
 Each point is one cell: x = the encoder weight matrices' bytes / their fp32 bytes, y = mean cosine to the teacher's
 sentence embeddings on the other-source text (``--held-out``: on held-out stdlib text). A method run twice at the same
-bytes (the same cell in two files) keeps its last figure.
+bytes (the same cell in two files) keeps its last figure; ``PATH=OLD>NEW`` keeps a file's cells apart.
 """
 
 from __future__ import annotations
@@ -16,20 +16,24 @@ import json
 from pathlib import Path
 
 
-def points(paths: list[Path], key: str) -> dict[str, dict[float, float]]:
-    """{method: {bytes ratio: cosine}} over every cell of every results file."""
+def points(specs: list[str], key: str) -> dict[str, dict[float, float]]:
+    """{method: {bytes ratio: cosine}} over every cell of every results file. A spec ``PATH=OLD>NEW`` shows that
+    file's method OLD as NEW (runs of different code versions stay apart)."""
     found: dict[str, dict[float, float]] = {}
-    for path in paths:
-        data = json.loads(path.read_text())
+    for spec in specs:
+        path, _, rename = spec.partition("=")
+        old, _, new = rename.partition(">")
+        data = json.loads(Path(path).read_text())
         for cell in data["results"] if isinstance(data, dict) else data:
             if cell.get(key) is not None and cell.get("bytes_ratio") is not None:
-                found.setdefault(cell["method"], {})[round(cell["bytes_ratio"], 4)] = cell[key]
+                method = new if rename and cell["method"] == old else cell["method"]
+                found.setdefault(method, {})[round(cell["bytes_ratio"], 4)] = cell[key]
     return found
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("results", type=Path, nargs="+")
+    parser.add_argument("results", nargs="+", help="results.json files; PATH=OLD>NEW renames a method of that file")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--held-out", action="store_true", help="held-out stdlib text instead of other-source text")
     args = parser.parse_args()

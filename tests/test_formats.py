@@ -23,8 +23,8 @@ from comera_fx.tt.layers import TTLinear
                 min_size=1, max_size=3), st.integers(0, 200), st.integers(0, 12))
 def test_selection_fits_and_is_optimal_at_its_own_breakpoints(layers, budget_extra, steps):
     """Against brute force over every combination of every candidate (dominated ones included): the choice always
-    fits the budget, no single swap that fits improves it, and at a budget where the steps of best error per byte, taken in order, fill it exactly, no
-    combination of at most that many bytes has a smaller summed error."""
+    fits the budget, no single swap that fits improves it, and at a budget where the steps of best error per byte,
+    taken in order, fill it exactly, no combination of at most that many bytes has a smaller summed error."""
     candidates = {f"l{i}": [FormatChoice(f"l{i}", "int8", None, b, e) for b, e in cands]
                   for i, cands in enumerate(layers)}
     hulls = {fqn: _hull(c) for fqn, c in candidates.items()}

@@ -44,7 +44,7 @@ DEFAULT_GROUPS = (32, 64, 128, 384)
 @dataclass(frozen=True)
 class FormatChoice:
     """One way to store one layer: ``format`` (``"int8"``, ``"int4"``, ``"tt"`` / ``"tt4"``: TT at ``max_rank``
-    with int8 / int4 cores), its grid's ``group_size``, the bytes it takes and its relative output error on the calibration inputs."""
+    with int8 / int4 cores), its grid's ``group_size``, the bytes it takes and its relative output error."""
 
     fqn: str
     format: str
@@ -222,8 +222,8 @@ def _budget_bytes(byte_budget, dense: int) -> int:
 
 
 def _tt_bytes_at_most(d_in: int, d_out: int, rank: int, num_modes: int | None, bits: int, group: int) -> int:
-    """The bytes of the TT at ``rank`` with ``bits``-bit cores as ``tensorize_`` lays it out (its ranks can only come out
-    lower, for a rank-deficient weight), without decomposing anything."""
+    """The bytes of the TT at ``rank`` with ``bits``-bit cores as ``tensorize_`` lays it out (its ranks can only
+    come out lower, for a rank-deficient weight), without decomposing anything."""
     row_modes, col_modes = choose_layout_modes(d_in, d_out, TTFormat.TT, num_modes)
     dims = row_modes + col_modes
     ranks = capped_ranks(dims, rank)
@@ -358,7 +358,8 @@ def apply_formats_(model: nn.Module, plan: FormatPlan, calibration: Calibration)
     summary = None
     if tt:
         overrides = {rf"^{re.escape(fqn)}$": {"max_rank": c.max_rank} for fqn, c in tt.items()}
-        config = TensorizeConfig(num_modes=plan.num_modes, min_numel=1, min_dim=1, skip=[_only(tt)], overrides=overrides)
+        config = TensorizeConfig(num_modes=plan.num_modes, min_numel=1, min_dim=1, skip=[_only(tt)],
+                                 overrides=overrides)
         summary = tensorize_(model, config, calibration=Calibration({f: calibration[f] for f in tt}))
     for fqn, c in plan.choices.items():  # TT cores and dense int grids, each layer on its own grid
         bits = CORE_BITS[c.format] if c.format in CORE_BITS else int(c.format[3:])
