@@ -11,7 +11,8 @@ other-source text (numpy / sympy docstrings): ``int8 dynamic`` (``quantize_dynam
 ``int4 group64`` (weight fake-quantization), ``layer drop distill``, ``low-rank distill``, ``distill
 calibrated+energy +int8`` (a TT student, then ``quantize_``), and ``formats`` / ``formats distill``
 (``choose_formats`` at ``--ratios`` read as a fraction of the fp32 bytes, then optionally distilled in float for the
-budget and rounded back onto each layer's grid). ``benchmarks/plot_frontier.py`` draws cosine against bytes from
+budget and rounded back onto each layer's grid; ``formats output [distill]``: candidates scored at the model's
+output on two calibration batches). ``benchmarks/plot_frontier.py`` draws cosine against bytes from
 the ``results.json`` files. Run timing-relevant runs under ``flock /tmp/comera_timing.lock``:
 
     flock /tmp/comera_timing.lock .venv/bin/python benchmarks/bench_distill.py --ratios 0.25 \\
@@ -143,7 +144,7 @@ def run_tt_int8(teacher, data, ratio, args) -> dict:
 
 
 OUTPUT_BATCHES = 2  # calibration batches that score candidates at the output in the "formats output" cells
-ENCODER_ONLY = comera_fx.TensorizeConfig(skip=[r"^(?!bert\.encoder\.)"])  # the pooler is not in the embedding
+ENCODER_ONLY = comera_fx.TensorizeConfig(skip=[r"^(?!bert\.encoder\.)"])  # the embedding never reads the pooler
 
 
 def formats_student(teacher, data, ratio, args, output_batches: int = 0):
@@ -166,7 +167,7 @@ def formats_student(teacher, data, ratio, args, output_batches: int = 0):
 
 
 def run_formats(teacher, data, ratio, args, output_batches: int = 0) -> dict:
-    """A format per layer (int8 / int4 / TT with int8 cores) under one byte budget, no training."""
+    """A format per layer (int8 / int4 / TT with int8 or int4 cores) under one byte budget, no training."""
     start = time.perf_counter()
     student, info = formats_student(teacher, data, ratio, args, output_batches)
     return scored(student, data, args, start, info)
