@@ -52,7 +52,17 @@ class QuantSpec:
 
     def nbytes(self, numel: int, scale_bytes: int = 4) -> int:
         """Bytes of ``numel`` weights stored on this grid: the codes plus one scale per group."""
-        return math.ceil(numel * self.bits / 8) + self.groups(numel) * scale_bytes
+        return quantized_bytes(numel, self.bits, self.group_size, scale_bytes)
+
+
+def quantized_bytes(numel: int, bits: int, group_size: int | None = None, scale_bytes: int = 4) -> int:
+    """Bytes of ``numel`` weights stored at ``bits`` bits each plus one ``scale_bytes`` scale per group of
+    ``group_size`` consecutive weights (``None``: one scale for the whole tensor). ``bits >= 16`` is float storage:
+    no scales."""
+    if bits >= 16:
+        return numel * bits // 8
+    groups = 1 if group_size is None else math.ceil(numel / group_size)
+    return math.ceil(numel * bits / 8) + groups * scale_bytes
 
 
 def _grouped(weight: Tensor, spec: QuantSpec) -> Tensor:

@@ -319,23 +319,25 @@ def _measure(model, holders, calibration, formats, ranks, group_sizes, core_grou
     for path, module, fqn, _ in holders:
         paths[fqn] = path
         weight, stats = module.weight.detach(), calibration[fqn]
+
+        def score(approx_in_out: Tensor) -> float:  # M̂ (in × out) against M = Wᵀ
+            if output_error is not None:
+                return output_error(module, approx_in_out.t())
+            return relative_error(weight.t(), approx_in_out, stats.second_moment)
+
         found = []
         for bits in (8, 4):
             for group in group_sizes if f"int{bits}" in formats else ():
                 approx = fake_quant(weight, bits, group)
-                error = (output_error(module, approx) if output_error else
-                         relative_error(weight.t(), approx.t(), stats.second_moment))
                 found.append(FormatChoice(fqn, f"int{bits}", None, QuantSpec(bits, group).nbytes(weight.numel()),
-                                          error, group))
+                                          score(approx.t()), group))
         seen = set()
         for rank in sorted(ranks) if any(f in formats for f in CORE_BITS) else ():
             for choice, approx in _tt_candidates(module, stats, rank, core_group_size, num_modes, fqn, formats):
                 if (choice.format, choice.bytes) in seen:  # the rank was clamped to a smaller one's
                     continue
                 seen.add((choice.format, choice.bytes))
-                error = (output_error(module, approx.t()) if output_error else
-                         relative_error(weight.t(), approx, stats.second_moment))
-                found.append(FormatChoice(fqn, choice.format, rank, choice.bytes, error, core_group_size))
+                found.append(FormatChoice(fqn, choice.format, rank, choice.bytes, score(approx), core_group_size))
         candidates[fqn] = found
     return candidates, paths
 

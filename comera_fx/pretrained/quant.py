@@ -10,24 +10,13 @@ measured by the same evaluation code.
 
 from __future__ import annotations
 
-import math
 
 import torch
 from torch import Tensor, nn
 
-from ..quantize import fake_quant  # noqa: F401  (the grid; re-exported for the benchmarks)
+from ..quantize import fake_quant, quantized_bytes  # noqa: F401  (re-exported for the benchmarks)
 
 ENCODER_PREFIX = "bert.encoder."
-
-
-def quantized_bytes(numel: int, bits: int, group_size: int | None = None, scale_bytes: int = 4) -> int:
-    """Bytes of ``numel`` weights stored at ``bits`` bits each plus one ``scale_bytes`` scale per group of
-    ``group_size`` consecutive weights (``None``: one scale for the whole tensor). ``bits >= 16`` is float storage:
-    no scales."""
-    if bits >= 16:
-        return numel * bits // 8
-    groups = 1 if group_size is None else math.ceil(numel / group_size)
-    return math.ceil(numel * bits / 8) + groups * scale_bytes
 
 
 def encoder_weights(model: nn.Module, prefix: str = ENCODER_PREFIX) -> dict[str, Tensor]:
