@@ -10,7 +10,6 @@ measured by the same evaluation code.
 
 from __future__ import annotations
 
-
 import torch
 from torch import Tensor, nn
 
