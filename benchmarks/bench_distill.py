@@ -33,6 +33,7 @@ import common  # benchmarks/ is this script's sys.path[0]
 
 common.use_this_checkout()  # this checkout's comera_fx, not an installed copy
 import comera_fx  # noqa: E402
+from comera_fx.pretrained.augment import Augmentation  # noqa: E402
 from comera_fx.pretrained.distill import match_teacher  # noqa: E402
 from comera_fx.pretrained.quant import ENCODER_PREFIX, fake_quant_, weight_bytes  # noqa: E402
 from comera_fx.quantize import requantize_, stored_bytes  # noqa: E402
@@ -150,7 +151,17 @@ ENCODER_ONLY = comera_fx.TensorizeConfig(skip=[r"^(?!bert\.encoder\.)"])  # the 
 def formats_student(teacher, data, ratio, args, output_batches: int = 0):
     """``choose_formats`` + ``apply_formats_`` at ``ratio`` of the encoder linears' fp32 bytes (calibrated on the
     training text; ``output_batches``: that many of those batches score the candidates at the model's output):
-    returns (student, info)."""
+    returns (student, info). Cells that share the choice (``formats output distill`` and its ``aug`` twin) reuse
+    one choice per run: the choice takes minutes, and the same start makes the cells comparable."""
+    cache = vars(args).setdefault("_formats_cache", {})
+    key = (ratio, output_batches)
+    if key not in cache:
+        cache[key] = _choose_formats(teacher, data, ratio, args, output_batches)
+    student, info = cache[key]
+    return copy.deepcopy(student), dict(info)
+
+
+def _choose_formats(teacher, data, ratio, args, output_batches: int):
     student = copy.deepcopy(teacher)
     draw = cp.training_sampler(data, args, seed=args.seed)
     start = time.perf_counter()
@@ -173,8 +184,10 @@ def run_formats(teacher, data, ratio, args, output_batches: int = 0) -> dict:
     return scored(student, data, args, start, info)
 
 
-def run_formats_distill(teacher, data, ratio, args, output_batches: int = 0) -> dict:
-    """The same, then distilled in float for the budget and rounded back onto each layer's grid."""
+def run_formats_distill(teacher, data, ratio, args, output_batches: int = 0, augment: bool = False) -> dict:
+    """The same, then distilled in float for the budget and rounded back onto each layer's grid (``augment``: on
+    ``comera_fx.pretrained.Augmentation()`` edits of the batches: spans / dropped tokens / shuffled chunks / spliced
+    rows)."""
     start = time.perf_counter()
     student, info = formats_student(teacher, data, ratio, args, output_batches)
     info.update({f"start_{k}": v for k, v in cp.evaluate(student, data, args.reference).items()
@@ -182,6 +195,7 @@ def run_formats_distill(teacher, data, ratio, args, output_batches: int = 0) -> 
     cp.freeze_word_embedding(student, args)
     losses, seconds, _ = match_teacher(
         student, teacher, cp.training_sampler(data, args, seed=args.seed),
+        augment=Augmentation(max_growth=2.0) if augment else None,  # spliced rows up to twice the batch width
         steps=args.steps, budget_seconds=args.budget_seconds, loss_fn=cp.distill_loss,
         hidden_modules=cp.hidden_layers(teacher), hidden_weight=1 / 6, lr=args.lr, progress=not args.no_progress)
     requantize_(student)
@@ -195,7 +209,9 @@ BASELINES = {"low-rank distill": run_low_rank, "int8 dynamic": run_int8_dynamic,
              "layer drop distill": run_layer_drop, "distill calibrated+energy +int8": run_tt_int8,
              "formats": run_formats, "formats distill": run_formats_distill,
              "formats output": lambda *a: run_formats(*a, output_batches=OUTPUT_BATCHES),
-             "formats output distill": lambda *a: run_formats_distill(*a, output_batches=OUTPUT_BATCHES)}
+             "formats output distill": lambda *a: run_formats_distill(*a, output_batches=OUTPUT_BATCHES),
+             "formats output distill aug": lambda *a: run_formats_distill(*a, output_batches=OUTPUT_BATCHES,
+                                                                          augment=True)}
 
 
 def main() -> None:

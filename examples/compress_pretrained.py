@@ -337,7 +337,7 @@ def run_tt(teacher, data, ratio: float, allocation: str, distill: bool, args,
             loss_fn=distill_loss, hidden_modules=hidden_layers(teacher), hidden_weight=1 / 6, lr=args.lr,
             allocation=allocation, calibration_batches=args.calibration_batches if calibrated else 0,
             token_mask=real_tokens, refit=refit, start_ratio=args.start_ratio, config=base,
-            progress=not args.no_progress)
+            augment=comera_fx.pretrained.Augmentation() if args.augment else None, progress=not args.no_progress)
         info = {"steps": summary.steps, "train_s": summary.seconds, "setup_s": summary.setup_seconds,
                 "ratio": summary.ratio, "ranks": {k: list(v) for k, v in summary.ranks.items()},
                 "loss_first": summary.losses[0], "loss_last": sum(summary.losses[-10:]) / len(summary.losses[-10:])}
@@ -421,6 +421,8 @@ def main(argv=None, extra: dict | None = None) -> dict:
     parser.add_argument("--by-length", action=argparse.BooleanOptionalAction, default=True,
                         help="batches of texts of neighbouring lengths (less padding; default on)")
     parser.add_argument("--train-embedding", action="store_true", help="also train the dense word embedding")
+    parser.add_argument("--augment", action="store_true",
+                        help="distill on edited copies of the batches too (comera_fx.pretrained.Augmentation)")
     parser.add_argument("--calibration-batches", type=int, default=32,
                         help="batches for the calibrated cells' statistics (padding rows left out) and the refit")
     parser.add_argument("--train-len", type=int, default=64, help="training texts are cut to this many tokens")

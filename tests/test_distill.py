@@ -173,6 +173,38 @@ def test_output_fn_and_global_rng_untouched(teacher):
     assert len(seen) == 6 and s.steps == 3  # teacher and student, per step
 
 
+def test_augment_edits_training_batches_only(teacher):
+    """``augment=``: the calibration sees the batches as given; the training steps see edited copies (both models
+    the same copy), drawn from augment's own generator."""
+    batches = [{"input_ids": b["input_ids"], "attention_mask": torch.ones_like(b["input_ids"])}
+               for b in make_batches(3, seed=13)]
+    given = {tuple(row) for b in batches for row in b["input_ids"].tolist()}
+    seen = {"teacher": [], "student": []}
+
+    def record(name):
+        def hook(module, args, kwargs):
+            seen[name].append(kwargs["input_ids"].tolist())
+        return hook
+
+    student = copy.deepcopy(teacher)
+    handles = [teacher.register_forward_pre_hook(record("teacher"), with_kwargs=True),
+               student.register_forward_pre_hook(record("student"), with_kwargs=True)]
+    state = torch.random.get_rng_state()
+    try:
+        edits = comera_fx.pretrained.Augmentation(batch_fraction=1.0, span=1.0, drop=1.0, drop_rate=0.5)
+        s = comera_fx.distill_(student, teacher, batches, size_target=0.5, steps=6, calibration_batches=2,
+                               config=SMALL, augment=edits, progress=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert s.steps == 6 and torch.equal(state, torch.random.get_rng_state())
+    calibration, training = seen["student"][:2], seen["student"][2:]
+    assert all(tuple(row) in given for batch in calibration for row in batch)  # calibration: as given
+    assert seen["teacher"] == training and len(training) == 6  # the teacher labels the same edited copies
+    edited_rows = [tuple(row) for batch in training for row in batch if tuple(row) not in given]
+    assert len(edited_rows) > len(training)  # spans and dropped tokens: most training rows are new text
+
+
 def test_student_works_after_distillation(teacher):
     student = copy.deepcopy(teacher)
     comera_fx.distill_(student, teacher, make_batches(2, seed=9), size_target=0.5, steps=2, config=SMALL,

@@ -4,6 +4,7 @@ refit layer by layer, distill against the original.
 Layering: this package sits above ``runtime`` (distillation trains under ``RankAdaptive``) and ``passes`` (it
 tensorizes through ``tensorize_``); nothing below imports it.
 
+    augment.py     ``Augmentation`` / ``augmented``: edited copies of token batches for distillation
     calling.py     how a user's model is called: the output tensor to match, a block's input slot, eval mode, RNG
     calibrate.py   input second moments of the layers ``tensorize_`` would convert
     refit.py       ``refit_sequential_``: each layer refit on the compressed model's own inputs
@@ -13,10 +14,11 @@ tensorizes through ``tensorize_``); nothing below imports it.
     quant.py       weight bytes and fake-quantization of the baselines in benchmarks/bench_distill.py
 """
 
+from .augment import Augmentation, augmented
 from .calibrate import Calibration, InputStats, calibrate
 from .distill import DistillSummary, distill_
 from .formats import FormatChoice, FormatPlan, FormatSummary, apply_formats_, choose_formats
 from .refit import RefitSummary, refit_sequential_
 
-__all__ = ["Calibration", "DistillSummary", "FormatChoice", "FormatPlan", "FormatSummary", "InputStats",
-           "RefitSummary", "apply_formats_", "calibrate", "choose_formats", "distill_", "refit_sequential_"]
+__all__ = ["Augmentation", "Calibration", "DistillSummary", "FormatChoice", "FormatPlan", "FormatSummary", "InputStats",
+           "RefitSummary", "apply_formats_", "augmented", "calibrate", "choose_formats", "distill_", "refit_sequential_"]

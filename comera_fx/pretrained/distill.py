@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ..config import TensorizeConfig, warn_renamed
+from .augment import Augmentation, Augmenter
 from .calibrate import Calibration, calibrate
 from ..runtime.distributed import RankSync, world_size
 from .calling import default_output, eval_modes, input_slot
@@ -362,6 +363,7 @@ def distill_(
     calibration_batches: int = 8,
     token_mask: Callable[[Any], Tensor] | None = None,
     refit: bool = False,
+    augment: Augmentation | None = None,
     progress: bool = True,
     clock: Callable[[], float] | None = None,
     target_ratio: float | None = None,
@@ -419,6 +421,11 @@ def distill_(
             ``calibration_batches`` >= 1, and enough tokens to pay (>= 32 batches of short texts). Off by default:
             on all-MiniLM-L6-v2 it lifted the start from cosine 0.61 to 0.73, but 100 s of distillation without it
             caught up, and after 600 s the two were equal (benchmarks/RESULTS.md "Issue 15: a better start").
+        augment: ``comera_fx.pretrained.Augmentation(...)`` to train on edited copies of the batches (random spans,
+            dropped tokens, shuffled chunks, rows spliced together; the teacher labels them), so that the student
+            matches the teacher on text unlike the user's; for token batches (dicts with ``input_ids`` and a
+            right-padded ``attention_mask``). The calibration batches stay as given. None (default): the batches
+            as given. Measured on all-MiniLM-L6-v2: benchmarks/RESULTS.md, issue 29.
         progress: show a tqdm bar (if tqdm is installed; on rank 0 only under ``torch.distributed``).
         clock: seconds for ``budget_seconds`` (default ``time.perf_counter``; also ``start_ratio``'s schedule).
 
@@ -434,8 +441,9 @@ def distill_(
     for ``eval()``, ``state_dict()`` and ``torch.compile(backend=comera_fx.backend)``. Frozen parameters stay frozen
     (TT cores of a frozen weight are frozen too) and are not trained.
 
-    Random numbers: ``distill_`` draws none itself — TT-SVD and TT rounding are deterministic and both models run
-    in eval mode (no dropout) — so the global RNG advances only by what a ``batches`` callable draws.
+    Random numbers: ``distill_`` draws none from the global RNGs — TT-SVD and TT rounding are deterministic, both
+    models run in eval mode (no dropout) and ``augment`` has its own generator — so the global RNG advances only by
+    what a ``batches`` callable draws.
 
     Returns a ``DistillSummary`` (ranks per layer, size, loss per step, time).
     """
@@ -492,7 +500,7 @@ def distill_(
     losses, seconds, loop_notes = match_teacher(
         student, teacher, stream, steps=steps, budget_seconds=budget_seconds, output_fn=output_fn, loss_fn=loss_fn,
         hidden_modules=hidden_modules, hidden_weight=hidden_weight, blockwise_fraction=blockwise_fraction, lr=lr,
-        weight_decay=weight_decay, progress=progress, on_optimizer=attach,
+        weight_decay=weight_decay, progress=progress, on_optimizer=attach, augment=augment,
         observe=lambda loss: hook_box and hook_box[0].observe(loss), postfix=lambda: {"ratio": f"{linear_sizes(student)[0] / dense:.3f}"}, clock=clock)
     notes += loop_notes
     hook = hook_box[0] if hook_box else None
@@ -534,6 +542,7 @@ def match_teacher(
     observe: Callable[[Tensor], Any] | None = None,
     postfix: Callable[[], dict] | None = None,
     clock: Callable[[], float] | None = None,
+    augment: Augmentation | None = None,
 ) -> tuple[list[float], float, list[str]]:
     """The training loop of ``distill_`` for any student (no tensorization): AdamW on ``loss_fn`` between the
     student's and the teacher's outputs (+ hidden states) until ``steps`` and/or ``budget_seconds`` (on ``clock``,
@@ -547,9 +556,11 @@ def match_teacher(
     the student is wrapped in ``DistributedDataParallel(student, find_unused_parameters=True)`` for the loop (its
     constructor broadcasts rank 0's parameters and buffers), rank 0's clock decides the end of a
     ``budget_seconds`` run, the run ends on every rank when any rank's batches run out, and the losses returned are
-    the mean over the ranks, the seconds rank 0's. Returns (loss per step, seconds, notes)."""
+    the mean over the ranks, the seconds rank 0's. ``augment``: as in ``distill_``. Returns (loss per step, seconds,
+    notes)."""
     _check_blockwise(blockwise_fraction, hidden_modules)
     stream = batches if isinstance(batches, _BatchStream) else _BatchStream(batches)
+    augmenter = Augmenter(augment) if augment is not None else None
     output_fn = output_fn or default_output
     clock = clock or time.perf_counter
     notes: list[str] = []
@@ -588,6 +599,8 @@ def match_teacher(
             if ran_out:
                 notes.append(f"the batch iterator ran out after {len(losses)} steps, before the budget was spent")
                 break
+            if augmenter is not None:
+                batch = augmenter(batch)
             model = current() if current is not None else runner
             for group in optimizer.param_groups:
                 group["lr"] = lr * _lr_factor(max(done))
