@@ -5,9 +5,7 @@ clock of the training steps; validation outside the clock) for:
 
 * ``dense``     — the demo's GPT (preset "small": 4 layers, d 384, ff 1536, seq 128, batch 16), AdamW;
 * ``comera_fx`` — the same initial model, ``tensorize_`` (max rank 16, TT-SVD init) + ``RankAdaptive``, exactly as
-                  the demo's comera_fx run (same code: ``prepare_tt_run``), eager like every run here: this model
-                  has no dropout, where the compiled CPU step gains most, and each prune would recompile (24-130 s,
-                  bench_recompile.py) against a 120 s budget;
+                  the demo's comera_fx run (same code: ``prepare_tt_run``);
 * ``lowrank``   — every block linear replaced by x·A·B + b with A (in × r), B (r × out), r = the TT max rank (16),
                   initialised from the truncated SVD of the same initial weights; A, B at the TT cores' rate;
 * ``narrow``    — a dense GPT with the width chosen so its block linears hold about as many parameters as the
@@ -20,6 +18,11 @@ clock of the training steps; validation outside the clock) for:
 * ``galore``    — the dense model trained with ``galore_torch.GaLoreAdamW`` (rank ``--galore-rank`` projections of
                   the block linears' gradients; benchmark-only dependency ``pip install galore-torch``); skipped with
                   the reason when it cannot be imported.
+
+Every run trains through the demo's ``train``, so ``--compile auto`` (the default) applies to each: after a few eager
+steps it compiles the blocks when the budget could repay it, keeps the compiled path only when the measured step
+repays compile and recompiles, and counts the compile inside the run's clock (``examples/compile_policy.py``); the
+table says which path each run took and why. ``--compile no`` is the all-eager comparison of earlier runs.
 
 Each run is a separate subprocess (so its peak RSS — VmHWM — is its own; the peak is reset with
 /proc/self/clear_refs just before training, so "train peak" excludes data loading and tensorize_). For every run the
@@ -266,7 +269,7 @@ def child(opts) -> dict:
     if opts.threads:
         torch.set_num_threads(opts.threads)
     demo_argv = ["--budget-seconds", str(opts.budget_seconds), "--eval-every", str(opts.eval_every),
-                 "--seed", str(opts.seed), "--max-rank", str(opts.rank)]
+                 "--seed", str(opts.seed), "--max-rank", str(opts.rank), "--compile", opts.compile]
     if not opts.progress:
         demo_argv.append("--quiet")
     args, p = demo.parse_args(demo_argv)
@@ -381,7 +384,7 @@ def child(opts) -> dict:
         "peak_reset_ok": reset_ok, "state_bytes": state_bytes, "load_start": load_start, "load_end": load_end,
         "others_cores": others,
         "wall_seconds": wall, "threads": torch.get_num_threads(), "extra": extra, "profile": profile,
-        "data": data_info,
+        "data": data_info, "compile": result.compile,
     }
 
 
@@ -395,7 +398,7 @@ def spawn(name: str, opts, narrow_d: int | None) -> dict:
                "--budget-seconds", str(opts.budget_seconds), "--eval-every", str(opts.eval_every),
                "--seed", str(opts.seed), "--rank", str(opts.rank), "--profile-steps", str(opts.profile_steps),
                "--galore-rank", str(opts.galore_rank), "--galore-gap", str(opts.galore_gap),
-               "--galore-scale", str(opts.galore_scale)]
+               "--galore-scale", str(opts.galore_scale), "--compile", opts.compile]
         if opts.threads:
             cmd += ["--threads", str(opts.threads)]
         if narrow_d:
@@ -467,6 +470,10 @@ def tables(results: list[dict]) -> str:
             wo = tt["profile"]["phases_without_hook_ms"]
             text += (f"\n\ncomera_fx without the RankAdaptive hook: step {wo['step']:.0f} ms, optimizer.step "
                      f"{wo['optimizer']:.1f} ms.")
+    compiled = [r for r in results if "skipped" not in r and r.get("compile")]
+    if compiled:
+        text += "\n\nCompiled or eager (`--compile`; compile seconds are inside each run's clock):\n\n" + "\n".join(
+            f"- {r['name']}: {demo.compile_line(r['compile'])}" for r in compiled)
     if skipped:
         text += "\n\n" + "\n".join(skipped)
     return text
@@ -531,6 +538,8 @@ def parse(argv):
     ap.add_argument("--galore-gap", type=int, default=200, help="GaLore update_proj_gap")
     ap.add_argument("--galore-scale", type=float, default=0.25)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--compile", choices=("auto", "yes", "no"), default="auto",
+                    help="each run: compile its blocks when it pays (auto), always (yes) or never (no); see the demo")
     ap.add_argument("--profile-steps", type=int, default=5, help="steps for the time split after training (0: none)")
     ap.add_argument("--progress", action="store_true", help="show the children's progress bars")
     ap.add_argument("--json", default=None, help="write every measurement here")

@@ -20,12 +20,15 @@ its start by ``--prune-by`` of the budget, the least important rank directions r
 ``--schedule comera``: CoMERA's ℓ1 pull and late stage instead). Each run gets the same training wall-clock budget; validation (nats/byte on a fixed
 set of held-out batches) runs every ``--eval-every`` seconds of training time, outside the budget clock.
 
-Both runs are eager PyTorch. comera_fx's ``torch.compile`` backend exists and compiles cheaply per block
-(``comera_fx.compile_regions``: a 6-block TT LM's cold first step 0.81x the dense model's, one recompile across
-prunes with ``RankConfig(shrink_slack=..., same_shape_blocks=True)``, ``benchmarks/bench_recompile.py``), but on
-such small models the compiled step is only 1.02-1.13x the eager one, which a 2-minute budget does not repay. Run
-as a script it chooses OpenMP's wait policy from the machine's load unless the environment
-sets one (``openmp_policy.py``: libgomp's spin-then-sleep when idle, ``OMP_WAIT_POLICY=PASSIVE`` when busy; the
+Compiled or eager (``--compile auto``, the default; ``compile_policy.py``): each run takes a few eager steps, then,
+if the budget left could repay a compile, compiles its blocks in place (``comera_fx.compile_regions`` for the TT
+run, with ``RankConfig(shrink_slack=4, same_shape_blocks=True)`` so its prunes recompile once; stock
+``torch.compile`` per block for the dense run), times a few compiled steps, and keeps the compiled path only if the
+measured step repays the compile and the recompiles to come. The compile is inside the run's training clock; the
+report says which path each run took and why. On this model's TT form the compiled step is no faster than the eager
+one (the planner's eager contractions are already the cost), so the TT run goes back to eager
+(benchmarks/RESULTS.md, "Issue 30 item 4"). Run as a script it chooses OpenMP's wait policy from the machine's
+load unless the environment sets one (``openmp_policy.py``: libgomp's spin-then-sleep when idle, ``OMP_WAIT_POLICY=PASSIVE`` when busy; the
 report says which); ``--threads 1`` can still be faster on a machine that other jobs keep busy.
 
 Output (``runs/<timestamp>/`` or ``--out DIR``): ``report.md`` (configuration, per-run table, per-layer TT report),
@@ -48,6 +51,7 @@ from datetime import datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # this folder, also when imported from a file path
+import compile_policy  # noqa: E402  (imports torch only when it compiles)
 import openmp_policy  # noqa: E402  (torch-free)
 
 if __name__ == "__main__":
@@ -206,10 +210,12 @@ def lm_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def evaluate(model: nn.Module, val_set: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
-    """Mean cross-entropy in nats per byte over the fixed validation batches."""
+    """Mean cross-entropy in nats per byte over the fixed validation batches. Eager even when the blocks are
+    compiled: an eval-mode, no-grad graph would be one more compile, outside the training clock."""
     was_training = model.training
     model.eval()
-    loss = sum(float(lm_loss(model, x, y)) for x, y in val_set) / len(val_set)
+    with torch.compiler.set_stance("force_eager"):
+        loss = sum(float(lm_loss(model, x, y)) for x, y in val_set) / len(val_set)
     model.train(was_training)
     return loss
 
@@ -306,12 +312,30 @@ def make_hook(model: nn.Module, optimizer: torch.optim.Optimizer, args, late_sta
         else:
             horizon = {"budget_seconds": args.budget_seconds}
         clock = None if "total_steps" in horizon else (lambda: result.train_seconds)
-        config = RankConfig(keep_fraction=args.keep_fraction, final_fraction=1 - args.prune_by, **horizon)
+        config = RankConfig(keep_fraction=args.keep_fraction, final_fraction=1 - args.prune_by, **horizon,
+                            **compile_once(args))
         return RankAdaptive(model, optimizer, config, clock=clock, history_every=1)
     config = RankConfig(schedule="comera", l1_weight=args.l1_weight, prune_every=args.prune_every,
                         keep_fraction=args.keep_fraction, late_start_step=late_start_step,
                         late_size_weight=args.late_size_weight)
     return RankAdaptive(model, optimizer, config, history_every=1)
+
+
+def compile_once(args) -> dict:
+    """RankConfig settings of a run that may compile (``--compile`` auto or yes): prunes keep the stored widths
+    while the stored TT size is within 4x the live size, and a physical shrink gives every block one width, so the
+    regionally compiled blocks recompile once in the run instead of once per prune (benchmarks/RESULTS.md, issue
+    30). The price: until that shrink the stored cores stay wider than the live ranks, so a run that settles on
+    eager drops these settings (``RankAdaptive.shrink_eagerly``)."""
+    return {} if args.compile == "no" else {"shrink_slack": 4.0, "same_shape_blocks": True}
+
+
+def expected_recompiles(hook: RankAdaptive | None, args) -> int:
+    """Physical shrinks to come in a run (each recompiles the compiled blocks): one under ``compile_once``'s budget
+    schedule, none without rank adaptation."""
+    if hook is None:
+        return 0
+    return 1 if args.schedule == "budget" else compile_policy.UNBOUNDED  # comera: a shrink at every prune point
 
 
 def prepare_tt_run(model: nn.Module, p: Preset, args, train_data: torch.Tensor, device: torch.device,
@@ -358,6 +382,7 @@ class RunResult:
     target_params: float | None = None                 # RankAdaptive's size target S_t (TT cores + gates)
     history: list = field(default_factory=list)        # RankAdaptive history (dicts)
     final_ranks: dict = field(default_factory=dict)
+    compile: dict = field(default_factory=dict)        # compile_policy.CompileProbe.summary(): the path and why
 
     @property
     def steps_per_s(self) -> float:
@@ -395,10 +420,14 @@ def train(name: str, model: nn.Module, optimizer: torch.optim.Optimizer, hook: R
     result.eval_seconds += time.perf_counter() - t_eval
     next_eval = eval_every
     smooth = None
+    settles_eager = hook.shrink_eagerly if hook is not None and compile_once(args) else None
+    probe = compile_policy.CompileProbe(mode=args.compile, budget_s=budget, on_eager=settles_eager,
+                                        expected_recompiles=expected_recompiles(hook, args))
     bar = _progress(name, budget, args.quiet)
     model.train()
     while result.train_seconds < budget and (args.max_steps is None or result.steps < args.max_steps):
         start = time.perf_counter()
+        probe.before_step(model)  # may compile the blocks: the compile is inside this step's time
         warm = min(1.0, (result.steps + 1) / max(p.warmup_steps, 1))
         for group, lr in zip(optimizer.param_groups, base_lrs):
             group["lr"] = lr * warm
@@ -412,6 +441,7 @@ def train(name: str, model: nn.Module, optimizer: torch.optim.Optimizer, hook: R
         optimizer.step()
         loss_value = float(loss.detach())  # synchronises, so the step time below is real on accelerators too
         elapsed = time.perf_counter() - start
+        probe.after_step(elapsed, model)  # may decide the compile does not pay and go back to eager
         result.train_seconds += elapsed
         result.steps += 1
         result.tokens += tokens_per_step
@@ -435,6 +465,8 @@ def train(name: str, model: nn.Module, optimizer: torch.optim.Optimizer, hook: R
         bar.set_postfix(postfix, refresh=False)
         bar.update(min(elapsed, max(bar.total - bar.n, 0)))
     bar.close()
+    result.compile = probe.summary()
+    print(f"{name}: {compile_line(result.compile)}", flush=True)
     result.total_params_end, result.linear_params_end = total_params(model), linear_params(model)
     if hook is not None:
         result.history = hook.history_as_dicts()
@@ -578,16 +610,25 @@ def plot_ranks(tt: RunResult, path: Path) -> None:
     plt.close(fig)
 
 
-EAGER_NOTE = ("Both runs are **eager PyTorch**. comera_fx's `torch.compile` backend is not used here. It compiles "
-              "cheaply per block (`comera_fx.compile_regions`: a 6-block TT LM's cold first step 0.81x the dense "
-              "model's under stock `torch.compile`, a warm second process 0.22x of its cold time, one recompile "
-              "across prunes with `RankConfig(shrink_slack=..., same_shape_blocks=True)`; "
-              "`benchmarks/bench_recompile.py`, benchmarks/RESULTS.md), but on models this small the compiled step "
-              "is only 1.02-1.13x the eager one, which this budget does not repay. The contraction order of every "
-              "TT product is the planner's (`comera_fx.plan`), chosen per batch size; a TT layer runs as a chain of "
-              "small matmuls, one kernel launch per op, and pruned ranks only pay off as far as these eager ops get "
-              "cheaper. Step-time and tokens/s figures are therefore eager figures, not what a compiled/fused TT "
-              "path would give.")
+COMPILE_NOTE = ("`--compile auto` (the default) runs a few eager steps, then, if the budget left could repay a "
+                "compile, compiles the blocks in place (`comera_fx.compile_regions` with comera_fx's backend for the "
+                "TT run, stock `torch.compile` per block for the dense one), times a few compiled steps and keeps "
+                "the compiled path only if the measured step repays the compile and the recompiles to come; "
+                "otherwise the blocks go back to eager. The compile is inside the run's training clock. Embeddings, "
+                "head, loss, clipping and the optimizer step stay eager, and validation runs eagerly "
+                "(`torch.compiler.set_stance('force_eager')`). The TT run's rank schedule keeps one width per matrix "
+                "role across blocks and shrinks physically once (`RankConfig(shrink_slack=4, "
+                "same_shape_blocks=True)`), so the compiled blocks recompile once, not once per prune.")
+
+
+def compile_line(summary: dict) -> str:
+    """One report line from ``CompileProbe.summary()``: the path that ran, why, and the compile figures."""
+    text = f"{summary['path']}: {summary['reason']}"
+    if "graphs" in summary:
+        text += (f". Graphs {summary['graphs']}, recompiles after the first compiled step {summary['recompiles']}, "
+                 f"{summary['compiled_steps']} compiled steps, {summary['steps_gained']:+.0f} steps against the "
+                 f"eager step at the same clock, compile included")
+    return text + "."
 
 
 def write_report(out: Path, args, p: Preset, data_info: dict, results: list[RunResult], table: str,
@@ -609,11 +650,14 @@ def write_report(out: Path, args, p: Preset, data_info: dict, results: list[RunR
                                 f"({'auto' if args.lr_gates == 'auto' else 'fixed'}) / other {args.lr:g}, "
                                 f"same warm-up and clipping"),
         ("RankAdaptive", f"budget schedule: keep_fraction={args.keep_fraction:g}, reached at {args.prune_by:.0%} of "
-                         f"the training clock (warm-up 10%, cubic decay, 10 prunes)" if args.schedule == "budget"
+                         f"the training clock (warm-up 10%, cubic decay, 10 prunes"
+                         f"{', shrink_slack 4, same_shape_blocks' if compile_once(args) else ''})"
+                         if args.schedule == "budget"
                          else f"schedule='comera', l1_weight={args.l1_weight:g}, prune_every={args.prune_every}, "
                          f"keep_fraction={args.keep_fraction:g}, late_size_weight={args.late_size_weight:g}, "
                          f"late stage from ~{args.late_fraction:.0%} of the "
                          f"budget (step estimated before training)"),
+        ("compile", f"--compile {args.compile} (section 'Compiled or eager')"),
         ("seed / device / threads", f"{args.seed} / {args.device} / {torch.get_num_threads()} "
                                     f"({openmp_policy.wait_policy_note()})"),
         ("torch", torch.__version__),
@@ -626,7 +670,9 @@ def write_report(out: Path, args, p: Preset, data_info: dict, results: list[RunR
     lines += ["Steps/s and tokens/s count training steps only (validation excluded). Linear-layer params are the "
               "blocks' qkv/proj/fc/out layers (dense weight + bias, or TT cores + gates + bias); the embedding "
               "(tied to the head), position table and LayerNorms stay dense in both runs.", "",
-              "## Eager only", "", EAGER_NOTE, ""]
+              "## Compiled or eager", "", COMPILE_NOTE, ""]
+    lines += [f"* **{r.name}**: {compile_line(r.compile)}" for r in results if r.compile]
+    lines += [""]
     if tt_report:
         lines += ["## TT layers at the end (`comera_fx.report`)", "", "```", tt_report, "```", ""]
     if summary_text:
@@ -677,6 +723,10 @@ def parse_args(argv):
     parser.add_argument("--prune-by", type=float, default=0.75,
                         help="fraction of the budget by which the size target should be met (budget schedule; "
                              "comera: through --lr-gates auto)")
+    parser.add_argument("--compile", choices=("auto", "yes", "no"), default="auto",
+                        help="auto (default): after a few eager steps compile the blocks if the budget could repay "
+                             "it, keep the compiled path only if its measured step repays compile and recompiles "
+                             "(compile time counts in the budget); yes: always compile; no: eager")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
     args.argv = list(argv)

@@ -281,6 +281,30 @@ def test_a_layer_cut_to_rank_zero_in_place_is_zero_until_compacted():
     assert model.b.tt.stored_empty and hook.stored_tt_params() == hook.tt_params() == sizes
 
 
+def test_shrink_eagerly_turns_the_slack_off_for_the_rest_of_the_run():
+    """A run that stops compiling: the matrices held wider shrink to their live ranks now, and the next prune
+    shrinks physically although the slack would have held it."""
+    torch.manual_seed(0)
+    model = TwoBranches().double()
+    comera_fx.tensorize_(model, comera_fx.TensorizeConfig(max_rank=8, min_numel=1, min_dim=1))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    hook = RankAdaptive(model, optimizer, target_ratio=0.3, total_steps=100, shrink_slack=4.0)
+    gen = torch.Generator().manual_seed(1)
+    x, y = (torch.randn(128, 16, generator=gen, dtype=torch.float64) for _ in range(2))
+    _one_gradient_step(model, hook, x, y)
+    hook.prune_to(0.8 * hook.initial_tt_params)
+    assert hook.stored_tt_params() == hook.initial_tt_params > hook.tt_params()  # held wider
+    live = hook.tt_params()
+    hook.shrink_eagerly()
+    stored = sum(p.numel() for m in (model.a, model.b) for p in m.tt.parameters())  # counted from the tensors
+    assert stored == live and all(tuple(m.tt.layout.ranks) == tuple(m.tt.ranks) for m in (model.a, model.b))
+    _one_gradient_step(model, hook, x, y)
+    hook.prune_to(0.6 * hook.initial_tt_params)
+    stored = sum(p.numel() for m in (model.a, model.b) for p in m.tt.parameters())
+    assert stored == hook.tt_params() <= 0.6 * hook.initial_tt_params
+    assert hook.shrink_slack is None and not hook.settings.same_shape_blocks
+
+
 @pytest.mark.parametrize("slack", [None, 4.0])
 def test_a_checkpoint_mid_schedule_resumes_identically(slack):
     """Also with the matrix held wider (shrink_slack): the hook's state carries the live ranks."""

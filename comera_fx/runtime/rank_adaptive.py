@@ -34,7 +34,6 @@ import torch
 from torch import Tensor, nn
 
 from ..tt.inventory import DEFAULT_GATE_THRESHOLD, MatrixEntry, live_counts, physical_params, tt_matrices
-from .distributed import RankSync
 from ..tt.layers import TTMatrix
 from .distributed import RankSync
 from .comera import EARLY, LATE, PlateauDetector, achievement_lambda, add_gate_penalty_, scale_grads_
@@ -367,6 +366,14 @@ class RankAdaptive:
         records = self._compact_all()
         self._after_prune(records)
         return records
+
+    def shrink_eagerly(self) -> list[ShrinkRecord]:
+        """For a run that stops compiling (or never started): from now on every prune shrinks each matrix to its own
+        live ranks (``shrink_slack`` and ``same_shape_blocks`` off: they only save recompiles, and eagerly the
+        wider stored cores cost time every step); matrices held wider shrink now."""
+        self.shrink_slack = None
+        self.settings = dataclasses.replace(self.settings, shrink_slack=None, same_shape_blocks=False)
+        return self.compact()
 
     def _compact_all(self) -> list[ShrinkRecord]:
         shrinkable = [m for m in self.matrices if m.shrinkable]
