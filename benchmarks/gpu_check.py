@@ -20,7 +20,12 @@ What it does, in order (each part catches its own exception, records it and goes
    forward + backward, eager and ``torch.compile``d;
 5. rank padding on the GPU: a 768×3072 ``TTLinear`` with bias at r = 30, bf16, forward + backward with the bond
    padded to ``kernel_rank`` (32) and the bias in its spare slice, against unpadded (padding is CPU-only until this
-   says it pays on CUDA: ``comera_fx.tt.plan.autograd.PAD_DEVICES``); outputs must agree.
+   says it pays on CUDA: ``comera_fx.tt.plan.autograd.PAD_DEVICES``); outputs must agree;
+6. compile once (issue 30): ``bench_recompile.py``'s 2-block TT LM on the device under
+   ``torch.compile(backend=comera_fx backend)`` with ``RankAdaptive`` (5 prunes in 30 steps,
+   ``RankConfig(shrink_slack=4)``): first step, post-prune overhead as a multiple of it, recompiles (at most 3),
+   compiled ≡ eager after the last prune (relative error < 1e-4), the TT size shrinking. ``--smoke`` runs it on the
+   backend's eager mode (no Inductor), 12 steps.
 
 Ratios are dense time / other time (> 1: the other is faster). ``--smoke`` runs tiny sizes on any device (on CPU
 with TRITON_INTERPRET=1 the kernels run in the interpreter) to check the script itself.
@@ -355,6 +360,51 @@ def rank_padding(device, n_in, n_out, tokens, rank, dtype):
     ratio(f"rank padding r{rank} fwd+bwd padded", times["unpadded"], times["padded"], "unpadded")
 
 
+@part("compile once: rank adaptation under torch.compile (issue 30)")
+def compile_once(device, smoke: bool):
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import bench_recompile  # the same model as the CPU figures in RESULTS.md
+    from comera_fx.backend import make_backend
+    from comera_fx.runtime import RankAdaptive, RankConfig
+
+    torch.manual_seed(0)
+    model, (x, y), loss_fn = bench_recompile.build(argparse.Namespace(model="lm", layers=2, dense=False))
+    model, x, y = model.to(device), x.to(device), y.to(device)
+    steps = 12 if smoke else 30
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    hook = RankAdaptive(model, optimizer, RankConfig(keep_fraction=0.3, total_steps=steps, prunes=5, shrink_slack=4.0))
+    backend = make_backend(inductor=not smoke)
+    compiled = torch.compile(model, backend=backend)
+    times, graphs = [], []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        loss = loss_fn(compiled, x, y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+        graphs.append(backend.stats.graphs)
+    median = statistics.median(times[1:])
+    overhead = sum(t - median for t in times[1:])
+    recompiles = graphs[-1] - graphs[0]
+    with torch.no_grad():
+        expected = model(x)  # the module itself runs eagerly
+        got = compiled(x)
+    rel = float((got.float() - expected.float()).norm() / expected.float().norm())
+    timing("compile once: first step (compile)", 1e3 * times[0])
+    timing("compile once: median step", 1e3 * median)
+    RESULTS["ratios"]["compile once: post-prune overhead / first step"] = overhead / times[0]
+    log(f"   post-prune overhead {overhead:.2f} s = {overhead / times[0]:.2f}x the first step; recompiles "
+        f"{recompiles}; TT params {hook.initial_tt_params} -> {hook.tt_params()} live / {hook.stored_tt_params()} "
+        f"stored")
+    record_check("compile once: at most 3 recompiles", recompiles <= 3, f"{recompiles} after the first step")
+    record_check("compile once: compiled == eager after the last prune", rel < 1e-4, f"relative error {rel:.2e}")
+    record_check("compile once: the TT size shrank", hook.tt_params() < hook.initial_tt_params,
+                 f"{hook.initial_tt_params} -> {hook.tt_params()}")
+    hook.remove()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, any device: checks the script itself")
@@ -398,6 +448,7 @@ def main() -> int:
            compile_too=not args.no_compile and not args.smoke)
     rank_padding(device, *((64, 96, 32, 5) if args.smoke else (768, 3072, args.tokens, 30)),
                  torch.bfloat16 if device.type == "cuda" else torch.float32)
+    compile_once(device, args.smoke)
 
     RESULTS["seconds"] = time.perf_counter() - t0
     failed = [k for k, v in RESULTS["checks"].items() if not v["ok"]]
