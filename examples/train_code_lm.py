@@ -25,11 +25,12 @@ if the budget left could repay a compile, compiles its blocks in place (``comera
 run, with ``RankConfig(shrink_slack=4, same_shape_blocks=True)`` so its prunes recompile once; stock
 ``torch.compile`` per block for the dense run), times a few compiled steps, and keeps the compiled path only if the
 measured step repays the compile and the recompiles to come. The compile is inside the run's training clock; the
-report says which path each run took and why. On this model's TT form the compiled step is no faster than the eager
-one (the planner's eager contractions are already the cost), so the TT run goes back to eager
+report says which path each run took and why. On this model the compiled TT step is within about ±20 % of the
+eager one (the planner's eager contractions are already most of the cost), so the choice goes either way
 (benchmarks/RESULTS.md, "Issue 30 item 4"). Run as a script it chooses OpenMP's wait policy from the machine's
-load unless the environment sets one (``openmp_policy.py``: libgomp's spin-then-sleep when idle, ``OMP_WAIT_POLICY=PASSIVE`` when busy; the
-report says which); ``--threads 1`` can still be faster on a machine that other jobs keep busy.
+load unless the environment sets one (``openmp_policy.py``: libgomp's spin-then-sleep when idle,
+``OMP_WAIT_POLICY=PASSIVE`` when busy; the report says which); ``--threads 1`` can still be faster on a machine
+that other jobs keep busy.
 
 Output (``runs/<timestamp>/`` or ``--out DIR``): ``report.md`` (configuration, per-run table, per-layer TT report),
 ``val_loss.png``, ``compression.png``, ``ranks.png``, ``rank_history.json``, ``metrics.json``.
@@ -651,7 +652,7 @@ def write_report(out: Path, args, p: Preset, data_info: dict, results: list[RunR
                                 f"same warm-up and clipping"),
         ("RankAdaptive", f"budget schedule: keep_fraction={args.keep_fraction:g}, reached at {args.prune_by:.0%} of "
                          f"the training clock (warm-up 10%, cubic decay, 10 prunes"
-                         f"{', shrink_slack 4, same_shape_blocks' if compile_once(args) else ''})"
+                         f"{'; shrink_slack 4 and same_shape_blocks while compiled' if compile_once(args) else ''})"
                          if args.schedule == "budget"
                          else f"schedule='comera', l1_weight={args.l1_weight:g}, prune_every={args.prune_every}, "
                          f"keep_fraction={args.keep_fraction:g}, late_size_weight={args.late_size_weight:g}, "

@@ -123,3 +123,5 @@ def test_bad_batches_and_settings_are_refused():
         Augmentation(min_span=0.0)
     with pytest.raises(ValueError, match="max_growth"):
         Augmentation(max_growth=0.5)
+    with pytest.raises(ValueError, match="augment must be"):
+        augmented([batch_of([[101, 5, 102]])], spec=True)

@@ -256,17 +256,24 @@ def test_a_negligible_layer_goes_to_rank_zero_and_the_summary_says_why():
     assert min(model.b.tt.ranks) >= 1 and hook.tt_params() <= 0.5 * hook.initial_tt_params
 
 
-def test_a_layer_cut_to_rank_zero_in_place_is_zero_until_compacted():
-    """shrink_slack: a negligible layer goes to rank 0 without a shape change (its gates and cores all zero, so it
-    adds exactly nothing), counts as zero in sizes and the summary, and compact() then empties its cores."""
+def two_branches_held_wider(target_ratio: float):
+    """TwoBranches in TT form (float64) under a budget schedule with ``shrink_slack=4``, after one gradient step:
+    (model, hook, x, y)."""
     torch.manual_seed(0)
     model = TwoBranches().double()
     comera_fx.tensorize_(model, comera_fx.TensorizeConfig(max_rank=8, min_numel=1, min_dim=1))
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    hook = RankAdaptive(model, optimizer, target_ratio=0.5, total_steps=100, shrink_slack=4.0)
+    hook = RankAdaptive(model, optimizer, target_ratio=target_ratio, total_steps=100, shrink_slack=4.0)
     gen = torch.Generator().manual_seed(1)
     x, y = (torch.randn(128, 16, generator=gen, dtype=torch.float64) for _ in range(2))
     _one_gradient_step(model, hook, x, y)
+    return model, hook, x, y
+
+
+def test_a_layer_cut_to_rank_zero_in_place_is_zero_until_compacted():
+    """shrink_slack: a negligible layer goes to rank 0 without a shape change (its gates and cores all zero, so it
+    adds exactly nothing), counts as zero in sizes and the summary, and compact() then empties its cores."""
+    model, hook, x, y = two_branches_held_wider(target_ratio=0.5)
     stored_b = [tuple(c.shape) for c in model.b.tt.cores]
     hook.prune_to(0.5 * hook.initial_tt_params)
     assert model.b.tt.is_zero and not model.b.tt.stored_empty and set(hook.zeroed) == {"b"}
@@ -284,14 +291,7 @@ def test_a_layer_cut_to_rank_zero_in_place_is_zero_until_compacted():
 def test_shrink_eagerly_turns_the_slack_off_for_the_rest_of_the_run():
     """A run that stops compiling: the matrices held wider shrink to their live ranks now, and the next prune
     shrinks physically although the slack would have held it."""
-    torch.manual_seed(0)
-    model = TwoBranches().double()
-    comera_fx.tensorize_(model, comera_fx.TensorizeConfig(max_rank=8, min_numel=1, min_dim=1))
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    hook = RankAdaptive(model, optimizer, target_ratio=0.3, total_steps=100, shrink_slack=4.0)
-    gen = torch.Generator().manual_seed(1)
-    x, y = (torch.randn(128, 16, generator=gen, dtype=torch.float64) for _ in range(2))
-    _one_gradient_step(model, hook, x, y)
+    model, hook, x, y = two_branches_held_wider(target_ratio=0.3)
     hook.prune_to(0.8 * hook.initial_tt_params)
     assert hook.stored_tt_params() == hook.initial_tt_params > hook.tt_params()  # held wider
     live = hook.tt_params()

@@ -6,7 +6,10 @@ packages' docstrings (benchmarks/RESULTS.md, issue 29). The teacher is a functio
 the user's sentences, so each augmented batch is new text the teacher labels for free: random spans, tokens
 dropped, chunks shuffled, two sentences spliced together. ``augmented(batches, ...)`` wraps any source of
 ``{"input_ids", "attention_mask"}`` batches (right-padded, as Hugging Face tokenizers give them) and returns a
-callable that ``distill_`` / ``match_teacher`` accept as ``batches``.
+callable that ``distill_`` / ``match_teacher`` accept as ``batches``; ``distill_(..., augment=Augmentation())``
+edits its training batches only. Measured there: on a better start (0.915 before training) 600 s with edits ended
+level with 600 s without (0.922 against 0.923 on other-source text), with a better worst sentence and retrieval on
+held-out text; so it is not on by default.
 
 The first and last real token of each row (``[CLS]`` and ``[SEP]`` for BERT) stay in place; the edits apply to the
 tokens between them.
@@ -108,7 +111,7 @@ def augment_rows(rows: list[list[int]], spec: Augmentation, rng: random.Random,
 
 def _check_batch(batch: Any) -> None:
     if not isinstance(batch, Mapping) or "input_ids" not in batch or "attention_mask" not in batch:
-        raise ValueError("augmented(...) needs batches that are dicts with 'input_ids' and 'attention_mask' "
+        raise ValueError("augmentation needs batches that are dicts with 'input_ids' and 'attention_mask' "
                          f"(a tokenizer's output); got {type(batch).__name__}"
                          + (f" with keys {sorted(batch)}" if isinstance(batch, Mapping) else ""))
     mask = batch["attention_mask"]
@@ -116,20 +119,20 @@ def _check_batch(batch: Any) -> None:
         raise ValueError(f"input_ids and attention_mask must be 2-D and of one shape; got "
                          f"{tuple(batch['input_ids'].shape)} and {tuple(mask.shape)}")
     lengths = mask.sum(1)
-    if not bool((mask == (torch.arange(mask.shape[1]) < lengths[:, None]).to(mask.dtype)).all()):
-        raise ValueError("augmented(...) needs right-padded rows (the attention mask a run of ones, then zeros); "
+    if not bool((mask == (torch.arange(mask.shape[1], device=mask.device) < lengths[:, None]).to(mask.dtype)).all()):
+        raise ValueError("augmentation needs right-padded rows (the attention mask a run of ones, then zeros); "
                          "tokenize with padding_side='right'")
 
 
 def augment_batch(batch: Mapping[str, Tensor], spec: Augmentation, rng: random.Random,
                   pad_id: int = 0) -> dict[str, Tensor]:
     """One right-padded token batch, augmented: new ``input_ids`` / ``attention_mask`` (trimmed to the longest
-    row, at most ``spec.max_growth`` times the batch's width); ``token_type_ids``, if present, become zeros of the new shape. Other keys are refused, since the edits
-    would leave them out of step with the tokens."""
+    row, at most ``spec.max_growth`` times the batch's width); ``token_type_ids``, if present, become zeros of the
+    new shape. Other keys are refused, since the edits would leave them out of step with the tokens."""
     _check_batch(batch)
     extra = set(batch) - {"input_ids", "attention_mask", "token_type_ids"}
     if extra:
-        raise ValueError(f"augmented(...) cannot edit batch keys {sorted(extra)} along with the tokens")
+        raise ValueError(f"augmentation cannot edit batch keys {sorted(extra)} along with the tokens")
     ids, mask = batch["input_ids"], batch["attention_mask"]
     rows = [ids[r, :int(n)].tolist() for r, n in enumerate(mask.sum(1))]
     rows = augment_rows(rows, spec, rng, max_length=int(spec.max_growth * ids.shape[1]))
@@ -150,6 +153,9 @@ class Augmenter:
     ``random.Random(seed)``: the global RNGs are not touched. ``pad_id``: the tokenizer's padding id (0 for BERT)."""
 
     def __init__(self, spec: Augmentation | None = None, *, seed: int = 0, pad_id: int = 0):
+        if spec is not None and not isinstance(spec, Augmentation):
+            raise ValueError(f"augment must be a comera_fx.pretrained.Augmentation (e.g. augment=Augmentation()) "
+                             f"or None; got {spec!r}")
         self.spec = spec or Augmentation()
         self.rng = random.Random(seed)
         self.pad_id = pad_id
