@@ -42,7 +42,7 @@ def steps_gained(remaining_s: float, eager_step_s: float, compiled_step_s: float
 
 @dataclass
 class CompileProbe:
-    """Drives the choice over a run: call ``before_step(model)`` before each step and ``after_step(seconds)``
+    """Drives the choice over a run: call ``before_step(model)`` before each step and ``after_step(seconds, model)``
     after it. ``mode``: "auto" (probe, keep what pays), "yes" (compile after the eager steps, keep it), "no".
     ``expected_recompiles``: physical rank shrinks to come (each recompiles the blocks; its cost is estimated at
     the first compile's). ``on_eager``: called once when the run settles on eager (declined or reverted), e.g.
