@@ -90,7 +90,7 @@ class CompileProbe:
         if self.state == "eager":
             self.eager_times.append(seconds)
             return
-        if self.state != "compiled" and self.state != "kept":
+        if self.state not in ("compiled", "kept"):
             return
         self.compiled_times.append(seconds)
         if len(self.compiled_times) == 1:

@@ -172,20 +172,15 @@ def augmented(batches: Iterable[Any] | Callable[[], Any], spec: Augmentation | N
     """A batch source for ``distill_`` / ``match_teacher``: draws from ``batches`` (a callable, or an iterable
     cycled over) through an ``Augmenter(spec, seed=seed, pad_id=pad_id)``. (``distill_(..., augment=spec)`` does
     the same to its training batches only, leaving the calibration batches as the user's text.)"""
-    augmenter = Augmenter(spec, seed=seed, pad_id=pad_id)
-    if callable(batches):
-        draw = batches
-    else:
-        source = iter(())
+    from .distill import _BatchStream  # distill imports this module: the shared batch source, taken at call time
 
-        def draw():
-            nonlocal source
-            for _ in range(2):
-                try:
-                    return next(source)
-                except StopIteration:
-                    source = iter(batches)
+    augmenter = Augmenter(spec, seed=seed, pad_id=pad_id)
+    stream = _BatchStream(batches)
+
+    def next_batch() -> dict[str, Tensor]:
+        batch = stream.next()
+        if batch is None:
             raise ValueError("augmented(...) was given an empty or used-up iterable of batches; pass a list or a "
                              "callable that draws a batch")
-
-    return lambda: augmenter(draw())
+        return augmenter(batch)
+    return next_batch
