@@ -15,6 +15,7 @@ whole tensor) shares the scale max|w| / qmax, qmax = 2^(bits-1) - 1, and each we
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 from dataclasses import dataclass
@@ -198,6 +199,31 @@ def requantize_(model: nn.Module) -> int:
             param.copy_(fake_quant(param, spec.bits, spec.group_size))
             done.add(id(param))
     return len(done)
+
+
+@contextlib.contextmanager
+def on_grid(model: nn.Module):
+    """Within the block every weight ``quantize_`` recorded holds its grid values; on leaving, its float values
+    come back (gradients are kept). Run forward and backward inside and ``optimizer.step()`` after: the gradient
+    taken at the rounded weights updates the float ones (quantization-aware training with the straight-through
+    estimator), so training learns weights that survive the final ``requantize_``. Yields the number of weights
+    rounded; a backward run after leaving the block raises autograd's in-place error instead of using the wrong
+    weights."""
+    kept: list[tuple[Tensor, Tensor]] = []
+    seen: set[int] = set()
+    with torch.no_grad():
+        for module, name, _, param in _owners(model):
+            spec = getattr(module, SPEC_ATTR, {}).get(name)
+            if spec is not None and id(param) not in seen:
+                seen.add(id(param))
+                kept.append((param, param.detach().clone()))
+                param.copy_(fake_quant(param, spec.bits, spec.group_size))
+    try:
+        yield len(kept)
+    finally:
+        with torch.no_grad():
+            for param, value in kept:
+                param.copy_(value)
 
 
 def quantized_specs(model: nn.Module) -> dict[str, QuantSpec]:

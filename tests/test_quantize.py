@@ -164,3 +164,83 @@ def test_refusals_name_the_fix():
         comera_fx.quantize_(tensorized_mlp(), group_size=0)
     with pytest.raises(ValueError, match="matching 'nothing'"):
         comera_fx.quantize_(tensorized_mlp(), include="nothing")
+
+
+def rounded_reference(weight: torch.Tensor, bits: int, group_size: int | None) -> torch.Tensor:
+    """The weight rounded onto its grid, float64, from ``reference_grid`` (round half to even, as torch.round)."""
+    groups, scale = reference_grid(weight, bits, group_size)
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return (torch.round(groups / scale) * scale).reshape(-1)[: weight.numel()].reshape(weight.shape)
+
+
+def off_grid_student(bits: int = 4, group: int = 16) -> nn.Module:
+    """A linear quantized with ``quantize_`` whose weight then moved off its grid (as float training moves it)."""
+    torch.manual_seed(0)
+    student = nn.Sequential(nn.Linear(16, 8, bias=False), nn.Tanh(), nn.Linear(8, 4))
+    comera_fx.quantize_(student, bits, group, dense_linears=True, include=r"^0$")
+    with torch.no_grad():
+        student[0].weight.add_(0.05 * torch.randn_like(student[0].weight))
+    return student
+
+
+def test_on_grid_rounds_inside_and_restores_the_float_weights_after():
+    student = off_grid_student()
+    floats = {name: p.detach().clone() for name, p in student.named_parameters()}
+    x = torch.randn(5, 16)
+    with comera_fx.quantize.on_grid(student) as rounded:
+        assert rounded == 1
+        torch.testing.assert_close(student[0].weight.double(), rounded_reference(floats["0.weight"], 4, 16),
+                                   rtol=0, atol=1e-6)
+        for name in ("2.weight", "2.bias"):  # not quantized: untouched
+            assert torch.equal(dict(student.named_parameters())[name], floats[name])
+        student(x).sum().backward()
+    for name, p in student.named_parameters():
+        assert torch.equal(p, floats[name]), name
+        assert p.grad is not None
+    assert not torch.equal(student[0].weight, rounded_reference(floats["0.weight"], 4, 16).float())
+
+
+def test_quant_aware_distillation_steps_with_the_gradient_taken_on_the_grid():
+    """One AdamW step (first step: update = -lr' · g / (|g| + eps), the sign of g) of a student whose weight is off
+    its int4 grid: with quant_aware the float weight moves against the gradient at the *rounded* weight (float64
+    reference), which differs in sign from the gradient at the float weight for some entries; without it, against
+    the latter."""
+    from comera_fx.pretrained.distill import match_teacher
+    torch.manual_seed(1)
+    teacher = nn.Sequential(nn.Linear(16, 8, bias=False), nn.Tanh(), nn.Linear(8, 4))
+    x = torch.randn(64, 16)
+
+    def reference_gradient(weight64: torch.Tensor, student: nn.Module) -> torch.Tensor:
+        w = weight64.clone().requires_grad_(True)
+        second = student[2]
+        out = torch.tanh(x.double() @ w.T) @ second.weight.double().T + second.bias.double()
+        target = teacher(x).double().detach()
+        ((out - target) ** 2).sum().backward()
+        return w.grad
+
+    signs = {}
+    for quant_aware in (1.0, 0.0):
+        student = off_grid_student()
+        before = student[0].weight.detach().clone()
+        at_grid = reference_gradient(rounded_reference(before, 4, 16), student)
+        at_float = reference_gradient(before.double(), student)
+        match_teacher(student, teacher, [x], steps=1, budget_seconds=None, lr=1e-2, progress=False,
+                      loss_fn=lambda s, t: ((s - t) ** 2).sum(), quant_aware=quant_aware)
+        moved = (before - student[0].weight.detach()).double()
+        expected = at_grid if quant_aware else at_float
+        clear = expected.abs() > 1e-6
+        assert torch.equal(moved[clear].sign(), expected[clear].sign()), quant_aware
+        signs[quant_aware] = (at_grid.sign() != at_float.sign()).sum().item()
+    assert signs[1.0] > 0, "the test needs entries whose gradient sign differs between the grid and the float weight"
+
+
+def test_quant_aware_refusals_name_the_fix():
+    from comera_fx.pretrained.distill import match_teacher
+    teacher = nn.Linear(4, 4)
+    x = [torch.randn(2, 4)]
+    with pytest.raises(ValueError, match="quantize_ or comera_fx.apply_formats_"):
+        match_teacher(nn.Linear(4, 4), teacher, x, steps=1, budget_seconds=None, progress=False, quant_aware=0.5)
+    for bad in (1.5, -0.1, True, "0.3"):
+        with pytest.raises(ValueError, match="quant_aware must be a fraction"):
+            match_teacher(off_grid_student(), teacher, x, steps=1, budget_seconds=None, progress=False,
+                          quant_aware=bad)

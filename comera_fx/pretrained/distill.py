@@ -28,6 +28,7 @@ from ..runtime.distributed import RankSync, world_size
 from .calling import default_output, eval_modes, input_slot
 from ..passes.sizing import SizeTargetTooSmall
 from ..passes.tensorize import TensorizeSummary, tensorize_
+from ..quantize import on_grid, quantized_specs
 from .refit import refit_sequential_
 from ..runtime.rank_adaptive import RankAdaptive
 from ..runtime.rank_config import RankConfig
@@ -543,6 +544,7 @@ def match_teacher(
     postfix: Callable[[], dict] | None = None,
     clock: Callable[[], float] | None = None,
     augment: Augmentation | None = None,
+    quant_aware: float = 0.0,
 ) -> tuple[list[float], float, list[str]]:
     """The training loop of ``distill_`` for any student (no tensorization): AdamW on ``loss_fn`` between the
     student's and the teacher's outputs (+ hidden states) until ``steps`` and/or ``budget_seconds`` (on ``clock``,
@@ -556,9 +558,13 @@ def match_teacher(
     the student is wrapped in ``DistributedDataParallel(student, find_unused_parameters=True)`` for the loop (its
     constructor broadcasts rank 0's parameters and buffers), rank 0's clock decides the end of a
     ``budget_seconds`` run, the run ends on every rank when any rank's batches run out, and the losses returned are
-    the mean over the ranks, the seconds rank 0's. ``augment``: as in ``distill_``. Returns (loss per step, seconds,
-    notes)."""
+    the mean over the ranks, the seconds rank 0's. ``augment``: as in ``distill_``. ``quant_aware``: the last
+    fraction of the run (of ``steps`` or ``budget_seconds``) trains quantization-aware: each step's forward and
+    backward run at the weights ``quantize_`` / ``apply_formats_`` put on a grid, rounded
+    (``comera_fx.quantize.on_grid``), and the step updates their float values; ``requantize_`` the student
+    afterwards, as without it. Returns (loss per step, seconds, notes)."""
     _check_blockwise(blockwise_fraction, hidden_modules)
+    _check_quant_aware(quant_aware, student)
     stream = batches if isinstance(batches, _BatchStream) else _BatchStream(batches)
     augmenter = Augmenter(augment) if augment is not None else None
     output_fn = output_fn or default_output
@@ -610,11 +616,12 @@ def match_teacher(
             with torch.no_grad():
                 target = output_fn(_call(teacher, batch)).detach()
                 t_hidden = {k: v.detach() for k, v in t_capture.outputs.items()} if t_capture else {}
-            loss = loss_fn(output_fn(_call(model, batch)), target)
-            for name, value in t_hidden.items():
-                loss = loss + hidden_weight * relative_mse(s_capture.outputs[name], value)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            with on_grid(student) if quant_aware and max(done) >= 1 - quant_aware else contextlib.nullcontext():
+                loss = loss_fn(output_fn(_call(model, batch)), target)
+                for name, value in t_hidden.items():
+                    loss = loss + hidden_weight * relative_mse(s_capture.outputs[name], value)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
             if observe is not None:
                 observe(loss)
             optimizer.step()
@@ -648,6 +655,14 @@ def _check_blockwise(blockwise_fraction: float, hidden_modules: Sequence[str]) -
     if blockwise_fraction and not hidden_modules:
         raise ValueError("blockwise_fraction > 0 feeds the teacher's inputs to the hidden_modules blocks; pass "
                          "hidden_modules=[...] (e.g. the encoder layers)")
+
+
+def _check_quant_aware(quant_aware: float, student: nn.Module) -> None:
+    if isinstance(quant_aware, bool) or not (isinstance(quant_aware, (int, float)) and 0 <= quant_aware <= 1):
+        raise ValueError(f"quant_aware must be a fraction of the run in [0, 1]; got {quant_aware!r}")
+    if quant_aware and not quantized_specs(student):
+        raise ValueError("quant_aware > 0 trains at the quantized weights, and the student has none; round it onto "
+                         "a grid first (comera_fx.quantize_ or comera_fx.apply_formats_)")
 
 
 def _device(model: nn.Module) -> torch.device:
