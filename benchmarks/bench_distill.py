@@ -36,7 +36,7 @@ import comera_fx  # noqa: E402
 from comera_fx.pretrained.augment import Augmentation  # noqa: E402
 from comera_fx.pretrained.distill import match_teacher  # noqa: E402
 from comera_fx.pretrained.quant import ENCODER_PREFIX, fake_quant_, weight_bytes  # noqa: E402
-from comera_fx.quantize import requantize_, stored_bytes  # noqa: E402
+from comera_fx.quantize import quantized_bytes, requantize_, stored_bytes  # noqa: E402
 
 cp = common.load_example("compress_pretrained")
 
@@ -102,20 +102,24 @@ def run_int8_dynamic(teacher, data, ratio, args) -> dict:
     return scored(student, data, args, start, info)
 
 
-def run_int_group(teacher, data, ratio, args, bits: int = 4, group_size: int = 64) -> dict:
+def run_int_group(teacher, data, ratio, args, bits: int = 4, group_size: int | None = 64,
+                  per_row: bool = False) -> dict:
     """Symmetric group-wise weight fake-quantization of every encoder linear (groups of 64 along each row, fp32
-    scales; activations stay float), no training: int4 about 7x fewer bytes, int8 about 3.8x. ``ratio`` is
-    ignored."""
+    scales; ``per_row``: one scale per output channel; activations stay float), no training: int4 in groups of 64
+    about 7x fewer bytes, per row about 7.8x; int8 about 3.8x. ``ratio`` is ignored."""
     start = time.perf_counter()
-    student = fake_quant_(copy.deepcopy(teacher), bits, group_size)
+    student = fake_quant_(copy.deepcopy(teacher), bits, group_size, per_row=per_row)
     info = {"steps": 0, "train_s": 0.0, "ratio": 1.0, "ranks": {},
-            "bytes_ratio": weight_bytes(teacher, bits, group_size) / weight_bytes(teacher)}
+            "bytes_ratio": weight_bytes(teacher, bits, group_size, per_row=per_row) / weight_bytes(teacher)}
     return scored(student, data, args, start, info)
 
 
-def run_layer_drop(teacher, data, ratio, args) -> dict:
+def run_layer_drop(teacher, data, ratio, args, bits: int = 32) -> dict:
     """Keep every other encoder layer (0, 2, 4 of 6: 2x fewer encoder bytes), then distill the output embedding
-    with the same loop and budget (no hidden-state loss: the layers no longer line up). ``ratio`` is ignored."""
+    with the same loop and budget (no hidden-state loss: the layers no longer line up). ``bits`` 8 or 4: then
+    round the kept weights onto that grid with one fp32 scale per output channel (int8: 2 x 4 = 8x, int4:
+    2 x 8 = 16x fewer bytes, 1-2 % over the target for the scales); the same student in groups of 64 (more bytes)
+    is kept under ``g64_*``, its float figure under ``float_cosine_other``. ``ratio`` is ignored."""
     student = copy.deepcopy(teacher)
     start = time.perf_counter()
     student.bert.encoder.layer = nn.ModuleList(list(student.bert.encoder.layer)[::2])
@@ -125,9 +129,32 @@ def run_layer_drop(teacher, data, ratio, args) -> dict:
         student, teacher, cp.training_sampler(data, args, seed=args.seed),
         steps=args.steps, budget_seconds=args.budget_seconds, loss_fn=cp.distill_loss, lr=args.lr,
         progress=not args.no_progress)
-    bytes_ratio = weight_bytes(student) / weight_bytes(teacher)
-    info = {"steps": len(losses), "train_s": seconds, "ratio": bytes_ratio, "ranks": {}, "bytes_ratio": bytes_ratio}
+    info = {"steps": len(losses), "train_s": seconds, "ranks": {}}
+    if bits < 16:
+        grouped = fake_quant_(copy.deepcopy(student), bits, 64)
+        info.update({f"g64_{k}": v for k, v in cp.evaluate(grouped, data, args.reference).items()})
+        info["g64_bytes_ratio"] = weight_bytes(student, bits, 64) / weight_bytes(teacher)
+        info["float_cosine_other"] = cp.evaluate(student, data, args.reference).get("cosine_other")
+        fake_quant_(student, bits, per_row=True)
+    info["bytes_ratio"] = info["ratio"] = (weight_bytes(student, bits, per_row=True) if bits < 16
+                                           else weight_bytes(student)) / weight_bytes(teacher)
     return scored(student, data, args, start, info)
+
+
+def run_low_rank_int8(teacher, data, ratio, args) -> dict:
+    """The library's whitened (activation-aware) low-rank student (two TT cores per weight, calibrated + energy
+    ranks), distilled for the budget, then its factors int8 in groups of 64 (``quantize_``): its parameter share
+    is chosen so the stored bytes are ``ratio`` of the fp32 weights (int8 + one fp32 scale per 64 weights)."""
+    int8_bytes = quantized_bytes(64, 8, 64) / 64  # per weight, its scale's share included
+    params = ratio * 4 / int8_bytes
+    student, info = cp.run_tt(teacher, data, params, "energy", True, args, num_modes=1)
+    start = time.perf_counter()
+    info.update({f"float_{k}": info[k] for k in ("cosine", "worst", "cosine_other", "worst_other") if k in info})
+    comera_fx.quantize_(student, 8, 64)
+    info["bytes_ratio"] = stored_bytes(student, ENCODER_PREFIX) / weight_bytes(teacher)
+    info.update(cp.evaluate(student, data, args.reference))
+    info["total_s"] += time.perf_counter() - start
+    return info
 
 
 def run_tt_int8(teacher, data, ratio, args) -> dict:
@@ -145,6 +172,7 @@ def run_tt_int8(teacher, data, ratio, args) -> dict:
 
 
 OUTPUT_BATCHES = 2  # calibration batches that score candidates at the output in the "formats output" cells
+QUANT_AWARE = 0.3  # the last share of the budget the "qat" cell trains at the rounded weights
 ENCODER_ONLY = comera_fx.TensorizeConfig(skip=[r"^(?!bert\.encoder\.)"])  # the embedding never reads the pooler
 
 
@@ -184,10 +212,11 @@ def run_formats(teacher, data, ratio, args, output_batches: int = 0) -> dict:
     return scored(student, data, args, start, info)
 
 
-def run_formats_distill(teacher, data, ratio, args, output_batches: int = 0, augment: bool = False) -> dict:
+def run_formats_distill(teacher, data, ratio, args, output_batches: int = 0, augment: bool = False,
+                        quant_aware: float = 0.0) -> dict:
     """The same, then distilled in float for the budget and rounded back onto each layer's grid (``augment``: on
     ``comera_fx.pretrained.Augmentation()`` edits of the batches: spans / dropped tokens / shuffled chunks / spliced
-    rows)."""
+    rows; ``quant_aware``: that last fraction of the budget trains at the rounded weights, straight-through)."""
     start = time.perf_counter()
     student, info = formats_student(teacher, data, ratio, args, output_batches)
     info.update({f"start_{k}": v for k, v in cp.evaluate(student, data, args.reference).items()
@@ -197,7 +226,9 @@ def run_formats_distill(teacher, data, ratio, args, output_batches: int = 0, aug
         student, teacher, cp.training_sampler(data, args, seed=args.seed),
         augment=Augmentation(max_growth=2.0) if augment else None,  # spliced rows up to twice the batch width
         steps=args.steps, budget_seconds=args.budget_seconds, loss_fn=cp.distill_loss,
-        hidden_modules=cp.hidden_layers(teacher), hidden_weight=1 / 6, lr=args.lr, progress=not args.no_progress)
+        hidden_modules=cp.hidden_layers(teacher), hidden_weight=1 / 6, lr=args.lr, progress=not args.no_progress,
+        quant_aware=quant_aware)
+    info["float_cosine_other"] = cp.evaluate(student, data, args.reference).get("cosine_other")  # before rounding
     requantize_(student)
     info.update({"steps": len(losses), "train_s": seconds,
                  "bytes_ratio": stored_bytes(student, ENCODER_PREFIX) / weight_bytes(teacher)})
@@ -206,12 +237,18 @@ def run_formats_distill(teacher, data, ratio, args, output_batches: int = 0, aug
 
 BASELINES = {"low-rank distill": run_low_rank, "int8 dynamic": run_int8_dynamic, "int4 group64": run_int_group,
              "int8 group64": lambda *a: run_int_group(*a, bits=8),
+             "int4 per-row": lambda *a: run_int_group(*a, bits=4, group_size=None, per_row=True),
              "layer drop distill": run_layer_drop, "distill calibrated+energy +int8": run_tt_int8,
+             "layer drop distill +int8": lambda *a: run_layer_drop(*a, bits=8),
+             "layer drop distill +int4": lambda *a: run_layer_drop(*a, bits=4),
+             "low-rank distill +int8": run_low_rank_int8,
              "formats": run_formats, "formats distill": run_formats_distill,
              "formats output": lambda *a: run_formats(*a, output_batches=OUTPUT_BATCHES),
              "formats output distill": lambda *a: run_formats_distill(*a, output_batches=OUTPUT_BATCHES),
              "formats output distill aug": lambda *a: run_formats_distill(*a, output_batches=OUTPUT_BATCHES,
-                                                                          augment=True)}
+                                                                          augment=True),
+             "formats output distill qat": lambda *a: run_formats_distill(*a, output_batches=OUTPUT_BATCHES,
+                                                                          quant_aware=QUANT_AWARE)}
 
 
 def main() -> None:

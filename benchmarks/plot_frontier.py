@@ -6,7 +6,8 @@ user reads before choosing how to shrink an encoder.
 
 Each point is one cell: x = the encoder weight matrices' bytes / their fp32 bytes, y = mean cosine to the teacher's
 sentence embeddings on the other-source text (``--held-out``: on held-out stdlib text). A method run twice at the same
-bytes (the same cell in two files) keeps its last figure; ``PATH=OLD>NEW`` keeps a file's cells apart.
+bytes (the same cell in two files) keeps its last figure; ``PATH=OLD>NEW`` keeps a file's cells apart. A distilled
+``formats`` cell also plots its untrained start, and a layer-drop cell its groups-of-64 twin (``cell_points``).
 """
 
 from __future__ import annotations
@@ -25,9 +26,23 @@ def points(specs: list[str], key: str) -> dict[str, dict[float, float]]:
         old, _, new = rename.partition(">")
         data = json.loads(Path(path).read_text())
         for cell in data["results"] if isinstance(data, dict) else data:
-            if cell.get(key) is not None and cell.get("bytes_ratio") is not None:
-                method = new if rename and cell["method"] == old else cell["method"]
-                found.setdefault(method, {})[round(cell["bytes_ratio"], 4)] = cell[key]
+            method = new if rename and cell["method"] == old else cell["method"]
+            for name, x, y in cell_points(cell, method, key):
+                found.setdefault(name, {})[round(x, 4)] = y
+    return found
+
+
+def cell_points(cell: dict, method: str, key: str) -> list[tuple[str, float, float]]:
+    """(method, bytes, cosine) of one cell, plus the points it measured on the way: a distilled ``formats`` cell's
+    untrained start (``start_*``, the same bytes: shown as the method without its `` distill…`` suffix) and a
+    quantized cell's grouped twin (``g64_*`` at ``g64_bytes_ratio``)."""
+    found = []
+    if cell.get(key) is not None and cell.get("bytes_ratio") is not None:
+        found.append((method, cell["bytes_ratio"], cell[key]))
+        if cell.get(f"start_{key}") is not None:
+            found.append((method.split(" distill")[0], cell["bytes_ratio"], cell[f"start_{key}"]))
+    if cell.get(f"g64_{key}") is not None and cell.get("g64_bytes_ratio") is not None:
+        found.append((f"{method} (groups of 64)", cell["g64_bytes_ratio"], cell[f"g64_{key}"]))
     return found
 
 
