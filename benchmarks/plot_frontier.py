@@ -57,12 +57,14 @@ def main() -> None:
     import matplotlib.pyplot as plt
 
     key = "cosine" if args.held_out else "cosine_other"
-    fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    for method, cells in sorted(points(args.results, key).items()):
-        xs = sorted(cells)
-        ax.plot(xs, [cells[x] for x in xs], "o-", label=method)
+    fig, ax = plt.subplots(figsize=(7.5, 5))
+    markers = "os^DvPX*<>"
+    for i, (method, cells) in enumerate(sorted(points(args.results, key).items())):
+        xs = sorted(cells)  # 20 colours and 10 markers: no two of up to 20 methods look alike
+        ax.plot(xs, [cells[x] for x in xs], marker=markers[i % len(markers)], color=plt.cm.tab20(i % 20),
+                label=method)
         for x in xs:
-            print(f"{method:36s} bytes {x:.4f}  cosine {cells[x]:.4f}")
+            print(f"{method:40s} bytes {x:.4f}  cosine {cells[x]:.4f}")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("encoder weight bytes / fp32 dense (log scale)")
     ax.set_ylabel("mean cosine to the teacher, " + ("held-out stdlib text" if args.held_out else "other-source text"))
