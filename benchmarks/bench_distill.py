@@ -8,12 +8,14 @@ examples/compress_pretrained.py.
 
 Issue 29's cells compare at equal *bytes* of the encoder's weight matrices, on held-out stdlib text and on
 other-source text (numpy / sympy docstrings): ``int8 dynamic`` (``quantize_dynamic``), ``int8 group64`` /
-``int4 group64`` (weight fake-quantization), ``layer drop distill``, ``low-rank distill``, ``distill
-calibrated+energy +int8`` (a TT student, then ``quantize_``), and ``formats`` / ``formats distill``
-(``choose_formats`` at ``--ratios`` read as a fraction of the fp32 bytes, then optionally distilled in float for the
-budget and rounded back onto each layer's grid; ``formats output [distill]``: candidates scored at the model's
-output on two calibration batches). ``benchmarks/plot_frontier.py`` draws cosine against bytes from
-the ``results.json`` files. Run timing-relevant runs under ``flock /tmp/comera_timing.lock``:
+``int4 group64`` / ``int4 per-row`` (weight fake-quantization), ``layer drop distill`` (``+int8`` / ``+int4``: then
+rounded per output channel), ``low-rank distill``, ``low-rank distill +int8`` (whitened, int8 factors, at the byte
+target), ``distill calibrated+energy +int8`` (a TT student, then ``quantize_``), and ``formats`` / ``formats
+distill`` (``choose_formats`` at ``--ratios`` read as a fraction of the fp32 bytes, then optionally distilled in
+float for the budget and rounded back onto each layer's grid; ``formats output [distill]``: candidates scored at
+the model's output on two calibration batches; ``... qat``: the last 30 % of the budget quantization-aware).
+``benchmarks/plot_frontier.py`` draws cosine against bytes from the ``results.json`` files. Run timing-relevant
+runs under ``flock /tmp/comera_timing.lock``:
 
     flock /tmp/comera_timing.lock .venv/bin/python benchmarks/bench_distill.py --ratios 0.25 \\
         --methods "distill calibrated+energy" --budget-seconds 600 --threads 1 --out runs/bench_distill_4x
