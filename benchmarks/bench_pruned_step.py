@@ -93,6 +93,8 @@ def time_layout(name: str, rank: int | None, tokens_per_row: int, batch_rows: in
     compile_s = time.perf_counter() - start
     columns = {f"{path} {part}": fn for path, fns in parts.items() for part, fn in fns.items()}
     seconds = common.time_rotated(columns, repeats=args.rounds, inner=args.inner)
+    if args.profile and rank is not None:
+        print_profile(f"{name}, {batch_rows * tokens_per_row} tokens, compiled step", parts["compiled"]["step"])
     expected = eager(batch[0]).detach()  # grad on in both: the compiled training graph, no new compile
     rel = ((compiled(batch[0]).detach() - expected).norm() / expected.norm()).item()
     row = {"layout": name, "rank": rank, "rows": batch_rows, "tokens": batch_rows * tokens_per_row,
@@ -101,6 +103,16 @@ def time_layout(name: str, rank: int | None, tokens_per_row: int, batch_rows: in
           f"compiled {seconds['compiled step']:.4f} s (fwd+bwd {seconds['compiled fwd+bwd']:.4f}, optimizer "
           f"{seconds['compiled optimizer']:.4f}); compile {compile_s:.0f} s; compiled vs eager {rel:.1e}", flush=True)
     return row
+
+
+def print_profile(title: str, step, steps: int = 5, top: int = 12) -> None:
+    """Where a step's time goes: torch.profiler's ops by self CPU time over ``steps`` steps."""
+    from torch.profiler import ProfilerActivity, profile
+    step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+    print(f"\n{title}, {steps} steps:\n" + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top))
 
 
 def summary(rows: list[dict], unpruned: int, pruned: int) -> list[str]:
@@ -130,6 +142,7 @@ def main(argv=None) -> None:
     ap.add_argument("--inner", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--width", type=int, default=128, help="d_model (ff 4x): wider puts more FLOPs in the TT layers")
+    ap.add_argument("--profile", action="store_true", help="also print a profile of each TT layout's compiled step")
     ap.add_argument("--no-dense", action="store_true")
     ap.add_argument("--hook", action="store_true", help="TT layouts train under RankAdaptive (no prune while timed)")
     ap.add_argument("--no-inductor", action="store_true", help="the backend's eager mode (a smoke run)")
