@@ -188,17 +188,26 @@ def quantize_(model: nn.Module, bits: int = 8, group_size: int | None = 64, *, d
     return QuantizeSummary(tuple(names), before, stored_bytes(model, only={i: None for i in chosen}))
 
 
+def _recorded_grids(model: nn.Module) -> list[tuple[nn.Parameter, QuantSpec]]:
+    """(parameter, its grid) for every weight ``quantize_`` recorded, each tensor once (a tied weight has several
+    registrations; the first one's grid counts)."""
+    found, seen = [], set()
+    for module, name, _, param in _owners(model):
+        spec = getattr(module, SPEC_ATTR, {}).get(name)
+        if spec is not None and id(param) not in seen:
+            seen.add(id(param))
+            found.append((param, spec))
+    return found
+
+
 @torch.no_grad()
 def requantize_(model: nn.Module) -> int:
     """Round every weight ``quantize_`` recorded back onto its own grid (after fine-tuning moved it off: what
     training in float and then storing quantized gives); returns how many tensors were rounded."""
-    done: set[int] = set()
-    for module, name, _, param in _owners(model):
-        spec = getattr(module, SPEC_ATTR, {}).get(name)
-        if spec is not None and id(param) not in done:
-            param.copy_(fake_quant(param, spec.bits, spec.group_size))
-            done.add(id(param))
-    return len(done)
+    grids = _recorded_grids(model)
+    for param, spec in grids:
+        param.copy_(fake_quant(param, spec.bits, spec.group_size))
+    return len(grids)
 
 
 @contextlib.contextmanager
@@ -210,14 +219,10 @@ def on_grid(model: nn.Module):
     rounded; a backward run after leaving the block raises autograd's in-place error instead of using the wrong
     weights."""
     kept: list[tuple[Tensor, Tensor]] = []
-    seen: set[int] = set()
     with torch.no_grad():
-        for module, name, _, param in _owners(model):
-            spec = getattr(module, SPEC_ATTR, {}).get(name)
-            if spec is not None and id(param) not in seen:
-                seen.add(id(param))
-                kept.append((param, param.detach().clone()))
-                param.copy_(fake_quant(param, spec.bits, spec.group_size))
+        for param, spec in _recorded_grids(model):
+            kept.append((param, param.detach().clone()))
+            param.copy_(fake_quant(param, spec.bits, spec.group_size))
     try:
         yield len(kept)
     finally:
