@@ -17,6 +17,7 @@ compiled step below its eager step. The parts say where a step that does not sca
     flock /tmp/timing.lock .venv/bin/python benchmarks/bench_pruned_step.py               # 512 and 4096 tokens
     flock /tmp/timing.lock .venv/bin/python benchmarks/bench_pruned_step.py --width 512 --ranks 32 8 --hook
     .venv/bin/python benchmarks/bench_pruned_step.py --no-inductor --batches 2 --rounds 2   # smoke: eager backend
+    python benchmarks/bench_pruned_step.py --device cuda --width 1024 --ranks 32 8 --batches 256   # a GPU (TF32)
 """
 
 from __future__ import annotations
@@ -75,10 +76,22 @@ def step_parts(model: nn.Module, batch, hook: bool = False) -> dict:
     return {"step": step, "fwd+bwd": forward_backward, "optimizer": optimizer.step}
 
 
+def synced(fn, device: torch.device):
+    """``fn`` followed by a wait for the device, so that a wall-clock timer sees a CUDA step's whole time."""
+    if device.type != "cuda":
+        return fn
+
+    def call():
+        fn()
+        torch.cuda.synchronize(device)
+    return call
+
+
 def time_layout(name: str, rank: int | None, tokens_per_row: int, batch_rows: int, args, backend) -> dict:
+    device = torch.device(args.device)
     data = torch.randint(0, VOCAB, (batch_rows, tokens_per_row + 1), generator=torch.Generator().manual_seed(1))
-    batch = (data[:, :-1], data[:, 1:])
-    eager = build(rank, args.width)
+    batch = (data[:, :-1].to(device), data[:, 1:].to(device))
+    eager = build(rank, args.width).to(device)
     flops = step_flops(eager, loss_fn, batch)
     compiled = copy.deepcopy(eager)
     torch._dynamo.reset()
@@ -91,7 +104,7 @@ def time_layout(name: str, rank: int | None, tokens_per_row: int, batch_rows: in
     hook = args.hook and rank is not None
     parts = {"eager": step_parts(eager, batch, hook), "compiled": step_parts(compiled, batch, hook)}  # compiles
     compile_s = time.perf_counter() - start
-    columns = {f"{path} {part}": fn for path, fns in parts.items() for part, fn in fns.items()}
+    columns = {f"{path} {part}": synced(fn, device) for path, fns in parts.items() for part, fn in fns.items()}
     seconds = common.time_rotated(columns, repeats=args.rounds, inner=args.inner)
     if args.profile and rank is not None:
         print_profile(f"{name}, {batch_rows * tokens_per_row} tokens, compiled step", parts["compiled"]["step"])
@@ -146,15 +159,18 @@ def main(argv=None) -> None:
     ap.add_argument("--no-dense", action="store_true")
     ap.add_argument("--hook", action="store_true", help="TT layouts train under RankAdaptive (no prune while timed)")
     ap.add_argument("--no-inductor", action="store_true", help="the backend's eager mode (a smoke run)")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (on cuda, float32 matmuls may use TF32)")
     ap.add_argument("--out", help="write the rows as JSON here")
     args = ap.parse_args(argv)
+    if args.device.startswith("cuda"):
+        torch.set_float32_matmul_precision("high")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="bench_pruned_step_inductor_")
     torch.set_num_threads(args.threads)
     backend = make_backend(inductor=not args.no_inductor)
     layouts = [(f"TT r{r}", r) for r in args.ranks] + ([] if args.no_dense else [("dense", None)])
     load = common.loadavg()
     rows = [time_layout(name, rank, 64, b, args, backend) for b in args.batches for name, rank in layouts]
-    print(f"\nthreads {args.threads}, load before {load}, after {common.loadavg()}, "
+    print(f"\ndevice {args.device}, threads {args.threads}, load before {load}, after {common.loadavg()}, "
           f"{common.openmp_setting()}")
     lines = summary(rows, *args.ranks)
     print("\n".join(lines))

@@ -59,13 +59,26 @@ def tt_matrices(model: nn.Module) -> list[MatrixEntry]:
 
 def live_counts(matrices: Sequence[TTMatrix], threshold: float = DEFAULT_GATE_THRESHOLD) -> list[tuple[int, ...]]:
     """Live gate entries (|g| > threshold) per internal bond of each matrix, read back with one transfer per
-    device."""
-    gates = [g for tt in matrices for g in tt.gates]
+    device and dtype. All gates of a device are counted in one segmented sum: a history entry is taken every step, and a few
+    kernels per gate would cost a GPU step more than its optimizer."""
+    gates = [g.detach() for tt in matrices for g in tt.gates]
     if not gates:
         return [() for _ in matrices]
-    counts = [(g.detach().abs() > threshold).sum().to(gates[0].device) for g in gates]
-    flat = iter(torch.stack(counts).tolist())
-    return [tuple(next(flat) for _ in tt.gates) for tt in matrices]
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, gate in enumerate(gates):  # the comparison in each gate's own dtype, as |g| > threshold reads it
+        groups.setdefault((gate.device, gate.dtype), []).append(i)
+    counts: list[int] = [0] * len(gates)
+    for (device, _), members in groups.items():
+        flat = torch.cat([gates[i].reshape(-1) for i in members])
+        lengths = torch.tensor([gates[i].numel() for i in members], device=device)
+        segment = torch.repeat_interleave(torch.arange(len(members), device=device), lengths,
+                                          output_size=flat.numel())
+        alive = torch.zeros(len(members), dtype=torch.long, device=device)
+        alive.index_add_(0, segment, (flat.abs() > threshold).long())
+        for i, n in zip(members, alive.tolist()):
+            counts[i] = n
+    flat_counts = iter(counts)
+    return [tuple(next(flat_counts) for _ in tt.gates) for tt in matrices]
 
 
 def physical_params(tt: TTMatrix) -> int:
