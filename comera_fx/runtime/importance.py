@@ -31,6 +31,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..tt.inventory import segment_ids
+
 
 class BondSensitivity:
     """Ī per internal bond (a 0-d tensor), keyed by matrix name (``tt_matrices``' names) and bond index, and the
@@ -82,9 +84,7 @@ class BondSensitivity:
             return
         names = [rows[i][0] for i in first]
         flat = torch.cat([terms[i] for i in first])
-        lengths = [terms[i].numel() for i in first]
-        segment = torch.repeat_interleave(torch.arange(len(first), device=flat.device),
-                                          torch.tensor(lengths, device=flat.device), output_size=flat.numel())
+        segment = segment_ids([terms[i].numel() for i in first], flat.device)
         layer_value = flat.new_zeros(len(first)).index_add_(0, segment, flat).abs()
         layers = []
         for name in names:

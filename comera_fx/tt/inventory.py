@@ -57,6 +57,17 @@ def tt_matrices(model: nn.Module) -> list[MatrixEntry]:
     return [MatrixEntry(users[key][0], tt, key not in frozen, tuple(users[key])) for key, tt in matrices.items()]
 
 
+def segment_ids(lengths: Sequence[int], device: torch.device) -> torch.Tensor:
+    """[0]*lengths[0] + [1]*lengths[1] + … on ``device``, for a segmented sum with ``index_add_``. On CUDA the
+    lengths travel from pinned memory without blocking: a plain host-to-device copy waits for the stream, which
+    would stall every training step that reads gates."""
+    counts = torch.tensor(list(lengths), dtype=torch.long)
+    if device.type == "cuda":
+        counts = counts.pin_memory()
+    counts = counts.to(device, non_blocking=True)
+    return torch.repeat_interleave(torch.arange(len(lengths), device=device), counts, output_size=sum(lengths))
+
+
 def live_counts(matrices: Sequence[TTMatrix], threshold: float = DEFAULT_GATE_THRESHOLD) -> list[tuple[int, ...]]:
     """Live gate entries (|g| > threshold) per internal bond of each matrix, read back with one transfer per
     device and dtype. All gates of a device are counted in one segmented sum: a history entry is taken every step, and a few
@@ -70,9 +81,7 @@ def live_counts(matrices: Sequence[TTMatrix], threshold: float = DEFAULT_GATE_TH
     counts: list[int] = [0] * len(gates)
     for (device, _), members in groups.items():
         flat = torch.cat([gates[i].reshape(-1) for i in members])
-        lengths = torch.tensor([gates[i].numel() for i in members], device=device)
-        segment = torch.repeat_interleave(torch.arange(len(members), device=device), lengths,
-                                          output_size=flat.numel())
+        segment = segment_ids([gates[i].numel() for i in members], device)
         alive = torch.zeros(len(members), dtype=torch.long, device=device)
         alive.index_add_(0, segment, (flat.abs() > threshold).long())
         for i, n in zip(members, alive.tolist()):
