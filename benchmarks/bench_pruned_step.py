@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import math
 import os
 import tempfile
 import time
@@ -119,13 +120,33 @@ def time_layout(name: str, rank: int | None, tokens_per_row: int, batch_rows: in
 
 
 def print_profile(title: str, step, steps: int = 5, top: int = 12) -> None:
-    """Where a step's time goes: torch.profiler's ops by self CPU time over ``steps`` steps."""
+    """Where a step's time goes: torch.profiler's ops by self CPU time over ``steps`` steps, and the GEMMs' count,
+    FLOPs (from their recorded shapes) and time, which say whether the compiled graph runs the planned products."""
     from torch.profiler import ProfilerActivity, profile
     step()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         for _ in range(steps):
             step()
     print(f"\n{title}, {steps} steps:\n" + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top))
+    for op, (calls, flops, ms) in gemm_totals(prof.events()).items():
+        print(f"{op}: {calls / steps:.0f} calls, {flops / steps:.3g} FLOPs, {ms / steps:.1f} ms per step")
+
+
+def gemm_totals(events) -> dict[str, tuple[int, int, float]]:
+    """(calls, FLOPs, self CPU ms) of each GEMM op among profiler events recorded with their shapes."""
+    totals: dict[str, tuple[int, int, float]] = {}
+    for event in events:
+        shapes = event.input_shapes
+        if event.name in ("aten::mm", "aten::bmm"):
+            a, b = shapes[0], shapes[1]
+        elif event.name in ("aten::addmm", "aten::baddbmm"):
+            a, b = shapes[1], shapes[2]
+        else:
+            continue
+        flops = 2 * math.prod(a) * b[-1]  # (…, m, k) @ (…, k, n): 2·batch·m·k·n
+        calls, total, ms = totals.get(event.name, (0, 0, 0.0))
+        totals[event.name] = (calls + 1, total + flops, ms + event.self_cpu_time_total / 1e3)
+    return totals
 
 
 def summary(rows: list[dict], unpruned: int, pruned: int) -> list[str]:
