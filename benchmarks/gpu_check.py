@@ -4,6 +4,7 @@ Run on a CUDA machine (the CUDA build of torch brings triton)::
 
     python benchmarks/gpu_check.py                 # well under 5 minutes on one recent GPU
     OUT=/some/dir python benchmarks/gpu_check.py   # also writes $OUT/gpu_check.json, after every part
+    python benchmarks/gpu_check.py --skip-compile-once --emb 50257x1024 --emb-rank 64   # the kernels at another size
 
 What it does (each part catches its own exception, records it and goes on; part 6 runs first, so that a run cut
 short by its time limit still has issue 30's figure):
@@ -422,6 +423,10 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--rank", type=int, default=32, help="TT linear max rank")
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile of the linear layers")
+    parser.add_argument("--emb", metavar="ROWSxCOLS", help="another embedding table for the lookup and gate-fusion "
+                        "timings (TTM, 4 modes a side chosen by the library; default 32000x768 with CoMERA's modes)")
+    parser.add_argument("--emb-rank", type=int, default=32, help="internal ranks of --emb's table")
+    parser.add_argument("--skip-compile-once", action="store_true", help="skip part 6 (a second run of the kernels)")
     args = parser.parse_args()
     global SMOKE
     SMOKE = args.smoke
@@ -448,11 +453,17 @@ def main() -> int:
     if args.smoke:
         emb = TTLayout(TTFormat.TTM, 300, 48, (5, 6, 10), (2, 4, 6), (1, 4, 8, 1))
         tokens, lin_size, lin_tokens = 64, 64, 32
+    elif args.emb:
+        rows, cols = (int(v) for v in args.emb.lower().split("x"))
+        row_modes, col_modes = choose_layout_modes(rows, cols, TTFormat.TTM, num_modes=4)
+        emb = TTLayout(TTFormat.TTM, rows, cols, row_modes, col_modes, (1,) + (args.emb_rank,) * 3 + (1,))
+        tokens, lin_size, lin_tokens = args.tokens, 4096, args.tokens
     else:
         emb = TTLayout(TTFormat.TTM, 32000, 768, (16, 20, 10, 10), (4, 4, 8, 6), (1, 32, 32, 32, 1))
         tokens, lin_size, lin_tokens = args.tokens, 4096, args.tokens
 
-    compile_once(device, args.smoke)  # first: issue 30's figure, the one a short lease must not lose
+    if not args.skip_compile_once:
+        compile_once(device, args.smoke)  # first: issue 30's figure, the one a short lease must not lose
     correctness(device, emb, small)
     embedding(device, emb, tokens, torch.bfloat16 if device.type == "cuda" else torch.float32)
     gate_fusion(device, emb, torch.bfloat16 if device.type == "cuda" else torch.float32)

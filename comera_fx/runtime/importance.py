@@ -57,7 +57,7 @@ class BondSensitivity:
             if entry.tt.is_zero:
                 continue
             ema = self.ema.setdefault(entry.name, [])
-            for k, gate in enumerate(entry.tt.gates):
+            for k, gate in enumerate(entry.tt._stored_gates()):
                 if k == len(ema):
                     ema.append(gate.new_zeros(()).detach())
                 elif ema[k].device != gate.device or ema[k].dtype != gate.dtype:  # e.g. loaded from a checkpoint

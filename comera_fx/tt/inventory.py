@@ -72,7 +72,8 @@ def live_counts(matrices: Sequence[TTMatrix], threshold: float = DEFAULT_GATE_TH
     """Live gate entries (|g| > threshold) per internal bond of each matrix, read back with one transfer per
     device and dtype. All gates of a device are counted in one segmented sum: a history entry is taken every step, and a few
     kernels per gate would cost a GPU step more than its optimizer."""
-    gates = [g.detach() for tt in matrices for g in tt.gates]
+    stored = [tt._stored_gates() for tt in matrices]
+    gates = [g.detach() for tt_gates in stored for g in tt_gates]
     if not gates:
         return [() for _ in matrices]
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
@@ -87,12 +88,12 @@ def live_counts(matrices: Sequence[TTMatrix], threshold: float = DEFAULT_GATE_TH
         for i, n in zip(members, alive.tolist()):
             counts[i] = n
     flat_counts = iter(counts)
-    return [tuple(next(flat_counts) for _ in tt.gates) for tt in matrices]
+    return [tuple(next(flat_counts) for _ in tt_gates) for tt_gates in stored]
 
 
 def physical_params(tt: TTMatrix) -> int:
     """Entries ``tt`` stores now (cores + gates)."""
-    return sum(p.numel() for p in tt.parameters())
+    return sum(p.numel() for p in tt._stored_cores()) + sum(g.numel() for g in tt._stored_gates())
 
 
 def matrix_sizes(model: nn.Module) -> tuple[int, int]:

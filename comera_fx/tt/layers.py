@@ -117,6 +117,11 @@ class TTMatrix(nn.Module):
         ``torch.fx.symbolic_trace`` patches to hand out proxies (a proxy's shape cannot drive Python control flow)."""
         return list(self.cores._parameters.values())
 
+    def _stored_gates(self) -> list[Tensor]:
+        """The gate tensors, read as ``_stored_cores`` reads the cores: iterating a ``ParameterList`` costs a
+        string-index lookup per entry, which the rank hook would pay for every gate at every step."""
+        return list(self.gates._parameters.values())
+
     @property
     def live_layout(self) -> TTLayout:
         """The layout at the live ranks: the matrix's true size (``layout`` while it is not held wider)."""
