@@ -178,7 +178,7 @@ def check_merge(name, layout, device, dtype, tol):
     args = (layout.row_modes, layout.col_modes, layout.ranks)
     ref = ops.ttm_merge(ops.gate_cores(ref_cores, ref_gates, layout), *args)
     cores, gates = _leaves(cores64, device, dtype), _leaves(gates64, device, dtype)
-    out = kernels.gated_ttm_merge(cores, gates, *args)
+    out = kernels.gated_ttm_merge(cores, gates, *args, fused=True)
     grad = torch.randn(ref.shape, generator=gen, dtype=torch.float64)
     expected = torch.autograd.grad(ref, ref_cores + ref_gates, grad)
     actual = torch.autograd.grad(out, cores + gates, grad.to(device, dtype))
@@ -298,7 +298,7 @@ def gate_fusion(device, layout, dtype):
             continue
 
         def fused(cs=cs, gs=gs, rm=rm, cm=cm, rk=rk):
-            return kernels.gated_ttm_merge(cs, gs, rm, cm, rk)
+            return kernels.gated_ttm_merge(cs, gs, rm, cm, rk, fused=True)
 
         def unfused(cs=cs, gs=gs, rm=rm, cm=cm, rk=rk):
             gated = [c * g for c, g in zip(cs, gs)] + list(cs[len(gs):])

@@ -105,7 +105,7 @@ def test_gated_merge_matches_aten(spec, gate_last):
     # A chain's own last bond is gated when it is the left half of a split chain: add a gate for it.
     extra = [torch.linspace(-1.5, 2.0, layout.ranks[-1])] if gate_last else []
     gates = _leaves(list(spec.gates) + extra, device)
-    out = kernels.gated_ttm_merge(cores, gates, layout.row_modes, layout.col_modes, layout.ranks)
+    out = kernels.gated_ttm_merge(cores, gates, layout.row_modes, layout.col_modes, layout.ranks, fused=True)
 
     ref_cores = [c.detach().double().cpu().requires_grad_() for c in cores]
     ref_gates = [g.detach().double().cpu().requires_grad_() for g in gates]
@@ -146,11 +146,13 @@ def test_take_rows_half_precision(device, dtype):
 
 
 @pytest.mark.triton
-def test_take_rows_compiles_fullgraph(device):
-    """fullgraph=True traces through the dispatcher; the forward graph calls comera_fx::ttm_lookup and
-    comera_fx::gated_merge, the backward graph comera_fx::ttm_lookup_backward."""
+def test_take_rows_compiles_fullgraph(device, monkeypatch):
+    """fullgraph=True traces through the dispatcher; the forward graph calls comera_fx::ttm_lookup and (with the
+    fused merge switched on) comera_fx::gated_merge, the backward graph comera_fx::ttm_lookup_backward."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
+
+    monkeypatch.setattr(kernels, "FUSED_MERGE", True)
 
     layout = TTLayout(TTFormat.TTM, 45, 20, (3, 4, 4), (2, 3, 4), (1, 3, 5, 1))
     generator = torch.Generator().manual_seed(4)
@@ -206,6 +208,35 @@ def test_cpu_without_interpret_uses_aten(monkeypatch):
     index = torch.tensor([[1, 44], [7, 7]])
     out = kernels.take_rows(index, cores, layout, gates)
     torch.testing.assert_close(out, ops.take_rows(index, ops.gate_cores(cores, gates, layout), layout))
+
+
+@pytest.mark.triton
+def test_the_lookup_merges_its_halves_with_aten_by_default(device, monkeypatch):
+    """FUSED_MERGE is off: the lookup kernel runs, the fused merge kernel does not, and the result is unchanged."""
+    impl = kernels._load()
+    layout = TTLayout(TTFormat.TTM, 45, 20, (3, 4, 4), (2, 3, 4), (1, 3, 5, 1))
+    generator = torch.Generator().manual_seed(8)
+    cores = _leaves(random_tt_cores(layout.core_shapes, 1.0, generator=generator), device)
+    gates = _leaves([torch.rand(r, generator=generator) + 0.5 for r in layout.internal_ranks], device)
+    index = torch.randint(0, layout.rows, (3, 4), generator=generator).to(device)
+    monkeypatch.setattr(kernels, "FUSED_MERGE", True)
+    fused = kernels.take_rows(index, cores, layout, gates)
+    lookups = []
+    original = impl.ttm_lookup
+
+    def counted(*args, **kwargs):
+        lookups.append(1)
+        return original(*args, **kwargs)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the fused merge ran with FUSED_MERGE off")
+
+    monkeypatch.setattr(kernels, "FUSED_MERGE", False)
+    monkeypatch.setattr(impl, "ttm_lookup", counted)
+    monkeypatch.setattr(impl, "gated_merge", refuse)
+    out = kernels.take_rows(index, cores, layout, gates)
+    assert lookups
+    _close(out.detach(), fused.detach(), 1e-5)
 
 
 # ------------------------------------------------------------------------------------ aten fallback (no triton)

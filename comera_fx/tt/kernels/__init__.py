@@ -5,6 +5,9 @@ Entry points (same results as the functions of ``comera_fx.tt.ops`` they replace
     take_rows(index, cores, layout, gates=None, dedup=False)      # ops.take_rows(index, gate_cores(...), layout)
     gated_ttm_merge(cores, gates, row_modes, col_modes, ranks)    # ops.ttm_merge(gate_cores(...) ...)
 
+The fused merge is off by default (``FUSED_MERGE``; aten's gate + merge was faster on an H200); pass
+``fused=True`` to run it.
+
 Each call picks a path with ``kernel_path``: the Triton kernels (registered as ``torch.library.triton_op`` ops
 ``comera_fx::ttm_lookup`` / ``ttm_lookup_backward`` / ``gated_merge``, so Inductor sees and inlines them) run when
 triton imports and every tensor is on CUDA, or, for tests, on CPU under ``TRITON_INTERPRET=1``. Everywhere else
@@ -27,10 +30,15 @@ from torch import Tensor
 from .. import ops
 from ..layout import TTFormat, TTLayout
 
-__all__ = ["ENABLED", "gated_ttm_merge", "kernel_path", "take_rows", "triton_available"]
+__all__ = ["ENABLED", "FUSED_MERGE", "gated_ttm_merge", "kernel_path", "take_rows", "triton_available"]
 
 #: Master switch; also off when the environment sets COMERA_FX_KERNELS=0.
 ENABLED = os.environ.get("COMERA_FX_KERNELS", "1") != "0"
+
+#: Whether ``gated_ttm_merge`` runs its fused Triton kernel by default. Off: on an H200 the fused merge lost to
+#: aten's gate + merge at both sizes timed (forward + backward of the two halves: 1.47 vs 1.16 ms for 32000×768
+#: r 32, 1.24 vs 0.87 ms for 50257×1024 r 64; benchmarks/RESULTS.md, the H200 section). The lookup kernel stays.
+FUSED_MERGE = False
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Beyond these half-chain sizes one (B_L × r)(r × B_R) GEMM per token no longer fits a few tiles; aten then runs.
@@ -88,12 +96,13 @@ def kernel_path(*tensors: Tensor) -> str:
 
 
 def gated_ttm_merge(cores: Sequence[Tensor], gates: Sequence[Tensor], row_modes: Sequence[int],
-                    col_modes: Sequence[int], ranks: Sequence[int]) -> Tensor:
+                    col_modes: Sequence[int], ranks: Sequence[int], *, fused: bool | None = None) -> Tensor:
     """``ops.ttm_merge`` of the gated cores: core k is scaled by ``gates[k]`` on its right bond; ``gates`` has one
-    entry per core, or one fewer (the last core ungated). Result (r_first, A, B, r_last) as ``ops.ttm_merge``."""
+    entry per core, or one fewer (the last core ungated). Result (r_first, A, B, r_last) as ``ops.ttm_merge``.
+    ``fused``: run the fused Triton kernel where it can run (default ``FUSED_MERGE``: off, aten was faster)."""
     if len(gates) not in (len(cores), len(cores) - 1):
         raise ValueError(f"{len(cores)} cores need {len(cores) - 1} or {len(cores)} gates, got {len(gates)}")
-    if kernel_path(*cores, *gates) != "triton":
+    if not (FUSED_MERGE if fused is None else fused) or kernel_path(*cores, *gates) != "triton":
         return ops.ttm_merge(_gate_chain(cores, gates), row_modes, col_modes, ranks)
     impl = _load()
     acc = cores[0]
