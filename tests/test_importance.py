@@ -123,3 +123,21 @@ def test_live_counts_match_a_per_gate_count(entries, threshold):
     assert got == expected
     assert math.prod(len(c) for c in got) > 0
     assert live_counts([], threshold) == []
+
+
+def test_bfloat16_gates_accumulate_like_the_float64_reference():
+    """Low-precision gates: the per-matrix sum runs in float32 (as ``Tensor.sum`` would), so the averages stay
+    within bfloat16's rounding of the float64 reference."""
+    entries = [MatrixEntry("h", matrix((1, 6, 5, 7, 1), torch.bfloat16, 9), True, ("h",))]
+    beta = 0.6
+    sensitivity = BondSensitivity(beta)
+    state = {"bond": {}, "layer": {}, "seen": set()}
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        for gate in entries[0].tt.gates:
+            gate.grad = torch.randn(gate.shape, generator=gen, dtype=torch.float64).to(torch.bfloat16)
+        sensitivity.update(entries)
+        reference_step(state, entries, beta)
+    bonds, layers = sensitivity.values(entries)
+    assert bonds["h"] == pytest.approx([state["bond"][("h", k)] for k in range(3)], rel=2e-2)
+    assert layers["h"] == pytest.approx(state["layer"]["h"], rel=2e-2, abs=1e-2)

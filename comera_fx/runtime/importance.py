@@ -85,7 +85,9 @@ class BondSensitivity:
         names = [rows[i][0] for i in first]
         flat = torch.cat([terms[i] for i in first])
         segment = segment_ids([terms[i].numel() for i in first], flat.device)
-        layer_value = flat.new_zeros(len(first)).index_add_(0, segment, flat).abs()
+        wide = torch.float32 if flat.dtype in (torch.float16, torch.bfloat16) else flat.dtype  # as .sum() adds
+        layer_value = (torch.zeros(len(first), dtype=wide, device=flat.device)
+                       .index_add_(0, segment, flat.to(wide)).abs().to(flat.dtype))
         layers = []
         for name in names:
             layer = self.layer.get(name)

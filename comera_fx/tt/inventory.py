@@ -70,8 +70,8 @@ def segment_ids(lengths: Sequence[int], device: torch.device) -> torch.Tensor:
 
 def live_counts(matrices: Sequence[TTMatrix], threshold: float = DEFAULT_GATE_THRESHOLD) -> list[tuple[int, ...]]:
     """Live gate entries (|g| > threshold) per internal bond of each matrix, read back with one transfer per
-    device and dtype. All gates of a device are counted in one segmented sum: a history entry is taken every step, and a few
-    kernels per gate would cost a GPU step more than its optimizer."""
+    device and dtype. The gates of a device and dtype are counted in one segmented sum: a history entry is taken
+    every step, and a few kernels per gate would cost a GPU step more than its optimizer."""
     stored = [tt._stored_gates() for tt in matrices]
     gates = [g.detach() for tt_gates in stored for g in tt_gates]
     if not gates:
