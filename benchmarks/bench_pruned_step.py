@@ -77,17 +77,6 @@ def step_parts(model: nn.Module, batch, hook: bool = False) -> dict:
     return {"step": step, "fwd+bwd": forward_backward, "optimizer": optimizer.step}
 
 
-def synced(fn, device: torch.device):
-    """``fn`` followed by a wait for the device, so that a wall-clock timer sees a CUDA step's whole time."""
-    if device.type != "cuda":
-        return fn
-
-    def call():
-        fn()
-        torch.cuda.synchronize(device)
-    return call
-
-
 def time_layout(name: str, rank: int | None, tokens_per_row: int, batch_rows: int, args, backend) -> dict:
     device = torch.device(args.device)
     data = torch.randint(0, VOCAB, (batch_rows, tokens_per_row + 1), generator=torch.Generator().manual_seed(1))
@@ -105,7 +94,8 @@ def time_layout(name: str, rank: int | None, tokens_per_row: int, batch_rows: in
     hook = args.hook and rank is not None
     parts = {"eager": step_parts(eager, batch, hook), "compiled": step_parts(compiled, batch, hook)}  # compiles
     compile_s = time.perf_counter() - start
-    columns = {f"{path} {part}": synced(fn, device) for path, fns in parts.items() for part, fn in fns.items()}
+    columns = {f"{path} {part}": common.synced(fn, device) for path, fns in parts.items()
+               for part, fn in fns.items()}
     seconds = common.time_rotated(columns, repeats=args.rounds, inner=args.inner)
     if args.profile and rank is not None:
         print_profile(f"{name}, {batch_rows * tokens_per_row} tokens, compiled step", parts["compiled"]["step"])

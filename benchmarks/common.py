@@ -80,6 +80,21 @@ def time_rotated(columns: dict[str, Callable[[], object]], repeats: int, inner: 
     return {name: statistics.median(v) for name, v in samples.items()}
 
 
+def synced(fn: Callable[[], object], device) -> Callable[[], object]:
+    """``fn`` followed by a wait for the device, so that a wall-clock timer sees a CUDA call's whole time (``fn``
+    itself elsewhere). ``device``: a torch.device or its name."""
+    import torch  # here, not at the top: importing this module loads no torch
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return fn
+
+    def call():
+        fn()
+        torch.cuda.synchronize(device)
+    return call
+
+
 # ------------------------------------------------------------------------------------------- system readings
 
 

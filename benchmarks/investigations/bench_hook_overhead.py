@@ -42,15 +42,6 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
 
-    def synced(fn):
-        if device.type != "cuda":
-            return fn
-
-        def call():
-            fn()
-            torch.cuda.synchronize(device)
-        return call
-
     model = build(args.rank, args.width).to(device)
     data = torch.randint(0, VOCAB, (2, 65), generator=torch.Generator().manual_seed(1)).to(device)
     hooked = copy.deepcopy(model)
@@ -61,10 +52,10 @@ def main(argv=None) -> None:
         loss_fn(m, data[:, :-1], data[:, 1:]).backward()
     entries = [m for m in hook.matrices if m.shrinkable]
     columns = {
-        "AdamW step": synced(plain_opt.step),
-        "AdamW step + hook": synced(hooked_opt.step),
-        "hook: importance averages": synced(lambda: hook.importance.update(entries)),
-        "hook: history entry": synced(lambda: hook._entry([], None)),
+        "AdamW step": common.synced(plain_opt.step, device),
+        "AdamW step + hook": common.synced(hooked_opt.step, device),
+        "hook: importance averages": common.synced(lambda: hook.importance.update(entries), device),
+        "hook: history entry": common.synced(lambda: hook._entry([], None), device),
     }
     seconds = common.time_rotated(columns, repeats=args.rounds, inner=args.inner)
     gates = sum(len(m.tt.gates) for m in entries)
