@@ -2,7 +2,7 @@
 
 Run on a CUDA machine (the CUDA build of torch brings triton)::
 
-    python benchmarks/gpu_check.py                 # well under 5 minutes on one recent GPU
+    python benchmarks/gpu_check.py                 # 75 s on one H200 (2026-12-04)
     OUT=/some/dir python benchmarks/gpu_check.py   # also writes $OUT/gpu_check.json, after every part
     python benchmarks/gpu_check.py --skip-compile-once --emb 50257x1024 --emb-rank 64   # the kernels at another size
 
@@ -46,14 +46,18 @@ import sys
 import time
 import traceback
 
-import torch
-from torch import nn
+import common  # benchmarks/common.py: this checkout first on sys.path (no install needed on the GPU machine)
 
-from comera_fx.tt import kernels
-from comera_fx.tt import ops
-from comera_fx.tt.decompose import random_tt_cores
-from comera_fx.tt.layers import TTLinear, TTMatrix, choose_layout_modes
-from comera_fx.tt.layout import TTFormat, TTLayout
+common.use_this_checkout()
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from comera_fx.tt import kernels  # noqa: E402
+from comera_fx.tt import ops  # noqa: E402
+from comera_fx.tt.decompose import random_tt_cores  # noqa: E402
+from comera_fx.tt.layers import TTLinear, TTMatrix, choose_layout_modes  # noqa: E402
+from comera_fx.tt.layout import TTFormat, TTLayout  # noqa: E402
 
 RESULTS: dict = {"checks": {}, "timings": {}, "ratios": {}, "errors": {}}
 SMOKE = False  # --smoke: one timed run per measurement
