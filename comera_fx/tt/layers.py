@@ -7,6 +7,7 @@ use a ``TTMatrix``; a tied embedding and output head share one ``TTMatrix`` inst
 
 from __future__ import annotations
 
+import copy
 import math
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -50,7 +51,8 @@ class TTMatrix(nn.Module):
         #: The planner's envelope per product ("matmul", "matmul_t") that this matrix last ran or prepared: what
         #: compiled code reads. Dynamo then guards on this matrix's own entry, so matrices of one layout share a
         #: compiled graph and planning another layout recompiles nothing (reading the global cache, Dynamo guards on
-        #: its keys: any insertion recompiled every region). Never copied or pickled (shared, rebuilt on first use).
+        #: its keys: any insertion recompiled every region). A deep copy shares them (same layout, immutable plans);
+        #: a pickle drops them (a loaded module pins its own on first use).
         self._plan_pins: dict[str, planner.PlanEnvelope] = {}
 
     # -- construction --------------------------------------------------------------------------------------------
@@ -217,9 +219,16 @@ class TTMatrix(nn.Module):
             return pinned
         return cached_envelope(layout, op)
 
+    def __deepcopy__(self, memo):
+        """The default deep copy, with the plan pins shared instead of dropped: a copied model compiled before it
+        ever ran eagerly would otherwise trace reads of the global plan cache, which Dynamo guards by its keys."""
+        clone = copy._reconstruct(self, memo, *self.__reduce_ex__(4))
+        clone._plan_pins = dict(self._plan_pins)
+        return clone
+
     def __getstate__(self):
         state = super().__getstate__()
-        state["_plan_pins"] = {}  # envelopes are shared planner objects: a copy or a checkpoint pins its own
+        state["_plan_pins"] = {}  # envelopes are shared planner objects: a checkpoint pins its own
         state.pop("_merged", None)  # merged.py's cache of the cores' products: never copied or saved
         return state
 
