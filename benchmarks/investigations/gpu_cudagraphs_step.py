@@ -10,7 +10,8 @@ records its error instead of stopping the script.
 Run once on an H200 (torch 2.11, 2026-12-04; RESULTS.md, the H200 section) with ``zero_grad(set_to_none=False)``:
 CUDA graphs failed for dense and TT alike ("accessing tensor output of CUDAGraphs that has been overwritten"),
 and a second TT model's whole-model compile failed in Dynamo's guard on ``tt.layers._ENVELOPES`` (not seen on
-torch 2.13). The step now sets gradients to None; that version has not run on a GPU yet.
+torch 2.13; a deep copy now keeps its plan pins, so the copies here read no global cache). The step now sets
+gradients to None; that version has not run on a GPU yet.
 
     python benchmarks/investigations/gpu_cudagraphs_step.py                       # d 1024, 16 k tokens, TF32
     python benchmarks/investigations/gpu_cudagraphs_step.py --device cpu --width 64 --batches 2 --no-graphs   # smoke
