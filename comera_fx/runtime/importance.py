@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..tt.inventory import segment_ids
+from ..tt.inventory import segment_sums
 
 
 class BondSensitivity:
@@ -76,7 +76,8 @@ class BondSensitivity:
         gates = [gate.detach() for _, _, gate in rows]
         grads = [gate.grad for _, _, gate in rows]
         terms = torch._foreach_mul(gates, grads)
-        hit = torch.stack(torch._foreach_norm(grads, 1)) != 0
+        grad_norms = torch._foreach_norm(grads, 1)
+        hit = torch.stack(grad_norms) != 0
         sensitivity = torch.stack(torch._foreach_norm(terms, 1))  # Σ_i |g[i] · ∂L/∂g[i]| per bond
         _masked_ema_list_([self.ema[name][k] for name, k, _ in rows], sensitivity, self.beta, hit)
         first = [i for i, (_, k, _) in enumerate(rows) if k == 0]  # one bond per matrix: |⟨W, ∂L/∂W⟩|
@@ -84,17 +85,15 @@ class BondSensitivity:
             return
         names = [rows[i][0] for i in first]
         flat = torch.cat([terms[i] for i in first])
-        segment = segment_ids([terms[i].numel() for i in first], flat.device)
         wide = torch.float32 if flat.dtype in (torch.float16, torch.bfloat16) else flat.dtype  # as .sum() adds
-        layer_value = (torch.zeros(len(first), dtype=wide, device=flat.device)
-                       .index_add_(0, segment, flat.to(wide)).abs().to(flat.dtype))
+        layer_value = segment_sums(flat, [terms[i].numel() for i in first], wide).abs().to(flat.dtype)
         layers = []
         for name in names:
             layer = self.layer.get(name)
             if layer is None or layer.device != flat.device or layer.dtype != flat.dtype:
                 layer = self.layer[name] = (flat.new_zeros(()) if layer is None else layer.to(flat.device, flat.dtype))
             layers.append(layer)
-        first_hit = hit[first]
+        first_hit = torch.stack([grad_norms[i] for i in first]) != 0  # not hit[first]: a list index is a blocking copy
         _masked_ema_list_(layers, layer_value, self.beta, first_hit)
         for name, reached in zip(names, first_hit.unbind(0)):
             seen = self.seen.get(name)

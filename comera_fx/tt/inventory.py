@@ -57,15 +57,17 @@ def tt_matrices(model: nn.Module) -> list[MatrixEntry]:
     return [MatrixEntry(users[key][0], tt, key not in frozen, tuple(users[key])) for key, tt in matrices.items()]
 
 
-def segment_ids(lengths: Sequence[int], device: torch.device) -> torch.Tensor:
-    """[0]*lengths[0] + [1]*lengths[1] + … on ``device``, for a segmented sum with ``index_add_``. On CUDA the
-    lengths travel from pinned memory without blocking: a plain host-to-device copy waits for the stream, which
-    would stall every training step that reads gates."""
+def segment_sums(flat: torch.Tensor, lengths: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """Sums of ``flat``'s consecutive segments of ``lengths``, added in ``dtype``: one ``index_add_`` for many small
+    tensors concatenated. On CUDA the lengths travel from pinned memory without blocking: a plain host-to-device
+    copy waits for the stream, which would stall every training step that reads gates."""
     counts = torch.tensor(list(lengths), dtype=torch.long)
-    if device.type == "cuda":
+    if flat.device.type == "cuda":
         counts = counts.pin_memory()
-    counts = counts.to(device, non_blocking=True)
-    return torch.repeat_interleave(torch.arange(len(lengths), device=device), counts, output_size=sum(lengths))
+    counts = counts.to(flat.device, non_blocking=True)
+    segment = torch.repeat_interleave(torch.arange(len(lengths), device=flat.device), counts,
+                                      output_size=sum(lengths))
+    return torch.zeros(len(lengths), dtype=dtype, device=flat.device).index_add_(0, segment, flat.to(dtype))
 
 
 def live_counts(matrices: Sequence[TTMatrix], threshold: float = DEFAULT_GATE_THRESHOLD) -> list[tuple[int, ...]]:
@@ -80,11 +82,9 @@ def live_counts(matrices: Sequence[TTMatrix], threshold: float = DEFAULT_GATE_TH
     for i, gate in enumerate(gates):  # the comparison in each gate's own dtype, as |g| > threshold reads it
         groups.setdefault((gate.device, gate.dtype), []).append(i)
     counts: list[int] = [0] * len(gates)
-    for (device, _), members in groups.items():
+    for members in groups.values():
         flat = torch.cat([gates[i].reshape(-1) for i in members])
-        segment = segment_ids([gates[i].numel() for i in members], device)
-        alive = torch.zeros(len(members), dtype=torch.long, device=device)
-        alive.index_add_(0, segment, (flat.abs() > threshold).long())
+        alive = segment_sums(flat.abs() > threshold, [gates[i].numel() for i in members], torch.long)
         for i, n in zip(members, alive.tolist()):
             counts[i] = n
     flat_counts = iter(counts)
