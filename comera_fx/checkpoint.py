@@ -175,7 +175,8 @@ def load_tensorized(path: str | Path, build_fn: Callable[[], nn.Module], *,
     """Rebuild a model saved by ``save_tensorized``: ``build_fn()`` builds the dense architecture (it is called
     under ``torch.device("meta")``, so its weights take no memory), the recorded TT layers replace their dense
     holders, and the saved state is loaded onto ``device``. Dense versions of the converted weights are never
-    allocated. The tensors come back with the state's dtypes; every parameter requires grad (as built)."""
+    allocated. The tensors come back with the state's dtypes; every parameter requires grad (as built). The TT
+    matrices come back planned (``TTMatrix.prepare_plans``), so the model compiles before any eager call."""
     manifest, tensors = _read(path)
     if manifest.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"{path}: manifest version {manifest.get('format_version')} is not {FORMAT_VERSION}; "
@@ -218,6 +219,9 @@ def load_tensorized(path: str | Path, build_fn: Callable[[], nn.Module], *,
             if name not in named:
                 raise ValueError(f"{path}: the saved buffer {name!r} is not in the model build_fn builds")
             named[name].copy_(value)
+    for tt in matrices.values():  # ready to compile: traced code reads the plans, it does not make them
+        if not tt.stored_empty:
+            tt.prepare_plans()
     return model
 
 

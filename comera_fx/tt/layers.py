@@ -52,7 +52,7 @@ class TTMatrix(nn.Module):
         #: compiled code reads. Dynamo then guards on this matrix's own entry, so matrices of one layout share a
         #: compiled graph and planning another layout recompiles nothing (reading the global cache, Dynamo guards on
         #: its keys: any insertion recompiled every region). A deep copy shares them (same layout, immutable plans);
-        #: a pickle drops them (a loaded module pins its own on first use).
+        #: a pickle drops them and the unpickled module plans its own (``__setstate__``).
         self._plan_pins: dict[str, planner.PlanEnvelope] = {}
 
     # -- construction --------------------------------------------------------------------------------------------
@@ -228,13 +228,17 @@ class TTMatrix(nn.Module):
 
     def __getstate__(self):
         state = super().__getstate__()
-        state["_plan_pins"] = {}  # envelopes are shared planner objects: a checkpoint pins its own
+        state["_plan_pins"] = {}  # envelopes are shared planner objects: a loaded module plans its own
         state.pop("_merged", None)  # merged.py's cache of the cores' products: never copied or saved
         return state
 
     def __setstate__(self, state):
+        """A loaded module plans its products at once (cheap: planned once per layout and process), so that a
+        checkpoint compiled before any eager call traces its own pins, never the global plan cache."""
         super().__setstate__(state)
         self.__dict__.setdefault("_plan_pins", {})  # modules pickled before the pins existed
+        if not self._plan_pins and not self.stored_empty:
+            self.prepare_plans()
 
     def _planned_product(self, x: Tensor, op: str, bias: Tensor | None = None) -> Tensor:
         layout = self.layout
