@@ -22,7 +22,7 @@ set of held-out batches) runs every ``--eval-every`` seconds of training time, o
 
 Compiled or eager (``--compile auto``, the default; ``compile_policy.py``): each run takes a few eager steps, then,
 if the budget left could repay a compile, compiles its blocks in place (``comera_fx.compile_regions`` for the TT
-run, with ``RankConfig(shrink_slack=4, same_shape_blocks=True)`` so its prunes recompile once; stock
+run, with ``RankConfig(shrink_slack=4, same_shape_blocks=True)`` so its prunes recompile at most once; stock
 ``torch.compile`` per block for the dense run), times a few compiled steps, and keeps the compiled path only if the
 measured step repays the compile and the recompiles to come. The compile is inside the run's training clock; the
 report says which path each run took and why. On this model the compiled TT step is within about ±20 % of the
@@ -325,15 +325,16 @@ def make_hook(model: nn.Module, optimizer: torch.optim.Optimizer, args, late_sta
 def compile_once(args) -> dict:
     """RankConfig settings of a run that may compile (``--compile`` auto or yes): prunes keep the stored widths
     while the stored TT size is within 4x the live size, and a physical shrink gives every block one width, so the
-    regionally compiled blocks recompile once in the run instead of once per prune (benchmarks/RESULTS.md, issue
-    30). The price: until that shrink the stored cores stay wider than the live ranks, so a run that settles on
+    regionally compiled blocks recompile at most once in the run instead of once per prune (benchmarks/RESULTS.md,
+    issue 30). The price: until that shrink the stored cores stay wider than the live ranks, so a run that settles on
     eager drops these settings (``RankAdaptive.shrink_eagerly``)."""
     return {} if args.compile == "no" else {"shrink_slack": 4.0, "same_shape_blocks": True}
 
 
 def expected_recompiles(hook: RankAdaptive | None, args) -> int:
-    """Physical shrinks to come in a run (each recompiles the compiled blocks): one under ``compile_once``'s budget
-    schedule, none without rank adaptation."""
+    """Physical shrinks to come in a run (each recompiles the compiled blocks), counted at the most: one under
+    ``compile_once``'s budget schedule (none when the last one would free too little to pay), none without rank
+    adaptation."""
     if hook is None:
         return 0
     return 1 if args.schedule == "budget" else compile_policy.UNBOUNDED  # comera: a shrink at every prune point
@@ -409,6 +410,16 @@ def train(name: str, model: nn.Module, optimizer: torch.optim.Optimizer, hook: R
           train_data: torch.Tensor, val_set, p: Preset, args, device: torch.device, result: RunResult) -> RunResult:
     """Train until ``budget`` seconds of step time (or ``--max-steps``); validate every ``eval_every`` seconds of
     training time with the clock stopped. Both runs draw the same sequence of batches."""
+    for _ in training_steps(name, model, optimizer, hook, train_data, val_set, p, args, device, result):
+        pass
+    return result
+
+
+def training_steps(name: str, model: nn.Module, optimizer: torch.optim.Optimizer, hook: RankAdaptive | None,
+                   train_data: torch.Tensor, val_set, p: Preset, args, device: torch.device, result: RunResult):
+    """``train`` one step at a time: yields ``result`` after every step (its validation included), and fills in
+    the run's closing figures when exhausted. Lets a benchmark interleave two runs in one process, so that a shared
+    machine's drift in speed falls on both alike (benchmarks/bench_compile_ab.py)."""
     budget = args.budget_seconds
     eval_every = min(args.eval_every, budget / 4) if budget > 0 else args.eval_every
     generator = torch.Generator().manual_seed(args.seed + 1)
@@ -465,6 +476,7 @@ def train(name: str, model: nn.Module, optimizer: torch.optim.Optimizer, hook: R
         postfix["tok/s"] = f"{result.tokens_per_s:,.0f}"
         bar.set_postfix(postfix, refresh=False)
         bar.update(min(elapsed, max(bar.total - bar.n, 0)))
+        yield result
     bar.close()
     result.compile = probe.summary()
     print(f"{name}: {compile_line(result.compile)}", flush=True)
@@ -472,7 +484,6 @@ def train(name: str, model: nn.Module, optimizer: torch.optim.Optimizer, hook: R
     if hook is not None:
         result.history = hook.history_as_dicts()
         result.final_ranks = {row.fqn: list(row.live_ranks) for row in comera_fx.report(model).layers}
-    return result
 
 
 def calibrate_step_seconds(model: nn.Module, args, train_data, p: Preset, device, steps: int = 3) -> float:
@@ -619,7 +630,7 @@ COMPILE_NOTE = ("`--compile auto` (the default) runs a few eager steps, then, if
                 "head, loss, clipping and the optimizer step stay eager, and validation runs eagerly "
                 "(`torch.compiler.set_stance('force_eager')`). The TT run's rank schedule keeps one width per matrix "
                 "role across blocks and shrinks physically once (`RankConfig(shrink_slack=4, "
-                "same_shape_blocks=True)`), so the compiled blocks recompile once, not once per prune.")
+                "same_shape_blocks=True)`), so the compiled blocks recompile at most once, not once per prune.")
 
 
 def compile_line(summary: dict) -> str:

@@ -664,3 +664,38 @@ def test_same_shape_blocks_give_repeated_blocks_one_shape_and_one_graph_after_a_
     model, _, before, after, out, expected = regional_prune(False, slack)
     assert after == before + len(model.blocks)
     torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("floor", [0.0, 1.0])
+def test_the_last_prune_point_compacts_only_when_that_frees_enough(monkeypatch, floor):
+    """Under ``shrink_slack`` the schedule's last prune point compacts the stored cores (a recompile) only if that
+    frees at least ``MIN_FINAL_COMPACTION`` of the stored size: with ``same_shape_blocks`` one block that keeps its
+    ranks holds its whole group wide, and a recompile for a few percent does not pay. Below the floor the cores stay
+    as stored (no shape changes) until ``compact()``, which frees what the hook predicted."""
+    from comera_fx.runtime import rank_adaptive
+
+    monkeypatch.setattr(rank_adaptive, "MIN_FINAL_COMPACTION", floor)
+    torch.manual_seed(0)
+    model = Stack().double()
+    comera_fx.tensorize_(model, comera_fx.TensorizeConfig(max_rank=8, min_numel=1, min_dim=1))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    hook = RankAdaptive(model, optimizer, comera_fx.RankConfig(keep_fraction=0.4, total_steps=20, prunes=2,
+                                                               shrink_slack=4.0, same_shape_blocks=True))
+    gen = torch.Generator().manual_seed(1)
+    x, y = (torch.randn(64, 32, generator=gen, dtype=torch.float64) for _ in range(2))
+    fit(model, optimizer, x, y, 20, hook)
+    assert sum(1 for e in hook.history if e.shrunk) == 2  # both prune points, the last one included
+    assert hook.tt_params() <= 0.4 * hook.initial_tt_params + 1
+    torch.testing.assert_close(model(x), reference_stack(model, x), rtol=1e-10, atol=1e-12)
+    if floor == 1.0:
+        assert hook.stored_tt_params() == hook.initial_tt_params  # held at the stored widths: no shape changed
+        predicted = hook._compaction_frees()
+        assert predicted > 0
+        hook.compact()
+        assert hook.stored_tt_params() == hook.initial_tt_params - predicted
+    else:
+        assert hook.stored_tt_params() < hook.initial_tt_params  # compacted at the last prune point
+        assert hook._compaction_frees() == 0
+    for role in ("up", "down"):  # either way each role keeps one stored shape across the blocks
+        assert len({getattr(block, role).tt.layout for block in model.blocks}) == 1
+    torch.testing.assert_close(model(x), reference_stack(model, x), rtol=1e-10, atol=1e-12)

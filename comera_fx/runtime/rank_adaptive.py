@@ -84,6 +84,13 @@ def param_groups(
 # ------------------------------------------------------------------------------------------------------ settings
 
 
+#: Under ``shrink_slack`` the schedule's last prune point compacts the stored cores (shapes change: one recompile)
+#: only if that frees at least this share of the stored TT size. With ``same_shape_blocks`` one block that keeps its
+#: ranks holds the whole group at its widths, so the compaction can free almost nothing: 3 % of the demo's stored
+#: size, for a recompile that cost about 9 s of its 600 s budget (benchmarks/RESULTS.md, issue 30 item 4).
+#: ``compact()`` compacts regardless.
+MIN_FINAL_COMPACTION = 0.1
+
 _RENAMED = {"target_ratio": "keep_fraction", "target_params": "size_target"}  # the spellings before RankConfig
 _CONFIG_FIELDS = {f.name for f in dataclasses.fields(RankConfig)}
 
@@ -155,7 +162,8 @@ class RankAdaptive:
     cores at their widths while the stored TT size stays within ``shrink_slack`` × the live size: a prune then
     writes the rounded cores into the stored ones in place, zero past the new ranks (the zero slices get zero
     gradients), so the compiled graphs run on without a recompile. When a prune would exceed the slack, and at the
-    schedule's last prune point, every matrix is shrunk physically at once (one recompile). Sizes, ranks and the
+    schedule's last prune point if that frees at least ``MIN_FINAL_COMPACTION`` (10 %) of the stored size, every
+    matrix is shrunk physically at once (one recompile). Sizes, ranks and the
     history count the live ranks throughout. At most 1 + ⌊log(S_0 / S_T) / log(shrink_slack)⌋ physical shrinks
     in a run, against one per prune without it.
 
@@ -309,6 +317,11 @@ class RankAdaptive:
         ``schedule.allocate``) and TT-round each reduced matrix to its new ranks (``shrink.round_to_ranks_``).
         The budget schedule calls this at its prune points. ``compact``: shrink every matrix physically (True),
         or keep the stored widths (False); None decides by ``shrink_slack`` (physically when it is None)."""
+        return self._prune_to(size, compact)
+
+    def _prune_to(self, size: float, compact: bool | None, final: bool = False) -> list[ShrinkRecord]:
+        """``prune_to``; ``final``: the schedule's last prune point, where matrices held wider are compacted if
+        that frees at least ``MIN_FINAL_COMPACTION`` of the stored size."""
         if self.importance is None:
             raise RuntimeError("RankAdaptive: prune_to() ranks slices by importance, which only the budget "
                                "schedule measures; with schedule='comera' use prune()")
@@ -349,6 +362,8 @@ class RankAdaptive:
                 self._after_shrink(record, reasons.get(m.name, ""))
                 records.append(record)
         compacted = [] if in_place else self._compact_all()
+        if in_place and final and self._compaction_frees() >= MIN_FINAL_COMPACTION * self.stored_tt_params():
+            compacted = self._compact_all()
         if self.tt_params() > size + 0.5 and not self._warned_floor:
             self._warned_floor = True
             warnings.warn(f"RankAdaptive: the scheduled size {size:,.0f} is below what the rank floors allow "
@@ -375,9 +390,15 @@ class RankAdaptive:
         self.settings = dataclasses.replace(self.settings, shrink_slack=None, same_shape_blocks=False)
         return self.compact()
 
-    def _compact_all(self) -> list[ShrinkRecord]:
+    def _compaction_widths(self) -> tuple[list[MatrixEntry], dict[str, tuple[int, ...]]]:
+        """The shrinkable matrices, and the stored widths a compaction gives those of a same-shape group (the rest
+        go to their own live ranks)."""
         shrinkable = [m for m in self.matrices if m.shrinkable]
         widths = same_shape_widths([(m.name, m.tt) for m in shrinkable]) if self.settings.same_shape_blocks else {}
+        return shrinkable, widths
+
+    def _compact_all(self) -> list[ShrinkRecord]:
+        shrinkable, widths = self._compaction_widths()
         records = []
         for m in shrinkable:
             if m.name in widths:
@@ -387,6 +408,13 @@ class RankAdaptive:
             if record is not None:
                 records.append(record)
         return records
+
+    def _compaction_frees(self) -> int:
+        """Stored TT parameters that ``compact()`` would free now (to the group widths with ``same_shape_blocks``)."""
+        shrinkable, widths = self._compaction_widths()
+        return sum(physical_params(m.tt) - params_at_ranks(m.tt, widths.get(m.name) or m.tt.live_internal_ranks or
+                                                            m.tt.layout.internal_ranks)
+                   for m in shrinkable)
 
     def _compacts(self, compact: bool | None, live_after: int) -> bool:
         """Does this prune shrink physically? Yes without ``shrink_slack``, when asked, or when the stored size
@@ -524,7 +552,8 @@ class RankAdaptive:
                 due += 1
             if due > self._next_prune:
                 self._next_prune = due
-                records = self.prune_to(budget, compact=True if due >= len(points) else None)
+                final = due >= len(points)
+                records = self._prune_to(budget, True if final and self.shrink_slack is None else None, final)
         elif s.prune_every is not None and self.step % s.prune_every == 0:
             records = self.prune()
         if records or (self.history_every is not None and self.step % self.history_every == 0):
