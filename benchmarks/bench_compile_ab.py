@@ -38,7 +38,7 @@ WAIT_POLICY = openmp_policy.choose_wait_policy()  # before torch loads OpenMP, a
 import torch  # noqa: E402
 
 import train_code_lm as demo  # noqa: E402
-from common import loadavg, write_record  # noqa: E402
+from common import OthersMeter, loadavg, write_record  # noqa: E402
 
 MODES = ("auto", "yes", "no")
 
@@ -145,16 +145,18 @@ def main(argv=None) -> dict:
     val_gen = torch.Generator().manual_seed(1234)  # bench_equal_time's validation batches
     val_set = [demo.get_batch(val_data, p.batch, p.seq_len, val_gen, device) for _ in range(p.val_batches)]
     runs = {mode: build_run(mode, opts, p, train_data, val_set, device) for mode in opts.modes}
-    wall = time.perf_counter()
+    load_start, meter, wall = loadavg(), OthersMeter().start(), time.perf_counter()
     rounds = interleave(runs, opts.slice_seconds)
-    wall = time.perf_counter() - wall
+    wall, others, load_end = time.perf_counter() - wall, meter.stop(), loadavg()
     results = [summary(result, hook) for result, _, hook in runs.values()]
     text = report(results, rounds)
     print("\n" + text)
-    print(f"\nfinished {datetime.now():%Y-%m-%d %H:%M:%S} ({wall:.0f} s), load {loadavg()}")
+    print(f"\nfinished {datetime.now():%Y-%m-%d %H:%M:%S} ({wall:.0f} s), load {load_start} → {load_end}, other "
+          f"processes {others:.2f} cores (Inductor's compile workers among them)")
     if opts.json:
         write_record(opts.json, openmp=WAIT_POLICY, budget_seconds=opts.budget_seconds,
-                     slice_seconds=opts.slice_seconds, results=results, rounds=rounds, wall_seconds=wall)
+                     slice_seconds=opts.slice_seconds, results=results, rounds=rounds, wall_seconds=wall,
+                     load_start=load_start, load_end=load_end, others_cores=others)
     return {"results": results, "rounds": rounds}
 
 

@@ -45,8 +45,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -67,39 +65,11 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 import train_code_lm as demo  # noqa: E402
-from common import loadavg, proc_status, reset_peak_rss, write_record  # noqa: E402
+from common import OthersMeter, loadavg, proc_status, reset_peak_rss, write_record  # noqa: E402
 
 RUNS = ("dense", "comera_fx", "lowrank", "narrow", "galore")
 EXTRA_RUNS = ("tt_fixed", "tt_size", "lowrank_size")  # not run by default: --runs ...,tt_fixed
 LINEAR_NAMES = ("qkv", "proj", "fc", "out")
-
-# --------------------------------------------------------------------------------------------- system readings
-
-
-def _busy_seconds() -> float:
-    """CPU seconds all processes spent busy, from /proc/stat (user nice system irq softirq steal)."""
-    fields = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
-    busy = fields[0] + fields[1] + fields[2] + fields[5] + fields[6] + (fields[7] if len(fields) > 7 else 0)
-    return busy / os.sysconf("SC_CLK_TCK")
-
-
-def _own_seconds() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
-class OthersMeter:
-    """Cores used by other processes between start() and stop()."""
-
-    def start(self):
-        self.t, self.busy, self.own = time.perf_counter(), _busy_seconds(), _own_seconds()
-        return self
-
-    def stop(self) -> float:
-        wall = time.perf_counter() - self.t
-        others = (_busy_seconds() - self.busy) - (_own_seconds() - self.own)
-        return max(others, 0.0) / max(wall, 1e-9)
-
 
 # ------------------------------------------------------------------------------------------------ the baselines
 

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import platform
+import resource
 import statistics
 import sys
 import time
@@ -104,6 +106,32 @@ def loadavg() -> str:
         return " ".join(Path("/proc/loadavg").read_text().split()[:3])
     except OSError:
         return "unknown"
+
+
+def _busy_seconds() -> float:
+    """CPU seconds all processes spent busy, from /proc/stat (user nice system irq softirq steal)."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    busy = fields[0] + fields[1] + fields[2] + fields[5] + fields[6] + (fields[7] if len(fields) > 7 else 0)
+    return busy / os.sysconf("SC_CLK_TCK")
+
+
+def _own_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+class OthersMeter:
+    """Cores used by other processes between start() and stop() (this process's live children, such as Inductor's
+    compile workers, count as others)."""
+
+    def start(self):
+        self.t, self.busy, self.own = time.perf_counter(), _busy_seconds(), _own_seconds()
+        return self
+
+    def stop(self) -> float:
+        wall = time.perf_counter() - self.t
+        others = (_busy_seconds() - self.busy) - (_own_seconds() - self.own)
+        return max(others, 0.0) / max(wall, 1e-9)
 
 
 def proc_status(key: str) -> int | None:

@@ -82,3 +82,43 @@ def test_openmp_wait_policy_follows_the_load(monkeypatch):
     assert policy.choose_wait_policy() == "OMP_WAIT_POLICY=ACTIVE (set by the environment)"
     assert "GOMP_SPINCOUNT" not in policy.os.environ
     assert policy.wait_policy_note() == "OMP_WAIT_POLICY=ACTIVE (set by the environment)"
+
+
+def test_interleaved_runs_train_exactly_as_run_alone():
+    """``training_steps`` (what benchmarks/bench_compile_ab.py interleaves) keeps each run's state to itself: two
+    comera_fx runs of the tiny preset advanced step by step in turn take exactly the losses, ranks and validation of
+    the same run trained alone by ``train`` (same seed and batches; the schedule's horizon in steps, so no prune
+    depends on the clock)."""
+    import torch
+
+    demo = load_demo()
+    args, p = demo.parse_args(["--preset", "tiny", "--budget-seconds", "100", "--max-steps", "12", "--compile", "no",
+                               "--keep-fraction", "0.5", "--quiet"])
+    device = torch.device("cpu")
+    train_data, val_data, _ = demo.load_stdlib(p.data_bytes)
+    val_set = [demo.get_batch(val_data, p.batch, p.seq_len, torch.Generator().manual_seed(3), device)]
+
+    def run():
+        torch.manual_seed(args.seed)
+        model = demo.GPT(p)
+        result = demo.RunResult("comera_fx")
+        optimizer, hook, _, _ = demo.prepare_tt_run(model, p, args, train_data, device, result)
+        return result, demo.training_steps("comera_fx", model, optimizer, hook, train_data, val_set, p, args,
+                                           device, result)
+
+    alone, steps = run()
+    for _ in steps:
+        pass
+    (first, first_steps), (second, second_steps) = run(), run()
+    live = [first_steps, second_steps]
+    while live:
+        for steps in list(live):
+            try:
+                next(steps)
+            except StopIteration:
+                live.remove(steps)
+    assert alone.steps == 12 and any(entry["shrunk"] for entry in alone.history)  # it pruned on the way
+    for other in (first, second):
+        assert other.train_losses == alone.train_losses
+        assert [e[2] for e in other.evals] == [e[2] for e in alone.evals]
+        assert other.final_ranks == alone.final_ranks
