@@ -83,8 +83,9 @@ def interleave(runs: dict, slice_seconds: float) -> list[dict]:
     return rounds
 
 
-def summary(result: demo.RunResult, hook) -> dict:
-    return {"name": result.name, "mode": result.name.rsplit(" ", 1)[-1], "steps": result.steps, "train_seconds": result.train_seconds,
+def summary(mode: str, result: demo.RunResult, hook) -> dict:
+    """One run's figures, JSON-ready."""
+    return {"name": result.name, "mode": mode, "steps": result.steps, "train_seconds": result.train_seconds,
             "final_val": result.final_val, "evals": result.evals, "compile": result.compile,
             "linear_params_end": result.linear_params_end, "tt_params_end": hook.tt_params(),
             "target_tt_params": result.target_params}
@@ -148,7 +149,7 @@ def main(argv=None) -> dict:
     load_start, meter, wall = loadavg(), OthersMeter().start(), time.perf_counter()
     rounds = interleave(runs, opts.slice_seconds)
     wall, others, load_end = time.perf_counter() - wall, meter.stop(), loadavg()
-    results = [summary(result, hook) for result, _, hook in runs.values()]
+    results = [summary(mode, result, hook) for mode, (result, _, hook) in runs.items()]
     text = report(results, rounds)
     print("\n" + text)
     print(f"\nfinished {datetime.now():%Y-%m-%d %H:%M:%S} ({wall:.0f} s), load {load_start} → {load_end}, other "

@@ -163,9 +163,9 @@ class RankAdaptive:
     writes the rounded cores into the stored ones in place, zero past the new ranks (the zero slices get zero
     gradients), so the compiled graphs run on without a recompile. When a prune would exceed the slack, and at the
     schedule's last prune point if that frees at least ``MIN_FINAL_COMPACTION`` (10 %) of the stored size, every
-    matrix is shrunk physically at once (one recompile). Sizes, ranks and the
-    history count the live ranks throughout. At most 1 + ⌊log(S_0 / S_T) / log(shrink_slack)⌋ physical shrinks
-    in a run, against one per prune without it.
+    matrix is shrunk physically at once (one recompile). Sizes, ranks and the history count the live ranks
+    throughout. At most 1 + ⌊log(S_0 / S_T) / log(shrink_slack)⌋ physical shrinks in a run, against one per prune
+    without it; ``shrink_eagerly()`` after training stores every matrix at its own live ranks.
 
     **Distributed** (docs/distributed.md): give it the ``DistributedDataParallel`` model. Every prune is decided on
     rank 0 and broadcast, the observed loss is averaged over the ranks, and after a prune the wrapper is rebuilt:
