@@ -50,6 +50,7 @@ from .passes.find import UseKind, classify_use
 from .passes.recognize import contract_reconstructed_tt, node_values
 from .passes.randomize import randomize_backward, share_sketches
 from .rmm import RMMConfig
+from .tt.layers import prepare_plans_under
 
 GraphPass = Callable[[fx.GraphModule], fx.GraphModule]
 # An after-AOTAutograd pass may also take ``is_backward=...`` (see ``BackendConfig.post_aot_passes``).
@@ -455,19 +456,10 @@ def compile(model: nn.Module, config: TensorizeConfig | None = None, *, example_
         compile_regions(model, backend=chosen, **compile_kwargs)  # plans its regions; the rest runs eagerly
         model.comera_fx_summary = summary
         return model
-    _prepare_plans_under(model)
+    prepare_plans_under(model)
     compiled = torch.compile(model, backend=chosen, **compile_kwargs)
     compiled.comera_fx_summary = summary
     return compiled
-
-
-def _prepare_plans_under(root: nn.Module) -> None:
-    """Plan every TT matrix under ``root`` that stores cores: compiled code reads plans, it does not make them."""
-    from .tt.layers import TTMatrix
-
-    for module in root.modules():
-        if isinstance(module, TTMatrix) and not module.stored_empty:
-            module.prepare_plans()
 
 
 def repeated_blocks(model: nn.Module) -> list[str]:
@@ -529,7 +521,7 @@ def compile_regions(model: nn.Module, regions=None, *, backend: Callable | None 
     chosen = backend if backend is not None else _SHARED_BACKEND
     for name in names:
         region = model.get_submodule(name)
-        _prepare_plans_under(region)
+        prepare_plans_under(region)
         region.compile(backend=chosen, **compile_kwargs)
     needed = 2 * len(names) + 1
     if torch._dynamo.config.recompile_limit < needed:

@@ -29,7 +29,7 @@ from .moe.checkpoint import HOLDER_TYPES as EXPERT_HOLDER_TYPES
 from .moe.checkpoint import expert_holders, install_expert_holder
 from .passes.holders import attach_tt_property
 from .quantize import QuantSpec, dequantize, pack, quantize_groups, quantized_specs, set_spec, unpack
-from .tt.layers import TTEmbedding, TTLinear, TTMatrix
+from .tt.layers import TTEmbedding, TTLinear, TTMatrix, prepare_plans_under
 from .tt.layout import TTFormat, TTLayout
 
 FORMAT_VERSION = 1
@@ -219,9 +219,7 @@ def load_tensorized(path: str | Path, build_fn: Callable[[], nn.Module], *,
             if name not in named:
                 raise ValueError(f"{path}: the saved buffer {name!r} is not in the model build_fn builds")
             named[name].copy_(value)
-    for tt in matrices.values():  # ready to compile: traced code reads the plans, it does not make them
-        if not tt.stored_empty:
-            tt.prepare_plans()
+    prepare_plans_under(model)  # ready to compile: traced code reads the plans, it does not make them
     return model
 
 

@@ -220,11 +220,14 @@ class TTMatrix(nn.Module):
         return cached_envelope(layout, op)
 
     def __deepcopy__(self, memo):
-        """The default deep copy, with the plan pins shared instead of dropped: a copied model compiled before it
-        ever ran eagerly would otherwise trace reads of the global plan cache, which Dynamo guards by its keys."""
-        clone = copy._reconstruct(self, memo, *self.__reduce_ex__(4))
-        clone._plan_pins = dict(self._plan_pins)
-        return clone
+        """The default deep copy, with the plan pins carried in its state and shared, not copied (the envelopes are
+        immutable): a copied model compiled before it ever ran eagerly would otherwise trace reads of the global
+        plan cache, which Dynamo guards by its keys. A copy of an unplanned module plans in ``__setstate__``."""
+        for envelope in self._plan_pins.values():
+            memo[id(envelope)] = envelope
+        constructor, args, state, *rest = self.__reduce_ex__(4)
+        state["_plan_pins"] = self._plan_pins  # __getstate__ drops them for pickling; deepcopy gives a new dict
+        return copy._reconstruct(self, memo, constructor, args, state, *rest)
 
     def __getstate__(self):
         state = super().__getstate__()
@@ -356,6 +359,13 @@ INFERENCE_ENVELOPE_CACHE_SIZE = 256
 
 # Forward-only envelopes per (layout, op), the same LRU as ``_ENVELOPES``.
 _INFERENCE_ENVELOPES: "OrderedDict[tuple[TTLayout, str], planner.PlanEnvelope]" = OrderedDict()
+
+
+def prepare_plans_under(root: nn.Module) -> None:
+    """Plan every TT matrix under ``root`` that stores cores: compiled code reads plans, it does not make them."""
+    for module in root.modules():
+        if isinstance(module, TTMatrix) and not module.stored_empty:
+            module.prepare_plans()
 
 
 def planned_envelope(layout: TTLayout, op: str, *, backward: bool = True) -> "planner.PlanEnvelope":
