@@ -4,16 +4,20 @@ A compile is paid once (plus once per recompile) and repaid a little per step, s
 budget, the eager step, the compiled step and the recompiles to come, and the last three are only known by trying.
 ``CompileProbe`` therefore runs a few eager steps, and if the remaining budget could repay a compile at all,
 compiles the model's blocks in place (``comera_fx.compile_regions`` with comera_fx's backend when the model holds
-TT layers, stock ``torch.compile`` per block otherwise), times a few compiled steps, and keeps the compiled path only
-when the budget left after the expected recompiles gives more steps compiled than eager; otherwise the blocks go
-back to eager. Every step, the compile ones included, is timed by the caller's training clock, so a compile that
-does not pay costs the run its seconds. ``summary()`` says which path ran and why.
+TT layers, stock ``torch.compile`` per block otherwise). It then alternates compiled and eager steps in pairs until
+a sign test over the pairs says whether the compiled step is fast enough to repay the expected recompiles, and
+keeps the compiled path only then; otherwise the blocks go back to eager. Both kinds of probe step train the model,
+so a long probe costs only the eager steps' lost speed; pairs of neighbouring steps share the machine's load, which
+on a shared machine moves more between minutes than the compiled gain (benchmarks/RESULTS.md, "Issue 30 item 4").
+Every step, the compile ones included, is timed by the caller's training clock, so a compile that does not pay
+costs the run its seconds. ``summary()`` says which path ran and why.
 
 Used by ``train_code_lm.py`` (``--compile auto|yes|no``) and so by ``benchmarks/bench_equal_time.py``.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass, field
 
@@ -25,6 +29,10 @@ BEST_SPEEDUP = 2.0
 MIN_COMPILE_SECONDS = 5.0
 # expected_recompiles for a schedule that shrinks at every prune point (CoMERA's): never repaid.
 UNBOUNDED = 10**6
+# The paired probe stops when a one-sided sign test is this sure either way (or at its cap of pairs).
+SIGN_TEST_LEVEL = 0.02
+# ... and spends at most this share of the budget left after the compile on probing.
+PROBE_BUDGET_SHARE = 0.1
 
 
 def could_pay(remaining_s: float, recompiles: int = 0, min_compile_s: float = MIN_COMPILE_SECONDS,
@@ -40,21 +48,57 @@ def steps_gained(remaining_s: float, eager_step_s: float, compiled_step_s: float
     return max(remaining_s - recompile_s, 0.0) / compiled_step_s - remaining_s / eager_step_s
 
 
+def speedup_needed(remaining_s: float, recompile_s: float) -> float:
+    """The eager/compiled step ratio at which ``remaining_s`` of compiled training after ``recompile_s`` of
+    recompiles runs as many steps as eager (``steps_gained`` = 0); infinite when the recompiles eat the budget."""
+    return remaining_s / (remaining_s - recompile_s) if remaining_s > recompile_s else math.inf
+
+
+def sign_test_tail(successes: int, trials: int) -> float:
+    """P(X >= successes) for X ~ Binomial(trials, 1/2): how often a fair coin does at least this well."""
+    return sum(math.comb(trials, k) for k in range(successes, trials + 1)) / 2**trials
+
+
+def paired_verdict(ratios: list[float], needed: float, min_pairs: int, max_pairs: int,
+                   level: float = SIGN_TEST_LEVEL) -> bool | None:
+    """From eager/compiled time ratios of neighbouring step pairs: True when the compiled path pays (the ratios
+    exceed ``needed`` more often than a fair coin would, at ``level``), False when it does not, None while the pairs
+    cannot tell yet. At ``max_pairs`` the median decides."""
+    n = len(ratios)
+    if n < min_pairs:
+        return None
+    above = sum(r > needed for r in ratios)
+    if sign_test_tail(above, n) < level:
+        return True
+    if sign_test_tail(n - above, n) < level:
+        return False
+    if n >= max_pairs:
+        return statistics.median(ratios) > needed
+    return None
+
+
 @dataclass
 class CompileProbe:
     """Drives the choice over a run: call ``before_step(model)`` before each step and ``after_step(seconds, model)``
     after it. ``mode``: "auto" (probe, keep what pays), "yes" (compile after the eager steps, keep it), "no".
     ``expected_recompiles``: physical rank shrinks to come (each recompiles the blocks; its cost is estimated at
     the first compile's). ``on_eager``: called once when the run settles on eager (declined or reverted), e.g.
-    ``RankAdaptive.shrink_eagerly`` to drop the settings that only save recompiles."""
+    ``RankAdaptive.shrink_eagerly`` to drop the settings that only save recompiles.
+
+    Under "auto" the probe after the compile alternates the two paths, compiled-eager then eager-compiled, so a
+    steady change in the machine's speed falls on both; from ``min_pairs`` pairs on it decides as soon as
+    ``paired_verdict`` can, after ``max_pairs`` pairs (or ``PROBE_BUDGET_SHARE`` of the budget) at the latest."""
 
     mode: str = "auto"
     budget_s: float = 0.0
     expected_recompiles: int = 0
     eager_steps: int = 8             # medians of 7 steps each: single CPU steps vary by 10-20 % on a shared machine
-    probe_steps: int = 8
+    min_pairs: int = 8
+    max_pairs: int = 48
+    probe_steps: int = 8             # "yes": compiled steps timed for the report before it says why it kept them
     eager_times: list = field(default_factory=list)
     compiled_times: list = field(default_factory=list)
+    pair_ratios: list = field(default_factory=list)  # eager / compiled seconds of each probe pair
     state: str = "eager"            # eager -> compiled -> (kept | reverted); or "declined"
     reason: str = ""
     compile_s: float = 0.0
@@ -62,12 +106,17 @@ class CompileProbe:
     on_eager: object = None
     _spent: float = 0.0
     _stats: object = None
+    _compiled_calls: object = None  # the blocks' compiled calls while a probe step runs eagerly
+    _pair: list = field(default_factory=list)  # (path, seconds) of the pair under way
+    _probe_start: float = 0.0
 
     def __post_init__(self):
         if self.mode not in ("auto", "yes", "no"):
             raise ValueError(f"compile mode must be 'auto', 'yes' or 'no'; got {self.mode!r}")
         if self.mode == "no":
             self.state, self.reason = "declined", "--compile no"
+        if not 1 <= self.min_pairs <= self.max_pairs:
+            raise ValueError(f"need 1 <= min_pairs <= max_pairs; got {self.min_pairs}, {self.max_pairs}")
 
     # -- the run calls these ------------------------------------------------------------------------------------
 
@@ -84,6 +133,8 @@ class CompileProbe:
                 return
             self._stats = compile_blocks(model)
             self.state = "compiled"
+        elif self._probing():
+            self._use_path(model, self._next_path())
 
     def after_step(self, seconds: float, model) -> None:
         self._spent += seconds
@@ -92,12 +143,51 @@ class CompileProbe:
             return
         if self.state not in ("compiled", "kept"):
             return
-        self.compiled_times.append(seconds)
-        if len(self.compiled_times) == 1:
-            self.compile_s = max(seconds - self.eager_step, 0.0)
-            self.graphs_at_first_step = self._stats.graphs()
-        if self.state == "compiled" and len(self.compiled_times) == 1 + self.probe_steps:
-            self._decide(model)
+        if self._probing() and self._compiled_calls is not None:  # this probe step ran eagerly
+            self.eager_times.append(seconds)
+            self._pair.append(("eager", seconds))
+        else:
+            self.compiled_times.append(seconds)
+            if len(self.compiled_times) == 1:
+                self.compile_s = max(seconds - self.eager_step, 0.0)
+                self.graphs_at_first_step = self._stats.graphs()
+                self._probe_start = self._spent
+                return
+            if self._probing():
+                self._pair.append(("compiled", seconds))
+        if self.state != "compiled":
+            return
+        if self.mode == "yes":
+            if len(self.compiled_times) == 1 + self.probe_steps:
+                self._decide(model, True)
+            return
+        if len(self._pair) == 2:
+            times = dict(self._pair)
+            self.pair_ratios.append(times["eager"] / times["compiled"])
+            self._pair = []
+            self._use_path(model, "compiled")
+            remaining = self.budget_s - self._spent
+            probe_cap = PROBE_BUDGET_SHARE * (self.budget_s - self._probe_start)
+            max_pairs = self.max_pairs if self._spent - self._probe_start < probe_cap else len(self.pair_ratios)
+            verdict = paired_verdict(self.pair_ratios, speedup_needed(remaining, self._recompile_s()),
+                                     self.min_pairs, max(max_pairs, self.min_pairs))
+            if verdict is not None:
+                self._decide(model, verdict)
+
+    def _probing(self) -> bool:
+        return self.state == "compiled" and self.mode == "auto" and len(self.compiled_times) >= 1
+
+    def _next_path(self) -> str:
+        """Pairs alternate their order (compiled first, then eager first), so a trend within pairs cancels."""
+        first, second = ("compiled", "eager") if len(self.pair_ratios) % 2 == 0 else ("eager", "compiled")
+        return first if not self._pair else second
+
+    def _use_path(self, model, path: str) -> None:
+        if path == "eager" and self._compiled_calls is None:
+            self._compiled_calls = pause_blocks(model)
+        elif path == "compiled" and self._compiled_calls is not None:
+            resume_blocks(model, self._compiled_calls)
+            self._compiled_calls = None
 
     def _settle_eager(self) -> None:
         if self.on_eager is not None:
@@ -121,15 +211,28 @@ class CompileProbe:
     def recompiles(self) -> int:
         return max(self.graphs() - self.graphs_at_first_step, 0) if self.compiled_times else 0
 
-    def _decide(self, model) -> None:
+    def _recompile_s(self) -> float:
+        return self.expected_recompiles * self.compile_s
+
+    def _decide(self, model, pays: bool) -> None:
         remaining = self.budget_s - self._spent
-        recompile_s = self.expected_recompiles * self.compile_s
-        gained = steps_gained(remaining, self.eager_step, self.compiled_step, recompile_s)
-        figures = (f"compile {self.compile_s:.1f} s, compiled step {self.compiled_step:.3f} s vs eager "
-                   f"{self.eager_step:.3f} s ({self.eager_step / self.compiled_step:.2f}x), {remaining:.0f} s left, "
+        recompile_s = self._recompile_s()
+        if self.pair_ratios:
+            ratio = statistics.median(self.pair_ratios)
+            above = sum(r > speedup_needed(remaining, recompile_s) for r in self.pair_ratios)
+            measured = (f"compiled step {ratio:.2f}x faster than eager (median of {len(self.pair_ratios)} "
+                        f"neighbouring pairs; {above} of them above the {speedup_needed(remaining, recompile_s):.3f}x "
+                        f"needed)")
+            gained = steps_gained(remaining, self.eager_step, self.eager_step / ratio, recompile_s)
+        else:
+            measured = (f"compiled step {self.compiled_step:.3f} s vs eager {self.eager_step:.3f} s "
+                        f"({self.eager_step / self.compiled_step:.2f}x)")
+            gained = steps_gained(remaining, self.eager_step, self.compiled_step, recompile_s)
+        figures = (f"compile {self.compile_s:.1f} s, {measured}, {remaining:.0f} s left, "
                    f"{self.expected_recompiles} recompile(s) expected (~{recompile_s:.0f} s): "
                    f"{gained:+.0f} steps compiled")
-        if self.mode == "yes" or gained > 0:
+        self._use_path(model, "compiled")
+        if pays:
             self.state, self.reason = "kept", figures + (" (--compile yes)" if self.mode == "yes" else "")
         else:
             uncompile_blocks(model)
@@ -148,6 +251,8 @@ class CompileProbe:
             out.update(compile_s=self.compile_s, compiled_step_s=self.compiled_step, graphs=self.graphs(),
                        recompiles=self.recompiles(), compiled_steps=len(self.compiled_times),
                        steps_gained=len(self.compiled_times) - compiled_seconds / self.eager_step)
+        if self.pair_ratios:
+            out.update(probe_pairs=len(self.pair_ratios), probe_speedup=statistics.median(self.pair_ratios))
         return out
 
 # -- compiling the blocks -----------------------------------------------------------------------------------------
@@ -190,3 +295,16 @@ def uncompile_blocks(model) -> None:
     """Undo ``compile_blocks``: ``nn.Module.compile`` keeps the compiled call in ``_compiled_call_impl``."""
     for block in model.blocks:
         block._compiled_call_impl = None
+
+
+def pause_blocks(model) -> list:
+    """Run the blocks eagerly for a while, keeping their compiled calls for ``resume_blocks`` (the paired probe)."""
+    calls = [block._compiled_call_impl for block in model.blocks]
+    uncompile_blocks(model)
+    return calls
+
+
+def resume_blocks(model, calls: list) -> None:
+    """Put back the compiled calls ``pause_blocks`` kept: no recompile, the graphs stay in Dynamo's cache."""
+    for block, call in zip(model.blocks, calls, strict=True):
+        block._compiled_call_impl = call

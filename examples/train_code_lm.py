@@ -385,6 +385,7 @@ class RunResult:
     history: list = field(default_factory=list)        # RankAdaptive history (dicts)
     final_ranks: dict = field(default_factory=dict)
     compile: dict = field(default_factory=dict)        # compile_policy.CompileProbe.summary(): the path and why
+    shrunk_after_training: tuple | None = None         # stored TT params (before, after) the shrink to live ranks
 
     @property
     def steps_per_s(self) -> float:
@@ -480,6 +481,12 @@ def training_steps(name: str, model: nn.Module, optimizer: torch.optim.Optimizer
     bar.close()
     result.compile = probe.summary()
     print(f"{name}: {compile_line(result.compile)}", flush=True)
+    if hook is not None and compile_once(args):
+        # compile_once held the stored cores wider than the live ranks to save recompiles; training is over (the
+        # compiled blocks run no more), so the model keeps each matrix at its own live ranks
+        stored = hook.stored_tt_params()
+        hook.shrink_eagerly()
+        result.shrunk_after_training = (stored, hook.stored_tt_params())
     result.total_params_end, result.linear_params_end = total_params(model), linear_params(model)
     if hook is not None:
         result.history = hook.history_as_dicts()
@@ -857,6 +864,10 @@ def _run(args, p: Preset) -> dict:
         extra += (f" Rank adaptation: size target {tt_result.target_params:,.0f} TT params "
                   f"({args.keep_fraction:.0%} of {hook.initial_tt_params:,}); at the end {last['tt_params']:,} stored, "
                   f"{last['live_tt_params']:,} live.")
+    if tt_result.shrunk_after_training and tt_result.shrunk_after_training[0] != tt_result.shrunk_after_training[1]:
+        before, after = tt_result.shrunk_after_training
+        extra += (f" After training the cores held wider for compiling shrank to their live ranks: {before:,} → "
+                  f"{after:,} stored TT params (the table's end sizes are after this).")
     import matplotlib
 
     matplotlib.use("Agg")

@@ -7,6 +7,7 @@ recorder (no Inductor in the default suite); the whole demo once with a real com
 from __future__ import annotations
 
 import math
+import statistics
 
 import pytest
 
@@ -37,11 +38,13 @@ def test_could_pay_needs_budget_for_every_compile(policy):
 
 
 class Recorder:
-    """Stands in for compile_blocks / uncompile_blocks: counts calls, reports a graph count."""
+    """Stands in for compile_blocks / uncompile_blocks / pause_blocks / resume_blocks: counts calls, reports a graph
+    count, and knows which path the next step runs."""
 
     def __init__(self):
         self.compiled = self.uncompiled = self.settled_eager = 0
         self.count = 0
+        self.paused = False
 
     def on_eager(self):
         self.settled_eager += 1
@@ -54,42 +57,106 @@ class Recorder:
     def uncompile_blocks(self, model):
         self.uncompiled += 1
 
+    def pause_blocks(self, model):
+        assert not self.paused
+        self.paused = True
+        return ["compiled calls"]
+
+    def resume_blocks(self, model, calls):
+        assert self.paused and calls == ["compiled calls"]
+        self.paused = False
+
     def graphs(self):
         return self.count
 
 
-def drive(policy, monkeypatch, mode, budget, eager_s, first_compiled_s, compiled_s, recompiles=0):
-    """Run a probe over a budget of fixed step times; returns (probe, recorder, steps)."""
+def drive(policy, monkeypatch, mode, budget, eager_s, first_compiled_s, compiled_s, recompiles=0, min_pairs=4,
+          max_pairs=16):
+    """Run a probe over a budget of step times (``eager_s`` / ``compiled_s``: seconds, or a function of the step's
+    index); returns (probe, recorder, paths of the steps)."""
     recorder = Recorder()
-    monkeypatch.setattr(policy, "compile_blocks", recorder.compile_blocks)
-    monkeypatch.setattr(policy, "uncompile_blocks", recorder.uncompile_blocks)
+    for name in ("compile_blocks", "uncompile_blocks", "pause_blocks", "resume_blocks"):
+        monkeypatch.setattr(policy, name, getattr(recorder, name))
     probe = policy.CompileProbe(mode=mode, budget_s=budget, expected_recompiles=recompiles,
-                                on_eager=recorder.on_eager, eager_steps=4, probe_steps=4)
-    spent, steps = 0.0, 0
+                                on_eager=recorder.on_eager, eager_steps=4, probe_steps=4, min_pairs=min_pairs,
+                                max_pairs=max_pairs)
+    timed = [t if callable(t) else (lambda i, t=t: t) for t in (eager_s, compiled_s)]
+    spent, paths = 0.0, []
     while spent < budget:
         probe.before_step(None)
-        if probe.state == "eager" or probe.state in ("declined", "reverted"):
-            seconds = eager_s
+        if probe.state in ("eager", "declined", "reverted") or recorder.paused:
+            path, seconds = "eager", timed[0](len(paths))
+        elif not probe.compiled_times:
+            path, seconds = "compile", first_compiled_s
         else:
-            seconds = first_compiled_s if not probe.compiled_times else compiled_s
+            path, seconds = "compiled", timed[1](len(paths))
         probe.after_step(seconds, None)
         spent += seconds
-        steps += 1
-    return probe, recorder, steps
+        paths.append(path)
+    assert not recorder.paused or probe.state == "compiled"  # a decided probe leaves the blocks compiled
+    return probe, recorder, paths
 
 
 def test_a_compile_that_pays_is_kept(policy, monkeypatch):
     # 4 eager steps of 1 s, a compile of 10 s, then 0.5 s steps; 100 s budget, one recompile expected
-    probe, recorder, steps = drive(policy, monkeypatch, "auto", 100.0, 1.0, 11.0, 0.5, recompiles=1)
+    probe, recorder, paths = drive(policy, monkeypatch, "auto", 100.0, 1.0, 11.0, 0.5, recompiles=1)
     assert probe.state == "kept" and recorder.compiled == 1 and recorder.uncompiled == 0
     assert recorder.settled_eager == 0  # the rank settings for compiling stay
     summary = probe.summary()
     assert summary["path"] == "compiled" and summary["compile_s"] == pytest.approx(10.0)
     assert summary["eager_step_s"] == pytest.approx(1.0) and summary["compiled_step_s"] == pytest.approx(0.5)
-    # by hand: 4 eager steps, then 1 + ceil((100 - 4 - 11) / 0.5) compiled steps
-    assert steps == 4 + 1 + math.ceil(85 / 0.5)
-    # the compiled steps ran in 11 + 170·0.5 = 96 s, where eager would have run 96 steps
-    assert summary["steps_gained"] == pytest.approx(171 - 96.0)
+    # by hand: every pair reads 2x against the 1.14-1.15x needed; a one-sided sign test first passes 0.02 at
+    # 6 of 6 pairs (1/64), so 4 eager steps, the compile step, 6 pairs in alternating order, then compiled steps
+    # for the (100 - 4 - 11 - 6·1.5) = 76 s left
+    assert summary["probe_pairs"] == 6 and summary["probe_speedup"] == pytest.approx(2.0)
+    assert paths[:5] == ["eager"] * 4 + ["compile"]
+    assert paths[5:17] == ["compiled", "eager", "eager", "compiled"] * 3
+    assert paths[17:] == ["compiled"] * 152
+    # the 159 compiled steps ran in 11 + 6·0.5 + 76 = 90 s, where eager would have run 90 steps
+    assert summary["compiled_steps"] == 159 and summary["steps_gained"] == pytest.approx(159 - 90.0)
+
+
+def test_a_speeding_machine_does_not_flatter_a_slower_compiled_step(policy, monkeypatch):
+    """The machine gets 1.5 % faster every step (a neighbour's job ending), the compiled step is 3 % slower than
+    eager at the same moment. Compiled steps timed after the eager ones would read faster; neighbouring pairs in
+    alternating order see the 3 %."""
+    def eager(i):
+        return max(2.0 * 0.985**i, 1.0)
+
+    def compiled(i):
+        return 1.03 * eager(i)
+
+    probe, recorder, _ = drive(policy, monkeypatch, "auto", 300.0, eager, 11.0, compiled)
+    assert probe.state == "reverted" and recorder.uncompiled == 1
+    assert all(r < 1.0 for r in probe.pair_ratios) and len(probe.pair_ratios) == 6
+    # what the old probe read: the median of 3 eager steps before the compile against 4 compiled ones after
+    assert statistics.median([eager(i) for i in (1, 2, 3)]) > statistics.median([compiled(i) for i in (5, 6, 7, 8)])
+
+
+def test_noisy_pairs_are_probed_longer_and_the_median_decides_at_the_cap(policy, monkeypatch):
+    # compiled 10 % faster but every third pair reads the other way: the sign test cannot decide before the cap
+    def compiled(i):
+        return 0.9 if (i // 2) % 3 else 1.2
+
+    probe, _, _ = drive(policy, monkeypatch, "auto", 1000.0, 1.0, 11.0, compiled, min_pairs=4, max_pairs=12)
+    assert probe.state == "kept" and len(probe.pair_ratios) == 12
+    assert probe.summary()["probe_speedup"] == pytest.approx(1 / 0.9)
+
+
+def test_paired_verdict_by_hand(policy):
+    assert policy.sign_test_tail(6, 6) == pytest.approx(1 / 64)
+    assert policy.sign_test_tail(5, 6) == pytest.approx(7 / 64)
+    assert policy.sign_test_tail(0, 6) == pytest.approx(1.0)
+    verdict = policy.paired_verdict
+    assert verdict([1.2] * 5, 1.0, min_pairs=4, max_pairs=20) is None      # 1/32 > 0.02: not yet
+    assert verdict([1.2] * 6, 1.0, min_pairs=4, max_pairs=20) is True
+    assert verdict([0.9] * 6, 1.0, min_pairs=4, max_pairs=20) is False
+    assert verdict([1.2] * 6, 1.0, min_pairs=8, max_pairs=20) is None      # below the minimum
+    assert verdict([1.2] * 6, 1.3, min_pairs=4, max_pairs=20) is False     # the recompiles need 1.3x
+    assert verdict([1.2, 0.9] * 4, 1.0, min_pairs=4, max_pairs=20) is None
+    assert verdict([1.2, 0.9, 1.1] * 4, 1.0, min_pairs=4, max_pairs=12) is True  # at the cap: median 1.1
+    assert policy.speedup_needed(100.0, 20.0) == pytest.approx(1.25)
+    assert policy.speedup_needed(10.0, 20.0) == math.inf
 
 
 def test_a_compile_that_does_not_pay_goes_back_to_eager(policy, monkeypatch):

@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 import re
 
+import pytest
+
 from helpers_models import load_demo
 
 
@@ -60,28 +62,51 @@ def test_tiny_demo_writes_report_and_plots(tmp_path):
 
 def test_openmp_wait_policy_follows_the_load(monkeypatch):
     """The demo's choice (examples/openmp_policy.py): an explicit setting wins, an idle machine keeps libgomp's
-    spin-then-sleep (written out so children inherit it), a busy one waits passively."""
+    spin-then-sleep (written out so children inherit it), a busy one waits passively. Busy is the CPUs' sampled busy
+    time, the load average where there is no sample."""
     policy = load_demo().openmp_policy
     for key in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setattr(policy.os, "cpu_count", lambda: 2)
     monkeypatch.setattr(policy, "_chosen", None)  # restored after the test, like the environment
 
-    monkeypatch.setattr(policy.os, "getloadavg", lambda: (0.4, 0.0, 0.0))
-    assert "idle machine" in policy.choose_wait_policy()
+    # a job that just ended: the load average still reads it, the sample does not
+    monkeypatch.setattr(policy.os, "getloadavg", lambda: (1.35, 0.0, 0.0))
+    monkeypatch.setattr(policy, "_sample_busy_cpus", lambda cpus: 0.1)
+    assert policy.choose_wait_policy().endswith("(idle machine: 0.10 of 2 CPUs busy over 1 s)")
     assert policy.os.environ["GOMP_SPINCOUNT"] == policy.LIBGOMP_DEFAULT_SPINCOUNT
     assert "OMP_WAIT_POLICY" not in policy.os.environ
 
     monkeypatch.delenv("GOMP_SPINCOUNT")
-    monkeypatch.setattr(policy.os, "getloadavg", lambda: (1.5, 0.0, 0.0))
-    assert policy.choose_wait_policy().startswith("OMP_WAIT_POLICY=PASSIVE (busy machine")
+    monkeypatch.setattr(policy, "_sample_busy_cpus", lambda cpus: 1.2)
+    assert policy.choose_wait_policy().startswith("OMP_WAIT_POLICY=PASSIVE (busy machine: 1.20 of 2")
     assert policy.os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+
+    # no /proc/stat: the load average decides
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    monkeypatch.setattr(policy, "_sample_busy_cpus", lambda cpus: None)
+    monkeypatch.setattr(policy.os, "getloadavg", lambda: (0.4, 0.0, 0.0))
+    assert "idle machine: load average 0.40" in policy.choose_wait_policy()
+    monkeypatch.delenv("GOMP_SPINCOUNT")
+    monkeypatch.setattr(policy.os, "getloadavg", lambda: (1.5, 0.0, 0.0))
+    assert "busy machine: load average 1.50" in policy.choose_wait_policy()
 
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
     monkeypatch.setattr(policy.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
     assert policy.choose_wait_policy() == "OMP_WAIT_POLICY=ACTIVE (set by the environment)"
     assert "GOMP_SPINCOUNT" not in policy.os.environ
     assert policy.wait_policy_note() == "OMP_WAIT_POLICY=ACTIVE (set by the environment)"
+
+
+def test_busy_cpus_from_proc_stat_by_hand():
+    policy = load_demo().openmp_policy
+    # user nice system idle iowait irq softirq steal guest guest_nice
+    before = policy.cpu_times("cpu  100 0 50 800 50 0 0 0 7 0\ncpu0 50 0 25 400 25 0 0 0 0 0\nintr 1 2\n")
+    after = policy.cpu_times("cpu  160 0 70 900 70 0 0 0 9 0\ncpu0 90 0 35 440 35 0 0 0 0 0\n")
+    assert before == (150, 1000) and after == (230, 1200)  # guest is inside user: not counted twice
+    assert policy.busy_cpus(before, after, cpus=2) == pytest.approx(2 * 80 / 200)
+    assert policy.busy_cpus(before, before, cpus=2) == 0.0
+    assert policy.cpu_times("intr 1 2\n") is None
 
 
 def test_interleaved_runs_train_exactly_as_run_alone():
@@ -122,3 +147,37 @@ def test_interleaved_runs_train_exactly_as_run_alone():
         assert other.train_losses == alone.train_losses
         assert [e[2] for e in other.evals] == [e[2] for e in alone.evals]
         assert other.final_ranks == alone.final_ranks
+
+
+class _NoCompile:
+    """Stands in for compile_policy.compile_blocks: the probe's paths run, the blocks stay eager (no Inductor)."""
+
+    def graphs(self):
+        return 1
+
+
+def test_a_run_that_may_compile_ends_stored_at_its_live_ranks(monkeypatch):
+    """A run that may compile (``--compile yes``) holds its stored cores wider than the live ranks while it trains
+    (``compile_once``: fewer recompiles). After training the demo shrinks them to the live ranks, which changes the
+    stored size and not the model's function: the validation loss after the shrink is the run's last one."""
+    import torch
+
+    demo = load_demo()
+    monkeypatch.setattr(demo.compile_policy, "compile_blocks", lambda model: _NoCompile())
+    args, p = demo.parse_args(["--preset", "tiny", "--budget-seconds", "100", "--max-steps", "12", "--compile", "yes",
+                               "--keep-fraction", "0.3", "--quiet"])
+    device = torch.device("cpu")
+    train_data, val_data, _ = demo.load_stdlib(p.data_bytes)
+    val_set = [demo.get_batch(val_data, p.batch, p.seq_len, torch.Generator().manual_seed(3), device)]
+    torch.manual_seed(args.seed)
+    model = demo.GPT(p)
+    result = demo.RunResult("comera_fx")
+    optimizer, hook, _, _ = demo.prepare_tt_run(model, p, args, train_data, device, result)
+    held_wider = []
+    for _ in demo.training_steps("comera_fx", model, optimizer, hook, train_data, val_set, p, args, device, result):
+        held_wider.append(hook.stored_tt_params() > hook.live_tt_params())
+    assert result.steps == 12 and held_wider[-1], "the test needs a run whose last prune kept slack"
+    before, after = result.shrunk_after_training
+    assert after == hook.stored_tt_params() == hook.live_tt_params() < before
+    assert result.linear_params_end < result.linear_params_start
+    assert demo.evaluate(model, val_set) == pytest.approx(result.final_val, rel=1e-5)
