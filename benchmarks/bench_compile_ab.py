@@ -96,9 +96,13 @@ def report(results: list[dict], rounds: list[dict]) -> str:
              "|---|---:|---:|---|---|---:|"]
     for r in results:
         c = r["compile"]
-        compiled = (f"{c['compile_s']:.1f} s, {c['graphs']} graph(s), {c['recompiles']} recompile(s), step "
-                    f"{c['compiled_step_s']:.3f} s vs eager {c['eager_step_s']:.3f} s"
-                    if "compile_s" in c else "—")
+        compiled = "—"
+        if "compile_s" in c:
+            # the probe's paired ratio: the run's medians would set the whole run's compiled steps against eager
+            # ones from its first minute, across the machine's drift
+            compiled = f"{c['compile_s']:.1f} s, {c['graphs']} graph(s), {c['recompiles']} recompile(s)"
+            if "probe_pairs" in c:
+                compiled += f", probe {c['probe_speedup']:.2f}x over {c['probe_pairs']} pairs"
         lines.append(f"| {r['name']} | {r['steps']} | {r['final_val']:.4f} | {c['path']} | {compiled} | "
                      f"{r['linear_params_end']:,} |")
     modes = [r["mode"] for r in results]

@@ -54,6 +54,22 @@ def speedup_needed(remaining_s: float, recompile_s: float) -> float:
     return remaining_s / (remaining_s - recompile_s) if remaining_s > recompile_s else math.inf
 
 
+def steps_gained_at_ratio(compiled_times: list[float], eager_step_s: float, ratio: float, window: int = 51) -> float:
+    """Steps that compiled steps of ``compiled_times`` ran beyond what eager steps would have in their seconds, the
+    eager step taken as ``ratio`` × the median compiled step around each one (a slow step, such as a recompile,
+    counts against compiling; a machine that slows down slows both); the first, the compile, against
+    ``eager_step_s`` measured just before it. ``ratio``: the probe's eager/compiled reading, so beyond the probe this
+    is an estimate at the probe's speed-up."""
+    if not compiled_times:
+        return 0.0
+    gained = 1 - compiled_times[0] / eager_step_s
+    rest, half = compiled_times[1:], window // 2
+    for i, seconds in enumerate(rest):
+        local = statistics.median(rest[max(0, i - half): i + half + 1])
+        gained += 1 - seconds / (ratio * local)
+    return gained
+
+
 def sign_test_tail(successes: int, trials: int) -> float:
     """P(X >= successes) for X ~ Binomial(trials, 1/2): how often a fair coin does at least this well."""
     return sum(math.comb(trials, k) for k in range(successes, trials + 1)) / 2**trials
@@ -85,9 +101,10 @@ class CompileProbe:
     the first compile's). ``on_eager``: called once when the run settles on eager (declined or reverted), e.g.
     ``RankAdaptive.shrink_eagerly`` to drop the settings that only save recompiles.
 
-    Under "auto" the probe after the compile alternates the two paths, compiled-eager then eager-compiled, so a
-    steady change in the machine's speed falls on both; from ``min_pairs`` pairs on it decides as soon as
-    ``paired_verdict`` can, after ``max_pairs`` pairs (or ``PROBE_BUDGET_SHARE`` of the budget) at the latest."""
+    After the compile the probe alternates the two paths, compiled-eager then eager-compiled, so a steady change
+    in the machine's speed falls on both; from ``min_pairs`` pairs on it decides as soon as ``paired_verdict`` can,
+    after ``max_pairs`` pairs (or ``PROBE_BUDGET_SHARE`` of the budget) at the latest. "yes" probes too, for the
+    report's figures, and keeps the compiled path whatever the verdict."""
 
     mode: str = "auto"
     budget_s: float = 0.0
@@ -95,7 +112,6 @@ class CompileProbe:
     eager_steps: int = 8             # medians of 7 steps each: single CPU steps vary by 10-20 % on a shared machine
     min_pairs: int = 8
     max_pairs: int = 48
-    probe_steps: int = 8             # "yes": compiled steps timed for the report before it says why it kept them
     eager_times: list = field(default_factory=list)
     compiled_times: list = field(default_factory=list)
     pair_ratios: list = field(default_factory=list)  # eager / compiled seconds of each probe pair
@@ -109,6 +125,7 @@ class CompileProbe:
     _compiled_calls: object = None  # the blocks' compiled calls while a probe step runs eagerly
     _pair: list = field(default_factory=list)  # (path, seconds) of the pair under way
     _probe_start: float = 0.0
+    _eager_at_compile: float = 0.0
 
     def __post_init__(self):
         if self.mode not in ("auto", "yes", "no"):
@@ -149,17 +166,14 @@ class CompileProbe:
         else:
             self.compiled_times.append(seconds)
             if len(self.compiled_times) == 1:
-                self.compile_s = max(seconds - self.eager_step, 0.0)
+                self._eager_at_compile = self.eager_step
+                self.compile_s = max(seconds - self._eager_at_compile, 0.0)
                 self.graphs_at_first_step = self._stats.graphs()
                 self._probe_start = self._spent
                 return
             if self._probing():
                 self._pair.append(("compiled", seconds))
         if self.state != "compiled":
-            return
-        if self.mode == "yes":
-            if len(self.compiled_times) == 1 + self.probe_steps:
-                self._decide(model, True)
             return
         if len(self._pair) == 2:
             times = dict(self._pair)
@@ -175,7 +189,7 @@ class CompileProbe:
                 self._decide(model, verdict)
 
     def _probing(self) -> bool:
-        return self.state == "compiled" and self.mode == "auto" and len(self.compiled_times) >= 1
+        return self.state == "compiled" and len(self.compiled_times) >= 1
 
     def _next_path(self) -> str:
         """Pairs alternate their order (compiled first, then eager first), so a trend within pairs cancels."""
@@ -217,22 +231,15 @@ class CompileProbe:
     def _decide(self, model, pays: bool) -> None:
         remaining = self.budget_s - self._spent
         recompile_s = self._recompile_s()
-        if self.pair_ratios:
-            ratio = statistics.median(self.pair_ratios)
-            above = sum(r > speedup_needed(remaining, recompile_s) for r in self.pair_ratios)
-            measured = (f"compiled step {ratio:.2f}x faster than eager (median of {len(self.pair_ratios)} "
-                        f"neighbouring pairs; {above} of them above the {speedup_needed(remaining, recompile_s):.3f}x "
-                        f"needed)")
-            gained = steps_gained(remaining, self.eager_step, self.eager_step / ratio, recompile_s)
-        else:
-            measured = (f"compiled step {self.compiled_step:.3f} s vs eager {self.eager_step:.3f} s "
-                        f"({self.eager_step / self.compiled_step:.2f}x)")
-            gained = steps_gained(remaining, self.eager_step, self.compiled_step, recompile_s)
-        figures = (f"compile {self.compile_s:.1f} s, {measured}, {remaining:.0f} s left, "
-                   f"{self.expected_recompiles} recompile(s) expected (~{recompile_s:.0f} s): "
-                   f"{gained:+.0f} steps compiled")
+        ratio, needed = statistics.median(self.pair_ratios), speedup_needed(remaining, recompile_s)
+        above = sum(r > needed for r in self.pair_ratios)
+        gained = steps_gained(remaining, self.eager_step, self.eager_step / ratio, recompile_s)
+        figures = (f"compile {self.compile_s:.1f} s, compiled step {ratio:.2f}x faster than eager (median of "
+                   f"{len(self.pair_ratios)} neighbouring pairs; {above} of them above the {needed:.3f}x needed), "
+                   f"{remaining:.0f} s left, {self.expected_recompiles} recompile(s) expected (~{recompile_s:.0f} "
+                   f"s): {gained:+.0f} steps compiled")
         self._use_path(model, "compiled")
-        if pays:
+        if pays or self.mode == "yes":
             self.state, self.reason = "kept", figures + (" (--compile yes)" if self.mode == "yes" else "")
         else:
             uncompile_blocks(model)
@@ -247,13 +254,20 @@ class CompileProbe:
         if self.eager_times:
             out["eager_step_s"] = self.eager_step
         if self.compiled_times:
-            compiled_seconds = sum(self.compiled_times)
             out.update(compile_s=self.compile_s, compiled_step_s=self.compiled_step, graphs=self.graphs(),
-                       recompiles=self.recompiles(), compiled_steps=len(self.compiled_times),
-                       steps_gained=len(self.compiled_times) - compiled_seconds / self.eager_step)
-        if self.pair_ratios:
-            out.update(probe_pairs=len(self.pair_ratios), probe_speedup=statistics.median(self.pair_ratios))
+                       recompiles=self.recompiles(), compiled_steps=len(self.compiled_times))
+            # The compiled steps' own times against eager ones measured before the compile would carry the machine's
+            # drift over the whole run (a 600 s run read -347 steps where its interleaved eager partner took 228
+            # fewer): after a probe, measured at its paired ratio instead.
+            if self.pair_ratios:
+                ratio = statistics.median(self.pair_ratios)
+                out.update(probe_pairs=len(self.pair_ratios), probe_speedup=ratio,
+                           steps_gained=steps_gained_at_ratio(self.compiled_times, self._eager_at_compile, ratio))
+            else:
+                out["steps_gained"] = len(self.compiled_times) - sum(self.compiled_times) / self.eager_step
         return out
+
+
 
 # -- compiling the blocks -----------------------------------------------------------------------------------------
 

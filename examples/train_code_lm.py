@@ -645,8 +645,9 @@ def compile_line(summary: dict) -> str:
     text = f"{summary['path']}: {summary['reason']}"
     if "graphs" in summary:
         text += (f". Graphs {summary['graphs']}, recompiles after the first compiled step {summary['recompiles']}, "
-                 f"{summary['compiled_steps']} compiled steps, {summary['steps_gained']:+.0f} steps against the "
-                 f"eager step at the same clock, compile included")
+                 f"{summary['compiled_steps']} compiled steps, {summary['steps_gained']:+.0f} steps gained by "
+                 f"them, compile and recompiles included" + (" (at the probe's speed-up)" if "probe_speedup" in
+                                                             summary else ""))
     return text + "."
 
 

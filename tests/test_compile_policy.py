@@ -78,7 +78,7 @@ def drive(policy, monkeypatch, mode, budget, eager_s, first_compiled_s, compiled
     for name in ("compile_blocks", "uncompile_blocks", "pause_blocks", "resume_blocks"):
         monkeypatch.setattr(policy, name, getattr(recorder, name))
     probe = policy.CompileProbe(mode=mode, budget_s=budget, expected_recompiles=recompiles,
-                                on_eager=recorder.on_eager, eager_steps=4, probe_steps=4, min_pairs=min_pairs,
+                                on_eager=recorder.on_eager, eager_steps=4, min_pairs=min_pairs,
                                 max_pairs=max_pairs)
     timed = [t if callable(t) else (lambda i, t=t: t) for t in (eager_s, compiled_s)]
     spent, paths = 0.0, []
@@ -200,3 +200,15 @@ def test_demo_compiled_path_recompiles_once_and_trains(tmp_path):
     assert tt.compile["recompiles"] <= 1, tt.compile
     assert tt.history[-1]["tt_params"] < tt.history[0]["tt_params"]  # it really shrank
     assert "Compiled or eager" in (tmp_path / "run" / "report.md").read_text()
+
+
+def test_steps_gained_at_the_probes_ratio_by_hand(policy):
+    """The machine halves its speed half-way through a run (1.25x compiled gain throughout); a recompile of 10 s
+    comes at that point. Each compiled step counts 1 - 1/1.25 = 0.2 steps gained against the compiled steps around
+    it, the recompile 1 - 10 / (1.25 · 1.0) = -7 (the median around it is 1.0 s), the compile 1 - 10.5 / 0.5 = -20.
+    Against the eager step measured before the compile the same run would read -89: the slowdown taken for a
+    loss."""
+    times = [10.5] + [0.5] * 50 + [10.0] + [1.0] * 50
+    assert policy.steps_gained_at_ratio(times, 0.5, 1.25) == pytest.approx(-20 + 50 * 0.2 - 7 + 50 * 0.2)
+    assert len(times) - sum(times) / 0.5 == pytest.approx(-89)
+    assert policy.steps_gained_at_ratio([], 0.5, 1.25) == 0.0
