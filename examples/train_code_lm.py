@@ -23,9 +23,10 @@ set of held-out batches) runs every ``--eval-every`` seconds of training time, o
 Compiled or eager (``--compile auto``, the default; ``compile_policy.py``): each run takes a few eager steps, then,
 if the budget left could repay a compile, compiles its blocks in place (``comera_fx.compile_regions`` for the TT
 run, with ``RankConfig(shrink_slack=4, same_shape_blocks=True)`` so its prunes recompile at most once; stock
-``torch.compile`` per block for the dense run), times a few compiled steps, and keeps the compiled path only if the
-measured step repays the compile and the recompiles to come. The compile is inside the run's training clock; the
-report says which path each run took and why. On this model the compiled TT step is within about ±20 % of the
+``torch.compile`` per block for the dense run), then alternates compiled and eager steps in neighbouring pairs
+until a sign test says whether the compiled step repays the recompiles to come, and keeps the compiled path only
+then. The compile is inside the run's training clock; the report says which path each run took and why. A TT run
+that may compile shrinks its cores to their live ranks after training. On this model the compiled TT step is within about ±20 % of the
 eager one (the planner's eager contractions are already most of the cost), so the choice goes either way
 (benchmarks/RESULTS.md, "Issue 30 item 4"). Run as a script it chooses OpenMP's wait policy from the machine's
 load unless the environment sets one (``openmp_policy.py``: libgomp's spin-then-sleep when idle,
@@ -631,13 +632,16 @@ def plot_ranks(tt: RunResult, path: Path) -> None:
 
 COMPILE_NOTE = ("`--compile auto` (the default) runs a few eager steps, then, if the budget left could repay a "
                 "compile, compiles the blocks in place (`comera_fx.compile_regions` with comera_fx's backend for the "
-                "TT run, stock `torch.compile` per block for the dense one), times a few compiled steps and keeps "
-                "the compiled path only if the measured step repays the compile and the recompiles to come; "
-                "otherwise the blocks go back to eager. The compile is inside the run's training clock. Embeddings, "
+                "TT run, stock `torch.compile` per block for the dense one), then alternates compiled and eager "
+                "steps in neighbouring pairs (both train the model; 8-48 pairs, at most a tenth of the budget left) "
+                "until a sign test over the pairs says whether the compiled step repays the recompiles to come, and "
+                "keeps the compiled path only then; otherwise the blocks go back to eager. Steps gained are "
+                "estimated at the probe's speed-up. The compile is inside the run's training clock. Embeddings, "
                 "head, loss, clipping and the optimizer step stay eager, and validation runs eagerly "
                 "(`torch.compiler.set_stance('force_eager')`). The TT run's rank schedule keeps one width per matrix "
                 "role across blocks and shrinks physically once (`RankConfig(shrink_slack=4, "
-                "same_shape_blocks=True)`), so the compiled blocks recompile at most once, not once per prune.")
+                "same_shape_blocks=True)`), so the compiled blocks recompile at most once, not once per prune; after "
+                "training its cores shrink to their live ranks.")
 
 
 def compile_line(summary: dict) -> str:
