@@ -212,3 +212,58 @@ def test_steps_gained_at_the_probes_ratio_by_hand(policy):
     assert policy.steps_gained_at_ratio(times, 0.5, 1.25) == pytest.approx(-20 + 50 * 0.2 - 7 + 50 * 0.2)
     assert len(times) - sum(times) / 0.5 == pytest.approx(-89)
     assert policy.steps_gained_at_ratio([], 0.5, 1.25) == 0.0
+
+
+def test_pausing_the_blocks_runs_them_eagerly_and_resuming_recompiles_nothing(policy):
+    """The paired probe's switch (pause_blocks / resume_blocks) on blocks compiled by Dynamo (its eager backend, no
+    Inductor): paused, no compiled frame runs; resumed, the same compiled calls run again and nothing is traced anew."""
+    import torch
+    from torch import nn
+
+    class Block(nn.Module):  # user code: Dynamo does not trace a torch.nn module's own forward at the top
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return torch.nn.functional.gelu(self.linear(x))
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(Block() for _ in range(2))
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = block(x)
+            return x
+
+    torch._dynamo.reset()
+    traced, ran = [], []
+
+    def counting_backend(gm, example_inputs):  # Dynamo's eager backend, counting graphs traced and run
+        traced.append(gm)
+
+        def run(*args):
+            ran.append(gm)
+            return gm.forward(*args)
+        return run
+
+    torch.manual_seed(0)
+    net, x = Net(), torch.randn(4, 8)
+    expected = net(x)
+    for block in net.blocks:
+        block.compile(backend=counting_backend)
+    torch.testing.assert_close(net(x), expected)
+    graphs = len(traced)
+    assert graphs >= 1 and len(ran) == 2  # one graph for both blocks (same code, same shapes), run twice
+    calls = policy.pause_blocks(net)
+    assert all(block._compiled_call_impl is None for block in net.blocks)
+    torch.testing.assert_close(net(x), expected)
+    assert len(ran) == 2  # paused: no compiled graph ran
+    policy.resume_blocks(net, calls)
+    torch.testing.assert_close(net(x), expected)
+    assert len(ran) == 4 and len(traced) == graphs  # the compiled calls came back, nothing traced anew
+    with pytest.raises(ValueError):
+        policy.resume_blocks(net, calls[:1])  # one call per block, or nothing is changed silently
+    torch._dynamo.reset()
