@@ -114,10 +114,11 @@ def time_layout(name: str, rank: int | None, tokens_per_row: int, batch_rows: in
     expected = eager(batch[0]).detach()  # grad on in both: the compiled training graph, no new compile
     rel = ((compiled(batch[0]).detach() - expected).norm() / expected.norm()).item()
     row = {"layout": name, "rank": rank, "rows": batch_rows, "tokens": batch_rows * tokens_per_row,
-           "flops": flops, "flops_with_attention": flops_attention, "compile_s": compile_s, "compiled_vs_eager_rel": rel, **seconds}
-    print(f"{name:10s} {row['tokens']:5d} tokens: FLOPs {flops:.3g} ({flops_attention:.3g} with attention); step eager {seconds['eager step']:.4f} s, "
-          f"compiled {seconds['compiled step']:.4f} s (fwd+bwd {seconds['compiled fwd+bwd']:.4f}, optimizer "
-          f"{seconds['compiled optimizer']:.4f}); compile {compile_s:.0f} s; compiled vs eager {rel:.1e}", flush=True)
+           "flops": flops, "flops_with_attention": flops_attention, "compile_s": compile_s,
+           "compiled_vs_eager_rel": rel, **seconds}
+    print(f"{name:10s} {row['tokens']:5d} tokens: FLOPs {flops:.3g} ({flops_attention:.3g} with attention); step "
+          f"eager {seconds['eager step']:.4f} s, compiled {seconds['compiled step']:.4f} s (fwd+bwd "
+          f"{seconds['compiled fwd+bwd']:.4f}, optimizer {seconds['compiled optimizer']:.4f}); compile {compile_s:.0f} s; compiled vs eager {rel:.1e}", flush=True)
     return row
 
 

@@ -28,8 +28,8 @@ until a sign test says whether the compiled step repays the recompiles to come, 
 then. The compile is inside the run's training clock; the report says which path each run took and why. A TT run
 that may compile shrinks its cores to their live ranks after training. On this model the compiled TT step is within
 about ±20 % of the eager one (the planner's eager contractions are already most of the cost), so the choice goes
-either way (benchmarks/RESULTS.md, "Issue 30 item 4"). Run as a script it chooses OpenMP's wait policy from the machine's
-load unless the environment sets one (``openmp_policy.py``: libgomp's spin-then-sleep when idle,
+either way (benchmarks/RESULTS.md, "Issue 30 item 4"). Run as a script it chooses OpenMP's wait policy from the
+machine's load unless the environment sets one (``openmp_policy.py``: libgomp's spin-then-sleep when idle,
 ``OMP_WAIT_POLICY=PASSIVE`` when busy; the report says which); ``--threads 1`` can still be faster on a machine
 that other jobs keep busy.
 
