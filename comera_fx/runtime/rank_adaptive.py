@@ -361,9 +361,9 @@ class RankAdaptive:
             if record is not None:
                 self._after_shrink(record, reasons.get(m.name, ""))
                 records.append(record)
-        compacted = [] if in_place else self._compact_all()
-        if in_place and final and self._compaction_frees() >= MIN_FINAL_COMPACTION * self.stored_tt_params():
-            compacted = self._compact_all()
+        compact_now = not in_place or (final and self._compaction_frees()
+                                       >= MIN_FINAL_COMPACTION * self.stored_tt_params())
+        compacted = self._compact_all() if compact_now else []
         if self.tt_params() > size + 0.5 and not self._warned_floor:
             self._warned_floor = True
             warnings.warn(f"RankAdaptive: the scheduled size {size:,.0f} is below what the rank floors allow "
@@ -552,8 +552,8 @@ class RankAdaptive:
                 due += 1
             if due > self._next_prune:
                 self._next_prune = due
-                final = due >= len(points)
-                records = self._prune_to(budget, True if final and self.shrink_slack is None else None, final)
+                # compact=None: physically without shrink_slack; with it, by the slack (and the final floor)
+                records = self._prune_to(budget, None, final=due >= len(points))
         elif s.prune_every is not None and self.step % s.prune_every == 0:
             records = self.prune()
         if records or (self.history_every is not None and self.step % self.history_every == 0):
