@@ -148,7 +148,7 @@ def test_the_bmm_parameters_are_found_only_by_running_the_model():
     assert all(c.uses == ["bmm(x, P)"] and c.experts_seen == (0, 1, 2, 3) for c in scan.candidates)
 
 
-def test_a_3d_parameter_read_by_an_unsupported_op_stays_dense():
+def test_a_3d_parameter_read_by_an_unsupported_op_gets_the_weight_space_form():
     class Einsum(nn.Module):
         def __init__(self):
             super().__init__()
@@ -157,11 +157,14 @@ def test_a_3d_parameter_read_by_an_unsupported_op_stays_dense():
         def forward(self, x):
             return torch.bmm(x, self.w) + torch.einsum("etd,edf->etf", x, self.w)
 
-    model = wrapped(Einsum())
-    summary = comera_fx.tensorize_(model, FULL, example_inputs=(torch.randn(EXPERTS, 3, HIDDEN),))
+    model = wrapped(Einsum()).double()
+    dense = copy.deepcopy(model)
+    x = torch.randn(EXPERTS, 3, HIDDEN, dtype=torch.float64)
+    summary = comera_fx.tensorize_(model, FULL, example_inputs=(x,))
     (decision,) = [d for d in summary.layers if d.kind == "experts"]
-    assert not decision.converted and "einsum" in decision.reason
-    assert isinstance(model[1].w, nn.Parameter)
+    assert decision.converted and any("weight-space" in n and "einsum" in n for n in decision.notes)
+    assert "w" not in dict(model[1].named_parameters()) and isinstance(model[1].w_tt, TTExpertBank)
+    torch.testing.assert_close(model(x), dense(x), rtol=1e-10, atol=1e-10)  # the module's own forward, exact
     # a 3D weight no op reads as experts is no candidate at all
     conv = nn.Sequential(nn.Identity(), nn.Conv1d(4, 4, 3))
     summary = comera_fx.tensorize_(conv, FULL, example_inputs=(torch.randn(2, 4, 8),))

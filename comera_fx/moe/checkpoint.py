@@ -13,8 +13,9 @@ from .bank import TTExpertBank
 from .experts import TTExperts
 from .shared import SharedTTExpertBank
 from .weight import ExpertWeight, attach_expert_weight
+from .weight_space import attach_bank_properties, bank_attrs, is_bank_holder
 
-HOLDER_TYPES = ("experts", "expert_weight")
+HOLDER_TYPES = ("experts", "expert_weight", "bank_property")
 
 
 def _bank_entry(bank: TTExpertBank | SharedTTExpertBank, path_of: Mapping[int, str]) -> dict:
@@ -31,6 +32,9 @@ def expert_holders(model: nn.Module, path_of: Mapping[int, str]) -> list[dict]:
         if isinstance(module, TTExperts):
             holders.append({"path": path, "type": "experts", "up_name": module.up_name,
                             "up": _bank_entry(module.up, path_of), "down": _bank_entry(module.down_proj, path_of)})
+        elif is_bank_holder(module):  # the weight-space form: the module reads its banks rebuilt
+            holders.append({"path": path, "type": "bank_property",
+                            "banks": {a: _bank_entry(module._modules[f"{a}_tt"], path_of) for a in bank_attrs(module)}})
         for attr, value in vars(module).items():
             if isinstance(value, ExpertWeight):
                 holders.append({"path": path, "type": "expert_weight", "attr": attr,
@@ -50,6 +54,8 @@ def install_expert_holder(model: nn.Module, holder: dict, matrices: Mapping[str,
         new = TTExperts.from_hf(module, bank(holder["up"]), bank(holder["down"]))
         parent_path, _, child = holder["path"].rpartition(".")
         setattr(model.get_submodule(parent_path), child, new)
+    elif holder["type"] == "bank_property":
+        attach_bank_properties(module, {attr: bank(entry) for attr, entry in holder["banks"].items()})
     elif holder["type"] == "expert_weight":
         attach_expert_weight(module, holder["attr"], bank(holder["bank"]))
     else:

@@ -25,6 +25,7 @@ from ..moe.shared import SharedTTExpertBank
 from ..tt.layers import TTMatrix
 from ..moe.experts import TTExperts, hf_experts_problem
 from ..moe.weight import ExpertWeight, attach_expert_weight
+from ..moe.weight_space import attach_bank_properties
 from .find import Candidate, Use, UseKind, parameter_table
 from .find_experts import HF_EXPERTS, MODULE_LIST, PARAMETER_3D, ExpertCandidate, ExpertScan
 from .holders import Journal, hook_problem, move_hooks
@@ -41,6 +42,7 @@ class ExpertPlan:
     layout: str
     candidates: list[ExpertCandidate]
     decisions: list  # LayerDecision, one per candidate
+    weight_space: str | None = None  # why the module's own forward reads rebuilt banks (None: the contracted path)
     banks: list[TTExpertBank] | None = None
     layer_plans: list[list] | None = None  # per candidate, one LayerPlan per expert (a size target decided them)
 
@@ -72,21 +74,27 @@ def plan_experts(model: nn.Module, scan: ExpertScan, config: TensorizeConfig, fi
             d.reason = r
         if cands[0].layout == HF_EXPERTS:
             if not any(reasons):
-                plans.append(ExpertPlan(holder_path, HF_EXPERTS, cands, made))
+                plans.append(ExpertPlan(holder_path, HF_EXPERTS, cands, made, hf_experts_problem(holder)))
         else:
-            plans.extend(ExpertPlan(holder_path, PARAMETER_3D, [c], [d]) for c, d in zip(cands, made) if not d.reason)
+            plans.extend(ExpertPlan(holder_path, PARAMETER_3D, [c], [d], _weight_space_reason(c))
+                         for c, d in zip(cands, made) if not d.reason)
     return decisions, plans
+
+
+def _weight_space_reason(cand: ExpertCandidate) -> str | None:
+    """Why a raw 3D parameter's module must read its rebuilt bank (None: ``ExpertWeight`` serves every read)."""
+    if cand.unsupported:
+        return f"also read by {cand.unsupported}, which has no TT product"
+    if not cand.uses:
+        return ("its reads are unknown (found by the module scan; example_inputs would show whether they are "
+                "bmm / slice products)" if cand.experts_seen is None else "no op read it on the example inputs")
+    return None
 
 
 def _skip_reason(model: nn.Module, holder: nn.Module, path: str, cand: ExpertCandidate, config: TensorizeConfig,
                  filter_fn: FilterFn | None) -> str | None:
     if not cand.dtype.is_floating_point:
         return f"weight dtype {cand.dtype} is not floating point; only float weights can be tensorized"
-    if cand.unsupported:
-        return (f"also read by {cand.unsupported}, which comera_fx cannot run on TT experts (bmm / matmul with "
-                f"the whole parameter, or F.linear / matmul on one expert's slice, are supported)")
-    if cand.layout == PARAMETER_3D and not cand.uses:
-        return "no op read it on the example inputs"
     if not config.is_large(cand.slice_shape):
         return (f"one expert's matrix {cand.slice_shape} is below the size threshold (needs >= {config.min_numel} "
                 f"elements and both dims >= {config.min_dim}; set TensorizeConfig.min_numel / min_dim)")
@@ -94,8 +102,8 @@ def _skip_reason(model: nn.Module, holder: nn.Module, path: str, cand: ExpertCan
         return "excluded by TensorizeConfig.skip / overrides"
     if filter_fn is not None and not filter_fn(holder, path):
         return f"filter_fn rejected {path or '<root>'}"
-    if cand.layout == HF_EXPERTS:
-        return hf_experts_problem(holder) or hook_problem(holder)
+    if cand.layout == HF_EXPERTS and hf_experts_problem(holder) is None:
+        return hook_problem(holder)  # swapped for TTExperts; the weight-space form keeps the module
     if not path:
         return "tensorize_ cannot replace a parameter of the root module itself; wrap it in a parent module"
     return None
@@ -120,12 +128,12 @@ def build_banks(model: nn.Module, plans: list[ExpertPlan], config: TensorizeConf
             if plan.layer_plans is not None:
                 matrices = [build_tt(weight[e], layer_plan)[0] for e, layer_plan in enumerate(plan.layer_plans[i])]
                 plan.banks.append(TTExpertBank(matrices, cand.slice_use))
-            elif config.expert_form == "shared" and plan.layout == HF_EXPERTS:
+            elif config.expert_form == "shared" and (plan.layout == HF_EXPERTS or plan.weight_space):
                 plan.banks.append(_shared_bank(weight, cand, settings))
             else:
                 if config.expert_form == "shared":
-                    plan.decisions[i].notes.append("expert_form='shared' needs a transformers experts module: "
-                                                   "each expert its own TT matrix here")
+                    plan.decisions[i].notes.append("expert_form='shared' needs a transformers experts module or "
+                                                   "the weight-space form: each expert its own TT matrix here")
                 seed = None if config.seed is None else config.seed + first
                 plan.banks.append(_per_expert_bank(weight, cand, settings, seed))
 
@@ -168,7 +176,10 @@ def install_banks(model: nn.Module, plans: list[ExpertPlan], journal: Journal) -
     """Put the built banks in the model (see the module docstring); ``journal`` can undo it with ``undo_views``."""
     for plan in plans:
         holder = model.get_submodule(plan.holder)
-        if plan.layout == HF_EXPERTS:
+        if plan.weight_space:
+            journal.touch(holder)
+            attach_bank_properties(holder, {c.fqn.rpartition(".")[2]: b for c, b in zip(plan.candidates, plan.banks)})
+        elif plan.layout == HF_EXPERTS:
             new = TTExperts.from_hf(holder, *plan.banks)
             move_hooks(holder, new)
             parent_path, _, child = plan.holder.rpartition(".")
@@ -188,7 +199,7 @@ def install_banks(model: nn.Module, plans: list[ExpertPlan], journal: Journal) -
 def undo_views(plans: list[ExpertPlan], model: nn.Module) -> None:
     """After ``Journal.undo``: drop the ``ExpertWeight`` attributes, which the journal does not record."""
     for plan in plans:
-        if plan.layout == PARAMETER_3D:
+        if plan.layout == PARAMETER_3D and not plan.weight_space:
             holder = model.get_submodule(plan.holder)
             attr = plan.candidates[0].fqn.rpartition(".")[2]
             if isinstance(holder.__dict__.get(attr), ExpertWeight):
@@ -205,11 +216,19 @@ def record_decisions(plans: list[ExpertPlan]) -> None:
             decision.ranks = matrices[0].ranks
             decision.params = sum(tt.layout.num_params for tt in matrices)
             decision.notes.append(cand.describe())
+            decision.notes.append(f"weight-space: {plan.weight_space}; the module's own forward reads the experts "
+                                  "rebuilt from the TT cores" if plan.weight_space else _contracted_note(plan))
             if isinstance(bank, SharedTTExpertBank):
                 decision.notes.append("shared form: one TT chain over the experts, one core per expert "
                                       f"({bank.tt.layout.describe_modes()})")
             elif len({tt.ranks for tt in matrices}) > 1:
                 decision.notes.append(f"ranks differ between experts: {[tt.ranks for tt in matrices]}")
+
+
+def _contracted_note(plan: ExpertPlan) -> str:
+    if plan.layout == HF_EXPERTS:
+        return "contracted: TTExperts runs each routed expert's planned TT products (no dense expert is rebuilt)"
+    return "contracted: the module reads an ExpertWeight that runs bmm / slice products on the TT cores"
 
 
 class ExpertStep:
