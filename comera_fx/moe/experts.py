@@ -140,9 +140,9 @@ class TTExperts(nn.Module):
 
     def expert_forward(self, expert: int, x: Tensor) -> Tensor:
         """One expert on its tokens ``x`` (n × D) -> (n × D), through its TT products."""
-        h = self.up.linear(expert, x, None if self.up_bias is None else self.up_bias[expert])
+        h = self.up.project(expert, x, None if self.up_bias is None else self.up_bias[expert])
         h = _activate(h, self.act_fn, self.has_gate)
-        return self.down_proj.linear(expert, h, None if self.down_bias is None else self.down_bias[expert])
+        return self.down_proj.project(expert, h, None if self.down_bias is None else self.down_bias[expert])
 
     def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
         return route(hidden_states, top_k_index, top_k_weights, self.num_experts, self.expert_forward)
