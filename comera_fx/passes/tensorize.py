@@ -109,9 +109,10 @@ def skip_reason(cand: Candidate, config: TensorizeConfig) -> str | None:
     """Why a candidate must stay dense (independent of the model's modules), or None."""
     if not cand.dtype.is_floating_point:
         return f"weight dtype {cand.dtype} is not floating point; only float weights can be tensorized"
-    if cand.unsupported_uses:
+    if cand.unsupported_uses and not config.weight_space:
         ops_used = sorted({u.target for u in cand.unsupported_uses})
-        return f"also used by {ops_used}, which comera_fx cannot contract in TT form"
+        return (f"also used by {ops_used}, which comera_fx cannot contract in TT form "
+                f"(TensorizeConfig(weight_space=True) holds it in TT form and rebuilds it for those reads)")
     if not config.is_large(cand.shape):
         return (f"below the size threshold (needs >= {config.min_numel} elements and both dims >= "
                 f"{config.min_dim}; set TensorizeConfig.min_numel / min_dim to include it)")
@@ -313,6 +314,9 @@ def tensorize_(
     for cand, decision, holders, tt, notes in built:
         decision.converted = True
         decision.notes.extend(notes)
+        if cand.unsupported_uses:  # TensorizeConfig.weight_space
+            decision.notes.append(f"weight-space: {sorted({u.target for u in cand.unsupported_uses})} read the "
+                                  f"weight rebuilt from the TT cores (the other uses are contracted)")
         decision.ranks = tt.ranks
         decision.params = tt.layout.num_params
     if size_info is not None:
