@@ -234,6 +234,14 @@ def test_the_module_list_layout_converts_each_expert_and_names_it():
     torch.testing.assert_close(model(x), dense(x), rtol=1e-10, atol=1e-12)
 
 
+def test_the_shared_form_asked_for_an_expert_list_says_why_it_stays_per_expert():
+    model = wrapped(ListMoE())
+    summary = comera_fx.tensorize_(model, FULL.replace(skip=(r"router",), expert_form="shared"),
+                                   example_inputs=(torch.randn(20, HIDDEN),))
+    notes = " ".join(summary.converted[0].notes)
+    assert len(summary.converted) == 2 * EXPERTS and "expert_form='shared' is not built for an nn.ModuleList" in notes
+
+
 def test_the_bmm_layout_reproduces_the_dense_layer_in_float64():
     model = wrapped(BmmMoE()).double()
     dense = copy.deepcopy(model)

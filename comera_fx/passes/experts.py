@@ -225,6 +225,19 @@ def record_decisions(plans: list[ExpertPlan]) -> None:
                 decision.notes.append(f"ranks differ between experts: {[tt.ranks for tt in matrices]}")
 
 
+def _orientation(cand: ExpertCandidate, calibration) -> str:
+    """How a weight-space expert's slices are read, from the width of its calibration inputs (x P[e]ᵀ: the last
+    dim of P[e]; x P[e]: the first); the candidate's own guess when that does not decide it."""
+    widths = {calibration[f"{cand.fqn}.{e}"].in_features for e in range(cand.num_experts)
+              if f"{cand.fqn}.{e}" in calibration}
+    a, b = cand.slice_shape
+    if widths == {b} and a != b:
+        return "linear"
+    if widths == {a} and a != b:
+        return "matmul"
+    return cand.slice_use
+
+
 def _contracted_note(plan: ExpertPlan) -> str:
     if plan.layout == HF_EXPERTS:
         return "contracted: TTExperts runs each routed expert's planned TT products (no dense expert is rebuilt)"
@@ -237,10 +250,13 @@ class ExpertStep:
     ``finish`` (the expert decisions for the summary)."""
 
     def __init__(self, model: nn.Module, config: TensorizeConfig, filter_fn: FilterFn | None, example_inputs,
-                 make_decision: Callable[[ExpertCandidate], object]):
+                 make_decision: Callable[[ExpertCandidate], object], calibration=None):
         from .find_experts import find_experts
 
         self.model, self.config = model, config
+        # expert statistics (``calibrate_experts``) make each expert's matrix a planned layer, as a size target does
+        self.planned = config.size_target is not None or (calibration is not None and config.expert_form != "shared")
+        self.calibration = calibration
         self.scanned: set[str] = set()
         self.scan = find_experts(model, example_inputs)
         self.decisions, self.plans = plan_experts(model, self.scan, config, filter_fn, make_decision)
@@ -250,13 +266,15 @@ class ExpertStep:
         allocation sizes the experts with the other layers; nothing otherwise."""
         from .layer_plan import LayerInput
 
-        if self.config.size_target is None:
+        if not self.planned:
             return []
         params = dict(self.model.named_parameters())
         inputs, index = [], first_index
         for plan in self.plans:
             for cand in plan.candidates:
                 weight = params[cand.fqn].detach()
+                if plan.weight_space and self.calibration is not None:
+                    cand.slice_use = _orientation(cand, self.calibration)
                 for e in range(cand.num_experts):
                     inputs.append(LayerInput(expert_name(cand.fqn, e), "linear", cand.slice_use == "linear",
                                              stored_matrix(weight[e], cand.slice_use), index + e, cand.fqn))
@@ -266,7 +284,7 @@ class ExpertStep:
     def take_plans(self, decided, reason_for: Callable[[str], str]) -> None:
         """Read the size target's per-expert plans from ``plan_layers``'s result; a holder with an expert that
         found no balanced modes stays dense (``reason_for`` words it)."""
-        if self.config.size_target is None:
+        if not self.planned:
             return
         kept = []
         for plan in self.plans:
@@ -304,6 +322,9 @@ class ExpertStep:
         for d in decisions:
             if d.fqn in notes:
                 d.notes.append(notes[d.fqn])
+                if self.config.expert_form == "shared":
+                    d.notes.append("expert_form='shared' is not built for an nn.ModuleList of experts: each expert's "
+                                   "linear is its own module, so it became its own TT matrix (per expert)")
             if d.fqn in self.scanned:
                 d.notes.append("found by the expert-list scan: the captured graphs did not record its op")
 
@@ -318,4 +339,8 @@ class ExpertStep:
 
     def finish(self) -> list:
         record_decisions(self.plans)
+        if self.calibration is not None and not self.planned:
+            for d in self.decisions:
+                if d.converted:
+                    d.notes.append("calibration not used: expert_form='shared' is built by plain TT-SVD")
         return self.decisions

@@ -250,7 +250,7 @@ def tensorize_(
     config = config or TensorizeConfig()
     result: FindResult = find_in_model(model, example_inputs)
     earlier = _earlier_tt_layers(model, config, filter_fn)
-    experts = ExpertStep(model, config, filter_fn, example_inputs, _expert_decision)  # MoE: 3D expert weights
+    experts = ExpertStep(model, config, filter_fn, example_inputs, _expert_decision, calibration)  # MoE experts
     experts.add_missed(result)  # and expert-list linears the captured graphs did not record
     decisions, plans = [], []
     for cand in result.candidates:
