@@ -547,3 +547,32 @@ def test_tensorize_builds_the_shared_form_when_asked_and_leaves_bmm_experts_per_
                for n in d.notes)
     with pytest.raises(ValueError, match="expert_form"):
         TensorizeConfig(expert_form="shared", init="random")
+
+
+class GroupedExperts(nn.Module):
+    """Tokens already grouped per expert (E × n × d), read through bmm and one expert's slice: traceable."""
+
+    def __init__(self):
+        super().__init__()
+        self.w_in = nn.Parameter(torch.randn(EXPERTS, HIDDEN, FFN) / HIDDEN**0.5)
+        self.w_out = nn.Parameter(torch.randn(EXPERTS, FFN, HIDDEN) / FFN**0.5)
+
+    def forward(self, x):
+        return torch.bmm(F.gelu(torch.bmm(x, self.w_in)), self.w_out) + x[0] @ self.w_in[0] @ self.w_out[0]
+
+
+def test_the_graph_pass_converts_expert_weights_in_a_traced_module():
+    layer = GroupedExperts().double()
+    x = torch.randn(EXPERTS, 5, HIDDEN, dtype=torch.float64)
+    expected = layer(x)
+    gm = torch.fx.symbolic_trace(layer)
+    gm = comera_fx.passes.tensorize(gm, FULL)
+    decisions = {d.fqn: d for d in gm.meta["comera_fx"].layers if d.kind == "experts"}
+    assert set(decisions) == {"w_in", "w_out"} and all(d.converted for d in decisions.values())
+    assert not [n for n, p in gm.named_parameters() if p.dim() == 3 and ".cores." not in n]
+    torch.testing.assert_close(gm(x), expected, rtol=1e-10, atol=1e-12)  # full rank: exact
+    low = comera_fx.passes.tensorize(torch.fx.symbolic_trace(GroupedExperts()), FULL.replace(max_rank=4))
+    banks = [m for m in low.modules() if isinstance(m, TTExpertBank)]
+    assert len(banks) == 2 and all(max(tt.ranks) <= 4 for b in banks for tt in b)
+    low(torch.randn(EXPERTS, 5, HIDDEN)).sum().backward()
+    assert all(tt.cores[0].grad is not None for b in banks for tt in b)

@@ -23,6 +23,7 @@ from torch import Tensor, fx, nn
 
 from ..config import Init, TensorizeConfig, warn_renamed
 from .experts import ExpertStep
+from .graph_experts import tensorize_experts
 from ..tt import ops
 from ..tt import plan as planner
 from ..tt.inventory import is_hf_conv1d
@@ -518,6 +519,7 @@ def tensorize(gm: fx.GraphModule, config: TensorizeConfig | None = None) -> fx.G
         decision.notes.extend(notes)
         decision.ranks, decision.params = tt.ranks, layout.num_params
     _delete_converted_parameters(gm, {alias for cand, *_ in built for alias in cand.aliases})
+    decisions += tensorize_experts(gm, config, lambda fqn, shape: LayerDecision(fqn, (fqn,), "experts", shape, ()))
     graph.lint()
     gm.recompile()
     gm.meta["comera_fx"] = TensorizeSummary(decisions, result.method)
