@@ -576,3 +576,32 @@ def test_the_graph_pass_converts_expert_weights_in_a_traced_module():
     assert len(banks) == 2 and all(max(tt.ranks) <= 4 for b in banks for tt in b)
     low(torch.randn(EXPERTS, 5, HIDDEN)).sum().backward()
     assert all(tt.cores[0].grad is not None for b in banks for tt in b)
+
+
+def test_randomize_backward_reaches_the_shared_form():
+    model = mixtral().double()
+    comera_fx.tensorize_(model, TensorizeConfig(max_rank=8, min_numel=0, min_dim=1, expert_form="shared",
+                                                **EXPERTS_ONLY))
+    experts = experts_of(model).train()
+    hidden = torch.randn(24, HIDDEN, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    _, weights, index = model.model.layers[0].mlp.gate(hidden)
+    weights = weights.detach()
+
+    def grads():
+        x = hidden.clone().requires_grad_(True)
+        out = experts(x, index, weights)
+        out.square().sum().backward()
+        core = experts.gate_up_proj.tt.cores[0].grad.clone()
+        experts.zero_grad(set_to_none=True)
+        return out.detach(), x.grad, core
+
+    exact_out, exact_dx, exact_core = grads()
+    summary = comera_fx.randomize_backward_(model, rho=0.5, min_numel=0)
+    assert [d.randomized for d in summary.layers if d.kind == "tt_experts"] == [True, True]
+    assert {r.fqn for r in comera_fx.report(model).randomized} >= {"model.layers.0.mlp.experts.gate_up_proj"}
+    out, dx, core = grads()
+    torch.testing.assert_close(out, exact_out, rtol=1e-12, atol=1e-12)  # forward exact
+    torch.testing.assert_close(dx, exact_dx, rtol=1e-10, atol=1e-12)  # dX exact
+    assert torch.isfinite(core).all() and not torch.allclose(core, exact_core)  # a sketched shared-core gradient
+    assert comera_fx.restore_backward_(model) >= 2
+    torch.testing.assert_close(grads()[2], exact_core, rtol=1e-10, atol=1e-12)

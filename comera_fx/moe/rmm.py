@@ -10,6 +10,7 @@ from torch import nn
 
 from ..rmm.functions import prepare_rmm_plans
 from .bank import TTExpertBank
+from .shared import SharedTTExpertBank
 
 
 def randomize_banks(model: nn.Module, config, filter_fn: Callable[[nn.Module, str], bool] | None,
@@ -19,7 +20,7 @@ def randomize_banks(model: nn.Module, config, filter_fn: Callable[[nn.Module, st
     reason)`` per bank."""
     out = []
     for fqn, bank in model.named_modules():
-        if not isinstance(bank, TTExpertBank):
+        if not isinstance(bank, (TTExpertBank, SharedTTExpertBank)):
             continue
         shape = bank.weight_shape
         reason = None
@@ -32,15 +33,16 @@ def randomize_banks(model: nn.Module, config, filter_fn: Callable[[nn.Module, st
         out.append(decision(fqn, "tt_experts", shape, reason is None, reason))
         if reason is None:
             bank.rmm = config
-            for tt in bank:
-                if not tt.is_zero:
+            chains = [bank.expert_chain(0)] if isinstance(bank, SharedTTExpertBank) else list(bank)
+            for tt in chains:  # a shared bank's experts share one layout
+                if not tt.stored_empty:
                     prepare_rmm_plans(tt)  # a compiled model reads plans, it does not make them
     return out
 
 
 def restore_banks(model: nn.Module) -> int:
     """Exact backward for every randomized expert bank again; returns how many were restored."""
-    banks = [m for m in model.modules() if isinstance(m, TTExpertBank) and m.rmm is not None]
+    banks = [m for m in model.modules() if isinstance(m, (TTExpertBank, SharedTTExpertBank)) and m.rmm is not None]
     for bank in banks:
         bank.rmm = None
     return len(banks)
