@@ -181,3 +181,12 @@ def test_an_in_place_write_to_a_rebuilt_expert_weight_raises():
         torch.nn.init.normal_(experts.gate_up_proj)
     with pytest.raises(AttributeError, match="gate_up_proj_tt"):
         experts.gate_up_proj = torch.nn.Parameter(torch.zeros(4, 32, 96))
+
+
+def test_randomize_backward_names_the_weight_space_banks_it_cannot_randomize():
+    model = gpt_oss().train()
+    comera_fx.tensorize_(model, FULL.replace(max_rank=6))
+    summary = comera_fx.randomize_backward_(model, rho=0.5, min_numel=0)
+    banks = [d for d in summary.layers if d.kind == "tt_experts"]
+    assert banks and all(not d.randomized and "weight-space" in d.reason for d in banks)
+    assert all(getattr(m, "rmm", None) is None for m in model.modules() if isinstance(m, TTExpertBank))
