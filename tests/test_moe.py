@@ -234,12 +234,34 @@ def test_the_module_list_layout_converts_each_expert_and_names_it():
     torch.testing.assert_close(model(x), dense(x), rtol=1e-10, atol=1e-12)
 
 
-def test_the_shared_form_asked_for_an_expert_list_says_why_it_stays_per_expert():
-    model = wrapped(ListMoE())
-    summary = comera_fx.tensorize_(model, FULL.replace(skip=(r"router",), expert_form="shared"),
-                                   example_inputs=(torch.randn(20, HIDDEN),))
-    notes = " ".join(summary.converted[0].notes)
-    assert len(summary.converted) == 2 * EXPERTS and "expert_form='shared' is not built for an nn.ModuleList" in notes
+def test_the_shared_form_of_an_expert_list_is_exact_trains_and_saves(tmp_path):
+    from comera_fx.moe.expert_list import SharedExpertLinear
+    from comera_fx.moe.shared import SharedTTExpertBank
+
+    model = wrapped(ListMoE()).double()
+    dense = copy.deepcopy(model)
+    x = torch.randn(20, HIDDEN, dtype=torch.float64)
+    summary = comera_fx.tensorize_(model, FULL.replace(skip=(r"router",), expert_form="shared"), example_inputs=(x,))
+    assert [d.fqn for d in summary.converted] == ["1.experts.*.w_in.weight", "1.experts.*.w_out.weight"]
+    assert all(isinstance(m, SharedExpertLinear) for e in model[1].experts for m in (e.w_in, e.w_out))
+    assert isinstance(model[1].experts_w_in_shared, SharedTTExpertBank)
+    assert not [n for n in dict(model.named_parameters()) if n.endswith(".weight") and "experts" in n]
+    torch.testing.assert_close(model(x), dense(x), rtol=1e-10, atol=1e-12)  # full rank: exact
+
+    low = wrapped(ListMoE())
+    comera_fx.tensorize_(low, FULL.replace(max_rank=4, skip=(r"router",), expert_form="shared"),
+                         example_inputs=(x.float(),))
+    chain = low[1].experts_w_in_shared.tt
+    low(x.float()).square().sum().backward()
+    assert chain.cores[0].grad is not None and max(chain.ranks) <= 4
+    expected = low(x.float())
+    clone = copy.deepcopy(low)  # one chain in the copy too, shared by its experts' linears
+    assert clone[1].experts[0].w_in.bank is clone[1].experts_w_in_shared is not low[1].experts_w_in_shared
+    path = tmp_path / "list.safetensors"
+    comera_fx.save_tensorized(low, path)
+    loaded = comera_fx.load_tensorized(path, lambda: wrapped(ListMoE()))
+    assert loaded[1].experts[2].w_out.bank is loaded[1].experts_w_out_shared
+    torch.testing.assert_close(loaded(x.float()), expected, rtol=0, atol=0)
 
 
 def test_the_bmm_layout_reproduces_the_dense_layer_in_float64():

@@ -28,6 +28,7 @@ from ..moe.weight import ExpertWeight, attach_expert_weight
 from ..moe.weight_space import attach_bank_properties
 from .find import Candidate, Use, UseKind, parameter_table
 from .find_experts import HF_EXPERTS, MODULE_LIST, PARAMETER_3D, ExpertCandidate, ExpertScan
+from .expert_lists import SharedLists
 from .holders import Journal, hook_problem, move_hooks
 
 FilterFn = Callable[[nn.Module, str], bool]
@@ -260,6 +261,9 @@ class ExpertStep:
         self.scanned: set[str] = set()
         self.scan = find_experts(model, example_inputs)
         self.decisions, self.plans = plan_experts(model, self.scan, config, filter_fn, make_decision)
+        # expert lists in the shared form: their linears leave the graph finder's candidates (``add_missed``)
+        self.lists = SharedLists(model, self.scan, config, filter_fn, make_decision) \
+            if config.expert_form == "shared" else None
 
     def layer_inputs(self, first_index: int) -> list:
         """Under a size target, one ``LayerInput`` per expert matrix (named by ``expert_name``), so that the
@@ -302,8 +306,9 @@ class ExpertStep:
 
     def tt_params(self) -> int:
         """TT parameters of the banks built."""
-        return sum(tt.layout.num_params for plan in self.plans for bank in plan.banks or ()
-                   for tt in bank_matrices(bank))
+        lists = self.lists.tt_params() if self.lists is not None else 0
+        return lists + sum(tt.layout.num_params for plan in self.plans for bank in plan.banks or ()
+                           for tt in bank_matrices(bank))
 
     def add_missed(self, result) -> None:
         """Add to the graph finder's ``result`` the linears of expert lists it did not record. Dynamo records an
@@ -316,31 +321,37 @@ class ExpertStep:
                 result.candidates.append(Candidate(cand.fqn, table[cand.fqn][1], cand.shape, cand.dtype,
                                                    [Use(UseKind.LINEAR, cand.holder, "Linear")]))
                 self.scanned.add(cand.fqn)
+        if self.lists is not None:
+            self.lists.take(result)
 
     def annotate(self, decisions: list) -> None:
         notes = expert_notes(self.scan)
         for d in decisions:
             if d.fqn in notes:
                 d.notes.append(notes[d.fqn])
-                if self.config.expert_form == "shared":
-                    d.notes.append("expert_form='shared' is not built for an nn.ModuleList of experts: each expert's "
-                                   "linear is its own module, so it became its own TT matrix (per expert)")
             if d.fqn in self.scanned:
                 d.notes.append("found by the expert-list scan: the captured graphs did not record its op")
+        if self.lists is not None:
+            self.lists.annotate(decisions)
 
     def build(self, first_index: int, build_tt: Callable) -> None:
         build_banks(self.model, self.plans, self.config, first_index, build_tt)
+        if self.lists is not None:
+            self.lists.build()
 
     def install(self, journal: Journal) -> None:
         install_banks(self.model, self.plans, journal)
+        if self.lists is not None:
+            self.lists.install(journal)
 
     def undo(self) -> None:
         undo_views(self.plans, self.model)
 
     def finish(self) -> list:
         record_decisions(self.plans)
+        made = self.decisions + (self.lists.finish() if self.lists is not None else [])
         if self.calibration is not None and not self.planned:
-            for d in self.decisions:
+            for d in made:
                 if d.converted:
                     d.notes.append("calibration not used: expert_form='shared' is built by plain TT-SVD")
-        return self.decisions
+        return made
