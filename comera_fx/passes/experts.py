@@ -13,6 +13,7 @@ other; ``expert_notes`` only says which expert each one is.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -66,7 +67,8 @@ def plan_experts(model: nn.Module, scan: ExpertScan, config: TensorizeConfig, fi
         holder = model.get_submodule(holder_path)
         made = [make_decision(c) for c in cands]
         decisions.extend(made)
-        reasons = [_skip_reason(model, holder, holder_path, c, config, filter_fn) for c in cands]
+        problem = functools.cache(lambda holder=holder: hf_experts_problem(holder))  # the probe runs once
+        reasons = [_skip_reason(holder, holder_path, c, config, filter_fn, problem) for c in cands]
         if cands[0].layout == HF_EXPERTS and any(reasons):
             first = next(r for r in reasons if r)
             reasons = [r or f"its partner projection stays dense ({first}); an experts module is converted whole"
@@ -75,7 +77,7 @@ def plan_experts(model: nn.Module, scan: ExpertScan, config: TensorizeConfig, fi
             d.reason = r
         if cands[0].layout == HF_EXPERTS:
             if not any(reasons):
-                plans.append(ExpertPlan(holder_path, HF_EXPERTS, cands, made, hf_experts_problem(holder)))
+                plans.append(ExpertPlan(holder_path, HF_EXPERTS, cands, made, problem()))
         else:
             plans.extend(ExpertPlan(holder_path, PARAMETER_3D, [c], [d], _weight_space_reason(c))
                          for c, d in zip(cands, made) if not d.reason)
@@ -92,8 +94,8 @@ def _weight_space_reason(cand: ExpertCandidate) -> str | None:
     return None
 
 
-def _skip_reason(model: nn.Module, holder: nn.Module, path: str, cand: ExpertCandidate, config: TensorizeConfig,
-                 filter_fn: FilterFn | None) -> str | None:
+def _skip_reason(holder: nn.Module, path: str, cand: ExpertCandidate, config: TensorizeConfig,
+                 filter_fn: FilterFn | None, problem: Callable[[], str | None]) -> str | None:
     if not cand.dtype.is_floating_point:
         return f"weight dtype {cand.dtype} is not floating point; only float weights can be tensorized"
     if not config.is_large(cand.slice_shape):
@@ -103,7 +105,7 @@ def _skip_reason(model: nn.Module, holder: nn.Module, path: str, cand: ExpertCan
         return "excluded by TensorizeConfig.skip / overrides"
     if filter_fn is not None and not filter_fn(holder, path):
         return f"filter_fn rejected {path or '<root>'}"
-    if cand.layout == HF_EXPERTS and hf_experts_problem(holder) is None:
+    if cand.layout == HF_EXPERTS and problem() is None:
         return hook_problem(holder)  # swapped for TTExperts; the weight-space form keeps the module
     if not path:
         return "tensorize_ cannot replace a parameter of the root module itself; wrap it in a parent module"
