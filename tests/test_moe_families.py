@@ -190,3 +190,16 @@ def test_randomize_backward_names_the_weight_space_banks_it_cannot_randomize():
     banks = [d for d in summary.layers if d.kind == "tt_experts"]
     assert banks and all(not d.randomized and "weight-space" in d.reason for d in banks)
     assert all(getattr(m, "rmm", None) is None for m in model.modules() if isinstance(m, TTExpertBank))
+
+
+def test_report_and_the_size_accounting_count_the_weight_space_banks():
+    from comera_fx.tt.inventory import matrix_sizes
+
+    model = gpt_oss()
+    dense = sum(p.numel() for p in model.parameters() if p.dim() == 3)
+    comera_fx.tensorize_(model, FULL.replace(max_rank=6), filter_fn=holds_experts)
+    banks = [m for m in model.modules() if isinstance(m, TTExpertBank)]
+    stored = sum(p.numel() for b in banks for p in b.parameters())
+    rows = comera_fx.report(model).layers
+    assert len(rows) == sum(len(b) for b in banks) and all("_tt." in r.fqn for r in rows)
+    assert matrix_sizes(model) == (stored, dense) and comera_fx.report(model).tt_params == stored < dense
