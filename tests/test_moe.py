@@ -627,3 +627,41 @@ def test_randomize_backward_reaches_the_shared_form():
     assert torch.isfinite(core).all() and not torch.allclose(core, exact_core)  # a sketched shared-core gradient
     assert comera_fx.restore_backward_(model) >= 2
     torch.testing.assert_close(grads()[2], exact_core, rtol=1e-10, atol=1e-12)
+
+
+def test_an_experts_class_whose_loop_differs_is_not_swapped_but_read_in_weight_space():
+    from transformers.integrations.moe import use_experts_implementation
+
+    @use_experts_implementation
+    class ScaledExperts(nn.Module):
+        """transformers' flags and layout, but its own loop scales every expert's output: TTExperts would not."""
+
+        def __init__(self, config):
+            super().__init__()
+            self.num_experts = EXPERTS
+            self.gate_up_proj = nn.Parameter(torch.randn(EXPERTS, 2 * FFN, HIDDEN) / HIDDEN**0.5)
+            self.down_proj = nn.Parameter(torch.randn(EXPERTS, HIDDEN, FFN) / FFN**0.5)
+            self.act_fn = nn.SiLU()
+
+        def forward(self, hidden, index, weights):
+            out = torch.zeros_like(hidden)
+            for e in range(self.num_experts):
+                token, slot = torch.where(index == e)
+                gate, up = F.linear(hidden[token], self.gate_up_proj[e]).chunk(2, dim=-1)
+                y = F.linear(self.act_fn(gate) * up, self.down_proj[e]) * (1.5 + e)
+                out = out.index_add(0, token, y * weights[token, slot, None])
+            return out
+
+    config = transformers.PretrainedConfig()
+    config._experts_implementation = "eager"
+    model = wrapped(ScaledExperts(config)).double()
+    dense = copy.deepcopy(model)
+    summary = comera_fx.tensorize_(model, FULL)
+    notes = [" ".join(d.notes) for d in summary.converted]
+    assert len(notes) == 2 and all("weight-space" in n and "probe" in n for n in notes)
+    assert not isinstance(model[1], TTExperts)
+    hidden = torch.randn(12, HIDDEN, dtype=torch.float64)
+    index = torch.stack([torch.randperm(EXPERTS)[:2] for _ in range(12)])
+    weights = torch.rand(12, 2, dtype=torch.float64)
+    torch.testing.assert_close(model[1](hidden, index, weights), dense[1](hidden, index, weights),
+                               rtol=1e-10, atol=1e-12)
