@@ -22,7 +22,7 @@ import torch
 
 def main() -> None:
     import comera_fx
-    from comera_fx.passes.expert_stats import calibrate_experts
+    from comera_fx.pretrained.expert_stats import calibrate_experts
     from comera_fx.testing.moe_families import build, families
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -1,4 +1,4 @@
-"""Expert calibration (``passes.expert_stats.calibrate_experts``): each expert's input statistics come from the
+"""Expert calibration (``pretrained.expert_stats.calibrate_experts``): each expert's input statistics come from the
 tokens routed to it, and the activation-aware TT-SVD they drive lowers the experts' output error on those tokens
 at the parameters of plain TT-SVD. Reference: the dense experts modules on the calibration set's own inputs.
 """
@@ -12,7 +12,7 @@ import torch
 
 import comera_fx
 from comera_fx import TensorizeConfig
-from comera_fx.passes.expert_stats import calibrate_experts
+from comera_fx.pretrained.expert_stats import calibrate_experts
 
 transformers = pytest.importorskip("transformers")
 from comera_fx.testing.moe_families import build, families  # noqa: E402

@@ -20,9 +20,11 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from .find import split_example_inputs
-from .find_experts import _BMM, _LINEAR, _MATMUL, find_experts
 from ..moe.weight import single_index
+from ..passes.find import split_example_inputs
+from ..passes.find_experts import _BMM, _LINEAR, _MATMUL, find_experts
+from .calibrate import Calibration, InputStats
+from .calling import eval_modes, preserved_rng
 
 
 class _InputRecorder(TorchFunctionMode):
@@ -80,9 +82,6 @@ def calibrate_experts(model: nn.Module, batches, calibration=None, *, max_batche
     the inputs routed to it over ``batches`` (an iterable of model inputs: tensors, tuples or kwargs dicts),
     merged with ``calibration`` (e.g. ``comera_fx.calibrate``'s, for the other layers). An expert no token
     reached gets no entry: ``tensorize_`` then notes plain TT-SVD for it."""
-    from ..pretrained.calibrate import Calibration, InputStats
-    from ..pretrained.calling import eval_modes, preserved_rng
-
     batches = list(batches)[:max_batches] if max_batches is not None else list(batches)
     if not batches:
         raise ValueError("calibrate_experts got no batches; pass an iterable of model inputs")
