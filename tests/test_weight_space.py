@@ -96,3 +96,17 @@ def test_save_tensorized_round_trips_it(tmp_path):
 def test_the_switch_is_validated():
     with pytest.raises(ValueError, match="weight_space"):
         TensorizeConfig(weight_space="yes")
+
+
+def test_the_graph_pass_feeds_the_rebuilt_weight_to_ops_without_a_tt_rule():
+    torch.manual_seed(0)
+    model = Unsupported().double()
+    x = torch.randn(128, 128, dtype=torch.float64)
+    expected = model(x)
+    gm = comera_fx.passes.tensorize(torch.fx.symbolic_trace(model), FULL)
+    decisions = {d.fqn: d for d in gm.meta["comera_fx"].layers}
+    assert all(decisions[f].converted for f in ("scale", "left", "fc.weight"))
+    assert not [n for n, p in gm.named_parameters() if p.dim() == 2 and ".cores." not in n]
+    torch.testing.assert_close(gm(x), expected, rtol=1e-10, atol=1e-10)
+    plain = comera_fx.passes.tensorize(torch.fx.symbolic_trace(Unsupported()), TensorizeConfig(min_numel=4096))
+    assert "cannot contract" in {d.fqn: d for d in plain.meta["comera_fx"].layers}["scale"].reason

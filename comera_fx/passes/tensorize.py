@@ -511,6 +511,9 @@ def tensorize(gm: fx.GraphModule, config: TensorizeConfig | None = None) -> fx.G
             gates = [graph.get_attr(f"{module_name}.gates.{k}") for k in range(layout.n_cores - 1)]
             gated = emit_traced(graph, lambda c, g: ops.gate_cores(c, g, layout), cores, gates)
         for use, node in zip(cand.uses, use_nodes):
+            if use.kind is UseKind.OTHER:  # TensorizeConfig.weight_space: the op reads the rebuilt weight
+                _feed_rebuilt(graph, node, cand, gated, layout)
+                continue
             with graph.inserting_before(node):
                 new = _emit_use(gm, graph, node, use.kind, gated, layout, module_name, cand)
             node.replace_all_uses_with(new)
@@ -524,6 +527,16 @@ def tensorize(gm: fx.GraphModule, config: TensorizeConfig | None = None) -> fx.G
     gm.recompile()
     gm.meta["comera_fx"] = TensorizeSummary(decisions, result.method)
     return gm
+
+
+def _feed_rebuilt(graph, node, cand, cores, layout) -> None:
+    """Give an op with no TT rule the weight rebuilt from the gated ``cores`` (P = M, or Mᵀ) in place of P."""
+    with graph.inserting_before(node):
+        dense = emit_traced(graph, lambda c: ops.to_dense(c, layout), cores)
+        dense = graph.call_method("t", (dense,)) if stores_transpose(cand) else dense
+    for arg in list(node.all_input_nodes):
+        if arg.op == "get_attr" and arg.target in cand.aliases:
+            node.replace_input_with(arg, dense)
 
 
 def _emit_use(gm, graph, node, kind, cores, layout, module_name, cand):
