@@ -194,6 +194,10 @@ class TensorizeConfig(LayerSettings):
         expert_form: how a transformers experts module's 3D weights become TT (docs/moe.md): ``"per_expert"``
             (default: each expert its own TT matrix) or ``"shared"`` (one TT chain over the experts side by side,
             one small core per expert; TT-SVD only, without a size target).
+        weight_space: also convert a large weight that some op reads in a way with no TT rule (``P * x``,
+            ``P @ x``, ``weight.norm()``): it is held in TT form and rebuilt from the cores for those reads (exact
+            at full rank, a dense rebuild per read). Off by default: such a layer stays dense, with the op named.
+            Expert weights get this form whenever their module's forward is not re-implemented (docs/moe.md).
     """
 
     min_numel: int = 2**16
@@ -204,10 +208,13 @@ class TensorizeConfig(LayerSettings):
     size_target: int | float | None = None
     allocation: Allocation = Allocation.UNIFORM
     expert_form: str = "per_expert"
+    weight_space: bool = False
 
     def __post_init__(self) -> None:
         owner = type(self).__name__
         super().__post_init__()
+        if not isinstance(self.weight_space, bool):
+            raise ValueError(f"{owner}.weight_space must be True or False; got {self.weight_space!r}")
         if self.expert_form not in EXPERT_FORMS:
             raise ValueError(f"{owner}.expert_form must be one of {EXPERT_FORMS}; got {self.expert_form!r}")
         if self.expert_form == "shared" and (self.init is not Init.SVD or self.size_target is not None):

@@ -112,7 +112,8 @@ def _ranks_text(row: LayerRow) -> str:
 def _randomized_bank(module: nn.Module) -> bool:
     """An expert bank (``comera_fx.moe.TTExpertBank``: a ModuleList of TT matrices) with a randomized backward;
     recognised by shape, as ``moe`` sits beside this module, not below it."""
-    return isinstance(module, nn.ModuleList) and getattr(module, "rmm", None) is not None
+    shared = isinstance(getattr(module, "tt", None), TTMatrix)  # a shared bank: one chain over the experts
+    return (isinstance(module, nn.ModuleList) or shared) and getattr(module, "rmm", None) is not None
 
 
 def _randomized(model: nn.Module) -> tuple[RandomizedRow, ...]:
@@ -132,7 +133,7 @@ def _backward_of(model: nn.Module, tt: TTMatrix) -> str:
     for module in model.modules():
         if isinstance(module, RandomizedBackward) and getattr(module, "tt", None) is tt:
             return f"rmm {module.rmm.describe()}"
-        if _randomized_bank(module) and any(expert is tt for expert in module):
+        if _randomized_bank(module) and any(m is tt for m in ([module.tt] if hasattr(module, "tt") else module)):
             return f"rmm {module.rmm.describe()}"
     return "exact"
 

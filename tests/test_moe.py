@@ -148,7 +148,7 @@ def test_the_bmm_parameters_are_found_only_by_running_the_model():
     assert all(c.uses == ["bmm(x, P)"] and c.experts_seen == (0, 1, 2, 3) for c in scan.candidates)
 
 
-def test_a_3d_parameter_read_by_an_unsupported_op_stays_dense():
+def test_a_3d_parameter_read_by_an_unsupported_op_gets_the_weight_space_form():
     class Einsum(nn.Module):
         def __init__(self):
             super().__init__()
@@ -157,11 +157,14 @@ def test_a_3d_parameter_read_by_an_unsupported_op_stays_dense():
         def forward(self, x):
             return torch.bmm(x, self.w) + torch.einsum("etd,edf->etf", x, self.w)
 
-    model = wrapped(Einsum())
-    summary = comera_fx.tensorize_(model, FULL, example_inputs=(torch.randn(EXPERTS, 3, HIDDEN),))
+    model = wrapped(Einsum()).double()
+    dense = copy.deepcopy(model)
+    x = torch.randn(EXPERTS, 3, HIDDEN, dtype=torch.float64)
+    summary = comera_fx.tensorize_(model, FULL, example_inputs=(x,))
     (decision,) = [d for d in summary.layers if d.kind == "experts"]
-    assert not decision.converted and "einsum" in decision.reason
-    assert isinstance(model[1].w, nn.Parameter)
+    assert decision.converted and any("weight-space" in n and "einsum" in n for n in decision.notes)
+    assert "w" not in dict(model[1].named_parameters()) and isinstance(model[1].w_tt, TTExpertBank)
+    torch.testing.assert_close(model(x), dense(x), rtol=1e-10, atol=1e-10)  # the module's own forward, exact
     # a 3D weight no op reads as experts is no candidate at all
     conv = nn.Sequential(nn.Identity(), nn.Conv1d(4, 4, 3))
     summary = comera_fx.tensorize_(conv, FULL, example_inputs=(torch.randn(2, 4, 8),))
@@ -229,6 +232,36 @@ def test_the_module_list_layout_converts_each_expert_and_names_it():
     assert "expert 2 of 4 in the nn.ModuleList '1.experts'" in " ".join(converted["1.experts.2.w_in.weight"].notes)
     assert all(isinstance(m, comera_fx.TTLinear) for e in model[1].experts for m in (e.w_in, e.w_out))
     torch.testing.assert_close(model(x), dense(x), rtol=1e-10, atol=1e-12)
+
+
+def test_the_shared_form_of_an_expert_list_is_exact_trains_and_saves(tmp_path):
+    from comera_fx.moe.expert_list import SharedExpertLinear
+    from comera_fx.moe.shared import SharedTTExpertBank
+
+    model = wrapped(ListMoE()).double()
+    dense = copy.deepcopy(model)
+    x = torch.randn(20, HIDDEN, dtype=torch.float64)
+    summary = comera_fx.tensorize_(model, FULL.replace(skip=(r"router",), expert_form="shared"), example_inputs=(x,))
+    assert [d.fqn for d in summary.converted] == ["1.experts.*.w_in.weight", "1.experts.*.w_out.weight"]
+    assert all(isinstance(m, SharedExpertLinear) for e in model[1].experts for m in (e.w_in, e.w_out))
+    assert isinstance(model[1].experts_w_in_shared, SharedTTExpertBank)
+    assert not [n for n in dict(model.named_parameters()) if n.endswith(".weight") and "experts" in n]
+    torch.testing.assert_close(model(x), dense(x), rtol=1e-10, atol=1e-12)  # full rank: exact
+
+    low = wrapped(ListMoE())
+    comera_fx.tensorize_(low, FULL.replace(max_rank=4, skip=(r"router",), expert_form="shared"),
+                         example_inputs=(x.float(),))
+    chain = low[1].experts_w_in_shared.tt
+    low(x.float()).square().sum().backward()
+    assert chain.cores[0].grad is not None and max(chain.ranks) <= 4
+    expected = low(x.float())
+    clone = copy.deepcopy(low)  # one chain in the copy too, shared by its experts' linears
+    assert clone[1].experts[0].w_in.bank is clone[1].experts_w_in_shared is not low[1].experts_w_in_shared
+    path = tmp_path / "list.safetensors"
+    comera_fx.save_tensorized(low, path)
+    loaded = comera_fx.load_tensorized(path, lambda: wrapped(ListMoE()))
+    assert loaded[1].experts[2].w_out.bank is loaded[1].experts_w_out_shared
+    torch.testing.assert_close(loaded(x.float()), expected, rtol=0, atol=0)
 
 
 def test_the_bmm_layout_reproduces_the_dense_layer_in_float64():
@@ -536,3 +569,99 @@ def test_tensorize_builds_the_shared_form_when_asked_and_leaves_bmm_experts_per_
                for n in d.notes)
     with pytest.raises(ValueError, match="expert_form"):
         TensorizeConfig(expert_form="shared", init="random")
+
+
+class GroupedExperts(nn.Module):
+    """Tokens already grouped per expert (E × n × d), read through bmm and one expert's slice: traceable."""
+
+    def __init__(self):
+        super().__init__()
+        self.w_in = nn.Parameter(torch.randn(EXPERTS, HIDDEN, FFN) / HIDDEN**0.5)
+        self.w_out = nn.Parameter(torch.randn(EXPERTS, FFN, HIDDEN) / FFN**0.5)
+
+    def forward(self, x):
+        return torch.bmm(F.gelu(torch.bmm(x, self.w_in)), self.w_out) + x[0] @ self.w_in[0] @ self.w_out[0]
+
+
+def test_the_graph_pass_converts_expert_weights_in_a_traced_module():
+    layer = GroupedExperts().double()
+    x = torch.randn(EXPERTS, 5, HIDDEN, dtype=torch.float64)
+    expected = layer(x)
+    gm = torch.fx.symbolic_trace(layer)
+    gm = comera_fx.passes.tensorize(gm, FULL)
+    decisions = {d.fqn: d for d in gm.meta["comera_fx"].layers if d.kind == "experts"}
+    assert set(decisions) == {"w_in", "w_out"} and all(d.converted for d in decisions.values())
+    assert not [n for n, p in gm.named_parameters() if p.dim() == 3 and ".cores." not in n]
+    torch.testing.assert_close(gm(x), expected, rtol=1e-10, atol=1e-12)  # full rank: exact
+    low = comera_fx.passes.tensorize(torch.fx.symbolic_trace(GroupedExperts()), FULL.replace(max_rank=4))
+    banks = [m for m in low.modules() if isinstance(m, TTExpertBank)]
+    assert len(banks) == 2 and all(max(tt.ranks) <= 4 for b in banks for tt in b)
+    low(torch.randn(EXPERTS, 5, HIDDEN)).sum().backward()
+    assert all(tt.cores[0].grad is not None for b in banks for tt in b)
+
+
+def test_randomize_backward_reaches_the_shared_form():
+    model = mixtral().double()
+    comera_fx.tensorize_(model, TensorizeConfig(max_rank=8, min_numel=0, min_dim=1, expert_form="shared",
+                                                **EXPERTS_ONLY))
+    experts = experts_of(model).train()
+    hidden = torch.randn(24, HIDDEN, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    _, weights, index = model.model.layers[0].mlp.gate(hidden)
+    weights = weights.detach()
+
+    def grads():
+        x = hidden.clone().requires_grad_(True)
+        out = experts(x, index, weights)
+        out.square().sum().backward()
+        core = experts.gate_up_proj.tt.cores[0].grad.clone()
+        experts.zero_grad(set_to_none=True)
+        return out.detach(), x.grad, core
+
+    exact_out, exact_dx, exact_core = grads()
+    summary = comera_fx.randomize_backward_(model, rho=0.5, min_numel=0)
+    assert [d.randomized for d in summary.layers if d.kind == "tt_experts"] == [True, True]
+    assert {r.fqn for r in comera_fx.report(model).randomized} >= {"model.layers.0.mlp.experts.gate_up_proj"}
+    out, dx, core = grads()
+    torch.testing.assert_close(out, exact_out, rtol=1e-12, atol=1e-12)  # forward exact
+    torch.testing.assert_close(dx, exact_dx, rtol=1e-10, atol=1e-12)  # dX exact
+    assert torch.isfinite(core).all() and not torch.allclose(core, exact_core)  # a sketched shared-core gradient
+    assert comera_fx.restore_backward_(model) >= 2
+    torch.testing.assert_close(grads()[2], exact_core, rtol=1e-10, atol=1e-12)
+
+
+def test_an_experts_class_whose_loop_differs_is_not_swapped_but_read_in_weight_space():
+    from transformers.integrations.moe import use_experts_implementation
+
+    @use_experts_implementation
+    class ScaledExperts(nn.Module):
+        """transformers' flags and layout, but its own loop scales every expert's output: TTExperts would not."""
+
+        def __init__(self, config):
+            super().__init__()
+            self.num_experts = EXPERTS
+            self.gate_up_proj = nn.Parameter(torch.randn(EXPERTS, 2 * FFN, HIDDEN) / HIDDEN**0.5)
+            self.down_proj = nn.Parameter(torch.randn(EXPERTS, HIDDEN, FFN) / FFN**0.5)
+            self.act_fn = nn.SiLU()
+
+        def forward(self, hidden, index, weights):
+            out = torch.zeros_like(hidden)
+            for e in range(self.num_experts):
+                token, slot = torch.where(index == e)
+                gate, up = F.linear(hidden[token], self.gate_up_proj[e]).chunk(2, dim=-1)
+                y = F.linear(self.act_fn(gate) * up, self.down_proj[e]) * (1.5 + e)
+                out = out.index_add(0, token, y * weights[token, slot, None])
+            return out
+
+    config = transformers.PretrainedConfig()
+    config._experts_implementation = "eager"
+    model = wrapped(ScaledExperts(config)).double()
+    dense = copy.deepcopy(model)
+    summary = comera_fx.tensorize_(model, FULL)
+    notes = [" ".join(d.notes) for d in summary.converted]
+    assert len(notes) == 2 and all("weight-space" in n and "probe" in n for n in notes)
+    assert not isinstance(model[1], TTExperts)
+    hidden = torch.randn(12, HIDDEN, dtype=torch.float64)
+    index = torch.stack([torch.randperm(EXPERTS)[:2] for _ in range(12)])
+    weights = torch.rand(12, 2, dtype=torch.float64)
+    torch.testing.assert_close(model[1](hidden, index, weights), dense[1](hidden, index, weights),
+                               rtol=1e-10, atol=1e-12)

@@ -86,6 +86,11 @@ class TTExpertBank(nn.ModuleList):
         """``F.linear(x, P[e], bias)`` = x P[e]ᵀ, through expert e's planned TT product."""
         return self._product(expert, x, transposed=self.slice_use == "matmul", bias=bias)
 
+    def project(self, expert: int, x: Tensor, bias: Tensor | None = None) -> Tensor:
+        """Expert e's projection of its tokens, x M_e (+ bias), whichever way the model stores P[e]: what an
+        experts module computes (``F.linear(x, P[e])``, or ``x @ P[e]`` when it stores P[e] transposed)."""
+        return self._product(expert, x, transposed=False, bias=bias)
+
     def mm(self, expert: int, x: Tensor) -> Tensor:
         """``x @ P[e]``."""
         return self._product(expert, x, transposed=self.slice_use == "linear")

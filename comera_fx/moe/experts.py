@@ -40,9 +40,42 @@ def hf_experts_problem(module: nn.Module) -> str | None:
         return "the experts apply a norm after each expert (has_post_expert_norm), which TTExperts does not run"
     if getattr(module, "_is_expert_parallel", False):
         return "expert-parallel experts (sentinel routing) are not supported"
+    if module.has_gate and not getattr(module, "is_concatenated", True):
+        return "the gate and up columns are interleaved (is_concatenated=False), which TTExperts does not split"
     if module.has_gate and getattr(type(module), "_apply_gate", _default_apply_gate) is not _default_apply_gate:
         return (f"{type(module).__name__} has its own gating function (_apply_gate), which TTExperts does not "
                 f"reproduce")
+    return probe_problem(module)
+
+
+def probe_problem(module: nn.Module) -> str | None:
+    """Whether the module computes what ``TTExperts`` computes, checked on its own dense weights: a few random
+    tokens and routings through its forward and through ``TTExperts``' algorithm on the dense slices. A class
+    that changes the loop (a scale, a clamp, another signature) is then not swapped; None when they agree."""
+    up_name, _ = hf_projection_names(module)
+    weight = getattr(module, up_name)
+    if weight.device.type == "meta" or not hasattr(module, "act_fn"):
+        return None if weight.device.type == "meta" else "the experts module has no act_fn for TTExperts to use"
+    experts, dim = module.num_experts, module.down_proj.shape[2 if module.is_transposed else 1]
+    generator = torch.Generator().manual_seed(0)
+    tokens = 2 * experts
+    hidden = torch.randn(tokens, dim, generator=generator).to(weight)
+    index = torch.stack([torch.randperm(experts, generator=generator)[:2] for _ in range(tokens)]).to(weight.device)
+    weights = torch.rand(tokens, 2, generator=generator).to(weight)
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        try:
+            # the class's own eager loop (what transformers' decorator wraps; grouped_mm has no float64 path),
+            # without hooks: the user's hooks see no probe
+            eager = getattr(type(module).forward, "__wrapped__", None)
+            got = eager(module, hidden, index, weights) if eager else module.forward(hidden, index, weights)
+        except Exception as exc:  # another signature: the module's forward must run itself
+            return f"its forward does not take (tokens, top-k index, top-k weights) ({type(exc).__name__}: {exc})"
+        expected = TTExperts.run_dense(module, hidden, index, weights)
+    if not isinstance(got, Tensor) or got.shape != expected.shape:
+        return "its forward returns something else than TTExperts' (tokens × hidden) output"
+    tol = 1e-4 if weight.dtype in (torch.float32, torch.float64) else 3e-2
+    if (got - expected).abs().max() > tol * max(float(expected.abs().max()), 1e-6):
+        return "its forward computes something else than transformers' standard experts loop (checked on a probe)"
     return None
 
 
@@ -88,34 +121,61 @@ class TTExperts(nn.Module):
         new.train(module.training)
         return new
 
+    @staticmethod
+    def run_dense(module: nn.Module, hidden: Tensor, index: Tensor, weights: Tensor) -> Tensor:
+        """This class's algorithm on a dense transformers experts module's weights (``probe_problem``)."""
+        up_name, _ = hf_projection_names(module)
+        matrices = {name: getattr(module, name) for name in (up_name, "down_proj")}
+        if module.is_transposed:
+            matrices = {name: p.transpose(1, 2) for name, p in matrices.items()}
+        bias = (lambda name: getattr(module, f"{name}_bias", None)) if module.has_bias else (lambda name: None)
+        up_bias, down_bias = bias(up_name), bias("down_proj")
+
+        def expert_forward(e: int, x: Tensor) -> Tensor:
+            h = F.linear(x, matrices[up_name][e], None if up_bias is None else up_bias[e])
+            h = _activate(h, module.act_fn, module.has_gate)
+            return F.linear(h, matrices["down_proj"][e], None if down_bias is None else down_bias[e])
+
+        return route(hidden, index, weights, module.num_experts, expert_forward)
+
     def expert_forward(self, expert: int, x: Tensor) -> Tensor:
         """One expert on its tokens ``x`` (n × D) -> (n × D), through its TT products."""
-        h = self.up.linear(expert, x, None if self.up_bias is None else self.up_bias[expert])
-        if self.has_gate:
-            gate, up = h.chunk(2, dim=-1)
-            h = self.act_fn(gate) * up
-        else:
-            h = self.act_fn(h)
-        return self.down_proj.linear(expert, h, None if self.down_bias is None else self.down_bias[expert])
+        h = self.up.project(expert, x, None if self.up_bias is None else self.up_bias[expert])
+        h = _activate(h, self.act_fn, self.has_gate)
+        return self.down_proj.project(expert, h, None if self.down_bias is None else self.down_bias[expert])
 
     def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
-        out = torch.zeros_like(hidden_states)
-        with torch.no_grad():
-            # (experts, k, tokens): which (slot, token) pairs chose each expert; one extra class absorbs indices
-            # past the last expert, as transformers' eager loop does.
-            mask = F.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
-            hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()[:, 0].tolist()  # the one host sync
-        for expert in hit:
-            if expert >= self.num_experts:
-                continue
-            slot, token = torch.where(mask[expert])
-            y = self.expert_forward(expert, hidden_states[token])
-            y = y * top_k_weights[token, slot, None]
-            out.index_add_(0, token, y.to(out.dtype))
-        return out
+        return route(hidden_states, top_k_index, top_k_weights, self.num_experts, self.expert_forward)
 
     def extra_repr(self) -> str:
         return f"num_experts={self.num_experts}, has_gate={self.has_gate}"
+
+
+def _activate(h: Tensor, act_fn, has_gate: bool) -> Tensor:
+    if has_gate:
+        gate, up = h.chunk(2, dim=-1)
+        return act_fn(gate) * up
+    return act_fn(h)
+
+
+def route(hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor, num_experts: int, expert_forward
+          ) -> Tensor:
+    """transformers' eager experts loop: every expert some token chose runs ``expert_forward(e, its tokens)``,
+    weighted and added back."""
+    out = torch.zeros_like(hidden_states)
+    with torch.no_grad():
+        # (experts, k, tokens): which (slot, token) pairs chose each expert; one extra class absorbs indices
+        # past the last expert, as transformers' eager loop does.
+        mask = F.one_hot(top_k_index, num_classes=num_experts + 1).permute(2, 1, 0)
+        hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()[:, 0].tolist()  # the one host sync
+    for expert in hit:
+        if expert >= num_experts:
+            continue
+        slot, token = torch.where(mask[expert])
+        y = expert_forward(expert, hidden_states[token])
+        y = y * top_k_weights[token, slot, None]
+        out.index_add_(0, token, y.to(out.dtype))
+    return out
 
 
 def _parameter(value: Tensor | None) -> nn.Parameter | None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from ..rmm.functions import rmm_tt_product
 from ..tt import plan as planner
 from ..tt.layers import CUSTOM_AUTOGRAD, TTMatrix, choose_layout_modes, choose_plan, planned_envelope
 from ..tt.layout import TTFormat, TTLayout
@@ -79,7 +80,24 @@ class SharedTTExpertBank(nn.Module):
         merged = torch.einsum("ab,bnc->anc", cores[k][:, expert, :], cores[k + 1])
         return cores[:k] + [merged] + cores[k + 2:]
 
+    @property
+    def weight_shape(self) -> tuple[int, int, int]:
+        """The shape of the 3D parameter this bank replaced."""
+        rows, cols = self.in_features, self.out_features
+        return (self.num_experts, cols, rows) if self.slice_use == "linear" else (self.num_experts, rows, cols)
+
+    def expert_chain(self, expert: int) -> "ExpertChain":
+        """Expert ``expert``'s chain as the TT matrix ``rmm_tt_product`` multiplies (the RMM backward)."""
+        return ExpertChain(self, expert)
+
     def _product(self, expert: int, x: Tensor, *, transposed: bool, bias: Tensor | None = None) -> Tensor:
+        if self.rmm is not None and self.training and x.shape[0] > 0 and torch.is_grad_enabled():
+            y = rmm_tt_product(x, self.expert_chain(expert), transposed=transposed, rho=self.rmm.ratio,
+                               sketch=self.rmm.sketch)
+            return y if bias is None else y + bias
+        return self._planned(expert, x, transposed=transposed, bias=bias)
+
+    def _planned(self, expert: int, x: Tensor, *, transposed: bool, bias: Tensor | None = None) -> Tensor:
         layout, op = self.expert_layout(), "matmul_t" if transposed else "matmul"
         envelope = planned_envelope(layout, op)
         batch = x.numel() // (layout.cols if transposed else layout.rows)
@@ -90,6 +108,11 @@ class SharedTTExpertBank(nn.Module):
     def linear(self, expert: int, x: Tensor, bias: Tensor | None = None) -> Tensor:
         """``F.linear(x, P[e], bias)``."""
         return self._product(expert, x, transposed=self.slice_use == "matmul", bias=bias)
+
+    def project(self, expert: int, x: Tensor, bias: Tensor | None = None) -> Tensor:
+        """Expert e's projection of its tokens, x M_e (+ bias), whichever way the model stores P[e]: what an
+        experts module computes (``F.linear(x, P[e])``, or ``x @ P[e]`` when it stores P[e] transposed)."""
+        return self._product(expert, x, transposed=False, bias=bias)
 
     def mm(self, expert: int, x: Tensor) -> Tensor:
         """``x @ P[e]``."""
@@ -104,3 +127,32 @@ class SharedTTExpertBank(nn.Module):
 
     def extra_repr(self) -> str:
         return f"experts={self.num_experts}, shared chain with expert mode, slice_use={self.slice_use!r}"
+
+
+class ExpertChain:
+    """One expert's chain of a shared bank, with what ``rmm_tt_product`` reads of a ``TTMatrix``: its layout,
+    gated cores (the expert core folded in, so gradients reach the shared cores), parameters and products."""
+
+    def __init__(self, bank: SharedTTExpertBank, expert: int):
+        self.bank, self.expert = bank, expert
+
+    @property
+    def layout(self) -> TTLayout:
+        return self.bank.expert_layout()
+
+    @property
+    def stored_empty(self) -> bool:
+        return self.bank.tt.stored_empty
+
+    def parameters(self):
+        return self.bank.tt.parameters()
+
+    def gated_cores(self) -> list[Tensor]:
+        return self.bank.expert_cores(self.expert)
+
+    def matmul(self, x: Tensor) -> Tensor:
+        return self.bank._planned(self.expert, x, transposed=False)
+
+    def matmul_t(self, x: Tensor) -> Tensor:
+        return self.bank._planned(self.expert, x, transposed=True)
+

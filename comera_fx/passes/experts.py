@@ -13,6 +13,7 @@ other; ``expert_notes`` only says which expert each one is.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -25,8 +26,10 @@ from ..moe.shared import SharedTTExpertBank
 from ..tt.layers import TTMatrix
 from ..moe.experts import TTExperts, hf_experts_problem
 from ..moe.weight import ExpertWeight, attach_expert_weight
+from ..moe.weight_space import attach_bank_properties
 from .find import Candidate, Use, UseKind, parameter_table
 from .find_experts import HF_EXPERTS, MODULE_LIST, PARAMETER_3D, ExpertCandidate, ExpertScan
+from .expert_lists import SharedLists
 from .holders import Journal, hook_problem, move_hooks
 
 FilterFn = Callable[[nn.Module, str], bool]
@@ -41,6 +44,7 @@ class ExpertPlan:
     layout: str
     candidates: list[ExpertCandidate]
     decisions: list  # LayerDecision, one per candidate
+    weight_space: str | None = None  # why the module's own forward reads rebuilt banks (None: the contracted path)
     banks: list[TTExpertBank] | None = None
     layer_plans: list[list] | None = None  # per candidate, one LayerPlan per expert (a size target decided them)
 
@@ -63,7 +67,8 @@ def plan_experts(model: nn.Module, scan: ExpertScan, config: TensorizeConfig, fi
         holder = model.get_submodule(holder_path)
         made = [make_decision(c) for c in cands]
         decisions.extend(made)
-        reasons = [_skip_reason(model, holder, holder_path, c, config, filter_fn) for c in cands]
+        problem = functools.cache(lambda holder=holder: hf_experts_problem(holder))  # the probe runs once
+        reasons = [_skip_reason(holder, holder_path, c, config, filter_fn, problem) for c in cands]
         if cands[0].layout == HF_EXPERTS and any(reasons):
             first = next(r for r in reasons if r)
             reasons = [r or f"its partner projection stays dense ({first}); an experts module is converted whole"
@@ -72,21 +77,27 @@ def plan_experts(model: nn.Module, scan: ExpertScan, config: TensorizeConfig, fi
             d.reason = r
         if cands[0].layout == HF_EXPERTS:
             if not any(reasons):
-                plans.append(ExpertPlan(holder_path, HF_EXPERTS, cands, made))
+                plans.append(ExpertPlan(holder_path, HF_EXPERTS, cands, made, problem()))
         else:
-            plans.extend(ExpertPlan(holder_path, PARAMETER_3D, [c], [d]) for c, d in zip(cands, made) if not d.reason)
+            plans.extend(ExpertPlan(holder_path, PARAMETER_3D, [c], [d], _weight_space_reason(c))
+                         for c, d in zip(cands, made) if not d.reason)
     return decisions, plans
 
 
-def _skip_reason(model: nn.Module, holder: nn.Module, path: str, cand: ExpertCandidate, config: TensorizeConfig,
-                 filter_fn: FilterFn | None) -> str | None:
+def _weight_space_reason(cand: ExpertCandidate) -> str | None:
+    """Why a raw 3D parameter's module must read its rebuilt bank (None: ``ExpertWeight`` serves every read)."""
+    if cand.unsupported:
+        return f"also read by {cand.unsupported}, which has no TT product"
+    if not cand.uses:
+        return ("its reads are unknown (found by the module scan; example_inputs would show whether they are "
+                "bmm / slice products)" if cand.experts_seen is None else "no op read it on the example inputs")
+    return None
+
+
+def _skip_reason(holder: nn.Module, path: str, cand: ExpertCandidate, config: TensorizeConfig,
+                 filter_fn: FilterFn | None, problem: Callable[[], str | None]) -> str | None:
     if not cand.dtype.is_floating_point:
         return f"weight dtype {cand.dtype} is not floating point; only float weights can be tensorized"
-    if cand.unsupported:
-        return (f"also read by {cand.unsupported}, which comera_fx cannot run on TT experts (bmm / matmul with "
-                f"the whole parameter, or F.linear / matmul on one expert's slice, are supported)")
-    if cand.layout == PARAMETER_3D and not cand.uses:
-        return "no op read it on the example inputs"
     if not config.is_large(cand.slice_shape):
         return (f"one expert's matrix {cand.slice_shape} is below the size threshold (needs >= {config.min_numel} "
                 f"elements and both dims >= {config.min_dim}; set TensorizeConfig.min_numel / min_dim)")
@@ -94,8 +105,8 @@ def _skip_reason(model: nn.Module, holder: nn.Module, path: str, cand: ExpertCan
         return "excluded by TensorizeConfig.skip / overrides"
     if filter_fn is not None and not filter_fn(holder, path):
         return f"filter_fn rejected {path or '<root>'}"
-    if cand.layout == HF_EXPERTS:
-        return hf_experts_problem(holder) or hook_problem(holder)
+    if cand.layout == HF_EXPERTS and problem() is None:
+        return hook_problem(holder)  # swapped for TTExperts; the weight-space form keeps the module
     if not path:
         return "tensorize_ cannot replace a parameter of the root module itself; wrap it in a parent module"
     return None
@@ -120,12 +131,12 @@ def build_banks(model: nn.Module, plans: list[ExpertPlan], config: TensorizeConf
             if plan.layer_plans is not None:
                 matrices = [build_tt(weight[e], layer_plan)[0] for e, layer_plan in enumerate(plan.layer_plans[i])]
                 plan.banks.append(TTExpertBank(matrices, cand.slice_use))
-            elif config.expert_form == "shared" and plan.layout == HF_EXPERTS:
+            elif config.expert_form == "shared" and (plan.layout == HF_EXPERTS or plan.weight_space):
                 plan.banks.append(_shared_bank(weight, cand, settings))
             else:
                 if config.expert_form == "shared":
-                    plan.decisions[i].notes.append("expert_form='shared' needs a transformers experts module: "
-                                                   "each expert its own TT matrix here")
+                    plan.decisions[i].notes.append("expert_form='shared' needs a transformers experts module or "
+                                                   "the weight-space form: each expert its own TT matrix here")
                 seed = None if config.seed is None else config.seed + first
                 plan.banks.append(_per_expert_bank(weight, cand, settings, seed))
 
@@ -168,7 +179,10 @@ def install_banks(model: nn.Module, plans: list[ExpertPlan], journal: Journal) -
     """Put the built banks in the model (see the module docstring); ``journal`` can undo it with ``undo_views``."""
     for plan in plans:
         holder = model.get_submodule(plan.holder)
-        if plan.layout == HF_EXPERTS:
+        if plan.weight_space:
+            journal.touch(holder)
+            attach_bank_properties(holder, {c.fqn.rpartition(".")[2]: b for c, b in zip(plan.candidates, plan.banks)})
+        elif plan.layout == HF_EXPERTS:
             new = TTExperts.from_hf(holder, *plan.banks)
             move_hooks(holder, new)
             parent_path, _, child = plan.holder.rpartition(".")
@@ -188,7 +202,7 @@ def install_banks(model: nn.Module, plans: list[ExpertPlan], journal: Journal) -
 def undo_views(plans: list[ExpertPlan], model: nn.Module) -> None:
     """After ``Journal.undo``: drop the ``ExpertWeight`` attributes, which the journal does not record."""
     for plan in plans:
-        if plan.layout == PARAMETER_3D:
+        if plan.layout == PARAMETER_3D and not plan.weight_space:
             holder = model.get_submodule(plan.holder)
             attr = plan.candidates[0].fqn.rpartition(".")[2]
             if isinstance(holder.__dict__.get(attr), ExpertWeight):
@@ -205,11 +219,32 @@ def record_decisions(plans: list[ExpertPlan]) -> None:
             decision.ranks = matrices[0].ranks
             decision.params = sum(tt.layout.num_params for tt in matrices)
             decision.notes.append(cand.describe())
+            decision.notes.append(f"weight-space: {plan.weight_space}; the module's own forward reads the experts "
+                                  "rebuilt from the TT cores" if plan.weight_space else _contracted_note(plan))
             if isinstance(bank, SharedTTExpertBank):
                 decision.notes.append("shared form: one TT chain over the experts, one core per expert "
                                       f"({bank.tt.layout.describe_modes()})")
             elif len({tt.ranks for tt in matrices}) > 1:
                 decision.notes.append(f"ranks differ between experts: {[tt.ranks for tt in matrices]}")
+
+
+def _orientation(cand: ExpertCandidate, calibration) -> str:
+    """How a weight-space expert's slices are read, from the width of its calibration inputs (x P[e]ᵀ: the last
+    dim of P[e]; x P[e]: the first); the candidate's own guess when that does not decide it."""
+    widths = {calibration[f"{cand.fqn}.{e}"].in_features for e in range(cand.num_experts)
+              if f"{cand.fqn}.{e}" in calibration}
+    a, b = cand.slice_shape
+    if widths == {b} and a != b:
+        return "linear"
+    if widths == {a} and a != b:
+        return "matmul"
+    return cand.slice_use
+
+
+def _contracted_note(plan: ExpertPlan) -> str:
+    if plan.layout == HF_EXPERTS:
+        return "contracted: TTExperts runs each routed expert's planned TT products (no dense expert is rebuilt)"
+    return "contracted: the module reads an ExpertWeight that runs bmm / slice products on the TT cores"
 
 
 class ExpertStep:
@@ -218,26 +253,34 @@ class ExpertStep:
     ``finish`` (the expert decisions for the summary)."""
 
     def __init__(self, model: nn.Module, config: TensorizeConfig, filter_fn: FilterFn | None, example_inputs,
-                 make_decision: Callable[[ExpertCandidate], object]):
+                 make_decision: Callable[[ExpertCandidate], object], calibration=None):
         from .find_experts import find_experts
 
         self.model, self.config = model, config
+        # expert statistics (``calibrate_experts``) make each expert's matrix a planned layer, as a size target does
+        self.planned = config.size_target is not None or (calibration is not None and config.expert_form != "shared")
+        self.calibration = calibration
         self.scanned: set[str] = set()
         self.scan = find_experts(model, example_inputs)
         self.decisions, self.plans = plan_experts(model, self.scan, config, filter_fn, make_decision)
+        # expert lists in the shared form: their linears leave the graph finder's candidates (``add_missed``)
+        self.lists = SharedLists(model, self.scan, config, filter_fn, make_decision) \
+            if config.expert_form == "shared" else None
 
     def layer_inputs(self, first_index: int) -> list:
         """Under a size target, one ``LayerInput`` per expert matrix (named by ``expert_name``), so that the
         allocation sizes the experts with the other layers; nothing otherwise."""
         from .layer_plan import LayerInput
 
-        if self.config.size_target is None:
+        if not self.planned:
             return []
         params = dict(self.model.named_parameters())
         inputs, index = [], first_index
         for plan in self.plans:
             for cand in plan.candidates:
                 weight = params[cand.fqn].detach()
+                if plan.weight_space and self.calibration is not None:
+                    cand.slice_use = _orientation(cand, self.calibration)
                 for e in range(cand.num_experts):
                     inputs.append(LayerInput(expert_name(cand.fqn, e), "linear", cand.slice_use == "linear",
                                              stored_matrix(weight[e], cand.slice_use), index + e, cand.fqn))
@@ -247,7 +290,7 @@ class ExpertStep:
     def take_plans(self, decided, reason_for: Callable[[str], str]) -> None:
         """Read the size target's per-expert plans from ``plan_layers``'s result; a holder with an expert that
         found no balanced modes stays dense (``reason_for`` words it)."""
-        if self.config.size_target is None:
+        if not self.planned:
             return
         kept = []
         for plan in self.plans:
@@ -265,8 +308,9 @@ class ExpertStep:
 
     def tt_params(self) -> int:
         """TT parameters of the banks built."""
-        return sum(tt.layout.num_params for plan in self.plans for bank in plan.banks or ()
-                   for tt in bank_matrices(bank))
+        lists = self.lists.tt_params() if self.lists is not None else 0
+        return lists + sum(tt.layout.num_params for plan in self.plans for bank in plan.banks or ()
+                           for tt in bank_matrices(bank))
 
     def add_missed(self, result) -> None:
         """Add to the graph finder's ``result`` the linears of expert lists it did not record. Dynamo records an
@@ -279,6 +323,8 @@ class ExpertStep:
                 result.candidates.append(Candidate(cand.fqn, table[cand.fqn][1], cand.shape, cand.dtype,
                                                    [Use(UseKind.LINEAR, cand.holder, "Linear")]))
                 self.scanned.add(cand.fqn)
+        if self.lists is not None:
+            self.lists.take(result)
 
     def annotate(self, decisions: list) -> None:
         notes = expert_notes(self.scan)
@@ -287,16 +333,27 @@ class ExpertStep:
                 d.notes.append(notes[d.fqn])
             if d.fqn in self.scanned:
                 d.notes.append("found by the expert-list scan: the captured graphs did not record its op")
+        if self.lists is not None:
+            self.lists.annotate(decisions)
 
     def build(self, first_index: int, build_tt: Callable) -> None:
         build_banks(self.model, self.plans, self.config, first_index, build_tt)
+        if self.lists is not None:
+            self.lists.build()
 
     def install(self, journal: Journal) -> None:
         install_banks(self.model, self.plans, journal)
+        if self.lists is not None:
+            self.lists.install(journal)
 
     def undo(self) -> None:
         undo_views(self.plans, self.model)
 
     def finish(self) -> list:
         record_decisions(self.plans)
-        return self.decisions
+        made = self.decisions + (self.lists.finish() if self.lists is not None else [])
+        if self.calibration is not None and not self.planned:
+            for d in made:
+                if d.converted:
+                    d.notes.append("calibration not used: expert_form='shared' is built by plain TT-SVD")
+        return made

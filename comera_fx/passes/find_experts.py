@@ -105,6 +105,9 @@ def find_experts(model: nn.Module, example_inputs=None) -> ExpertScan:
         elif isinstance(module, nn.ModuleList):
             for cand in _module_list_experts(module, path, fqn_of):
                 found[cand.fqn] = cand
+        else:
+            for cand in _counted_experts(module, path, fqn_of):
+                found[cand.fqn] = cand
     if example_inputs is not None:
         three_d = {id(p): fqn for fqn, (p, _) in params.items() if p.dim() == 3}
         if three_d:
@@ -113,6 +116,9 @@ def find_experts(model: nn.Module, example_inputs=None) -> ExpertScan:
                 cand = found.get(fqn)
                 if cand is None and not uses:
                     continue  # no op read it as experts (e.g. a Conv1d weight): not an expert weight
+                if cand is not None and cand.layout == PARAMETER_3D:  # found by the module scan: now seen run
+                    cand.slice_use = "linear" if any(u.startswith("linear") for u in uses) else "matmul"
+                    cand.unsupported = sorted(unsupported)
                 if cand is None:
                     holder = fqn.rpartition(".")[0]
                     use = "linear" if any(u.startswith("linear") for u in uses) else "matmul"
@@ -128,6 +134,23 @@ def find_experts(model: nn.Module, example_inputs=None) -> ExpertScan:
                     cand.experts_seen = cand.experts_seen or None
     order = {fqn: i for i, fqn in enumerate(params)}
     return ExpertScan(sorted(found.values(), key=lambda c: order.get(c.fqn, len(order))), example_inputs is not None)
+
+
+def _counted_experts(module: nn.Module, path: str, fqn_of: Mapping[int, str]) -> list[ExpertCandidate]:
+    """3D float parameters of a module that says how many experts it has (``num_experts`` /
+    ``num_local_experts``, e.g. Llama 4's ``Llama4TextExperts``, JetMoE's ``JetMoeParallelExperts``) whose first
+    dimension is that count: expert weights even without example inputs (their reads are then unknown, so
+    they get the weight-space form unless a run shows only reads ``ExpertWeight`` serves)."""
+    count = next((getattr(module, n) for n in ("num_experts", "num_local_experts")
+                  if isinstance(getattr(module, n, None), int)), None)
+    if count is None or count < 2:
+        return []
+    out = []
+    for name, p in module.named_parameters(recurse=False):
+        if p.dim() == 3 and p.shape[0] == count and p.dtype.is_floating_point:
+            out.append(ExpertCandidate(fqn_of[id(p)], path, PARAMETER_3D, tuple(p.shape), p.dtype, count,
+                                       slice_use="linear"))
+    return out
 
 
 def _module_list_experts(module: nn.ModuleList, path: str, fqn_of: Mapping[int, str]) -> list[ExpertCandidate]:

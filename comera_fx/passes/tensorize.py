@@ -23,6 +23,7 @@ from torch import Tensor, fx, nn
 
 from ..config import Init, TensorizeConfig, warn_renamed
 from .experts import ExpertStep
+from .graph_experts import tensorize_experts
 from ..tt import ops
 from ..tt import plan as planner
 from ..tt.inventory import is_hf_conv1d
@@ -109,9 +110,10 @@ def skip_reason(cand: Candidate, config: TensorizeConfig) -> str | None:
     """Why a candidate must stay dense (independent of the model's modules), or None."""
     if not cand.dtype.is_floating_point:
         return f"weight dtype {cand.dtype} is not floating point; only float weights can be tensorized"
-    if cand.unsupported_uses:
+    if cand.unsupported_uses and not config.weight_space:
         ops_used = sorted({u.target for u in cand.unsupported_uses})
-        return f"also used by {ops_used}, which comera_fx cannot contract in TT form"
+        return (f"also used by {ops_used}, which comera_fx cannot contract in TT form "
+                f"(TensorizeConfig(weight_space=True) holds it in TT form and rebuilds it for those reads)")
     if not config.is_large(cand.shape):
         return (f"below the size threshold (needs >= {config.min_numel} elements and both dims >= "
                 f"{config.min_dim}; set TensorizeConfig.min_numel / min_dim to include it)")
@@ -249,7 +251,7 @@ def tensorize_(
     config = config or TensorizeConfig()
     result: FindResult = find_in_model(model, example_inputs)
     earlier = _earlier_tt_layers(model, config, filter_fn)
-    experts = ExpertStep(model, config, filter_fn, example_inputs, _expert_decision)  # MoE: 3D expert weights
+    experts = ExpertStep(model, config, filter_fn, example_inputs, _expert_decision, calibration)  # MoE experts
     experts.add_missed(result)  # and expert-list linears the captured graphs did not record
     decisions, plans = [], []
     for cand in result.candidates:
@@ -313,6 +315,9 @@ def tensorize_(
     for cand, decision, holders, tt, notes in built:
         decision.converted = True
         decision.notes.extend(notes)
+        if cand.unsupported_uses:  # TensorizeConfig.weight_space
+            decision.notes.append(f"weight-space: {sorted({u.target for u in cand.unsupported_uses})} read the "
+                                  f"weight rebuilt from the TT cores (the other uses are contracted)")
         decision.ranks = tt.ranks
         decision.params = tt.layout.num_params
     if size_info is not None:
@@ -506,6 +511,9 @@ def tensorize(gm: fx.GraphModule, config: TensorizeConfig | None = None) -> fx.G
             gates = [graph.get_attr(f"{module_name}.gates.{k}") for k in range(layout.n_cores - 1)]
             gated = emit_traced(graph, lambda c, g: ops.gate_cores(c, g, layout), cores, gates)
         for use, node in zip(cand.uses, use_nodes):
+            if use.kind is UseKind.OTHER:  # TensorizeConfig.weight_space: the op reads the rebuilt weight
+                _feed_rebuilt(graph, node, cand, gated, layout)
+                continue
             with graph.inserting_before(node):
                 new = _emit_use(gm, graph, node, use.kind, gated, layout, module_name, cand)
             node.replace_all_uses_with(new)
@@ -514,10 +522,21 @@ def tensorize(gm: fx.GraphModule, config: TensorizeConfig | None = None) -> fx.G
         decision.notes.extend(notes)
         decision.ranks, decision.params = tt.ranks, layout.num_params
     _delete_converted_parameters(gm, {alias for cand, *_ in built for alias in cand.aliases})
+    decisions += tensorize_experts(gm, config, lambda fqn, shape: LayerDecision(fqn, (fqn,), "experts", shape, ()))
     graph.lint()
     gm.recompile()
     gm.meta["comera_fx"] = TensorizeSummary(decisions, result.method)
     return gm
+
+
+def _feed_rebuilt(graph, node, cand, cores, layout) -> None:
+    """Give an op with no TT rule the weight rebuilt from the gated ``cores`` (P = M, or Mᵀ) in place of P."""
+    with graph.inserting_before(node):
+        dense = emit_traced(graph, lambda c: ops.to_dense(c, layout), cores)
+        dense = graph.call_method("t", (dense,)) if stores_transpose(cand) else dense
+    for arg in list(node.all_input_nodes):
+        if arg.op == "get_attr" and arg.target in cand.aliases:
+            node.replace_input_with(arg, dense)
 
 
 def _emit_use(gm, graph, node, kind, cores, layout, module_name, cand):

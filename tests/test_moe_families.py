@@ -1,0 +1,205 @@
+"""Every MoE causal-LM family of the installed transformers, on a tiny random config: its routed experts are
+converted at default settings (contracted through ``TTExperts`` / ``ExpertWeight`` where that computes the
+module's function, in the weight-space form otherwise), full rank reproduces the dense logits, default ranks
+shrink the experts, and ``state_dict`` round-trips. Training, compiling and saving are checked on one family per
+path. References are the dense models (deep copies taken before conversion).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import comera_fx
+from comera_fx import RankAdaptive, RankConfig, TensorizeConfig
+from comera_fx.moe import TTExpertBank, TTExperts
+from comera_fx.moe.weight_space import is_bank_holder
+
+transformers = pytest.importorskip("transformers")
+from comera_fx.testing.moe_families import build, expert_parameters, families  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+FAMILIES = dict(families())
+#: Families whose tiny config does not build or run in this transformers (the reason is theirs, not ours).
+UNBUILT = {
+    "dbrx": "DbrxConfig: 'DbrxAttentionConfig' object has no attribute 'rope_theta' at model construction",
+    "dots3_note": "per-layer config attributes (AmbiguousGlobalPerLayerAttributeError)",
+    "gemma4": "per-layer config attributes (AmbiguousGlobalPerLayerAttributeError)",
+    "qwen4_exp": "its indexer needs token_budget / compress_ratio, unset at the defaults",
+}
+BUILT = sorted(set(FAMILIES) - set(UNBUILT))
+#: The path each family's experts take, and why (the summary says so too).
+WEIGHT_SPACE = {"gpt_oss", "deepseek_v4", "inkling2", "inkling2_loop", "jetmoe", "llama4", "minimax_m3_vl",
+                "hy_v4", "bailing_hybrid", "beam", "ergo"}
+FULL = TensorizeConfig(max_rank=10**6, min_numel=0, min_dim=1, skip=(r"embed", r"lm_head"))
+
+
+def tokens(batch: int = 2, length: int = 8):
+    return torch.randint(0, 64, (batch, length), generator=torch.Generator().manual_seed(1))
+
+
+def rel(a, b) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def holds_experts(module, path) -> bool:
+    return any(p.dim() == 3 for p in module.parameters(recurse=False))
+
+
+def expert_weights(model) -> set[str]:
+    """FQNs of the dense model's routed expert weights: 3D parameters with the expert count first."""
+    return {n for n, p in model.named_parameters()
+            if p.dim() == 3 and p.shape[-1] > 4 and p.shape[0] in (4, 8) and ".cores." not in n}
+
+
+def test_every_family_with_experts_is_built_or_named():
+    assert set(FAMILIES) >= {"gpt_oss", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3",
+                             "granitemoe", "jamba", "phimoe", "llama4", "glm4_moe", "ernie4_5_moe", "qwen3_next"}
+    assert set(UNBUILT) <= set(FAMILIES)
+
+
+@pytest.mark.parametrize("family", BUILT)
+def test_full_rank_reproduces_the_dense_logits(family):
+    model = build(family, FAMILIES[family])
+    dense = copy.deepcopy(model)
+    experts = expert_weights(model)
+    assert experts, f"{family}: the tiny config has no routed experts"
+    summary = comera_fx.tensorize_(model, FULL)
+    decided = {d.fqn: d for d in summary.layers if d.kind == "experts"}
+    assert experts <= set(decided)
+    for fqn in experts:
+        d = decided[fqn]
+        assert d.converted, f"{fqn}: {d.reason}"
+        path = "weight-space" if family in WEIGHT_SPACE else "contracted"
+        assert any(n.startswith(path) for n in d.notes), d.notes
+    assert not expert_weights(model)  # no dense expert weight is left
+    with torch.no_grad():
+        assert rel(model(tokens()).logits, dense(tokens()).logits) <= 1e-4
+
+
+@pytest.mark.parametrize("family", BUILT)
+def test_default_ranks_shrink_the_experts_and_state_dict_round_trips(family):
+    sizes = dict(hidden_size=256, intermediate_size=256, moe_intermediate_size=256)
+    model = build(family, FAMILIES[family], **sizes)
+    before = expert_parameters(model)
+    config = TensorizeConfig()  # the defaults, on the experts alone (the test's time)
+    summary = comera_fx.tensorize_(model, config, filter_fn=holds_experts)
+    left = {d.fqn: d.reason for d in summary.skipped if d.kind == "experts"}
+    assert all("size threshold" in reason for reason in left.values()), left  # only the small ones stay dense
+    assert expert_weights(model) == set(left)
+    assert before >= 2 * expert_parameters(model)
+    fresh = build(family, FAMILIES[family], seed=3, **sizes)
+    comera_fx.tensorize_(fresh, config, filter_fn=holds_experts)
+    fresh.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(tokens()).logits, model(tokens()).logits, rtol=0, atol=0)
+
+
+def gpt_oss(**changes):
+    return build("gpt_oss", FAMILIES["gpt_oss"], **changes)
+
+
+def test_gpt_oss_experts_keep_their_own_forward_exactly_in_float64():
+    model = gpt_oss().double()
+    model.config._experts_implementation = "eager"  # grouped_mm has no float64 path
+    dense = copy.deepcopy(model)
+    comera_fx.tensorize_(model, FULL)
+    experts = model.model.layers[0].mlp.experts
+    assert is_bank_holder(experts) and isinstance(experts, type(dense.model.layers[0].mlp.experts))
+    assert isinstance(experts.gate_up_proj_tt, TTExpertBank) and "gate_up_proj" not in experts._parameters
+    hidden = torch.randn(12, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    router = dense.model.layers[0].mlp.router
+    _, weights, index = router(hidden)
+    torch.testing.assert_close(experts(hidden, index, weights),
+                               dense.model.layers[0].mlp.experts(hidden, index, weights), rtol=1e-10, atol=1e-12)
+    for impl in ("eager", "batched_mm"):
+        model.config._experts_implementation = dense.config._experts_implementation = impl
+        torch.testing.assert_close(model(tokens()).logits, dense(tokens()).logits, rtol=1e-9, atol=1e-10)
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "mixtral"])
+def test_rank_adaptive_trains_and_shrinks_the_experts(family):
+    model = build(family, FAMILIES[family]).train()
+    comera_fx.tensorize_(model, TensorizeConfig(max_rank=8, min_numel=0, min_dim=1, skip=(r"embed", r"lm_head")))
+    banks = [m for m in model.modules() if isinstance(m, TTExpertBank)]
+    assert banks and (family != "mixtral" or any(isinstance(m, TTExperts) for m in model.modules()))
+    before = sum(tt.layout.num_params for b in banks for tt in b)
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    hook = RankAdaptive(model, optimizer, RankConfig(keep_fraction=0.5, total_steps=8, prunes=2))
+    ids = tokens(4, 16)
+    losses = []
+    for _ in range(8):
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        hook.observe(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss))
+    after = sum(tt.layout.num_params for b in banks for tt in b)
+    assert losses[-1] < losses[0] and after < before
+
+
+def test_the_compiled_weight_space_step_equals_eager():
+    model = gpt_oss().train()
+    comera_fx.tensorize_(model, FULL.replace(max_rank=6))
+    twin = copy.deepcopy(model)
+    ids = tokens()
+    eager = model(ids, labels=ids).loss
+    eager.backward()
+    compiled = torch.compile(twin, backend="aot_eager")
+    loss = compiled(ids, labels=ids).loss
+    loss.backward()
+    torch.testing.assert_close(loss, eager, rtol=1e-5, atol=1e-6)
+    grads = {n: p.grad for n, p in model.named_parameters() if "_tt" in n and p.grad is not None}
+    assert grads
+    for name, p in twin.named_parameters():
+        if name in grads:
+            torch.testing.assert_close(p.grad, grads[name], rtol=1e-4, atol=1e-6)
+
+
+def test_save_tensorized_round_trips_the_weight_space_form(tmp_path):
+    model = gpt_oss()
+    comera_fx.tensorize_(model, FULL.replace(max_rank=6))
+    expected = model(tokens()).logits
+    path = tmp_path / "gpt_oss.safetensors"
+    comera_fx.save_tensorized(model, path)
+    loaded = comera_fx.load_tensorized(path, lambda: gpt_oss(seed=9)).eval()
+    assert is_bank_holder(loaded.model.layers[0].mlp.experts)
+    torch.testing.assert_close(loaded(tokens()).logits, expected, rtol=0, atol=0)
+    clone = copy.deepcopy(model)  # the run-time class deep-copies (and pickles) through __reduce_ex__
+    torch.testing.assert_close(clone(tokens()).logits, expected, rtol=0, atol=0)
+
+
+def test_an_in_place_write_to_a_rebuilt_expert_weight_raises():
+    model = gpt_oss()
+    comera_fx.tensorize_(model, FULL)
+    experts = model.model.layers[0].mlp.experts
+    with pytest.raises(RuntimeError, match="TT cores"):
+        torch.nn.init.normal_(experts.gate_up_proj)
+    with pytest.raises(AttributeError, match="gate_up_proj_tt"):
+        experts.gate_up_proj = torch.nn.Parameter(torch.zeros(4, 32, 96))
+
+
+def test_randomize_backward_names_the_weight_space_banks_it_cannot_randomize():
+    model = gpt_oss().train()
+    comera_fx.tensorize_(model, FULL.replace(max_rank=6))
+    summary = comera_fx.randomize_backward_(model, rho=0.5, min_numel=0)
+    banks = [d for d in summary.layers if d.kind == "tt_experts"]
+    assert banks and all(not d.randomized and "weight-space" in d.reason for d in banks)
+    assert all(getattr(m, "rmm", None) is None for m in model.modules() if isinstance(m, TTExpertBank))
+
+
+def test_report_and_the_size_accounting_count_the_weight_space_banks():
+    from comera_fx.tt.inventory import matrix_sizes
+
+    model = gpt_oss()
+    dense = sum(p.numel() for p in model.parameters() if p.dim() == 3)
+    comera_fx.tensorize_(model, FULL.replace(max_rank=6), filter_fn=holds_experts)
+    banks = [m for m in model.modules() if isinstance(m, TTExpertBank)]
+    stored = sum(p.numel() for b in banks for p in b.parameters())
+    rows = comera_fx.report(model).layers
+    assert len(rows) == sum(len(b) for b in banks) and all("_tt." in r.fqn for r in rows)
+    assert matrix_sizes(model) == (stored, dense) and comera_fx.report(model).tt_params == stored < dense
