@@ -186,3 +186,108 @@ def test_forms_made_under_inference_mode_serve_no_grad_calls_and_leave_training_
     for y in (first, second, trained.detach()):
         torch.testing.assert_close(y, dense(x).detach(), rtol=1e-10, atol=1e-10)
     assert all(p.grad is not None for p in matrix_of(model).parameters())
+
+
+# -- in-place updates that do not bump the version counter ---------------------------------------------------------
+
+
+def chain_matrix_float64(tt) -> torch.Tensor:
+    """M rebuilt in float64 by contracting the gated TT chain one core at a time (no ops/merged code)."""
+    layout = tt.layout
+    cores, gates = [c.detach().double() for c in tt.cores], [g.detach().double() for g in tt.gates]
+    acc = cores[0]
+    for gate, core in zip(gates, cores[1:]):
+        acc = torch.tensordot(acc * gate, core, dims=1)
+    full = acc.reshape(layout.padded_rows, layout.padded_cols)
+    return full[:layout.rows, :layout.cols]
+
+
+def mlp_reference(model, x) -> torch.Tensor:
+    """The TT MLP's output from its current parameters, dense and float64."""
+    h = x.double()
+    for layer in model:
+        if isinstance(layer, comera_fx.TTLinear):
+            h = h @ chain_matrix_float64(layer.tt) + layer.bias.detach().double()
+        else:
+            h = layer(h)
+    return h
+
+
+OPTIMIZERS = {
+    "adam": lambda p: torch.optim.Adam(p, lr=0.05, foreach=False),
+    "adam_fused": lambda p: torch.optim.Adam(p, lr=0.05, fused=True),
+    "adamw": lambda p: torch.optim.AdamW(p, lr=0.05, foreach=True),
+    "adamw_fused": lambda p: torch.optim.AdamW(p, lr=0.05, fused=True),
+    "sgd_momentum": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
+    "sgd_momentum_fused": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, fused=True),
+}
+
+
+def tt_mlp():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(48, 64), nn.ReLU(), nn.Linear(64, 40))
+    assert len(comera_fx.tensorize_(model, FULL).converted) == 2
+    return model
+
+
+def test_the_chain_reference_is_the_matrix():
+    """The float64 reference of the tests below rebuilds the matrix the dense layer held (full-rank TT-SVD)."""
+    model, dense = tt_linear(rows=45, cols=40)
+    torch.testing.assert_close(chain_matrix_float64(matrix_of(model)), dense[0].weight.detach().T, rtol=1e-9,
+                               atol=1e-9)
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_decoding_after_each_optimizer_step_serves_the_current_weights(name):
+    """Fused steps (transformers' Trainer default) write the cores without bumping ``_version``: the cache must
+    still see them. Three rounds of decode, train, decode; every served output equals the float64 reference."""
+    model = tt_mlp()
+    optimizer = OPTIMIZERS[name](model.parameters())
+    x = torch.randn(3, 48)
+    for _ in range(3):
+        with torch.no_grad():
+            before = model(x)
+        torch.testing.assert_close(before.double(), mlp_reference(model, x), rtol=1e-4, atol=1e-4)
+        model(torch.randn(8, 48)).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        with torch.no_grad():
+            after = model(x)
+        assert not torch.allclose(after, before, atol=1e-3), "the step should have changed the output"
+        torch.testing.assert_close(after.double(), mlp_reference(model, x), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("write", ["mul", "copy", "gate", "fill_one_value"])
+def test_decoding_after_a_write_through_data_serves_the_current_weights(write):
+    """``param.data`` is a new tensor with its own version counter: writes through it leave ``_version`` as is."""
+    model = tt_mlp()
+    tt = model[0].tt
+    x = torch.randn(2, 48)
+    with torch.no_grad():
+        model(x)
+    if write == "mul":
+        for p in model.parameters():
+            p.data.mul_(2)
+    elif write == "copy":
+        tt.cores[1].data.copy_(torch.randn_like(tt.cores[1]))
+    elif write == "gate":
+        tt.gates[0].data[0] = 0.0
+    else:  # the smallest change: one value of one core
+        tt.cores[0].data.view(-1)[5] += 1.0
+    with torch.no_grad():
+        served = model(x)
+    torch.testing.assert_close(served.double(), mlp_reference(model, x), rtol=1e-4, atol=1e-4)
+
+
+def test_unchanged_cores_keep_their_forms_and_changed_ones_replace_them():
+    model = tt_mlp()
+    tt = model[0].tt
+    x = torch.randn(2, 48)
+    with torch.no_grad():
+        model(x)
+        first = tt.__dict__["_merged"]
+        model(x)
+        assert tt.__dict__["_merged"] is first
+        tt.cores[0].data.view(-1)[0] += 1.0
+        model(x)
+        assert tt.__dict__["_merged"] is not first
