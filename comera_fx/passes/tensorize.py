@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, fx, nn
 
-from ..config import Init, TensorizeConfig, warn_renamed
+from ..config import Init, TensorizeConfig, check_config_type, warn_renamed
 from .experts import ExpertStep
 from ..tt import ops
 from ..tt import plan as planner
@@ -246,6 +246,7 @@ def tensorize_(
     ``TensorizeSummary``. Nothing is modified if anything fails: errors are raised before the first change, and
     a failure while swapping modules restores every module it touched.
     """
+    check_config_type("tensorize_(model, config)", config, TensorizeConfig, "TensorizeConfig(max_rank=32)")
     config = config or TensorizeConfig()
     result: FindResult = find_in_model(model, example_inputs)
     earlier = _earlier_tt_layers(model, config, filter_fn)
@@ -469,6 +470,7 @@ def tensorize(gm: fx.GraphModule, config: TensorizeConfig | None = None) -> fx.G
     nodes, unused dense parameters are deleted, and the graph is linted and recompiled. The summary of what was
     converted is left in ``gm.meta["comera_fx"]``.
     """
+    check_config_type("passes.tensorize(gm, config)", config, TensorizeConfig, "TensorizeConfig(max_rank=32)")
     config = config or TensorizeConfig()
     if config.size_target is not None:
         raise ValueError("TensorizeConfig.size_target is supported by tensorize_ (in place), not yet by the graph "
