@@ -17,6 +17,7 @@ from comera_fx.runtime.shrink import shrink_
 from comera_fx.testing.strategies import batch_shapes, index_tensors, tt_inputs, tt_specs
 from comera_fx.tt import TTFormat, TTLayout, TTMatrix, merged, ops
 from comera_fx.tt.decompose import random_tt_cores
+from helpers_models import tt_dense_reference
 
 FULL = comera_fx.TensorizeConfig(min_numel=1, min_dim=1, max_rank=None)
 
@@ -191,23 +192,12 @@ def test_forms_made_under_inference_mode_serve_no_grad_calls_and_leave_training_
 # -- in-place updates that do not bump the version counter ---------------------------------------------------------
 
 
-def chain_matrix_float64(tt) -> torch.Tensor:
-    """M rebuilt in float64 by contracting the gated TT chain one core at a time (no ops/merged code)."""
-    layout = tt.layout
-    cores, gates = [c.detach().double() for c in tt.cores], [g.detach().double() for g in tt.gates]
-    acc = cores[0]
-    for gate, core in zip(gates, cores[1:]):
-        acc = torch.tensordot(acc * gate, core, dims=1)
-    full = acc.reshape(layout.padded_rows, layout.padded_cols)
-    return full[:layout.rows, :layout.cols]
-
-
 def mlp_reference(model, x) -> torch.Tensor:
-    """The TT MLP's output from its current parameters, dense and float64."""
+    """The TT MLP's output from its current parameters, dense and float64 (M by opt_einsum from the cores)."""
     h = x.double()
     for layer in model:
         if isinstance(layer, comera_fx.TTLinear):
-            h = h @ chain_matrix_float64(layer.tt) + layer.bias.detach().double()
+            h = h @ tt_dense_reference(layer.tt) + layer.bias.detach().double()
         else:
             h = layer(h)
     return h
@@ -228,13 +218,6 @@ def tt_mlp():
     model = nn.Sequential(nn.Linear(48, 64), nn.ReLU(), nn.Linear(64, 40))
     assert len(comera_fx.tensorize_(model, FULL).converted) == 2
     return model
-
-
-def test_the_chain_reference_is_the_matrix():
-    """The float64 reference of the tests below rebuilds the matrix the dense layer held (full-rank TT-SVD)."""
-    model, dense = tt_linear(rows=45, cols=40)
-    torch.testing.assert_close(chain_matrix_float64(matrix_of(model)), dense[0].weight.detach().T, rtol=1e-9,
-                               atol=1e-9)
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
