@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
 from torch import nn
 from torch.export import Dim
 
@@ -207,7 +208,6 @@ def test_a_graph_calling_a_python_custom_op_is_refused():
 
 
 def test_hugging_face_gpt2_exports_with_dynamic_batch_and_sequence():
-    transformers = pytest.importorskip("transformers")
     torch.manual_seed(3)
     config = transformers.GPT2Config(n_layer=1, n_embd=64, n_head=2, vocab_size=256, n_positions=32,
                                      bos_token_id=0, eos_token_id=0)
