@@ -31,7 +31,7 @@ from ..tt.shapes import NoBalancedModes
 from .layer_plan import LayerInput, LayerPlan, plan_layers
 from .sizing import SizeTargetInfo, build_fitted
 from .find import Candidate, FindResult, UseKind, find_in_graph, find_in_model, static_tokens
-from .holders import PROPERTY_MATRICES, Journal, attach_tt_property, hook_problem, move_hooks  # noqa: F401
+from .holders import Journal, attach_tt_property, hook_problem, move_hooks
 
 FilterFn = Callable[[nn.Module, str], bool]
 
