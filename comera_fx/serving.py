@@ -135,7 +135,8 @@ def export(model: nn.Module, example_inputs, kwargs: Mapping | None = None, *, d
 
     Raises ``ExportRangeError`` naming the dimension when the range is one the model does not support, and
     ``RuntimeError`` if the graph holds anything but aten ops (a package could not run it). The program itself
-    refuses inputs outside the declared ranges, naming the dimension.
+    refuses inputs outside the declared ranges, naming the dimension, and inputs of another number of dimensions
+    (``rank_checked_inputs``).
     """
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     kwargs = dict(kwargs or {})
