@@ -240,7 +240,7 @@ def test_decoding_after_each_optimizer_step_serves_the_current_weights(name):
         torch.testing.assert_close(after.double(), mlp_reference(model, x), rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("write", ["mul", "copy", "gate", "fill_one_value"])
+@pytest.mark.parametrize("write", ["mul", "copy", "gate", "fill_one_value", "swap"])
 def test_decoding_after_a_write_through_data_serves_the_current_weights(write):
     """``param.data`` is a new tensor with its own version counter: writes through it leave ``_version`` as is."""
     model = tt_mlp()
@@ -255,11 +255,25 @@ def test_decoding_after_a_write_through_data_serves_the_current_weights(write):
         tt.cores[1].data.copy_(torch.randn_like(tt.cores[1]))
     elif write == "gate":
         tt.gates[0].data[0] = 0.0
+    elif write == "swap":  # a new tensor in place of the old: the cache's views of the old storage must not serve
+        tt.cores[0].data = tt.cores[0].data * 2
     else:  # the smallest change: one value of one core
         tt.cores[0].data.view(-1)[5] += 1.0
     with torch.no_grad():
         served = model(x)
     torch.testing.assert_close(served.double(), mlp_reference(model, x), rtol=1e-4, atol=1e-4)
+
+
+def test_a_nan_in_a_core_does_not_rebuild_the_forms_on_every_call():
+    """The comparison is bitwise: a NaN equals itself there (``torch.equal`` on floats would say it changed)."""
+    model = tt_mlp()
+    tt = model[0].tt
+    tt.cores[0].data.view(-1)[0] = float("nan")
+    with torch.no_grad():
+        model(torch.randn(2, 48))
+        first = tt.__dict__["_merged"]
+        model(torch.randn(2, 48))
+    assert tt.__dict__["_merged"] is first
 
 
 def test_unchanged_cores_keep_their_forms_and_changed_ones_replace_them():

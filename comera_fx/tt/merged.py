@@ -11,11 +11,11 @@ and runs two GEMMs:
   row of each half's table (``ops.ttm_gather_rows``) instead of merging them on every call.
 
 The operands are made on first use and cached on the matrix (``matrix.__dict__["_merged"]``) beside a copy of the
-cores and gates they were made from; a call whose cores or gates differ from that copy (``cores_unchanged``) makes new
-ones. The key is the content, not the version counter: a fused optimizer step (``AdamW(fused=True)``, the default of
-transformers' Trainer) and writes through ``param.data`` change the values without bumping ``_version``, and a
-version-keyed cache served the old weights after them. Never under autograd, a compiler or a tracer (a plain tensor
-only), never copied or saved (``TTMatrix.__getstate__`` drops them).
+cores and gates they were made from; a call whose cores or gates are other tensors or differ from that copy bit for
+bit (``cores_unchanged``) makes new ones. The key is the content, not the version counter: a fused optimizer step
+(``AdamW(fused=True)``, the default of transformers' Trainer) and writes through ``param.data`` change the values
+without bumping ``_version``, and a version-keyed cache served the old weights after them. Never under autograd, a
+compiler or a tracer (a plain tensor only), never copied or saved (``TTMatrix.__getstate__`` drops them).
 """
 
 from __future__ import annotations
@@ -47,9 +47,12 @@ class Form(NamedTuple):
 
 
 class Cached(NamedTuple):
-    """What a matrix caches: a copy of the cores and gates the forms were made from, its layout (None: the matrix
-    cannot use merged forms, a TTM chain of one core or an empty stored core) and the forms made so far, by kind."""
+    """What a matrix caches: where its cores and gates live (``storage_key``), views of them as 64-bit words and
+    copies of those words from when the forms were made (``cores_unchanged``), its layout (None: the matrix cannot
+    use merged forms, a TTM chain of one core or an empty stored core) and the forms made so far, by kind."""
 
+    key: tuple
+    words: tuple[Tensor, ...]
     snapshot: tuple[Tensor, ...]
     layout: TTLayout | None
     forms: dict[str, Form]
@@ -63,22 +66,33 @@ def may_serve(x: Tensor, features: int) -> bool:
             and type(x) is torch.Tensor and x.numel() <= MERGED_MAX_TOKENS * features)
 
 
-def cores_unchanged(params: Sequence[Tensor], snapshot: Sequence[Tensor]) -> bool:
-    """Whether every core and gate holds exactly the values (and shape, dtype, device) of its snapshot.
+def storage_key(params: Sequence[Tensor]) -> tuple:
+    """Where each core and gate lives and how it is laid out: a tensor swapped in (``p.data = ...``,
+    ``load_state_dict`` of another size, a shrink, ``.to()``) changes it; an in-place write does not."""
+    return tuple((p.data_ptr(), p.shape, p.dtype, p.device) for p in params)
+
+
+def as_words(p: Tensor) -> Tensor:
+    """``p`` seen as 64-bit integers when its bytes allow (a view: it follows every write to ``p``), else ``p``
+    detached. Comparing words is exact bit for bit and reads half as many elements as float32 values."""
+    p = p.detach()
+    if p.is_contiguous() and p.numel() and (p.numel() * p.element_size()) % 8 == 0:
+        return p.view(-1).view(torch.int64)
+    return p
+
+
+def cores_unchanged(cached: Cached, key: tuple) -> bool:
+    """Whether the cores and gates are the tensors the forms were made from and hold the same bits.
 
     Why content and not ``_version``: fused optimizer kernels and ``param.data`` writes change values without
     bumping the version counter, so no cheaper key sees every in-place update. The cores are small (the point of
-    TT), so reading them costs ~5–10 % of the merge it saves (a 768 × 3072 layer on 1 CPU thread: 19 µs against
-    350 µs at max rank 16, 93 µs against 1.1 ms at max rank 64), though it adds to a cached product's time. On a
-    GPU ``torch.equal`` waits for the device once per tensor. ``torch.equal`` differs on shape but not on dtype
-    (1.0 equals 1.0 in float64), hence the dtype test. A NaN never equals itself: a matrix holding one rebuilds its
-    forms on every call (slow, never stale)."""
-    if len(params) != len(snapshot):
+    TT), so reading them costs a fraction of the merge it saves: on 1 CPU thread of a loaded machine, a 768 × 3072
+    layer took ~20 µs against a ~180 µs merge at max rank 16, ~60 µs against ~580 µs at max rank 64. It is still
+    more than a cached one-token product's GEMMs (~30-45 µs there). On a GPU ``torch.equal`` waits for the device
+    once per tensor. Bitwise: a NaN equals itself, -0.0 differs from 0.0 (a rebuild, never a stale form)."""
+    if cached.key != key:
         return False
-    for p, old in zip(params, snapshot):
-        if p.dtype != old.dtype or p.device != old.device or not torch.equal(p, old):
-            return False
-    return True
+    return all(torch.equal(now, then) for now, then in zip(cached.words, cached.snapshot))
 
 
 def cached_form(matrix, kind: str) -> tuple[TTLayout, Form] | None:
@@ -88,13 +102,15 @@ def cached_form(matrix, kind: str) -> tuple[TTLayout, Form] | None:
     # pays for every matrix.
     modules = matrix._modules
     params = (*modules["cores"]._parameters.values(), *modules["gates"]._parameters.values())
+    key = storage_key(params)
     cached = matrix.__dict__.get("_merged")
-    if cached is None or not cores_unchanged(params, cached.snapshot):
+    if cached is None or not cores_unchanged(cached, key):
         layout = matrix.layout
         usable = not matrix.stored_empty and (layout.format is TTFormat.TT or layout.n_cores >= 2)
         with torch.no_grad():
-            snapshot = tuple(p.detach().clone() for p in params)
-        cached = matrix.__dict__["_merged"] = Cached(snapshot, layout if usable else None, {})
+            words = tuple(as_words(p) for p in params)
+            snapshot = tuple(w.clone() for w in words)
+        cached = matrix.__dict__["_merged"] = Cached(key, words, snapshot, layout if usable else None, {})
     if cached.layout is None:
         return None
     form = cached.forms.get(kind)
@@ -212,5 +228,5 @@ def rows(index: Tensor, layout: TTLayout, form: Form) -> Tensor:
     return ops.ttm_gather_rows(index, form.first, form.second, layout)
 
 
-__all__ = ["MERGED_MAX_TOKENS", "USE_MERGED_FORMS", "Cached", "Form", "cached_bytes", "cached_form", "cores_unchanged",
-           "may_serve", "product", "rows"]
+__all__ = ["MERGED_MAX_TOKENS", "USE_MERGED_FORMS", "Cached", "Form", "as_words", "cached_bytes", "cached_form",
+           "cores_unchanged", "may_serve", "product", "rows", "storage_key"]
