@@ -38,7 +38,8 @@ import common  # benchmarks/ is this script's sys.path[0]
 
 common.use_this_checkout()  # this checkout's comera_fx, not an installed copy
 import comera_fx  # noqa: E402
-from comera_fx.pretrained.distill import linear_sizes, match_teacher  # noqa: E402
+from comera_fx.pretrained.distill import match_teacher  # noqa: E402
+from comera_fx.tt.inventory import matrix_sizes  # noqa: E402
 
 cp = common.load_example("compress_pretrained")
 
@@ -163,7 +164,7 @@ def run_cell(cell: str, teacher, data, reference, start, calibration, args) -> d
                                          loss_fn=cp.distill_loss, hidden_modules=cp.hidden_layers(teacher),
                                          progress=False, observe=observe, clock=clock, **kw)
         wall, load_after = time.perf_counter() - began, common.loadavg()
-    tt, dense = linear_sizes(student)
+    tt, dense = matrix_sizes(student)
     return {"cell": cell, "steps": len(losses), "texts": len(losses) * batch, "wall_s": round(wall, 1),
             "ratio": tt / dense, "loss_first": losses[0], "loss_last": sum(losses[-10:]) / len(losses[-10:]),
             "load": [load_before, load_after], "curve": curve, **cp.evaluate(student, data, reference)}
@@ -203,7 +204,7 @@ def main(argv=None) -> None:
     if any("+code" in cell for cell in args.cells):
         data["train_code_enc"] = training_code(args, tokenizer)
     print(f"teacher {cp.evaluate(teacher, data, reference)}; start: "
-          f"{linear_sizes(start)[1] / linear_sizes(start)[0]:.2f}x smaller, {cp.evaluate(start, data, reference)}",
+          f"{matrix_sizes(start)[1] / matrix_sizes(start)[0]:.2f}x smaller, {cp.evaluate(start, data, reference)}",
           flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     for cell in args.cells:

@@ -135,11 +135,12 @@ def export(model: nn.Module, example_inputs, kwargs: Mapping | None = None, *, d
 
     Raises ``ExportRangeError`` naming the dimension when the range is one the model does not support, and
     ``RuntimeError`` if the graph holds anything but aten ops (a package could not run it). The program itself
-    refuses inputs outside the declared ranges, naming the dimension.
+    refuses inputs outside the declared ranges, naming the dimension, and inputs of another number of dimensions
+    (``rank_checked_inputs``).
     """
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     kwargs = dict(kwargs or {})
-    with torch.no_grad(), pinned_plans(model):
+    with torch.no_grad(), pinned_plans(model), rank_checked_inputs(model):
         try:
             program = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
         except torch._dynamo.exc.UserError as error:
@@ -155,6 +156,25 @@ def export(model: nn.Module, example_inputs, kwargs: Mapping | None = None, *, d
                                        f"dimension: {type(error).__name__}: {error}. Declare a range the model "
                                        f"supports") from error
     return program
+
+
+@contextlib.contextmanager
+def rank_checked_inputs(model: nn.Module):
+    """While active, ``model``'s tensor inputs pass through an identity ``permute`` first, so that the exported
+    graph refuses an input with another number of dimensions. Why: the guards torch generates for a program's
+    ``module()`` check each dimension's size but not how many there are, and a TT product flattens its input's
+    leading dimensions by element count, so a (B, 48, 1) input to a graph traced with (B, 48) ran and returned
+    (B, out) where ``nn.Linear`` fails. The permute costs nothing (a view) and fails at run time on a wrong rank."""
+    def check(_module, args, kwargs):
+        def identity(value):
+            return value.permute(*range(value.dim())) if isinstance(value, Tensor) else value
+        return pytree.tree_map(identity, args), pytree.tree_map(identity, kwargs)
+
+    handle = model.register_forward_pre_hook(check, with_kwargs=True, prepend=True)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def check_aten_only(program: torch.export.ExportedProgram) -> None:

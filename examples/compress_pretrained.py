@@ -45,6 +45,7 @@ from torch import nn
 import comera_fx
 from comera_fx.pretrained.distill import relative_mse
 from comera_fx.pretrained.quant import weight_bytes
+from comera_fx.tt.inventory import matrix_sizes
 
 MAX_LEN = 128
 
@@ -350,7 +351,7 @@ def run_tt(teacher, data, ratio: float, allocation: str, distill: bool, args,
         if refit:
             comera_fx.refit_sequential_(student, teacher, batches, token_mask=real_tokens,
                                         blocks=hidden_layers(teacher))
-        tt, dense = comera_fx.pretrained.distill.linear_sizes(student)
+        tt, dense = matrix_sizes(student)
         info = {"steps": 0, "train_s": 0.0, "setup_s": time.perf_counter() - start, "ratio": tt / dense,
                 "ranks": {d.fqn: list(d.ranks) for d in summary.converted}}
     info["refit"] = refit

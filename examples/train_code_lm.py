@@ -20,18 +20,17 @@ its start by ``--prune-by`` of the budget, the least important rank directions r
 ``--schedule comera``: CoMERA's ℓ1 pull and late stage instead). Each run gets the same training wall-clock budget; validation (nats/byte on a fixed
 set of held-out batches) runs every ``--eval-every`` seconds of training time, outside the budget clock.
 
-Compiled or eager (``--compile auto``, the default; ``compile_policy.py``): each run takes a few eager steps, then,
-if the budget left could repay a compile, compiles its blocks in place (``comera_fx.compile_regions`` for the TT
-run, with ``RankConfig(shrink_slack=4, same_shape_blocks=True)`` so its prunes recompile at most once; stock
-``torch.compile`` per block for the dense run), then alternates compiled and eager steps in neighbouring pairs
-until a sign test says whether the compiled step repays the recompiles to come, and keeps the compiled path only
-then. The compile is inside the run's training clock; the report says which path each run took and why. A TT run
-that may compile shrinks its cores to their live ranks after training. On this model the compiled TT step is within
-about ±20 % of the eager one (the planner's eager contractions are already most of the cost), so the choice goes
-either way (benchmarks/RESULTS.md, "Issue 30 item 4"). Run as a script it chooses OpenMP's wait policy from the
-machine's load unless the environment sets one (``openmp_policy.py``: libgomp's spin-then-sleep when idle,
-``OMP_WAIT_POLICY=PASSIVE`` when busy; the report says which); ``--threads 1`` can still be faster on a machine
-that other jobs keep busy.
+Compiled or eager (``--compile auto``, the default; ``comera_fx.runtime.compile_policy``): each run takes a few eager
+steps, then, if the budget left could repay a compile, compiles its blocks in place (``comera_fx.compile_regions`` for
+the TT run, with ``RankConfig(shrink_slack=4, same_shape_blocks=True)`` so its prunes recompile at most once; stock
+``torch.compile`` per block for the dense run), then alternates compiled and eager steps in neighbouring pairs until a
+sign test says whether the compiled step repays the recompiles to come, and keeps the compiled path only then. The
+compile is inside the run's training clock; the report says which path each run took and why. A TT run that may compile
+shrinks its cores to their live ranks after training. On this model the compiled TT step is within about ±20 % of the
+eager one (the planner's eager contractions are already most of the cost), so the choice goes either way
+(benchmarks/RESULTS.md, "Issue 30 item 4"). Run as a script it chooses OpenMP's wait policy from the machine's load
+unless the environment sets one (``openmp_policy.py``: libgomp's spin-then-sleep when idle, ``OMP_WAIT_POLICY=PASSIVE``
+when busy; the report says which); ``--threads 1`` can still be faster on a machine that other jobs keep busy.
 
 Output (``runs/<timestamp>/`` or ``--out DIR``): ``report.md`` (configuration, per-run table, per-layer TT report),
 ``val_loss.png``, ``compression.png``, ``ranks.png``, ``rank_history.json``, ``metrics.json``.
@@ -53,8 +52,7 @@ from datetime import datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # this folder, also when imported from a file path
-import compile_policy  # noqa: E402  (imports torch only when it compiles)
-import openmp_policy  # noqa: E402  (torch-free)
+import openmp_policy  # noqa: E402  (torch-free: outside the package, whose import loads torch)
 
 if __name__ == "__main__":
     # Before torch loads OpenMP. On a shared 2-core machine OpenMP's spin-waiting threads wait for a descheduled
@@ -68,7 +66,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import comera_fx  # noqa: E402
-from comera_fx.runtime import RankAdaptive, RankConfig, param_groups  # noqa: E402
+from comera_fx.runtime import RankAdaptive, RankConfig, compile_policy, param_groups  # noqa: E402
 
 VOCAB = 256  # bytes
 

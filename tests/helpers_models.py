@@ -43,14 +43,20 @@ def random_trees(draw, n: int) -> planner.Tree:
 def tt_dense_reference(tt: TTMatrix) -> Tensor:
     """M (rows × cols) of a TT matrix in float64 by opt_einsum from its cores and gate vectors (each gate its own
     operand on its bond, not folded into a core), padding sliced away: independent of the library's products."""
-    layout = tt.layout
+    return tt_chain_dense([c.detach().double() for c in tt.cores], [g.detach().double() for g in tt.gates],
+                          tt.layout)
+
+
+def tt_chain_dense(cores, gates, layout) -> Tensor:
+    """``tt_dense_reference`` of given core and gate tensors (autograd flows through it: a reference for core
+    gradients)."""
     operands = []
-    for k, core in enumerate(tt.cores):
+    for k, core in enumerate(cores):
         modes = [100 + k] if layout.format is TTFormat.TT else [100 + k, 200 + k]
-        operands += [core.detach().double(), [k, *modes, k + 1]]
-    for k, gate in enumerate(tt.gates):
-        operands += [gate.detach().double(), [k + 1]]
-    n = len(tt.cores)
+        operands += [core, [k, *modes, k + 1]]
+    for k, gate in enumerate(gates):
+        operands += [gate, [k + 1]]
+    n = len(cores)
     modes = [100 + k for k in range(n)] + ([200 + k for k in range(n)] if layout.format is TTFormat.TTM else [])
     full = oe.contract(*operands, [0, *modes, n])
     return full.reshape(layout.padded_rows, layout.padded_cols)[: layout.rows, : layout.cols]

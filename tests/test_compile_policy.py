@@ -1,4 +1,4 @@
-"""The demo's choice between the compiled and the eager path (examples/compile_policy.py).
+"""The training runs' choice between the compiled and the eager path (comera_fx.runtime.compile_policy).
 
 The decision is checked against step counts worked out by hand; the state machine with the compile replaced by a
 recorder (no Inductor in the default suite); the whole demo once with a real compile in the slow suite.
@@ -11,12 +11,13 @@ import statistics
 
 import pytest
 
+from comera_fx.runtime import compile_policy
 from helpers_models import load_demo
 
 
 @pytest.fixture(scope="module")
 def policy():
-    return load_demo().compile_policy
+    return compile_policy
 
 
 def test_steps_gained_by_hand(policy):

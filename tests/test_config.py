@@ -4,7 +4,9 @@ import json
 import math
 
 import pytest
+import torch
 
+import comera_fx
 from comera_fx import Init, LayerSettings, TensorizeConfig, TTFormat
 
 # (keyword arguments, text the error message must contain)
@@ -209,10 +211,7 @@ def test_param_budget_spelling_warns_and_means_size_target():
 
 
 def test_summary_budget_spelling_warns_and_returns_the_size_target():
-    import torch
     from torch import nn
-
-    import comera_fx
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(128, 96), nn.ReLU(), nn.Linear(96, 64))
@@ -221,3 +220,38 @@ def test_summary_budget_spelling_warns_and_returns_the_size_target():
         assert summary.budget is summary.size_target
     dense = 128 * 96 + 96 * 64
     assert summary.size_target.asked == round(0.3 * dense) and summary.size_target.dense == dense
+
+
+# -- a config of the wrong type fails at the call, naming the config to write --------------------------------------
+
+
+def _small_mlp():
+    return torch.nn.Sequential(torch.nn.Linear(48, 64), torch.nn.ReLU(), torch.nn.Linear(64, 40))
+
+
+@pytest.mark.parametrize("config, fix", [
+    ({"max_rank": 8}, "TensorizeConfig(max_rank=8)"),
+    ({"max_rank": 8, "init": "random"}, "TensorizeConfig(max_rank=8, init='random')"),
+    (8, "TensorizeConfig(max_rank=32)"),
+])
+def test_tensorize_with_a_dict_or_a_number_says_which_config_to_write(config, fix):
+    model = _small_mlp()
+    with pytest.raises(TypeError, match="takes a TensorizeConfig") as info:
+        comera_fx.tensorize_(model, config)
+    assert fix in str(info.value)
+    assert not any(isinstance(m, comera_fx.TTLinear) for m in model.modules()), "nothing may be converted"
+
+
+def test_the_graph_pass_refuses_a_dict_too():
+    gm = torch.fx.symbolic_trace(_small_mlp())
+    with pytest.raises(TypeError, match=r"TensorizeConfig\(max_rank=8\)"):
+        comera_fx.passes.tensorize(gm, {"max_rank": 8})
+
+
+@pytest.mark.parametrize("config", [0.5, {"keep_fraction": 0.5}])
+def test_rank_adaptive_with_a_number_or_a_dict_names_rank_config(config):
+    model = _small_mlp()
+    comera_fx.tensorize_(model, TensorizeConfig(min_numel=1, min_dim=1, max_rank=8))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match=r"takes a RankConfig .*RankConfig\(keep_fraction=0.5\)"):
+        comera_fx.RankAdaptive(model, optimizer, config)

@@ -17,6 +17,7 @@ from comera_fx.runtime.shrink import shrink_
 from comera_fx.testing.strategies import batch_shapes, index_tensors, tt_inputs, tt_specs
 from comera_fx.tt import TTFormat, TTLayout, TTMatrix, merged, ops
 from comera_fx.tt.decompose import random_tt_cores
+from helpers_models import tt_dense_reference
 
 FULL = comera_fx.TensorizeConfig(min_numel=1, min_dim=1, max_rank=None)
 
@@ -186,3 +187,104 @@ def test_forms_made_under_inference_mode_serve_no_grad_calls_and_leave_training_
     for y in (first, second, trained.detach()):
         torch.testing.assert_close(y, dense(x).detach(), rtol=1e-10, atol=1e-10)
     assert all(p.grad is not None for p in matrix_of(model).parameters())
+
+
+# -- in-place updates that do not bump the version counter ---------------------------------------------------------
+
+
+def mlp_reference(model, x) -> torch.Tensor:
+    """The TT MLP's output from its current parameters, dense and float64 (M by opt_einsum from the cores)."""
+    h = x.double()
+    for layer in model:
+        if isinstance(layer, comera_fx.TTLinear):
+            h = h @ tt_dense_reference(layer.tt) + layer.bias.detach().double()
+        else:
+            h = layer(h)
+    return h
+
+
+OPTIMIZERS = {
+    "adam": lambda p: torch.optim.Adam(p, lr=0.05, foreach=False),
+    "adam_fused": lambda p: torch.optim.Adam(p, lr=0.05, fused=True),
+    "adamw": lambda p: torch.optim.AdamW(p, lr=0.05, foreach=True),
+    "adamw_fused": lambda p: torch.optim.AdamW(p, lr=0.05, fused=True),
+    "sgd_momentum": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
+    "sgd_momentum_fused": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, fused=True),
+}
+
+
+def tt_mlp():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(48, 64), nn.ReLU(), nn.Linear(64, 40))
+    assert len(comera_fx.tensorize_(model, FULL).converted) == 2
+    return model
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_decoding_after_each_optimizer_step_serves_the_current_weights(name):
+    """Fused steps (transformers' Trainer default) write the cores without bumping ``_version``: the cache must
+    still see them. Three rounds of decode, train, decode; every served output equals the float64 reference."""
+    model = tt_mlp()
+    optimizer = OPTIMIZERS[name](model.parameters())
+    x = torch.randn(3, 48)
+    for _ in range(3):
+        with torch.no_grad():
+            before = model(x)
+        torch.testing.assert_close(before.double(), mlp_reference(model, x), rtol=1e-4, atol=1e-4)
+        model(torch.randn(8, 48)).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        with torch.no_grad():
+            after = model(x)
+        assert not torch.allclose(after, before, atol=1e-3), "the step should have changed the output"
+        torch.testing.assert_close(after.double(), mlp_reference(model, x), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("write", ["mul", "copy", "gate", "fill_one_value", "swap"])
+def test_decoding_after_a_write_through_data_serves_the_current_weights(write):
+    """``param.data`` is a new tensor with its own version counter: writes through it leave ``_version`` as is."""
+    model = tt_mlp()
+    tt = model[0].tt
+    x = torch.randn(2, 48)
+    with torch.no_grad():
+        model(x)
+    if write == "mul":
+        for p in model.parameters():
+            p.data.mul_(2)
+    elif write == "copy":
+        tt.cores[1].data.copy_(torch.randn_like(tt.cores[1]))
+    elif write == "gate":
+        tt.gates[0].data[0] = 0.0
+    elif write == "swap":  # a new tensor in place of the old: the cache's views of the old storage must not serve
+        tt.cores[0].data = tt.cores[0].data * 2
+    else:  # the smallest change: one value of one core
+        tt.cores[0].data.view(-1)[5] += 1.0
+    with torch.no_grad():
+        served = model(x)
+    torch.testing.assert_close(served.double(), mlp_reference(model, x), rtol=1e-4, atol=1e-4)
+
+
+def test_a_nan_in_a_core_does_not_rebuild_the_forms_on_every_call():
+    """The comparison is bitwise: a NaN equals itself there (``torch.equal`` on floats would say it changed)."""
+    model = tt_mlp()
+    tt = model[0].tt
+    tt.cores[0].data.view(-1)[0] = float("nan")
+    with torch.no_grad():
+        model(torch.randn(2, 48))
+        first = tt.__dict__["_merged"]
+        model(torch.randn(2, 48))
+    assert tt.__dict__["_merged"] is first
+
+
+def test_unchanged_cores_keep_their_forms_and_changed_ones_replace_them():
+    model = tt_mlp()
+    tt = model[0].tt
+    x = torch.randn(2, 48)
+    with torch.no_grad():
+        model(x)
+        first = tt.__dict__["_merged"]
+        model(x)
+        assert tt.__dict__["_merged"] is first
+        tt.cores[0].data.view(-1)[0] += 1.0
+        model(x)
+        assert tt.__dict__["_merged"] is not first

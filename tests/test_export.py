@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
 from torch import nn
 from torch.export import Dim
 
@@ -150,6 +151,22 @@ def test_the_program_refuses_sizes_outside_the_declared_range_naming_the_dimensi
         run(torch.randn(4, 100, dtype=torch.float64))
 
 
+@pytest.mark.parametrize("extra", [(4, 128, 1), (1, 4, 128), (4, 1, 128)])
+def test_the_program_refuses_an_input_with_more_dimensions(extra):
+    """Same element count, another rank: the TT products flatten leading dims by count, so only the rank check
+    refuses (4, 128, 1), which dense ``nn.Linear`` would reject too; eager and exported agree on (4, 128)."""
+    model = MLP().double().eval()
+    comera_fx.tensorize_(model, TensorizeConfig(max_rank=8, min_numel=0))
+    program = comera_fx.export(model, (torch.randn(3, 128, dtype=torch.float64),),
+                               dynamic_shapes=({0: Dim("b", min=2, max=64)},))
+    run = program.module()
+    x = torch.randn(4, 128, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(run(x), model(x), rtol=1e-10, atol=1e-10)
+    with pytest.raises(Exception, match="dimensions|size"):
+        run(x.reshape(extra))
+
+
 @pytest.mark.parametrize("lo, hi", [(1, 1), (1, 6), (3, 40), (1, 1024), (100, 4096)])
 def test_plan_for_range_minimises_the_worst_ratio_at_every_size(lo, hi):
     """Brute force over every integer size: no plan of the envelope has a smaller worst ratio to the per-size best,
@@ -191,7 +208,6 @@ def test_a_graph_calling_a_python_custom_op_is_refused():
 
 
 def test_hugging_face_gpt2_exports_with_dynamic_batch_and_sequence():
-    transformers = pytest.importorskip("transformers")
     torch.manual_seed(3)
     config = transformers.GPT2Config(n_layer=1, n_embd=64, n_head=2, vocab_size=256, n_positions=32,
                                      bos_token_id=0, eos_token_id=0)

@@ -1,5 +1,6 @@
 """The finder: which parameters linear-like / embedding ops read, found through a Dynamo capture (or a module scan)."""
 
+import importlib
 import warnings
 
 import pytest
@@ -12,6 +13,8 @@ from comera_fx import TensorizeConfig
 from comera_fx.passes.find import Candidate, UseKind, find, find_in_model, parameter_table
 from comera_fx.passes.tensorize import skip_reason
 from helpers_models import MLP, FunctionalLinear, LinearAndMatmul, MatmulModel, TiedLM, Unsupported
+
+find_module = importlib.import_module("comera_fx.passes.find")  # comera_fx.passes.find is also a function
 
 
 def kinds(candidate: Candidate) -> list[UseKind]:
@@ -147,7 +150,7 @@ def test_a_parameter_used_both_ways_is_unsupported():
 
 
 class Exploding(nn.Module):
-    """Raises for the example inputs (wrong width): the capture fails with an exception."""
+    """Takes 128 features: inputs of another width make the capture and the model itself fail."""
 
     def __init__(self):
         super().__init__()
@@ -171,11 +174,32 @@ class NotUnderCompile(nn.Module):
         return self.fc(x)
 
 
-def test_failed_capture_falls_back_to_module_scan_with_a_warning():
+def test_example_inputs_the_model_rejects_raise_with_its_error_and_the_fix():
+    """A wrong width is the caller's mistake, not Dynamo's: no silent scan, the model's own error in the message."""
+    with pytest.raises(ValueError, match="graph capture failed with the given example_inputs") as info:
+        find_in_model(Exploding(), (torch.randn(2, 64),))
+    message = str(info.value)
+    assert "2x64 and 128x128" in message, "the model's own error should be shown"
+    assert "Pass example_inputs the model accepts" in message and "leave example_inputs out" in message
+
+
+def test_wrong_example_inputs_leave_the_model_unconverted():
+    model = Exploding()
+    with pytest.raises(ValueError, match="example_inputs"):
+        comera_fx.tensorize_(model, TensorizeConfig(min_numel=4096), example_inputs=(torch.randn(2, 64),))
+    assert isinstance(model.fc, nn.Linear)
+
+
+def test_a_capture_error_on_a_model_that_runs_eagerly_falls_back_to_module_scan(monkeypatch):
+    """Dynamo failing where eager code runs is Dynamo's limit: the scan still finds the common layers."""
+    def failing_capture(model, example_inputs):
+        raise RuntimeError("Dynamo could not trace this")
+
+    monkeypatch.setattr(find_module, "capture_graphs", failing_capture)
     with pytest.warns(UserWarning, match="falling back to a module-type scan"):
-        result = find_in_model(Exploding(), (torch.randn(2, 64),))
+        result = find_in_model(Exploding(), (torch.randn(2, 128),))
     assert result.method == "module-scan"
-    assert result.fallback_reason.startswith("graph capture failed")
+    assert result.fallback_reason.startswith("graph capture failed (RuntimeError: Dynamo could not trace this")
     assert list(result.by_fqn()) == ["fc.weight", "emb.weight"]
     assert kinds(result.by_fqn()["emb.weight"]) == [UseKind.EMBEDDING]
 
@@ -188,10 +212,14 @@ def test_capture_that_records_nothing_falls_back_to_module_scan():
     assert list(result.by_fqn()) == ["fc.weight"]
 
 
-def test_tensorize_reports_the_fallback():
+def test_tensorize_reports_the_fallback(monkeypatch):
+    def failing_capture(model, example_inputs):
+        raise RuntimeError("Dynamo could not trace this")
+
+    monkeypatch.setattr(find_module, "capture_graphs", failing_capture)
     model = Exploding()
     with pytest.warns(UserWarning):
-        summary = comera_fx.tensorize_(model, TensorizeConfig(min_numel=4096), example_inputs=(torch.randn(2, 64),))
+        summary = comera_fx.tensorize_(model, TensorizeConfig(min_numel=4096), example_inputs=(torch.randn(2, 128),))
     assert summary.method == "module-scan" and "graph capture failed" in summary.fallback_reason
     assert "graph capture failed" in str(summary)
     assert isinstance(model.fc, comera_fx.TTLinear)

@@ -8,12 +8,11 @@ import copy
 
 import pytest
 import torch
+import transformers
 
 import comera_fx
 from comera_fx import TensorizeConfig
 from comera_fx.tt import TTEmbedding, TTLinear
-
-transformers = pytest.importorskip("transformers")
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 

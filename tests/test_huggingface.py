@@ -6,16 +6,14 @@ from __future__ import annotations
 
 import math
 
+import accelerate  # noqa: F401  (transformers' Trainer needs it; the test extra installs both)
 import pytest
 import torch
+import transformers
 
 import comera_fx
 from comera_fx import TensorizeConfig
-
-transformers = pytest.importorskip("transformers")
-pytest.importorskip("accelerate")
-
-from comera_fx.integrations.huggingface import RankAdaptiveCallback, unwrap_optimizer  # noqa: E402
+from comera_fx.integrations.huggingface import RankAdaptiveCallback, unwrap_optimizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -15,6 +15,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
 from torch import nn
 
 import comera_fx
@@ -22,8 +23,6 @@ from comera_fx import RankAdaptive, RankConfig, TensorizeConfig
 from comera_fx.moe import ExpertWeight, TTExpertBank, TTExperts
 from comera_fx.passes import find_experts
 from comera_fx.runtime.shrink import shrink_
-
-transformers = pytest.importorskip("transformers")
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -22,6 +22,7 @@ from torch import fx, nn
 from comera_fx.testing.strategies import tt_inputs, tt_layouts, tt_specs
 from comera_fx.tt import TTEmbedding, TTFormat, TTLayout, TTLinear, TTMatrix
 from comera_fx.tt import plan as planner
+from comera_fx.tt.plan.cost import ScaledWeights, _copy_terms, _step_terms, scaled_copy, scaled_step
 from helpers_models import random_trees
 from comera_fx.tt.decompose import random_tt_cores
 
@@ -211,6 +212,27 @@ models = st.builds(
     x_requires_grad=st.booleans(),
     gamma=st.sampled_from([0, planner.DEFAULT_GAMMA, 12.5]),
 )
+
+
+# (left, right) tensor masks of one step; bit 0 is x: x alone, x with a core, cores only, either side
+STEP_SIDES = [(1, 2), (2, 1), (3, 4), (4, 3), (2, 4), (6, 8)]
+
+
+@given(model=models, sides=st.sampled_from(STEP_SIDES), sa=st.integers(1, 5000), sb=st.integers(1, 5000),
+       sc=st.integers(1, 5000), n=st.integers(1, 5000), needs_grad=st.booleans())
+def test_the_searchs_integer_costs_are_the_cost_models(model, sides, sa, sb, sc, n, needs_grad):
+    """The exact search weighs steps and copies in integers (``scaled_step`` / ``scaled_copy``): scale times what
+    ``CostTerms.weighted`` gives for ``_step_terms`` / ``_copy_terms``, so its envelope is the plans' costs."""
+    left, right = sides
+    sizes = [0] * 16
+    sizes[left], sizes[right], sizes[left | right] = sa, sb, sc
+    w = ScaledWeights.of(model)
+    grad_left, grad_right = left != 1 or model.x_requires_grad, right != 1 or model.x_requires_grad
+    step = scaled_step(sa, sb, sc, bool(left & 1), bool(right & 1), grad_left, grad_right, w)
+    assert step == tuple(c * w.scale for c in _step_terms(left, right, sizes, model).weighted(model))
+    for batched in (False, True):
+        weighted = _copy_terms([(n, batched, needs_grad)], model).weighted(model)
+        assert weighted[batched] * w.scale == scaled_copy(n, needs_grad, w) and weighted[not batched] == 0
 
 
 @st.composite

@@ -14,7 +14,7 @@ from torch import nn
 import comera_fx
 from comera_fx import TensorizeConfig
 from comera_fx.passes import contract_reconstructed_tt
-from comera_fx.passes.tensorize import PROPERTY_MATRICES
+from comera_fx.passes.holders import PROPERTY_MATRICES
 from comera_fx.testing import assert_rewrite_equivalent, strategies
 
 EXACT = TensorizeConfig(min_numel=1, min_dim=1, max_rank=None)  # every weight converted, full rank: exact

@@ -19,7 +19,7 @@ from comera_fx.passes.find import find_in_model as find
 from comera_fx.tt import layers
 from comera_fx.tt.layers import make_tt_matrix
 from comera_fx.tt.layout import TTFormat
-from comera_fx.passes.tensorize import PROPERTY_MATRICES
+from comera_fx.passes.holders import PROPERTY_MATRICES
 from helpers_models import MLP, FunctionalLinear, Mixed
 
 tensorize_module = sys.modules["comera_fx.passes.tensorize"]  # comera_fx.passes.tensorize is the graph pass

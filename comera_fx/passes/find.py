@@ -210,8 +210,9 @@ def find_in_model(model: nn.Module, example_inputs=None) -> FindResult:
     """List the parameters read by linear-like / embedding ops of ``model``.
 
     With ``example_inputs`` (a tensor, a tuple of positional inputs or a dict of keyword inputs) the model is
-    captured with Dynamo; without them, or when capture fails, the modules are scanned by type (nn.Linear,
-    nn.Embedding, transformers' Conv1D) and the result says so.
+    captured with Dynamo; without them, or when Dynamo fails on a model that runs eagerly, the modules are scanned
+    by type (nn.Linear, nn.Embedding, transformers' Conv1D) and the result says so. Inputs the model itself
+    rejects raise ``ValueError``: a scan would hide the mistake.
     """
     params = parameter_table(model)
     if example_inputs is None:
@@ -219,6 +220,7 @@ def find_in_model(model: nn.Module, example_inputs=None) -> FindResult:
     try:
         graphs = capture_graphs(model, example_inputs)
     except Exception as exc:  # capture is best effort; the scan below still finds the common layers
+        check_model_accepts(model, example_inputs, exc)
         reason = f"graph capture failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
         return _fallback_scan(model, params, reason)
     if not graphs:  # Dynamo gave up on every frame and ran the model eagerly: the graphs saw nothing
@@ -231,6 +233,23 @@ def find_in_model(model: nn.Module, example_inputs=None) -> FindResult:
         names = {node: fqn_of_id.get(id(value)) for node, value in zip(placeholders, inputs)}
         collect_uses(gm.graph, names.get, params, found, lambda node: _running_module(node, path_of_id))
     return FindResult(_in_model_order(found, params), "dynamo", graphs=len(graphs))
+
+
+def check_model_accepts(model: nn.Module, example_inputs, capture_error: Exception) -> None:
+    """After a failed capture, run ``model`` eagerly on ``example_inputs`` (buffers and RNG restored, no grad):
+    if it fails there too, the inputs are wrong, and a ValueError says so with the model's own error; if it runs,
+    the capture was Dynamo's problem and the caller falls back to a module scan."""
+    args, kwargs = split_example_inputs(example_inputs)
+    try:
+        with untraced(model), torch.no_grad():
+            model(*args, **kwargs)
+    except Exception as eager_error:
+        raise ValueError(
+            f"comera_fx: graph capture failed with the given example_inputs, and model(*example_inputs) fails "
+            f"eagerly too: {type(eager_error).__name__}: {eager_error}. Pass example_inputs the model accepts "
+            f"(shapes and dtypes of a real batch), or leave example_inputs out to scan module types only"
+        ) from capture_error
+    return None
 
 
 def _running_module(node: fx.Node, path_of_id: Mapping[str, str]) -> str | None:

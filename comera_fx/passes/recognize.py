@@ -23,7 +23,8 @@ from ..tt import ops
 from ..tt import plan as planner
 from ..tt.layers import TTMatrix, choose_plan, planned_envelope
 from .find import UseKind, classify_use, static_tokens
-from .tensorize import PROPERTY_MATRICES, emit_traced
+from .holders import PROPERTY_MATRICES
+from .tensorize import emit_traced
 
 aten = torch.ops.aten
 

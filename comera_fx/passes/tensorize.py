@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, fx, nn
 
-from ..config import Init, TensorizeConfig, warn_renamed
+from ..config import Init, TensorizeConfig, check_config_type, warn_renamed
 from .experts import ExpertStep
 from .graph_experts import tensorize_experts
 from ..tt import ops
@@ -32,7 +32,7 @@ from ..tt.shapes import NoBalancedModes
 from .layer_plan import LayerInput, LayerPlan, plan_layers
 from .sizing import SizeTargetInfo, build_fitted
 from .find import Candidate, FindResult, UseKind, find_in_graph, find_in_model, static_tokens
-from .holders import PROPERTY_MATRICES, Journal, attach_tt_property, hook_problem, move_hooks  # noqa: F401
+from .holders import Journal, attach_tt_property, hook_problem, move_hooks
 
 FilterFn = Callable[[nn.Module, str], bool]
 
@@ -248,6 +248,7 @@ def tensorize_(
     ``TensorizeSummary``. Nothing is modified if anything fails: errors are raised before the first change, and
     a failure while swapping modules restores every module it touched.
     """
+    check_config_type("tensorize_(model, config)", config, TensorizeConfig, "TensorizeConfig(max_rank=32)")
     config = config or TensorizeConfig()
     result: FindResult = find_in_model(model, example_inputs)
     earlier = _earlier_tt_layers(model, config, filter_fn)
@@ -474,6 +475,7 @@ def tensorize(gm: fx.GraphModule, config: TensorizeConfig | None = None) -> fx.G
     nodes, unused dense parameters are deleted, and the graph is linted and recompiled. The summary of what was
     converted is left in ``gm.meta["comera_fx"]``.
     """
+    check_config_type("passes.tensorize(gm, config)", config, TensorizeConfig, "TensorizeConfig(max_rank=32)")
     config = config or TensorizeConfig()
     if config.size_target is not None:
         raise ValueError("TensorizeConfig.size_target is supported by tensorize_ (in place), not yet by the graph "

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..config import check_config_type
 from ..tt.inventory import DEFAULT_GATE_THRESHOLD, MatrixEntry, live_counts, physical_params, tt_matrices
 from ..tt.layers import TTMatrix
 from .distributed import RankSync
@@ -182,6 +183,7 @@ class RankAdaptive:
         history_every: int | None = 1,
         **keywords: Any,
     ):
+        check_config_type("RankAdaptive(model, optimizer, config)", config, RankConfig, "RankConfig(keep_fraction=0.5)")
         self.settings = s = config_from_keywords(config, keywords).resolved()  # defaults filled in
         if clock is not None and (s.schedule != BUDGET or not callable(clock)):
             raise ValueError(f"RankAdaptive: clock= times the budget schedule's budget_seconds: a callable "

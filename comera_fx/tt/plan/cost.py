@@ -1,7 +1,9 @@
 """The cost model: raw counts of a plan (``CostTerms``) and their weighting (``CostModel``, ``DEFAULT_*``).
 
 Every count is a pair (c0, c1) meaning c0 + c1·b. ``_step_terms`` / ``_copy_terms`` count one GEMM and the permute
-copies; ``_subset_sizes`` gives the element count of every subset's intermediate. Pure: no tensors, no sympy.
+copies; ``scaled_step`` / ``scaled_copy`` give the same counts already weighed, in integers, for the exact search's
+inner loop (``ScaledWeights``); ``_subset_sizes`` gives the element count of every subset's intermediate. Pure: no
+tensors, no sympy.
 """
 
 from __future__ import annotations
@@ -172,6 +174,60 @@ def _copy_terms(copied: Sequence[tuple[int, bool, bool]], model: CostModel) -> C
         times = 2 * (1 + (model.backward and needs_grad))
         total = _add(total, (0, n * times) if batched else (n * times, 0))
     return CostTerms(bytes_copied=_scale(total, model.itemsize))
+
+
+@dataclass(frozen=True)
+class ScaledWeights:
+    """A ``CostModel``'s weights times ``scale`` (the least common denominator of alpha, beta and gamma): integers
+    per FLOP, per element moved or copied (alpha · itemsize), per element saved (beta · itemsize) and per GEMM.
+
+    Why: the exact search weighs a step for every split of every subset (millions on a 13-tensor network), where
+    building a ``CostTerms`` and weighing it in Fractions would take minutes; integer sums are exact too. So
+    ``scaled_step`` / ``scaled_copy`` weigh ``_step_terms`` / ``_copy_terms``'s counts with these: ``scale`` times
+    their ``CostTerms.weighted`` cost (tests/test_plan.py checks the two agree).
+    """
+
+    scale: int
+    flop: int
+    element: int
+    saved: int
+    gemm: int
+    backward: bool
+
+    @classmethod
+    def of(cls, model: CostModel) -> "ScaledWeights":
+        alpha, beta, gamma = model.weights
+        scale = math.lcm(alpha.denominator, beta.denominator, gamma.denominator)
+        return cls(scale, scale, int(alpha * scale) * model.itemsize, int(beta * scale) * model.itemsize,
+                   int(gamma * scale), model.backward)
+
+
+def scaled_step(sa: int, sb: int, sc: int, a_batched: bool, b_batched: bool, grad_a: bool, grad_b: bool,
+                w: ScaledWeights) -> Linear:
+    """(c0, c1) of one pairwise GEMM C = A·B weighed by ``w``: ``_step_terms``'s counts, from the element counts of
+    A, B and C (per batch element where batched) and which operands hold x or need a gradient."""
+    flops = 2 * math.isqrt(sa * sb * sc)
+    c0 = c1 = 0
+    for n, batched in ((sa, a_batched), (sb, b_batched), (sc, a_batched or b_batched)):
+        if batched:
+            c1 += w.element * n
+        else:
+            c0 += w.element * n
+    if a_batched or b_batched:
+        c1 += w.flop * flops
+    else:
+        c0 += w.flop * flops
+    times = 1 + (grad_a + grad_b if w.backward else 0)  # forward, and one GEMM per gradient backward
+    c0, c1 = (c0 + w.gemm) * times, c1 * times
+    if w.backward:  # the batched operand a gradient GEMM needs stays alive until backward
+        c1 += w.saved * (sa * (grad_b and a_batched) + sb * (grad_a and b_batched))
+    return c0, c1
+
+
+def scaled_copy(n: int, needs_grad: bool, w: ScaledWeights) -> int:
+    """One permute copy of ``n`` elements weighed by ``w`` (``_copy_terms``): read + write forward, and again for
+    its gradient backward."""
+    return w.element * n * 2 * (1 + (w.backward and needs_grad))
 
 
 def _scale(a: Linear, k: int) -> Linear:

@@ -6,13 +6,12 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from functools import lru_cache
 
-from .cost import CostModel, _subset_sizes
+from .cost import CostModel, ScaledWeights, _subset_sizes, scaled_copy, scaled_step
 from .network import X, Linear, Tree, TTNetwork, _canonical
 from .plans import Plan
 from .views import _final_copies, _step_copies
@@ -121,18 +120,14 @@ _EXACT_ORDERS = 9
 def _search(net: TTNetwork, model: CostModel, lo: int, hi: int | None) -> tuple[tuple[Tree, Linear], ...]:
     n = net.n_tensors
     sizes = _subset_sizes(net)
-    alpha, beta, gamma = model.weights
-    scale = math.lcm(alpha.denominator, beta.denominator, gamma.denominator)
-    w_flop, w_byte, w_saved = scale, int(alpha * scale) * model.itemsize, int(beta * scale) * model.itemsize
-    w_gemm = int(gamma * scale)
-    grad_x = 1 if model.x_requires_grad else 0
-    backward = model.backward
-    copy_mult = 4 if backward else 2  # a permute copy: read + write forward, again for its gradient backward
-    isqrt = math.isqrt
+    # Step and copy costs come from the cost model (cost.py), as integers scaled by w.scale: exact and cheap.
+    w = ScaledWeights.of(model)
+    scale = w.scale
+    grad_x = model.x_requires_grad
     ceiling = _ceiling([tuple(int(c * scale) for c in Plan.from_tree(net, t, model).weighted_cost)
                         for t in _reference_trees(net)], lo, hi)
     # Any tree over a subset ends with a GEMM writing it: >= 2 FLOPs and one write per element, twice with backward.
-    last_step = (2 * w_flop + w_byte) * (2 if backward else 1)
+    last_step = (2 * w.flop + w.element) * (2 if model.backward else 1)
 
     # How execute runs a step depends on the stored index orders of its operands, which depend on the sub-trees:
     # the state of the DP is (subset, order). views[(order_a, order_b)] = (result order, copy_a, copy_b).
@@ -169,18 +164,9 @@ def _search(net: TTNetwork, model: CostModel, lo: int, hi: int | None) -> tuple[
                 part, other = sub | 1, rest ^ sub
                 if env[part] and env[other]:
                     sp, so = sizes[part], sizes[other]
-                    flops = 2 * isqrt(sp * so * size_s)
-                    if backward:
-                        grad_part = grad_x if part == 1 else 1
-                        mult = 2 + grad_part
-                        k1 = (w_flop * flops + w_byte * (sp + size_s)) * mult + w_saved * sp
-                        copy_a = w_byte * sp * (2 + 2 * grad_part)
-                    else:
-                        mult = 1
-                        k1 = w_flop * flops + w_byte * (sp + size_s)
-                        copy_a = w_byte * sp * 2
-                    k0 = w_byte * so * mult + w_gemm * mult
-                    copy_b = w_byte * so * copy_mult
+                    grad_part = grad_x or part != 1  # x alone needs a gradient only if asked; a product always
+                    k0, k1 = scaled_step(sp, so, size_s, True, False, grad_part, True, w)
+                    copy_a, copy_b = scaled_copy(sp, grad_part, w), scaled_copy(so, True, w)
                     for ko, right in enumerate(env[other]):
                         for kp, line in enumerate(env[part]):
                             order, ca, cb = step_view(line[2], right[2], True)
@@ -194,7 +180,7 @@ def _search(net: TTNetwork, model: CostModel, lo: int, hi: int | None) -> tuple[
             full = subset == (1 << n) - 1
             for order, candidates in groups.items():
                 if full and _final_copies(net.sizes, order, net.output):  # the final reorder is a copy
-                    extra = w_byte * size_s * copy_mult
+                    extra = scaled_copy(size_s, True, w)
                     candidates = [(c0, c1 + extra, *more) for c0, c1, *more in candidates]
                 lines += _lower_envelope(_undominated(candidates, lo, hi), lo, hi)
             if full:
@@ -202,19 +188,18 @@ def _search(net: TTNetwork, model: CostModel, lo: int, hi: int | None) -> tuple[
         else:  # cores only: costs do not depend on b, keep the best per stored order
             low = subset & -subset
             rest = subset ^ low
-            mult = 3 if backward else 1
             best: dict = {}
             sub = (rest - 1) & rest
             while True:
                 part, other = sub | low, rest ^ sub
                 if env[part] and env[other]:
                     sp, so = sizes[part], sizes[other]
-                    flops = 2 * isqrt(sp * so * size_s)
-                    cost = (w_flop * flops + w_byte * (sp + so + size_s) + w_gemm) * mult
+                    cost = scaled_step(sp, so, size_s, False, False, True, True, w)[0]
+                    copy_a, copy_b = scaled_copy(sp, True, w), scaled_copy(so, True, w)
                     for kp, left in enumerate(env[part]):
                         for ko, right in enumerate(env[other]):
                             order, ca, cb = step_view(left[2], right[2], False)
-                            total = cost + left[0] + right[0] + (ca * sp + cb * so) * w_byte * copy_mult
+                            total = cost + left[0] + right[0] + ca * copy_a + cb * copy_b
                             if order not in best or total < best[order][0]:
                                 best[order] = (total, 0, order, part, kp, ko)
                 if sub == 0:

@@ -12,7 +12,7 @@ on a shared machine moves more between minutes than the compiled gain (benchmark
 Every step, the compile ones included, is timed by the caller's training clock, so a compile that does not pay
 costs the run its seconds. ``summary()`` says which path ran and why.
 
-Used by ``train_code_lm.py`` (``--compile auto|yes|no``) and so by ``benchmarks/bench_equal_time.py``.
+Used by ``examples/train_code_lm.py`` (``--compile auto|yes|no``) and so by ``benchmarks/bench_equal_time.py``.
 """
 
 from __future__ import annotations
@@ -20,6 +20,11 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass, field
+
+import torch._dynamo.utils
+
+from ..backend import compile_regions, make_backend
+from ..tt.inventory import tt_matrices
 
 # The most a compiled CPU step has been measured to gain over eager here is 1.4-1.6x (CoMERA's widths, with dropout;
 # benchmarks/RESULTS.md, issue 14): a compile is tried only if it could pay at twice the eager speed.
@@ -277,8 +282,6 @@ class _GraphCount:
     def __init__(self, backend=None):
         self.backend = backend
         if backend is None:
-            import torch._dynamo.utils
-
             self._counters = torch._dynamo.utils.counters
             self._start = self._counters["stats"]["unique_graphs"]
 
@@ -291,13 +294,9 @@ class _GraphCount:
 def compile_blocks(model) -> _GraphCount:
     """Compile ``model.blocks`` in place: comera_fx's backend (one graph shared by same-shaped blocks) when the model
     holds TT layers, stock ``torch.compile`` per block otherwise. Embeddings, head and loss stay eager."""
-    import comera_fx
-    from comera_fx.backend import make_backend
-    from comera_fx.tt.inventory import tt_matrices
-
     if tt_matrices(model):
         backend = make_backend()
-        comera_fx.compile_regions(model, backend=backend)
+        compile_regions(model, backend=backend)
         return _GraphCount(backend)
     for block in model.blocks:
         block.compile()
