@@ -50,6 +50,7 @@ from .passes.find import UseKind, classify_use
 from .passes.recognize import contract_reconstructed_tt, node_values
 from .passes.randomize import randomize_backward, share_sketches
 from .rmm import RMMConfig
+from .runtime.compiled import mark_compiled, note_graph_inputs
 from .tt.layers import prepare_plans_under
 
 GraphPass = Callable[[fx.GraphModule], fx.GraphModule]
@@ -173,6 +174,7 @@ class ComeraBackend:
                  options: Mapping[str, Any] | None = None):
         started = time.perf_counter()
         config = self.config.with_options(options)
+        note_graph_inputs(example_inputs)  # RankAdaptive then holds these TT matrices' shapes between prunes
         if config.contract_reconstructed:
             gm = contract_reconstructed_tt(gm, example_inputs)
             self.stats.reconstructed_contracted += gm.meta.get("comera_fx_reconstructed", 0)
@@ -457,6 +459,7 @@ def compile(model: nn.Module, config: TensorizeConfig | None = None, *, example_
         model.comera_fx_summary = summary
         return model
     prepare_plans_under(model)
+    mark_compiled(model)
     compiled = torch.compile(model, backend=chosen, **compile_kwargs)
     compiled.comera_fx_summary = summary
     return compiled
@@ -506,12 +509,12 @@ def compile_regions(model: nn.Module, regions=None, *, backend: Callable | None 
     default: ``repeated_blocks(model)``. ``backend``: default ``comera_fx.backend``; ``compile_kwargs`` go to
     ``torch.compile``.
 
-    After a physical rank shrink the blocks' shapes differ, and each block compiles a graph of its own (a
-    fraction of a whole-model recompile each), unless ``RankConfig(same_shape_blocks=True)`` keeps one shape for
-    the blocks. Those graphs all belong to one code object, so this raises Dynamo's ``recompile_limit`` to twice
-    the number of regions plus one when it is lower — room for one shape per block before and after a shrink
-    (``RankConfig(shrink_slack=...)`` keeps it to one physical shrink); beyond the limit Dynamo runs a block
-    eagerly, correct but slow.
+    The regions' TT matrices are marked compiled (``runtime.compiled.mark_compiled``), so ``RankAdaptive`` holds
+    their shapes until its last prune point and then gives the same matrix of every block one shape
+    (``same_shape_blocks``): one recompiled graph serves all blocks. Set ``RankConfig(same_shape_blocks=False)``
+    and each block compiles a graph of its own after a physical shrink; those graphs all belong to one code object,
+    so this raises Dynamo's ``recompile_limit`` to twice the number of regions plus one when it is lower; beyond the
+    limit Dynamo runs a block eagerly, correct but slow.
     """
     names = _region_names(model, regions)
     if not names:
@@ -522,6 +525,7 @@ def compile_regions(model: nn.Module, regions=None, *, backend: Callable | None 
     for name in names:
         region = model.get_submodule(name)
         prepare_plans_under(region)
+        mark_compiled(region, regional=True)
         region.compile(backend=chosen, **compile_kwargs)
     needed = 2 * len(names) + 1
     if torch._dynamo.config.recompile_limit < needed:
