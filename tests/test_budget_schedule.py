@@ -767,3 +767,38 @@ def test_by_default_regional_blocks_recompile_at_most_one_graph():
     for role in ("up", "down"):
         assert len({getattr(block, role).tt.layout for block in model.blocks}) == 1
     torch.testing.assert_close(out, reference_stack(model, x), rtol=1e-10, atol=1e-12)
+
+
+def test_the_hook_reads_nothing_back_from_the_device_between_prune_points(monkeypatch):
+    """CPU proxy for a GPU step without host synchronisation: during ``optimizer.step()`` of the budget schedule,
+    no tensor is read to the host (``item``, ``tolist``, ``bool``/``float``/``int`` of a tensor) except at prune
+    points; the history's live counts of the other steps are read when the history is asked for, and equal the
+    gates' own counts at each step."""
+    model, x, y, _, _ = teacher_problem(d=16)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    hook = RankAdaptive(model, optimizer, comera_fx.RankConfig(keep_fraction=0.5, total_steps=20, prunes=2))
+    reads: list[str] = []
+    for name in ("item", "tolist", "__bool__", "__float__", "__int__", "__index__"):
+        original = getattr(torch.Tensor, name)
+
+        def counting(self, *args, _original=original, _name=name, **kwargs):
+            reads.append(_name)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counting)
+    expected_live, read_steps = [], []
+    for step in range(1, 21):
+        loss = ((model(x) - y) ** 2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        before = len(reads)
+        optimizer.step()
+        if len(reads) > before:
+            read_steps.append(step)
+        with torch.no_grad():
+            expected_live.append(tuple(int((g.abs() > hook.settings.threshold).sum()) for g in model[0].tt.gates))
+    pruned = [e.step for e in hook.history if e.shrunk]
+    monkeypatch.undo()
+    assert len(pruned) == 2 and read_steps == pruned, (read_steps, pruned)
+    assert [e.step for e in hook.history] == list(range(1, 21))
+    assert [e.live_ranks["0"][1:-1] for e in hook.history] == expected_live

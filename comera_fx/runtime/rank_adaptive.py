@@ -26,19 +26,19 @@ import math
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from ..tt.inventory import DEFAULT_GATE_THRESHOLD, MatrixEntry, live_counts, physical_params, tt_matrices
+from ..tt.inventory import (DEFAULT_GATE_THRESHOLD, MatrixEntry, live_counts, live_counts_later, physical_params,
+                            tt_matrices)
 from ..tt.layers import TTMatrix
 from .distributed import RankSync
 from .comera import EARLY, LATE, PlateauDetector, achievement_lambda, add_gate_penalty_, scale_grads_
 from .compiled import ShapePolicy
-from .history import HistoryEntry, RankSummary
+from .history import HistoryEntry, RankSummary, materialized
 from .importance import BondSensitivity, slice_importance
 from .rank_config import BUDGET, COMERA, RankConfig
 from .schedule import BudgetSchedule, LayerSlices, allocate
@@ -77,9 +77,6 @@ def param_groups(
         {"name": "other", "params": other, "lr": lr_other, "weight_decay": weight_decay},
     ]
     return [g for g in groups if g["params"]]
-
-
-# ------------------------------------------------------------------------------------------------ size accounting
 
 
 # ------------------------------------------------------------------------------------------------------ settings
@@ -206,7 +203,7 @@ class RankAdaptive:
         self.initial_tt_params = sum(live_params(m.tt) for m in self.matrices)
         self.dense_params = sum(m.tt.layout.dense_params for m in self.matrices)  # what a float size_target scales
         self.step = 0
-        self.history: list[HistoryEntry] = []
+        self._history: list = []  # HistoryEntry, or a function giving it (gate counts still on the device)
         self.zeroed: dict[str, str] = {}  # layer -> why it went to rank 0
         self._start = time.perf_counter()
         self._pending_loss: float | None = None
@@ -469,6 +466,12 @@ class RankAdaptive:
     def __exit__(self, *exc) -> None:
         self.remove()
 
+    @property
+    def history(self) -> list[HistoryEntry]:
+        """One entry per ``history_every`` steps and per pruning; the live counts of the steps between prunes are
+        read from the device here, when asked, not in the step (no host synchronisation per step)."""
+        return materialized(self._history)
+
     def history_as_dicts(self) -> list[dict[str, Any]]:
         return [entry.to_dict() for entry in self.history]
 
@@ -572,14 +575,23 @@ class RankAdaptive:
         elif s.prune_every is not None and self.step % s.prune_every == 0:
             records = self.prune()
         if records or (self.history_every is not None and self.step % self.history_every == 0):
-            self.history.append(self._entry(records, budget))
+            entry = self._entry(records, budget)
+            self._history.append(entry() if records else entry)
 
-    def _entry(self, records: Sequence[ShrinkRecord], budget: float | None) -> HistoryEntry:
-        counts = live_counts([m.tt for m in self.matrices], self.settings.threshold)
-        ranks = {m.name: m.tt.ranks for m in self.matrices}
-        live = {m.name: (1, *c, 1) for m, c in zip(self.matrices, counts)}
-        live_params = sum(params_at_ranks(m.tt, c) for m, c in zip(self.matrices, counts))
-        dense = sum(m.tt.layout.dense_params for m in self.matrices)
-        return HistoryEntry(self.step, self.stage, self._step_loss, self._step_lam, ranks, live, self.tt_params(),
-                            live_params, dense, tuple(r.name for r in records),
-                            tuple(r.name for r in records if r.zeroed), time.perf_counter() - self._start, budget)
+    def _entry(self, records: Sequence[ShrinkRecord], budget: float | None) -> Callable[[], HistoryEntry]:
+        """This step's ``HistoryEntry``, as a function: the gates are counted now, on their device, and read back
+        when it is called."""
+        counts = live_counts_later([m.tt for m in self.matrices], self.settings.threshold)
+        names, tts = [m.name for m in self.matrices], [m.tt for m in self.matrices]
+        fixed = dict(step=self.step, stage=self.stage, loss=self._step_loss, lam=self._step_lam,
+                     ranks={n: tt.ranks for n, tt in zip(names, tts)}, tt_params=self.tt_params(),
+                     dense_params=sum(tt.layout.dense_params for tt in tts), shrunk=tuple(r.name for r in records),
+                     zeroed=tuple(r.name for r in records if r.zeroed), wall_time=time.perf_counter() - self._start,
+                     budget=budget)
+
+        def entry() -> HistoryEntry:
+            live = counts()
+            return HistoryEntry(live_ranks={n: (1, *c, 1) for n, c in zip(names, live)},
+                                live_tt_params=sum(params_at_ranks(tt, c) for tt, c in zip(tts, live)), **fixed)
+
+        return entry
