@@ -802,3 +802,29 @@ def test_the_hook_reads_nothing_back_from_the_device_between_prune_points(monkey
     assert len(pruned) == 2 and read_steps == pruned, (read_steps, pruned)
     assert [e.step for e in hook.history] == list(range(1, 21))
     assert [e.live_ranks["0"][1:-1] for e in hook.history] == expected_live
+
+
+def test_a_block_whose_layer_went_to_rank_zero_keeps_the_shape_of_the_others():
+    """Same-shape blocks: one block's ``down`` cut to rank 0 in place, another's to a lower rank. The compaction
+    stores all three at the widest live ranks (the zero one all zero, still counted as zero), so the blocks keep
+    one shape (one compiled graph); the stack still equals its dense reference, the zero layer adding its bias."""
+    from comera_fx.runtime.shrink import round_to_ranks_
+
+    torch.manual_seed(0)
+    model = Stack().double()
+    comera_fx.tensorize_(model, comera_fx.TensorizeConfig(max_rank=8, min_numel=1, min_dim=1))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    hook = RankAdaptive(model, optimizer, comera_fx.RankConfig(keep_fraction=0.4, total_steps=100,
+                                                               same_shape_blocks=True))
+    downs = [block.down.tt for block in model.blocks]
+    bonds = len(downs[0].gates)
+    round_to_ranks_(downs[0], [0] * bonds, in_place=True)
+    round_to_ranks_(downs[1], [2] * bonds, in_place=True)
+    widest = tuple(max(2, r) for r in downs[2].layout.internal_ranks)
+    hook.compact()
+    assert downs[0].is_zero and not downs[0].stored_empty and all((p == 0).all() for p in downs[0].parameters())
+    assert len({tt.layout for tt in downs}) == 1 and downs[0].layout.internal_ranks == widest
+    assert downs[1].ranks[1:-1] == (2,) * bonds
+    x = torch.randn(16, 32, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), reference_stack(model, x), rtol=1e-10, atol=1e-12)
