@@ -13,13 +13,17 @@ with comera_fx's backend from a fresh Inductor cache (a temporary ``TORCHINDUCTO
 its own, one graph shared by every block of one shape (with ``--dense``: ``block.compile()`` per block, stock
 Inductor); embeddings, head and loss run eagerly.
 
-``--same-shape-blocks``: ``RankConfig(same_shape_blocks=True)``: the physical shrink stores the same matrix of every
-block at one width (the widest live rank), so a regionally compiled model recompiles one graph, not one per block.
+By default the hook runs with ``RankConfig``'s defaults: it finds the model compiled (comera_fx's backend saw its
+cores; ``compile_regions`` marked the blocks), rounds in place at every prune point but the last, which shrinks
+physically (one recompile in the run), and under ``--regional`` gives the blocks one shape at that shrink.
 
-``--slack S`` (default 4) runs ``RankConfig(shrink_slack=S)``: a prune writes the rounded cores into the stored
-ones in place while the stored TT size stays within S × the live size, so no shape changes and nothing recompiles;
-with S >= S_0 / S_T (here 1 / 0.3) only the last prune point shrinks physically: one recompile in the run.
-``--slack 0`` shrinks physically at every prune (one recompile per prune, the behaviour before shrink_slack).
+``--same-shape-blocks`` / ``--own-shape-blocks``: ``RankConfig(same_shape_blocks=True / False)``: at a physical
+shrink the same matrix of every block is stored at one width (the widest live rank), so a regionally compiled model
+recompiles one graph, not one per block / each block at its own ranks (the default before issue 44).
+
+``--slack S`` runs ``RankConfig(shrink_slack=S)``: a prune writes the rounded cores into the stored ones in place
+while the stored TT size stays within S × the live size, so no shape changes and nothing recompiles. ``--slack 1``
+shrinks physically at every prune (one recompile per prune: the default before issue 44).
 
 Printed: per step the time, the backend's graph count and whether it pruned; then the first step (compile
 included), the post-prune overhead (sum over the steps after the first of step time − median step) as a multiple
@@ -28,10 +32,11 @@ of the first step, the recompiles (graphs compiled after the first step), compil
 first prune and after the last one against their FLOPs (fwd + bwd, ``torch.utils.flop_counter``) and the eager step
 at the same ranks, and Dynamo's compile-time table (``torch._dynamo.utils.compile_times``).
 
-    flock /tmp/timing.lock .venv/bin/python benchmarks/bench_recompile.py                  # LM, slack 4
-    flock /tmp/timing.lock .venv/bin/python benchmarks/bench_recompile.py --slack 0        # one recompile per prune
+    flock /tmp/timing.lock .venv/bin/python benchmarks/bench_recompile.py                  # LM, the defaults
+    flock /tmp/timing.lock .venv/bin/python benchmarks/bench_recompile.py --slack 1        # one recompile per prune
     flock /tmp/timing.lock .venv/bin/python benchmarks/bench_recompile.py --layers 6 --regional   # one block's compile
-    flock /tmp/timing.lock .venv/bin/python benchmarks/bench_recompile.py --layers 6 --regional --same-shape-blocks
+    flock /tmp/timing.lock .venv/bin/python benchmarks/bench_recompile.py --layers 6 --regional --slack 1 \
+        --own-shape-blocks                                                                     # before issue 44
     .venv/bin/python benchmarks/bench_recompile.py --no-inductor                            # AOTAutograd graphs eagerly
 """
 
@@ -153,14 +158,16 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--prunes", type=int, default=5)
     ap.add_argument("--target-ratio", type=float, default=0.3)
-    ap.add_argument("--slack", type=float, default=4.0, help="RankAdaptive shrink_slack; 0: none")
+    ap.add_argument("--slack", type=float, default=None, help="RankConfig.shrink_slack (default: the hook's choice)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-inductor", action="store_true")
     ap.add_argument("--cache-dir", help="Inductor cache directory (default: a fresh temporary one)")
     ap.add_argument("--dense", action="store_true", help="the dense LM under stock torch.compile, first steps only")
     ap.add_argument("--regional", action="store_true", help="compile each LM block on its own (compile_regions)")
-    ap.add_argument("--same-shape-blocks", action="store_true",
+    ap.add_argument("--same-shape-blocks", action="store_const", const=True, default=None,
                     help="RankConfig(same_shape_blocks=True): one stored width per matrix role across blocks")
+    ap.add_argument("--own-shape-blocks", dest="same_shape_blocks", action="store_const", const=False,
+                    help="RankConfig(same_shape_blocks=False): each block stored at its own live ranks")
     opts = ap.parse_args(argv)
     # A cold compile: Inductor's caches start empty. (Importing torch's Inductor sets TORCHINDUCTOR_CACHE_DIR to
     # its shared default, so the variable is always set by now: override it unless --cache-dir names one.)
@@ -174,7 +181,7 @@ def main(argv=None) -> None:
     flops_before = step_flops(model, loss_fn, batch)
     eager_before = eager_step_seconds(model, loss_fn, batch)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    slack = opts.slack if opts.slack > 0 else None
+    slack = opts.slack
     hook = RankAdaptive(model, optimizer, RankConfig(keep_fraction=opts.target_ratio, total_steps=opts.steps,
                                                      prunes=opts.prunes, shrink_slack=slack,
                                                      same_shape_blocks=opts.same_shape_blocks))
@@ -200,7 +207,7 @@ def main(argv=None) -> None:
     for step, t, graphs, pruned, stored in rows:
         print(f"{step:4d} {t:8.3f} {graphs:6d} {'yes' if pruned else '':6s} {stored}")
     print(f"\nmodel {opts.model}, {opts.layers} blocks{', regional' if opts.regional else ''}"
-          f"{', same-shape blocks' if opts.same_shape_blocks else ''}, slack {slack}, "
+          f", same_shape_blocks {opts.same_shape_blocks}, slack {slack}, hook saw {hook.compiled_as}, "
           f"inductor {not opts.no_inductor}, threads {opts.threads}, Inductor "
           f"cache {os.environ['TORCHINDUCTOR_CACHE_DIR']}")
     print(f"first step (compile) {first:.1f} s; median step {median:.4f} s; prunes at {prune_steps}")

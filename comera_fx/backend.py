@@ -2,7 +2,7 @@
 
 Usage::
 
-    model = comera_fx.compile(model, config, example_inputs=x)       # tensorize_ + torch.compile(backend=...)
+    model = comera_fx.compile(model, config, example_inputs=x)       # tensorize_ + compile (blocks regionally)
     compiled = torch.compile(model, backend=comera_fx.backend)        # a model already tensorized
     compiled = torch.compile(model, backend="comera_fx")               # the same, by name (entry point)
     compiled = torch.compile(model, backend=comera_fx.make_backend(BackendConfig(inductor=False)))
@@ -50,6 +50,7 @@ from .passes.find import UseKind, classify_use
 from .passes.recognize import contract_reconstructed_tt, node_values
 from .passes.randomize import randomize_backward, share_sketches
 from .rmm import RMMConfig
+from .runtime.compiled import mark_compiled, note_graph_inputs
 from .tt.layers import prepare_plans_under
 
 GraphPass = Callable[[fx.GraphModule], fx.GraphModule]
@@ -173,6 +174,7 @@ class ComeraBackend:
                  options: Mapping[str, Any] | None = None):
         started = time.perf_counter()
         config = self.config.with_options(options)
+        note_graph_inputs(example_inputs)  # RankAdaptive then holds these TT matrices' shapes between prunes
         if config.contract_reconstructed:
             gm = contract_reconstructed_tt(gm, example_inputs)
             self.stats.reconstructed_contracted += gm.meta.get("comera_fx_reconstructed", 0)
@@ -439,24 +441,31 @@ backend = ComeraBackend()
 
 
 def compile(model: nn.Module, config: TensorizeConfig | None = None, *, example_inputs=None,
-            backend_config: BackendConfig | None = None, regional: bool = False, **compile_kwargs):
-    """``tensorize_`` the model in place, plan its TT products, then ``torch.compile`` it with comera_fx's backend.
+            backend_config: BackendConfig | None = None, regional: bool | None = None, **compile_kwargs):
+    """``tensorize_`` the model in place, plan its TT products, then compile it with comera_fx's backend: its
+    repeated blocks regionally where it has them, else the whole model.
 
     Build the optimizer after this call (the cores are new parameters). ``compile_kwargs`` go to
-    ``torch.compile`` (``dynamic``, ``fullgraph``, ``mode``, ``options``). Returns the compiled module; the
-    tensorize summary is on it as ``compiled.comera_fx_summary``. ``regional=True``: compile each repeated block
-    on its own instead (``compile_regions``; the cold compile of N blocks costs about one) and return ``model``
-    itself, its blocks compiled in place.
+    ``torch.compile`` (``dynamic``, ``fullgraph``, ``mode``, ``options``). The tensorize summary is on the result
+    as ``.comera_fx_summary``. ``regional``: None (default) compiles each repeated block on its own when the model
+    has any (``repeated_blocks``; ``compile_regions``: a TT model's whole-model cold compile costs 1.8x the dense
+    model's stock compile on a 6-block LM, one block's compile serves all blocks) and returns ``model`` itself, its
+    blocks compiled in place, the rest running eagerly; otherwise, or with ``regional=False``, returns
+    ``torch.compile(model, ...)``. True requires repeated blocks. Either way ``RankAdaptive`` learns how the model
+    runs and holds its shapes until the last prune point (one recompile).
     """
     from .passes.tensorize import tensorize_
 
     summary = tensorize_(model, config, example_inputs=example_inputs)
     chosen = make_backend(backend_config) if backend_config is not None else backend
+    if regional is None:
+        regional = bool(repeated_blocks(model))
     if regional:
         compile_regions(model, backend=chosen, **compile_kwargs)  # plans its regions; the rest runs eagerly
         model.comera_fx_summary = summary
         return model
     prepare_plans_under(model)
+    mark_compiled(model)
     compiled = torch.compile(model, backend=chosen, **compile_kwargs)
     compiled.comera_fx_summary = summary
     return compiled
@@ -506,12 +515,12 @@ def compile_regions(model: nn.Module, regions=None, *, backend: Callable | None 
     default: ``repeated_blocks(model)``. ``backend``: default ``comera_fx.backend``; ``compile_kwargs`` go to
     ``torch.compile``.
 
-    After a physical rank shrink the blocks' shapes differ, and each block compiles a graph of its own (a
-    fraction of a whole-model recompile each), unless ``RankConfig(same_shape_blocks=True)`` keeps one shape for
-    the blocks. Those graphs all belong to one code object, so this raises Dynamo's ``recompile_limit`` to twice
-    the number of regions plus one when it is lower — room for one shape per block before and after a shrink
-    (``RankConfig(shrink_slack=...)`` keeps it to one physical shrink); beyond the limit Dynamo runs a block
-    eagerly, correct but slow.
+    The regions' TT matrices are marked compiled (``runtime.compiled.mark_compiled``), so ``RankAdaptive`` holds
+    their shapes until its last prune point and then gives the same matrix of every block one shape
+    (``same_shape_blocks``): one recompiled graph serves all blocks. Set ``RankConfig(same_shape_blocks=False)``
+    and each block compiles a graph of its own after a physical shrink; those graphs all belong to one code object,
+    so this raises Dynamo's ``recompile_limit`` to twice the number of regions plus one when it is lower; beyond the
+    limit Dynamo runs a block eagerly, correct but slow.
     """
     names = _region_names(model, regions)
     if not names:
@@ -522,6 +531,7 @@ def compile_regions(model: nn.Module, regions=None, *, backend: Callable | None 
     for name in names:
         region = model.get_submodule(name)
         prepare_plans_under(region)
+        mark_compiled(region, regional=True)
         region.compile(backend=chosen, **compile_kwargs)
     needed = 2 * len(names) + 1
     if torch._dynamo.config.recompile_limit < needed:

@@ -1,9 +1,9 @@
 """Take a tensorized model out of the library: ``torch.export`` with dynamic batch / sequence sizes (``export``) and
 an AOTInductor package that plain ``torch`` loads and runs (``package``).
 
-Why a helper and not plain ``torch.export``: a TT layer picks its contraction order per interval of the batch size
-(``comera_fx.plan``), and that choice becomes a guard, so a plain export covers one interval only. ``export`` pins
-one plan per layer for the whole declared range instead (``plan_for_range``: the plan whose cost is nearest the
+Plain ``torch.export`` works too: while it traces, a TT product with a symbolic batch size runs one plan for the
+size's declared range (``tt.range_plan``) instead of choosing per interval, which would emit guards. ``export`` pins
+one plan per layer for the whole declared range explicitly (``plan_for_range``: the plan whose cost is nearest the
 per-size best everywhere in the range, by the planner's inference cost model), then checks the range's ends
 eagerly, so a range the model cannot run (positions past a position table, ...) is refused before anything is
 deployed. The exported graph holds aten ops only: it is traced under ``no_grad``, where TT products skip their
@@ -16,63 +16,18 @@ import contextlib
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
-from fractions import Fraction
 
 import sympy
 import torch
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
-from torch.utils._sympy.numbers import int_oo
 
 from .tt import layers
 from .tt import plan as planner
-from .tt.layout import TTLayout
+from .tt.range_plan import RangePlan, finite as _finite, plan_for_range
 
-
-@dataclass(frozen=True)
-class RangePlan:
-    """The plan pinned for batch sizes ``lo <= b <= hi`` of one TT product, and what pinning costs: at every size
-    in the range its modelled cost is at most ``worst_ratio`` times the best plan's there (attained at
-    ``worst_at``); 1.0 means one plan is the cheapest on the whole range."""
-
-    plan: planner.Plan
-    lo: int
-    hi: int
-    worst_ratio: float
-    worst_at: int
-
-    def __str__(self) -> str:
-        return (f"{self.plan} for {self.lo} <= b <= {self.hi}: at most {self.worst_ratio:.3g}x the best plan's "
-                f"modelled cost (at b = {self.worst_at})")
-
-
-def plan_for_range(layout: TTLayout, op: str, lo: int, hi: int) -> RangePlan:
-    """The one plan for ``x @ M`` (``op="matmul"``) or ``x @ Mᵀ`` over batch sizes ``lo..hi`` that minimises the
-    worst ratio of its cost to the best plan's cost, by the inference cost model (forward only).
-
-    Exact, not sampled: every cost is linear in b and the best is their lower envelope, so on each envelope piece a
-    candidate's ratio is monotone and its worst lies at a piece's integer ends.
-    """
-    lo = max(int(lo), 1)  # an empty batch costs nothing under any plan
-    hi = max(int(hi), lo)
-    envelope = planner.plan(layout, op=op, bounds=(lo, hi), backward=False)
-    ends = sorted({end for piece in envelope.pieces for end in (piece.first, piece.last)
-                   if end is not None and lo <= end <= hi} | {lo, hi})
-    best = [min(_cost(piece.plan, b) for piece in envelope.pieces) for b in ends]
-    choices = []
-    for piece in envelope.pieces:
-        ratios = [_cost(piece.plan, b) / low if low > 0 else Fraction(1) for b, low in zip(ends, best)]
-        worst = max(range(len(ends)), key=ratios.__getitem__)
-        choices.append((ratios[worst], -piece.first, piece.plan, ends[worst]))
-    ratio, _, chosen, at = min(choices, key=lambda c: c[:2])  # a tie goes to the plan of larger sizes
-    planner.prepare_plan(chosen)  # build the plan's instructions now, outside any traced region
-    return RangePlan(chosen, lo, hi, float(ratio), at)
-
-
-def _cost(chosen: planner.Plan, batch: int) -> Fraction:
-    c0, c1 = chosen.weighted_cost
-    return c0 + c1 * batch
+__all__ = ["ExportRangeError", "RangePlan", "batch_range", "check_aten_only", "export", "package",
+           "pinned_plans", "plan_for_range"]
 
 
 class ExportRangeError(ValueError):
@@ -90,11 +45,6 @@ def batch_range(batch) -> tuple[int, int]:
         raise ExportRangeError(f"a TT layer's batch size {node.expr} has no finite range ({bounds.lower}, "
                                f"{bounds.upper}); give every dynamic dimension a max (torch.export.Dim(name, max=...))")
     return int(bounds.lower), int(bounds.upper)
-
-
-def _finite(bound) -> bool:
-    """False for torch's integer infinity (an undeclared max) and sympy's."""
-    return bound not in (int_oo, -int_oo, sympy.oo, -sympy.oo)
 
 
 @contextlib.contextmanager

@@ -1,6 +1,7 @@
 """The README's first example, verbatim: tensorize a model, compile it with comera_fx's backend, train it with
 RankAdaptive. A few minutes on 2 CPU cores, most of it Inductor compiling: once at the start and once after the
-last prune point, where shrink_slack lets the cores shrink physically. Run: .venv/bin/python examples/quickstart.py"""
+last prune point, where the cores shrink physically (the hook sees the model is compiled and rounds in place
+before that). Run: .venv/bin/python examples/quickstart.py"""
 
 # --- README example start
 import torch, comera_fx
@@ -9,8 +10,8 @@ model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.GELU(), torch.n
 print(comera_fx.tensorize_(model, comera_fx.TensorizeConfig(max_rank=16)))  # both weights -> TT cores + rank gates
 compiled = torch.compile(model, backend=comera_fx.backend)                   # comera_fx's passes, then Inductor
 optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3)
-schedule = comera_fx.RankConfig(keep_fraction=0.5, total_steps=200, prunes=2, shrink_slack=2.0)  # half the TT size
-hook = comera_fx.RankAdaptive(model, optimizer, schedule)    # prunes round in place: one recompile, at the end
+schedule = comera_fx.RankConfig(keep_fraction=0.5, total_steps=200, prunes=2)  # half the TT size by step 160
+hook = comera_fx.RankAdaptive(model, optimizer, schedule)    # compiled: prunes round in place, one recompile at the end
 teacher = comera_fx.TTLinear.from_dense(torch.nn.Linear(512, 512), max_rank=4, init="random")  # a task to learn
 for step in range(200):                                                      # your loop, unchanged
     x = torch.randn(256, 512)

@@ -584,17 +584,31 @@ def test_compile_regions_takes_classes_or_names_and_refuses_a_model_without_bloc
         comera_fx.compile_regions(MLP(16, 32, 4), backend=eager_backend())
 
 
-def test_compile_with_regional_tensorizes_and_compiles_the_blocks_in_place():
+def test_compile_compiles_repeated_blocks_regionally_by_default_and_other_models_whole():
+    """``comera_fx.compile`` without ``regional``: a model with repeated blocks gets them compiled in place (one
+    graph for the three, the head eager); a model without them is compiled whole; both equal the dense model."""
     torch.manual_seed(0)
     model = Stack().double()
     dense = copy.deepcopy(model)
     x = torch.randn(2, 5, 64, dtype=torch.float64)
-    returned = comera_fx.compile(model, FULL, example_inputs=(x,), backend_config=BackendConfig(inductor=False),
-                                 regional=True)
+    config = BackendConfig(inductor=False)
+    returned = comera_fx.compile(model, FULL, example_inputs=(x,), backend_config=config)
     assert returned is model and returned.comera_fx_summary.converted
     assert all(block._compiled_call_impl is not None for block in model.blocks)
     with torch.no_grad():
         torch.testing.assert_close(model(x), dense(x), rtol=1e-9, atol=1e-10)
+
+    mlp = MLP(128, 256, 100).double()
+    dense_mlp = copy.deepcopy(mlp)
+    x = torch.randn(3, 128, dtype=torch.float64)
+    compiled = comera_fx.compile(mlp, FULL, example_inputs=(x,), backend_config=config)
+    assert isinstance(compiled, torch._dynamo.eval_frame.OptimizedModule) and compiled._orig_mod is mlp
+    assert compiled.comera_fx_summary.converted
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), dense_mlp(x), rtol=1e-9, atol=1e-10)
+    whole = comera_fx.compile(Stack().double(), FULL, example_inputs=(torch.randn(2, 5, 64, dtype=torch.float64),),
+                              backend_config=config, regional=False)
+    assert isinstance(whole, torch._dynamo.eval_frame.OptimizedModule)
 
 
 def test_a_post_aot_pass_is_keyed_by_source_and_plain_closure_values_or_not_cached():

@@ -471,12 +471,47 @@ def test_compiled_rank_adaptation_recompiles_within_the_slack_bound(monkeypatch)
     torch.testing.assert_close(got, reference_mlp(model, x), rtol=1e-10, atol=1e-12)
 
 
-def test_without_slack_every_shrinking_prune_recompiles():
-    """The comparison the slack is for: without it each prune that changes a rank changes stored shapes."""
+def test_by_default_a_compiled_run_recompiles_at_most_once():
+    """No flags: the backend saw the cores, so the hook rounds in place at every prune point but the last, which
+    shrinks every matrix physically: at most one graph after the first step, compiled ≡ the float64 reference after
+    every prune (``compiled_budget_run``), and the cores end stored at their live ranks."""
     from comera_fx.backend import make_backend
 
     backend = make_backend(inductor=False)
-    _, first, last, pruned_at = compiled_budget_run(backend, None, steps=20, prunes=3)
+    hook, first, last, pruned_at = compiled_budget_run(backend, None)
+    torch._dynamo.reset()
+    assert hook.compiled_as == "whole" and len(pruned_at) >= 4 and first == 1
+    assert last - first == 1, (first, last, pruned_at)
+    assert hook.tt_params() <= 0.2 * hook.initial_tt_params + 1
+    assert hook.stored_tt_params() == hook.tt_params()
+
+
+def test_an_eager_run_shrinks_at_every_prune():
+    """The same run never compiled: every prune point shrinks the cores physically (smaller steps at once)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64)).double()
+    comera_fx.tensorize_(model, comera_fx.TensorizeConfig(max_rank=16, min_numel=1, min_dim=1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    hook = RankAdaptive(model, optimizer, comera_fx.RankConfig(keep_fraction=0.2, total_steps=30, prunes=5))
+    gen = torch.Generator().manual_seed(1)
+    x, y = (torch.randn(128, 64, generator=gen, dtype=torch.float64) for _ in range(2))
+    stored = []
+    for _ in range(30):
+        fit(model, optimizer, x, y, 1, hook)
+        if hook.history[-1].shrunk:
+            stored.append(hook.stored_tt_params())
+            assert hook.stored_tt_params() == hook.tt_params()
+    assert hook.compiled_as is None and len(stored) >= 4 and stored == sorted(stored, reverse=True)
+
+
+def test_a_slack_that_shrinks_a_compiled_model_again_warns_naming_the_setting():
+    """``shrink_slack=1.0`` (physically at every prune) overrides the default; compiled, the second physical
+    shrink (a second recompile) warns, naming the setting to drop."""
+    from comera_fx.backend import make_backend
+
+    backend = make_backend(inductor=False)
+    with pytest.warns(UserWarning, match=r"runs compiled \(whole\) and shrink_slack=1.0 .*leave RankConfig"):
+        _, first, last, pruned_at = compiled_budget_run(backend, 1.0, steps=20, prunes=3)
     torch._dynamo.reset()
     assert len(pruned_at) >= 2 and last - first == len(pruned_at)
 
@@ -489,8 +524,8 @@ def test_dynamic_parameter_shapes_compile_and_stay_exact_across_prunes():
     from comera_fx.backend import make_backend
 
     backend = make_backend(inductor=False)
-    with torch._dynamo.config.patch(force_parameter_static_shapes=False):
-        _, first, last, pruned_at = compiled_budget_run(backend, None, steps=20, prunes=3)
+    with torch._dynamo.config.patch(force_parameter_static_shapes=False), pytest.warns(UserWarning, match="slack"):
+        _, first, last, pruned_at = compiled_budget_run(backend, 1.0, steps=20, prunes=3)
     torch._dynamo.reset()
     assert len(pruned_at) >= 2 and first == 1 and last - first == len(pruned_at)
 
@@ -636,9 +671,9 @@ def regional_prune(same_shape_blocks: bool, slack: float | None = None):
     _one_gradient_step(model, hook, x, y)
     before = counter.frame_count
     hook.prune_to(0.4 * hook.initial_tt_params)
-    if slack is not None:
-        assert counter.frame_count == before and hook.stored_tt_params() == hook.initial_tt_params  # in place
-        hook.compact()  # the stored widths are cut, not padded
+    # compiled (compile_regions marked the blocks): in place, with or without a slack
+    assert counter.frame_count == before and hook.stored_tt_params() == hook.initial_tt_params
+    hook.compact()  # the stored widths are cut, not padded
     with torch.no_grad():
         out = model(x)
     after, expected = counter.frame_count, reference_stack(model, x)
@@ -660,7 +695,7 @@ def test_same_shape_blocks_give_repeated_blocks_one_shape_and_one_graph_after_a_
     torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-12)
     assert hook.tt_params() <= 0.4 * hook.initial_tt_params + 1 < hook.stored_tt_params()
 
-    # the default: one graph per block after the shrink
+    # same_shape_blocks=False: one graph per block after the shrink
     model, _, before, after, out, expected = regional_prune(False, slack)
     assert after == before + len(model.blocks)
     torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-12)
@@ -699,3 +734,97 @@ def test_the_last_prune_point_compacts_only_when_that_frees_enough(monkeypatch, 
     for role in ("up", "down"):  # either way each role keeps one stored shape across the blocks
         assert len({getattr(block, role).tt.layout for block in model.blocks}) == 1
     torch.testing.assert_close(model(x), reference_stack(model, x), rtol=1e-10, atol=1e-12)
+
+
+def test_by_default_regional_blocks_recompile_at_most_one_graph():
+    """No flags, blocks compiled regionally: the hook finds the regions, holds the shapes until the last prune point
+    and then gives every role one shape across the blocks: at most one graph compiled after the first step, for the
+    three blocks together, and the output equals the dense reference."""
+    from torch._dynamo.testing import CompileCounter
+
+    torch.manual_seed(0)
+    model = Stack().double()
+    comera_fx.tensorize_(model, comera_fx.TensorizeConfig(max_rank=8, min_numel=1, min_dim=1))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    hook = RankAdaptive(model, optimizer, comera_fx.RankConfig(keep_fraction=0.3, total_steps=20, prunes=4))
+    torch._dynamo.reset()
+    counter = CompileCounter()  # not comera_fx's backend: compile_regions itself tells the hook
+    comera_fx.compile_regions(model, backend=counter)
+    gen = torch.Generator().manual_seed(1)
+    x, y = (torch.randn(64, 32, generator=gen, dtype=torch.float64) for _ in range(2))
+    x.requires_grad_(True)  # every block then takes an input with grad (as after an embedding): one graph for all
+    fit(model, optimizer, x, y, 1, hook)
+    first = counter.frame_count
+    fit(model, optimizer, x, y, 19, hook)
+    out = model(x).detach()
+    last = counter.frame_count
+    torch._dynamo.reset()
+    assert hook.compiled_as == "regional" and first == 1 and last - first == 1
+    assert sum(1 for e in hook.history if e.shrunk) >= 3
+    assert hook.tt_params() <= 0.3 * hook.initial_tt_params + 1
+    assert hook.stored_tt_params() < hook.initial_tt_params  # the last prune point shrank physically
+    assert len({b.up.tt.ranks for b in model.blocks}) > 1  # the blocks' live ranks differ, their shapes not
+    for role in ("up", "down"):
+        assert len({getattr(block, role).tt.layout for block in model.blocks}) == 1
+    torch.testing.assert_close(out, reference_stack(model, x), rtol=1e-10, atol=1e-12)
+
+
+def test_the_hook_reads_nothing_back_from_the_device_between_prune_points(monkeypatch):
+    """CPU proxy for a GPU step without host synchronisation: during ``optimizer.step()`` of the budget schedule,
+    no tensor is read to the host (``item``, ``tolist``, ``bool``/``float``/``int`` of a tensor) except at prune
+    points; the history's live counts of the other steps are read when the history is asked for, and equal the
+    gates' own counts at each step."""
+    model, x, y, _, _ = teacher_problem(d=16)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    hook = RankAdaptive(model, optimizer, comera_fx.RankConfig(keep_fraction=0.5, total_steps=20, prunes=2))
+    reads: list[str] = []
+    for name in ("item", "tolist", "__bool__", "__float__", "__int__", "__index__"):
+        original = getattr(torch.Tensor, name)
+
+        def counting(self, *args, _original=original, _name=name, **kwargs):
+            reads.append(_name)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counting)
+    expected_live, read_steps = [], []
+    for step in range(1, 21):
+        loss = ((model(x) - y) ** 2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        before = len(reads)
+        optimizer.step()
+        if len(reads) > before:
+            read_steps.append(step)
+        with torch.no_grad():
+            expected_live.append(tuple(int((g.abs() > hook.settings.threshold).sum()) for g in model[0].tt.gates))
+    pruned = [e.step for e in hook.history if e.shrunk]
+    monkeypatch.undo()
+    assert len(pruned) == 2 and read_steps == pruned, (read_steps, pruned)
+    assert [e.step for e in hook.history] == list(range(1, 21))
+    assert [e.live_ranks["0"][1:-1] for e in hook.history] == expected_live
+
+
+def test_a_block_whose_layer_went_to_rank_zero_keeps_the_shape_of_the_others():
+    """Same-shape blocks: one block's ``down`` cut to rank 0 in place, another's to a lower rank. The compaction
+    stores all three at the widest live ranks (the zero one all zero, still counted as zero), so the blocks keep
+    one shape (one compiled graph); the stack still equals its dense reference, the zero layer adding its bias."""
+    from comera_fx.runtime.shrink import round_to_ranks_
+
+    torch.manual_seed(0)
+    model = Stack().double()
+    comera_fx.tensorize_(model, comera_fx.TensorizeConfig(max_rank=8, min_numel=1, min_dim=1))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    hook = RankAdaptive(model, optimizer, comera_fx.RankConfig(keep_fraction=0.4, total_steps=100,
+                                                               same_shape_blocks=True))
+    downs = [block.down.tt for block in model.blocks]
+    bonds = len(downs[0].gates)
+    round_to_ranks_(downs[0], [0] * bonds, in_place=True)
+    round_to_ranks_(downs[1], [2] * bonds, in_place=True)
+    widest = tuple(max(2, r) for r in downs[2].layout.internal_ranks)
+    hook.compact()
+    assert downs[0].is_zero and not downs[0].stored_empty and all((p == 0).all() for p in downs[0].parameters())
+    assert len({tt.layout for tt in downs}) == 1 and downs[0].layout.internal_ranks == widest
+    assert downs[1].ranks[1:-1] == (2,) * bonds
+    x = torch.randn(16, 32, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), reference_stack(model, x), rtol=1e-10, atol=1e-12)

@@ -122,6 +122,44 @@ def test_tiny_lm_exports_with_dynamic_batch_and_sequence(pruned):
             torch.testing.assert_close(run(x), expected, rtol=1e-9, atol=1e-11)
 
 
+@pytest.mark.parametrize("grad", [False, True])
+def test_stock_torch_export_of_a_pruned_lm_runs_the_whole_declared_range(grad):
+    """Plain ``torch.export.export`` (what users call first), with and without grad: no guard on the token count,
+    so every (batch, seq) in the declared ranges runs and matches the float64 dense reference."""
+    torch.manual_seed(4)
+    dense = TinyLM().double().eval()
+    ids = torch.randint(0, 512, (2, 8))
+    model = copy.deepcopy(dense)
+    comera_fx.tensorize_(model, TensorizeConfig(max_rank=6, min_numel=2**12), example_inputs=(ids,))
+    prune_unevenly_(model)
+    reference = dense_twin(dense, model)
+    with torch.set_grad_enabled(grad):
+        program = torch.export.export(model, (ids,), dynamic_shapes=({0: Dim("batch", min=1, max=16),
+                                                                      1: Dim("seq", min=1, max=32)},))
+    run = program.module()
+    # Token counts 1..512: across the eager planner's breakpoints (a guard on them failed at (1, 1) before).
+    for batch, seq in [(1, 1), (1, 2), (2, 3), (1, 32), (16, 1), (3, 7), (16, 32), (5, 12)]:
+        x = torch.randint(0, 512, (batch, seq), generator=torch.Generator().manual_seed(batch * seq))
+        with torch.no_grad():
+            torch.testing.assert_close(run(x), reference(x), rtol=1e-9, atol=1e-11)
+
+
+def test_stock_torch_export_without_a_declared_max_runs_small_and_large_batches():
+    torch.manual_seed(5)
+    dense = MLP().double().eval()
+    model = copy.deepcopy(dense)
+    comera_fx.tensorize_(model, TensorizeConfig(max_rank=8, min_numel=0))
+    prune_unevenly_(model)
+    reference = dense_twin(dense, model)
+    program = torch.export.export(model, (torch.randn(3, 128, dtype=torch.float64),),
+                                  dynamic_shapes=({0: Dim("b")},))
+    run = program.module()
+    for batch in (1, 2, 5, 300, 2048):
+        x = torch.randn(batch, 128, dtype=torch.float64)
+        with torch.no_grad():
+            torch.testing.assert_close(run(x), reference(x), rtol=1e-10, atol=1e-12)
+
+
 def test_a_range_past_the_position_table_is_refused_naming_the_dimension():
     torch.manual_seed(2)
     model = TinyLM(positions=32).double().eval()

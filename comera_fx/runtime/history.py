@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -40,6 +41,14 @@ class HistoryEntry:
         out["compression"] = self.compression
         return out
 
+
+def materialized(entries: list["HistoryEntry | Callable[[], HistoryEntry]"]) -> list[HistoryEntry]:
+    """``entries`` with every pending entry (a function that reads its gate counts back from the device) read now,
+    in place: the hook takes an entry every step without a host synchronisation, and pays it when asked."""
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, HistoryEntry):
+            entries[i] = entry()
+    return entries
 
 
 @dataclass(frozen=True)

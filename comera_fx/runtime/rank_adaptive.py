@@ -26,7 +26,6 @@ import math
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,11 +33,13 @@ import torch
 from torch import Tensor, nn
 
 from ..config import check_config_type
-from ..tt.inventory import DEFAULT_GATE_THRESHOLD, MatrixEntry, live_counts, physical_params, tt_matrices
+from ..tt.inventory import (DEFAULT_GATE_THRESHOLD, MatrixEntry, live_counts, live_counts_later, physical_params,
+                            tt_matrices)
 from ..tt.layers import TTMatrix
 from .distributed import RankSync
 from .comera import EARLY, LATE, PlateauDetector, achievement_lambda, add_gate_penalty_, scale_grads_
-from .history import HistoryEntry, RankSummary
+from .compiled import ShapePolicy
+from .history import HistoryEntry, RankSummary, materialized
 from .importance import BondSensitivity, slice_importance
 from .rank_config import BUDGET, COMERA, RankConfig
 from .schedule import BudgetSchedule, LayerSlices, allocate
@@ -77,9 +78,6 @@ def param_groups(
         {"name": "other", "params": other, "lr": lr_other, "weight_decay": weight_decay},
     ]
     return [g for g in groups if g["params"]]
-
-
-# ------------------------------------------------------------------------------------------------ size accounting
 
 
 # ------------------------------------------------------------------------------------------------------ settings
@@ -159,14 +157,17 @@ class RankAdaptive:
     steps and per pruning. The parameters of shrunk matrices are new objects: read ``model.parameters()`` afresh
     after a pruning step (do not keep lists of them across steps).
 
-    **Under torch.compile** (budget schedule): ``RankConfig.shrink_slack`` (a float >= 1, default None) keeps the stored
-    cores at their widths while the stored TT size stays within ``shrink_slack`` × the live size: a prune then
-    writes the rounded cores into the stored ones in place, zero past the new ranks (the zero slices get zero
-    gradients), so the compiled graphs run on without a recompile. When a prune would exceed the slack, and at the
-    schedule's last prune point if that frees at least ``MIN_FINAL_COMPACTION`` (10 %) of the stored size, every
-    matrix is shrunk physically at once (one recompile). Sizes, ranks and the history count the live ranks
-    throughout. At most 1 + ⌊log(S_0 / S_T) / log(shrink_slack)⌋ physical shrinks in a run, against one per prune
-    without it; ``shrink_eagerly()`` after training stores every matrix at its own live ranks.
+    **Under torch.compile** (budget schedule) the hook compiles once by itself: when the model runs compiled
+    (``runtime.compiled``: comera_fx's backend saw its parameters, or ``compile`` / ``compile_regions`` marked it;
+    ``compiled_as`` says which), a prune writes the rounded cores into the stored ones in place, zero past the new
+    ranks (the zero slices get zero gradients), so the compiled graphs run on without a recompile; the schedule's
+    last prune point shrinks every matrix physically at once (one recompile) if that frees at least
+    ``MIN_FINAL_COMPACTION`` (10 %) of the stored size. Regionally compiled blocks also get one shape per matrix
+    role at that shrink (``same_shape_blocks``), so one graph serves them all. Eagerly every prune shrinks
+    physically. Sizes, ranks and the history count the live ranks throughout. Overrides: ``RankConfig.shrink_slack``
+    (a float >= 1: shrink physically whenever the stored size would exceed it × the live size; 1.0: at every
+    prune, compiled or not) and ``same_shape_blocks`` (True / False). ``shrink_eagerly()`` after training stores
+    every matrix at its own live ranks.
 
     **Distributed** (docs/distributed.md): give it the ``DistributedDataParallel`` model. Every prune is decided on
     rank 0 and broadcast, the observed loss is averaged over the ranks, and after a prune the wrapper is rebuilt:
@@ -193,17 +194,18 @@ class RankAdaptive:
                                           and history_every >= 1)):
             raise ValueError(f"RankAdaptive: history_every must be an int >= 1 or None; got {history_every!r}")
         self.history_every = history_every
-        self.shrink_slack = s.shrink_slack
+        self.shrink_slack = s.shrink_slack  # None: chosen by how the model runs (compiled_as)
         # Under torch.distributed (runtime.distributed): decisions agreed across ranks, DDP rebuilt after a prune
         self.distributed, module = RankSync.for_model(model)
         self.model, self.optimizer = model, optimizer  # self.model: the current DDP wrapper after a prune
         self.module = module
         self.matrices = tt_matrices(module)
         self._check_model()
+        self.shapes = ShapePolicy([m.tt for m in self.matrices])
         self.initial_tt_params = sum(live_params(m.tt) for m in self.matrices)
         self.dense_params = sum(m.tt.layout.dense_params for m in self.matrices)  # what a float size_target scales
         self.step = 0
-        self.history: list[HistoryEntry] = []
+        self._history: list = []  # HistoryEntry, or a function giving it (gate counts still on the device)
         self.zeroed: dict[str, str] = {}  # layer -> why it went to rank 0
         self._start = time.perf_counter()
         self._pending_loss: float | None = None
@@ -281,6 +283,12 @@ class RankAdaptive:
         counts = live_counts([m.tt for m in self.matrices], self.settings.threshold)
         return sum(params_at_ranks(m.tt, c) for m, c in zip(self.matrices, counts))
 
+    @property
+    def compiled_as(self) -> str | None:
+        """How the model runs, as the shape policy sees it: None (eagerly), ``"whole"`` or ``"regional"``
+        (``runtime.compiled``); kept for the run once found, ended by ``shrink_eagerly()``."""
+        return self.shapes.compiled_as
+
     def elapsed_seconds(self) -> float:
         """Budget schedule: seconds on ``clock`` since the first step (carried over by checkpoints)."""
         running = 0.0 if self._clock_start is None else self._clock() - self._clock_start
@@ -318,7 +326,8 @@ class RankAdaptive:
         bond of every layer jointly by importance per parameter freed (``importance.slice_importance``,
         ``schedule.allocate``) and TT-round each reduced matrix to its new ranks (``shrink.round_to_ranks_``).
         The budget schedule calls this at its prune points. ``compact``: shrink every matrix physically (True),
-        or keep the stored widths (False); None decides by ``shrink_slack`` (physically when it is None)."""
+        or keep the stored widths (False); None decides by ``shrink_slack``, or when it is None by how the model runs
+        (compiled: in place; eagerly: physically)."""
         return self._prune_to(size, compact)
 
     def _prune_to(self, size: float, compact: bool | None, final: bool = False) -> list[ShrinkRecord]:
@@ -329,6 +338,7 @@ class RankAdaptive:
                                "schedule measures; with schedule='comera' use prune()")
         if self.distributed is not None:
             self.distributed.check()
+        _ = self.shapes.compiled_as  # looked up before any parameter is replaced (the backend knows the old ones)
         s = self.settings
         entries = [m for m in self.matrices if m.shrinkable and not m.tt.is_zero]
         unseen = self.importance.unseen(entries)  # e.g. experts no token reached since the last prune: kept as is
@@ -366,6 +376,8 @@ class RankAdaptive:
         compact_now = not in_place or (final and self._compaction_frees()
                                        >= MIN_FINAL_COMPACTION * self.stored_tt_params())
         compacted = self._compact_all() if compact_now else []
+        if compact_now and (records or compacted):
+            self.shapes.shrunk_physically(self.shrink_slack, self.settings.same_shape_blocks)
         if self.tt_params() > size + 0.5 and not self._warned_floor:
             self._warned_floor = True
             warnings.warn(f"RankAdaptive: the scheduled size {size:,.0f} is below what the rank floors allow "
@@ -388,7 +400,7 @@ class RankAdaptive:
         """For a run that stops compiling (or never started): from now on every prune shrinks each matrix to its own
         live ranks (``shrink_slack`` and ``same_shape_blocks`` off: they only save recompiles, and eagerly the
         wider stored cores cost time every step); matrices held wider shrink now."""
-        self.shrink_slack = None
+        self.shrink_slack, self.shapes.eager = None, True
         self.settings = dataclasses.replace(self.settings, shrink_slack=None, same_shape_blocks=False)
         return self.compact()
 
@@ -396,7 +408,8 @@ class RankAdaptive:
         """The shrinkable matrices, and the stored widths a compaction gives those of a same-shape group (the rest
         go to their own live ranks)."""
         shrinkable = [m for m in self.matrices if m.shrinkable]
-        widths = same_shape_widths([(m.name, m.tt) for m in shrinkable]) if self.settings.same_shape_blocks else {}
+        same = self.shapes.same_shape_blocks(self.settings.same_shape_blocks)
+        widths = same_shape_widths([(m.name, m.tt) for m in shrinkable]) if same else {}
         return shrinkable, widths
 
     def _compact_all(self) -> list[ShrinkRecord]:
@@ -419,11 +432,10 @@ class RankAdaptive:
                    for m in shrinkable)
 
     def _compacts(self, compact: bool | None, live_after: int) -> bool:
-        """Does this prune shrink physically? Yes without ``shrink_slack``, when asked, or when the stored size
-        would exceed ``shrink_slack`` × the live size after it."""
+        """Does this prune shrink physically? When asked, else as ``ShapePolicy.compacts`` decides."""
         if compact is not None:
             return compact
-        return self.shrink_slack is None or self.stored_tt_params() > self.shrink_slack * live_after
+        return self.shapes.compacts(self.shrink_slack, self.stored_tt_params(), live_after)
 
     def _device(self) -> torch.device:
         return next((g.device for g in self._gates()), torch.device("cpu"))
@@ -455,6 +467,12 @@ class RankAdaptive:
 
     def __exit__(self, *exc) -> None:
         self.remove()
+
+    @property
+    def history(self) -> list[HistoryEntry]:
+        """One entry per ``history_every`` steps and per pruning; the live counts of the steps between prunes are
+        read from the device here, when asked, not in the step (no host synchronisation per step)."""
+        return materialized(self._history)
 
     def history_as_dicts(self) -> list[dict[str, Any]]:
         return [entry.to_dict() for entry in self.history]
@@ -554,19 +572,28 @@ class RankAdaptive:
                 due += 1
             if due > self._next_prune:
                 self._next_prune = due
-                # compact=None: physically without shrink_slack; with it, by the slack (and the final floor)
+                # compact=None: by shrink_slack, or how the model runs (and the final floor)
                 records = self._prune_to(budget, None, final=due >= len(points))
         elif s.prune_every is not None and self.step % s.prune_every == 0:
             records = self.prune()
         if records or (self.history_every is not None and self.step % self.history_every == 0):
-            self.history.append(self._entry(records, budget))
+            entry = self._entry(records, budget)
+            self._history.append(entry() if records else entry)
 
-    def _entry(self, records: Sequence[ShrinkRecord], budget: float | None) -> HistoryEntry:
-        counts = live_counts([m.tt for m in self.matrices], self.settings.threshold)
-        ranks = {m.name: m.tt.ranks for m in self.matrices}
-        live = {m.name: (1, *c, 1) for m, c in zip(self.matrices, counts)}
-        live_params = sum(params_at_ranks(m.tt, c) for m, c in zip(self.matrices, counts))
-        dense = sum(m.tt.layout.dense_params for m in self.matrices)
-        return HistoryEntry(self.step, self.stage, self._step_loss, self._step_lam, ranks, live, self.tt_params(),
-                            live_params, dense, tuple(r.name for r in records),
-                            tuple(r.name for r in records if r.zeroed), time.perf_counter() - self._start, budget)
+    def _entry(self, records: Sequence[ShrinkRecord], budget: float | None) -> Callable[[], HistoryEntry]:
+        """This step's ``HistoryEntry``, as a function: the gates are counted now, on their device, and read back
+        when it is called."""
+        counts = live_counts_later([m.tt for m in self.matrices], self.settings.threshold)
+        names, tts = [m.name for m in self.matrices], [m.tt for m in self.matrices]
+        fixed = dict(step=self.step, stage=self.stage, loss=self._step_loss, lam=self._step_lam,
+                     ranks={n: tt.ranks for n, tt in zip(names, tts)}, tt_params=self.tt_params(),
+                     dense_params=sum(tt.layout.dense_params for tt in tts), shrunk=tuple(r.name for r in records),
+                     zeroed=tuple(r.name for r in records if r.zeroed), wall_time=time.perf_counter() - self._start,
+                     budget=budget)
+
+        def entry() -> HistoryEntry:
+            live = counts()
+            return HistoryEntry(live_ranks={n: (1, *c, 1) for n, c in zip(names, live)},
+                                live_tt_params=sum(params_at_ranks(tt, c) for tt, c in zip(tts, live)), **fixed)
+
+        return entry

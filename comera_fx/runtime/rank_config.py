@@ -64,14 +64,17 @@ class RankConfig:
             rank0_below (0.01): the budget schedule's shape and pruning (see ``RankAdaptive``).
         l1_weight (0.01), prune_every (100; None: never), target_loss, late_start_step, plateau_patience,
             plateau_tol (1e-3), reduction ("mean"), late_loss_weight (0.1), late_size_weight (0): CoMERA's options.
-        shrink_slack: budget schedule, for ``torch.compile``: keep the stored cores at their widths while the stored
-            TT size stays within ``shrink_slack`` (>= 1) × the live size, so prunes change no shape and recompile
-            nothing; None (default) shrinks physically at every prune (docs/rank_adaptive.md, "Under torch.compile").
-        same_shape_blocks: budget schedule, for ``comera_fx.compile_regions``: when the cores shrink physically,
-            the same matrix of every repeated block (names equal up to the block index, same modes) is stored at
-            one width per bond, the widest live rank among them, the narrower ones holding zero slices past their
-            live ranks. The blocks keep one shape, so a regionally compiled model recompiles one graph instead of
-            one per block. None/False (default): each matrix is stored at its own live ranks.
+        shrink_slack: budget schedule, an override of how prunes change stored shapes. None (default): chosen by
+            how the model runs — compiled (``RankAdaptive.compiled_as``), prunes round in place, zero slices past
+            the live ranks, and the last prune point shrinks physically (one recompile in the run); eagerly, every
+            prune shrinks physically. A float >= 1: keep the stored widths while the stored TT size stays within
+            ``shrink_slack`` × the live size (1.0: shrink physically at every prune, compiled or not)
+            (docs/rank_adaptive.md, "Under torch.compile").
+        same_shape_blocks: budget schedule: when the cores shrink physically, the same matrix of every repeated
+            block (names equal up to the block index, same modes) is stored at one width per bond, the widest live
+            rank among them, the narrower ones holding zero slices past their live ranks, so regionally compiled
+            blocks keep one shape and recompile one graph instead of one per block. None (default): on when the
+            blocks are compiled regionally (``compile_regions``), off otherwise; True / False: always / never.
         threshold: a gate entry with |g| <= threshold is dead.
     """
 

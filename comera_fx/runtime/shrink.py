@@ -187,13 +187,14 @@ def resize_bonds_(tt: TTMatrix, widths: Sequence[int], *, optimizer: torch.optim
     """Store every bond k of ``tt`` at ``widths[k]`` slices (>= its live rank), physically: the live slices
     first, zeros (cores and gates) past them, cut or padded as needed; optimizer state and gradients follow, new
     parameters in the old ones' places. The matrix is then held wider wherever a width exceeds the live rank.
-    Used to give the same matrix of repeated blocks one stored shape (``RankConfig.same_shape_blocks``). Returns
-    None when every bond already has its width."""
+    Used to give the same matrix of repeated blocks one stored shape (``RankConfig.same_shape_blocks``); a zero
+    matrix still stored (cut to rank 0 in place) is held at the widths, all zero. Returns None when every bond
+    already has its width, or when the matrix stores nothing."""
     live = tuple(tt.live_internal_ranks or tt.layout.internal_ranks)
     widths = tuple(int(w) for w in widths)
     if len(widths) != len(live) or any(w < r for w, r in zip(widths, live)):
         raise ValueError(f"{name or 'TTMatrix'}: widths {widths} must give every bond at least its live rank {live}")
-    if not tt.gates or tt.stored_empty or tt.is_zero:
+    if not tt.gates or tt.stored_empty:
         return None
     stored = tt.layout.internal_ranks
     if widths == stored:
@@ -224,16 +225,18 @@ def block_role(name: str) -> str:
 
 def same_shape_widths(named: Sequence[tuple[str, TTMatrix]]) -> dict[str, tuple[int, ...]]:
     """{name: stored width per bond} for matrices sharing a role (``block_role``) and modes with at least one
-    other: the widest live rank of the group on each bond. Zero matrices and lone matrices are left out."""
+    other: the widest live rank of the group on each bond. A member cut to rank 0 but still stored gets the widths
+    too (held all zero: a block whose layer went to rank 0 keeps the others' shape, so one graph still serves every
+    block); members storing nothing, groups of zero matrices and lone matrices are left out."""
     groups: dict[tuple, list[tuple[str, TTMatrix]]] = {}
     for name, tt in named:
-        if tt.gates and not tt.is_zero:
+        if tt.gates and not tt.stored_empty:
             key = (block_role(name), tt.format, tt.rows, tt.cols, tt.row_modes, tt.col_modes)
             groups.setdefault(key, []).append((name, tt))
     widths = {}
     for members in groups.values():
-        if len(members) > 1:
-            live = [tt.live_internal_ranks or tt.layout.internal_ranks for _, tt in members]
+        live = [tt.live_internal_ranks or tt.layout.internal_ranks for _, tt in members if not tt.is_zero]
+        if len(members) > 1 and live:
             widest = tuple(max(bond) for bond in zip(*live))
             widths.update((name, widest) for name, _ in members)
     return widths

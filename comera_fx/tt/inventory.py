@@ -7,7 +7,7 @@ bottom layer so each reaches it by importing downward.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -72,23 +72,34 @@ def segment_sums(flat: torch.Tensor, lengths: Sequence[int], dtype: torch.dtype)
 
 def live_counts(matrices: Sequence[TTMatrix], threshold: float = DEFAULT_GATE_THRESHOLD) -> list[tuple[int, ...]]:
     """Live gate entries (|g| > threshold) per internal bond of each matrix, read back with one transfer per
-    device and dtype. The gates of a device and dtype are counted in one segmented sum: a history entry is taken
-    every step, and a few kernels per gate would cost a GPU step more than its optimizer."""
+    device and dtype (``live_counts_later`` with the read done now)."""
+    return live_counts_later(matrices, threshold)()
+
+
+def live_counts_later(matrices: Sequence[TTMatrix],
+                      threshold: float = DEFAULT_GATE_THRESHOLD) -> Callable[[], list[tuple[int, ...]]]:
+    """``live_counts`` of the gates as they are now, counted on their device now (one segmented sum per device and
+    dtype: a few kernels per gate would cost a GPU step more than its optimizer) and read back to the host when the
+    returned function is called: a history entry taken every step then costs no synchronisation until it is read."""
     stored = [tt._stored_gates() for tt in matrices]
     gates = [g.detach() for tt_gates in stored for g in tt_gates]
-    if not gates:
-        return [() for _ in matrices]
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, gate in enumerate(gates):  # the comparison in each gate's own dtype, as |g| > threshold reads it
         groups.setdefault((gate.device, gate.dtype), []).append(i)
-    counts: list[int] = [0] * len(gates)
-    for members in groups.values():
-        flat = torch.cat([gates[i].reshape(-1) for i in members])
-        alive = segment_sums(flat.abs() > threshold, [gates[i].numel() for i in members], torch.long)
-        for i, n in zip(members, alive.tolist()):
-            counts[i] = n
-    flat_counts = iter(counts)
-    return [tuple(next(flat_counts) for _ in tt_gates) for tt_gates in stored]
+    pending = [(members, segment_sums(torch.cat([gates[i].reshape(-1) for i in members]).abs() > threshold,
+                                      [gates[i].numel() for i in members], torch.long))
+               for members in groups.values()]
+    shape = [len(tt_gates) for tt_gates in stored]
+
+    def read() -> list[tuple[int, ...]]:
+        counts: list[int] = [0] * len(gates)
+        for members, alive in pending:
+            for i, n in zip(members, alive.tolist()):
+                counts[i] = n
+        flat_counts = iter(counts)
+        return [tuple(next(flat_counts) for _ in range(n)) for n in shape]
+
+    return read
 
 
 def physical_params(tt: TTMatrix) -> int:

@@ -410,6 +410,11 @@ def choose_plan(envelope: "planner.PlanEnvelope", batch) -> "planner.Plan":
     a guard at a breakpoint, so there is one graph per planner interval, not per batch size."""
     if PLAN_OVERRIDE is not None:
         return PLAN_OVERRIDE(envelope, batch)
+    if isinstance(batch, torch.SymInt) and torch.compiler.is_exporting():
+        # stock torch.export: a comparison here would be a guard export refuses; one plan for the declared range
+        from .range_plan import export_plan
+
+        return export_plan(envelope, batch)
     for piece in envelope.pieces[:-1]:
         if piece.last is not None and batch <= piece.last:
             return piece.plan

@@ -1,0 +1,111 @@
+"""Which TT matrices run inside compiled code, and how: what lets ``RankAdaptive`` choose its shape policy itself.
+
+A prune that changes a core's shape makes every compiled graph holding it recompile. Eagerly, shrinking at every
+prune is what pays (smaller cores, faster steps); compiled, each shrink is a recompile, so the hook holds the stored
+shapes until the last prune point (and, for regionally compiled blocks, gives the same matrix of every block one
+shape). It learns that the model is compiled from two places:
+
+* ``comera_fx.backend`` notes every parameter a graph it compiles takes as input (``note_graph_inputs``);
+* ``comera_fx.compile_regions`` / ``comera_fx.compile`` mark the TT matrices of what they compile (``mark_compiled``),
+  whatever the backend. With another backend (``torch.compile(model)``, Inductor's own), call
+  ``mark_compiled(model)`` yourself, or set ``RankConfig.shrink_slack`` / ``same_shape_blocks``.
+
+Weak references only: nothing here keeps a model or a parameter alive.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from collections.abc import Iterable, Sequence
+
+from torch import Tensor, nn
+
+from ..tt.layers import TTMatrix
+
+WHOLE, REGIONAL = "whole", "regional"
+
+_graph_params: dict[int, weakref.ref] = {}  # by id: tensors cannot sit in a WeakSet (== is elementwise)
+_marked: "weakref.WeakKeyDictionary[TTMatrix, str]" = weakref.WeakKeyDictionary()
+
+
+def note_graph_inputs(inputs: Iterable) -> None:
+    """Called by comera_fx's backend with a compiled graph's inputs: remembers its parameters."""
+    for value in inputs:
+        if isinstance(value, nn.Parameter):
+            _graph_params[id(value)] = weakref.ref(value, lambda _, key=id(value): _graph_params.pop(key, None))
+
+
+def mark_compiled(model: nn.Module, regional: bool = False) -> None:
+    """Tell ``RankAdaptive`` that ``model``'s TT matrices run compiled: as a whole model (``regional=False``) or as
+    repeated blocks sharing one compiled graph (``regional=True``: the blocks then need one shape)."""
+    for module in model.modules():
+        if isinstance(module, TTMatrix):
+            _marked[module] = REGIONAL if regional else _marked.get(module, WHOLE)
+
+
+def compile_state(matrices: Sequence[TTMatrix]) -> str | None:
+    """How ``matrices`` (a model's TT matrices) run: None (no sign of a compile), ``"whole"`` or ``"regional"``.
+
+    Regional where ``compile_regions`` marked any of them, or where the backend saw some but not all of them: blocks
+    compiled one by one (``block.compile(backend=comera_fx.backend)``) share one graph, so only the first block's
+    parameters reach the backend."""
+    marks = {_marked.get(tt) for tt in matrices}
+    if REGIONAL in marks:
+        return REGIONAL
+    seen = [tt in _marked or any(_in_graph(p) for p in tt.parameters()) for tt in matrices]
+    if not any(seen):
+        return None
+    return WHOLE if all(seen) else REGIONAL
+
+
+def _in_graph(param: Tensor) -> bool:
+    ref = _graph_params.get(id(param))
+    return ref is not None and ref() is param
+
+
+class ShapePolicy:
+    """``RankAdaptive``'s choice of when a prune changes stored shapes, from how the model runs (``compile_state``,
+    looked up until a compile is found, then kept for the run) and the ``RankConfig`` overrides."""
+
+    def __init__(self, matrices: Sequence[TTMatrix]):
+        self.matrices = list(matrices)
+        self.eager = False  # shrink_eagerly(): the run no longer compiles
+        self._found: str | None = None
+        self._physical, self._warned = 0, False
+
+    @property
+    def compiled_as(self) -> str | None:
+        if self._found is None and not self.eager:
+            self._found = compile_state(self.matrices)
+        return None if self.eager else self._found
+
+    def same_shape_blocks(self, given: bool | None) -> bool:
+        """As given, else on for regionally compiled blocks only (one graph serves them all after a shrink)."""
+        return bool(given) if given is not None else self.compiled_as == REGIONAL
+
+    def compacts(self, slack: float | None, stored: int, live_after: int) -> bool:
+        """Does a prune shrink physically? With a slack, when the stored size would exceed it × the live size after
+        the prune; without, unless the model runs compiled (then only the last prune point does)."""
+        if slack is None:
+            return self.compiled_as is None
+        return stored > slack * live_after
+
+    def shrunk_physically(self, slack: float | None, same_shape_given: bool | None) -> None:
+        """A physical shrink of a compiled model is a recompile: warn, naming the setting, from the second one on
+        (from the first for regional blocks stored at their own widths: a recompiled graph per block)."""
+        compiled = self.compiled_as
+        if compiled is None or self._warned:
+            return
+        self._physical += 1
+        per_block = compiled == REGIONAL and not self.same_shape_blocks(same_shape_given)
+        if self._physical < 2 and not per_block:
+            return
+        self._warned = True
+        why = ("same_shape_blocks=False stores each block's matrices at their own widths (a recompiled graph per "
+               "block)" if per_block else
+               f"shrink_slack={slack} shrinks the cores physically again ({self._physical} physical shrinks so far, "
+               f"a recompile each)")
+        warnings.warn(f"RankAdaptive: the model runs compiled ({compiled}) and {why}; leave RankConfig.shrink_slack "
+                      f"and same_shape_blocks unset (None): the hook then holds the shapes until the last prune "
+                      f"point and recompiles once", stacklevel=5)
