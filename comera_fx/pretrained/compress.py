@@ -201,7 +201,7 @@ def compress_(student: nn.Module, teacher: nn.Module, batches: Batches, byte_bud
     if plan is None:
         start = time.perf_counter()
         plan = choose_formats(student, calibration, byte_budget, config=tensorize_config,
-                              batches=drawn[: config.output_batches] or None, output_fn=config.output_fn)
+                              batches=drawn[: config.output_batches] or None, output_fn=config.output_fn, fast=True)
         seconds["choose_formats"] = time.perf_counter() - start
     start = time.perf_counter()
     built = apply_formats_(student, plan, calibration)  # the first change to the student
