@@ -85,3 +85,20 @@ def test_pack_linears_and_save_load_keep_the_layers_packed(tmp_path):
     path = tmp_path / "whole.pt"
     torch.save(packed, path)
     assert torch.equal(torch.load(path, weights_only=False)(x), packed(x))
+
+
+def test_export_carries_the_int_kernels():
+    """comera_fx.export of a packed model: the int kernels are in the graph, and the program matches eager."""
+    from torch.export import Dim
+
+    torch.manual_seed(3)
+    model = build()
+    comera_fx.quantize_(model, 4, 32, dense_linears=True, include="^0$")
+    comera_fx.quantize_(model, 8, 64, dense_linears=True, include="^2$")
+    pack_linears_(model)
+    model.eval()
+    program = comera_fx.export(model, (torch.randn(4, 128),), dynamic_shapes=({0: Dim("b", max=64)},))
+    targets = {str(n.target) for n in program.graph.nodes if n.op == "call_function"}
+    assert {"aten._weight_int4pack_mm_for_cpu.default", "aten._weight_int8pack_mm.default"} <= targets
+    x = torch.randn(9, 128)
+    assert torch.equal(program.module()(x), model(x))
