@@ -61,6 +61,7 @@ class LayerEstimator:
         self.diag = torch.diagonal(self.gram).clamp_min(0)
         m_true = weight.t().float()
         self.total = float((m_true * (self.gram @ m_true)).sum()) or 1.0
+        self._cores: tuple[int, list[Tensor]] | None = None
 
     def int_error(self, bits: int, group: int | None) -> float:
         """Σ_i C_ii ||(M - M̂)_i||² / tr(Mᵀ C M) for the int grid (rows i: input features)."""
@@ -75,7 +76,19 @@ class LayerEstimator:
 
     def tt_approx(self, rank: int, bits: int | None = None, group: int | None = 64) -> Tensor:
         """M̂ (in × out, float32) of the whitened construction at ``rank`` without the ALS refit, its cores on the
-        ``bits``-bit grid with a scale per ``group`` weights (``None`` bits: float cores)."""
+        ``bits``-bit grid with a scale per ``group`` weights (``None`` bits: float cores). The float cores of the
+        last rank asked are kept, so the int8 and int4 candidates of one rank share their SVDs."""
+        if self._cores is None or self._cores[0] != rank:
+            self._cores = (rank, self._tt_cores(rank))
+        cores = self._cores[1]
+        if bits is not None:
+            cores = [fake_quant(core, bits, group) for core in cores]
+        rows = 1
+        for n in self.row_modes:
+            rows *= n
+        return _chain(cores).reshape(rows, -1)[: self.rows, : self.cols]
+
+    def _tt_cores(self, rank: int) -> list[Tensor]:
         d, caps = len(self.row_modes), self._caps(rank)
         rest, right_rank, col_cores = self.white, 1, []
         for j in reversed(range(len(self.col_modes))):
@@ -92,10 +105,7 @@ class LayerEstimator:
             shape = self.row_modes[:-1] + (self.row_modes[-1] * right_rank,)
             row_cores = [core.float() for core in tt_svd(b.reshape(shape).double(), tuple(caps[:d]) + (1,))]
             row_cores[-1] = row_cores[-1].reshape(row_cores[-1].shape[0], self.row_modes[-1], right_rank)
-        cores = row_cores + col_cores
-        if bits is not None:
-            cores = [fake_quant(core, bits, group) for core in cores]
-        return _chain(cores).reshape(b.shape[0], -1)[: self.rows, : self.cols]
+        return row_cores + col_cores
 
     def tt_error(self, approx: Tensor) -> float:
         """tr((M - M̂)ᵀ C (M - M̂)) / tr(Mᵀ C M) of a dense stand-in (in × out), in float32."""

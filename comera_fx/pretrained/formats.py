@@ -392,7 +392,7 @@ def _family(choice: FormatChoice) -> str:
     return "tt" if choice.format in CORE_BITS else "int"
 
 
-def _shortlist(candidates, budget, linears, approx, output_error, max_rounds: int = 6):
+def _shortlist(candidates, budget, linears, approx, output_error, max_rounds: int = 4):
     """Output errors for a short-list only. Every candidate starts at its calibration error (cheap, exact for the
     layer's own output) times a factor per layer and family (int / TT): the measured output error over the
     calibration error of that layer's measured candidates of the family (else of the layer, else the median of
