@@ -1,18 +1,22 @@
-"""Small where it runs: linear layers held as int8 / int4 codes in memory and multiplied by torch's int kernels.
+"""Small where it runs: linear layers held as int8 / int4 codes in memory, not as fp32 weights on a grid.
 
 ``quantize_`` / ``apply_formats_`` round a weight onto a grid but keep it in fp32 (4 bytes a weight in RAM for a
-weight stored in 1 or ½). ``PackedLinear`` holds only the codes and scales and runs ``aten._weight_int8pack_mm``
-(int8, one scale per output channel) or ``aten._weight_int4pack_mm_for_cpu`` (int4, one scale per group of input
-features). torchao was not used: no release installs against the pinned torch 2.13 CPU build, and these aten ops
-are what its CPU int4 / int8 weight-only paths call.
+weight stored in 1 or ½). ``PackedLinear`` holds only the codes (int8; int4 two to a byte) and one fp32 scale per
+group, and rebuilds the fp32 weight of one layer at a time inside its forward (freed after the GEMM).
+
+Why not torch's int kernels: ``aten._weight_int4pack_mm_for_cpu`` and ``aten._weight_int8pack_mm`` exist in the
+pinned torch 2.13 CPU build, give exactly these products, and were measured 13-150x slower than the fp32 GEMM with
+fp32 activations on this project's 2-core machine (benchmarks/history/2026-12-05-issue-46.md); unpacking the codes
+and calling the fp32 GEMM costs 1.2x the fp32 layer at 2048 rows and ~5x at 8. torchao was not used: no release
+installs against the pinned torch. The module keeps one code path so that a faster kernel can replace ``forward``
+alone.
 
 The grid is ``comera_fx.quantize``'s: row-major groups of ``group_size`` weights with symmetric codes. A group that
 divides the input width is a group of input features of one output channel; a group that is a multiple of it spans
-whole rows (one scale per row, repeated). Other group sizes have no kernel layout and are refused.
+whole rows (one scale per row, repeated). Other group sizes are refused.
 
 ``state_dict`` holds the portable form (the codes as ``comera_fx.quantize.pack`` stores them, the scales per group),
-not the kernel's tiled layout, so a saved model loads on any CPU; ``save_tensorized`` / ``load_tensorized`` keep the
-layer packed (never building the fp32 weight).
+so ``save_tensorized`` / ``load_tensorized`` keep the layer packed (never building the fp32 weight on load).
 """
 
 from __future__ import annotations
@@ -20,35 +24,28 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .quantize import SPEC_ATTR, QuantSpec, dequantize, pack, quantize_groups, unpack
 
-INT4_KERNEL_GROUPS = (256, 128, 64, 32)  # the group sizes _weight_int4pack_mm_for_cpu takes, largest first
 SCALES_SUFFIX = "weight_scales"
 
 
 def kernel_group(spec: QuantSpec, rows: int, cols: int) -> int:
-    """The kernel's group (input features per scale) for ``spec`` on a rows × cols weight; ValueError if none."""
+    """Input features per scale within a row for ``spec`` on a rows × cols weight; ValueError if groups straddle
+    rows unevenly (int4 also needs an even number of input features)."""
     group = rows * cols if spec.group_size is None else spec.group_size
     if group % cols and cols % group:
         raise ValueError(f"a group of {group} weights neither divides nor spans whole rows of {cols} input "
-                         f"features: no int kernel layout; use a group size that divides {cols}")
-    if spec.bits == 8:
-        return min(group, cols)
-    if rows % 16:
-        raise ValueError(f"int4 kernels need a multiple of 16 output features, got {rows}; keep this layer int8 "
-                         f"or fake-quantized")
-    span = math.gcd(group, cols)
-    found = next((g for g in INT4_KERNEL_GROUPS if span % g == 0), None)
-    if found is None:
-        raise ValueError(f"int4 kernels take groups of {INT4_KERNEL_GROUPS} input features; a group of {group} "
-                         f"weights over {cols} features has none that divides it")
-    return found
+                         f"features: no packed layout; use a group size that divides {cols}")
+    if spec.bits == 4 and cols % 2:
+        raise ValueError(f"int4 codes go two to a byte along a row: {cols} input features is odd")
+    return min(group, cols)
 
 
 def _row_scales(scales: Tensor, spec: QuantSpec, rows: int, cols: int, kgroup: int) -> Tensor:
-    """The scales as (rows, cols // kgroup): one per kernel group of each row (repeated where a group is larger)."""
+    """The scales as (rows, cols // kgroup): one per group of each row (repeated where a group spans rows)."""
     group = rows * cols if spec.group_size is None else spec.group_size
     start = torch.arange(rows)[:, None] * cols + torch.arange(0, cols, kgroup)[None, :]  # first weight of each
     return scales[start // group].float()
@@ -56,23 +53,18 @@ def _row_scales(scales: Tensor, spec: QuantSpec, rows: int, cols: int, kgroup: i
 
 class PackedLinear(nn.Module):
     """``y = x Wᵀ + b`` with W held as int8 / int4 codes and fp32 scales: exactly the weights
-    ``fake_quant(W, bits, group_size)`` gives, in 1 or ½ byte each (plus the scales), through int kernels.
-    Inference only: the codes are buffers, not parameters."""
+    ``fake_quant(W, bits, group_size)`` gives, in 1 or ½ byte each (plus the scales). Inference only: the codes are
+    buffers, not parameters."""
 
     def __init__(self, in_features: int, out_features: int, spec: QuantSpec, bias: bool = True,
                  device=None, dtype=None):
         super().__init__()
         self.in_features, self.out_features, self.spec = in_features, out_features, spec
         self.kgroup = kernel_group(spec, out_features, in_features)
-        groups = in_features // self.kgroup
-        if spec.bits == 8:
-            self.register_buffer("codes", torch.empty(groups, out_features, self.kgroup, dtype=torch.int8,
-                                                      device=device))
-            self.register_buffer("scales", torch.empty(groups, out_features, device=device))
-        else:
-            self.register_buffer("codes", torch.empty(out_features, in_features // 2, dtype=torch.uint8,
-                                                      device=device))
-            self.register_buffer("scales", torch.empty(groups, out_features, 2, device=device))
+        width = in_features if spec.bits == 8 else in_features // 2
+        self.register_buffer("codes", torch.empty(out_features, width, device=device,
+                                                  dtype=torch.int8 if spec.bits == 8 else torch.uint8))
+        self.register_buffer("scales", torch.empty(out_features, in_features // self.kgroup, device=device))
         self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
 
     @classmethod
@@ -96,53 +88,37 @@ class PackedLinear(nn.Module):
         if codes.dtype == torch.uint8 or codes.numel() != rows * cols:  # pack's stored form
             codes = unpack(codes, spec.bits, rows * cols)
         grid = codes.reshape(rows, cols)
-        per_group = _row_scales(scales.reshape(-1).cpu(), spec, rows, cols, self.kgroup).to(self.scales.device)
+        device = self.codes.device
+        self.scales = _row_scales(scales.reshape(-1).cpu(), spec, rows, cols, self.kgroup).to(device)
         if spec.bits == 8:
-            self.codes = grid.reshape(rows, -1, self.kgroup).transpose(0, 1).contiguous().to(self.codes.device)
-            self.scales = per_group.t().contiguous()
+            self.codes = grid.contiguous().to(device)
         else:
-            nibbles = (grid.to(torch.int32) + 8).contiguous()
-            self.codes = torch.ops.aten._convert_weight_to_int4pack_for_cpu(nibbles, 1).to(self.codes.device)
-            self.scales = torch.stack([per_group.t(), torch.zeros_like(per_group.t())], -1).contiguous()
+            nibbles = (grid.to(torch.int16) + 8).to(torch.uint8)
+            self.codes = (nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)).contiguous().to(device)
 
     def stored(self) -> tuple[Tensor, Tensor]:
         """(``pack``'s stored codes, fp32 scales per group of ``spec``): the portable form."""
-        weight = self.dequantized()
-        codes, scales = quantize_groups(weight, self.spec)
+        codes, scales = quantize_groups(self.dequantized(), self.spec)
         return pack(codes, self.spec.bits), scales
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> Tensor:
-        """The weight these codes stand for (out × in), computed from the kernel layout (a test reference)."""
+        """The weight these codes stand for (out × in): what ``forward`` multiplies by."""
+        rows, cols = self.out_features, self.in_features
         if self.spec.bits == 8:
-            return (self.codes.to(dtype) * self.scales.to(dtype)[..., None]).transpose(0, 1).reshape(
-                self.out_features, self.in_features)
-        eye = torch.eye(self.in_features, dtype=torch.float32, device=self.codes.device)
-        unit = self.scales.clone()
-        unit[..., 0] = 1.0
-        codes = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.codes, self.kgroup, unit).t()  # (q - 8) exactly
-        scales = self.scales[..., 0].t().repeat_interleave(self.kgroup, 1)
-        return (codes.to(dtype) * scales.to(dtype)).contiguous()
+            grid = self.codes.to(dtype)
+        else:
+            grid = torch.stack([self.codes & 0xF, self.codes >> 4], -1).reshape(rows, cols).to(dtype).sub_(8)
+        grid = grid.reshape(rows, -1, self.kgroup).mul_(self.scales.to(dtype)[..., None])
+        return grid.reshape(rows, cols)
 
     def forward(self, x: Tensor) -> Tensor:
-        lead = x.shape[:-1]
-        flat = x.reshape(-1, self.in_features).float().contiguous()
-        if self.spec.bits == 4:
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.codes, self.kgroup, self.scales)
-        elif self.codes.shape[0] == 1:
-            out = torch.ops.aten._weight_int8pack_mm(flat, self.codes[0], self.scales[0])
-        else:
-            parts = flat.reshape(flat.shape[0], -1, self.kgroup)
-            out = sum(torch.ops.aten._weight_int8pack_mm(parts[:, g].contiguous(), self.codes[g], self.scales[g])
-                      for g in range(self.codes.shape[0]))
-        if self.bias is not None:
-            out = out + self.bias
-        return out.to(x.dtype).reshape(*lead, self.out_features)
+        return F.linear(x, self.dequantized(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
 
     def nbytes(self) -> int:
         """Bytes held in memory by the codes and scales (the resident size of the weight)."""
         return self.codes.numel() * self.codes.element_size() + self.scales.numel() * self.scales.element_size()
 
-    # ---- state_dict: the portable form, so that a file saved on one CPU loads on another
+    # ---- state_dict: the portable form
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         codes, scales = self.stored()
@@ -165,7 +141,7 @@ class PackedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, int{self.spec.bits} "
-                f"group {self.spec.group_size} (kernel group {self.kgroup}), bias={self.bias is not None}")
+                f"group {self.spec.group_size}, bias={self.bias is not None}")
 
 
 def packable(module: nn.Module) -> QuantSpec | None:
