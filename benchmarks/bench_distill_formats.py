@@ -6,6 +6,7 @@ byte budget; and the packed student's resident memory and encode latency against
     flock /tmp/timing.lock python benchmarks/bench_distill_formats.py choose --scoring fast
     flock /tmp/timing.lock python benchmarks/bench_distill_formats.py serve
     flock /tmp/timing.lock python benchmarks/bench_distill_formats.py compress --budget-seconds 600
+    flock /tmp/timing.lock python benchmarks/bench_distill_formats.py kernels
 
 Calibration: 32 batches of 32 stdlib docstrings cut to 64 tokens (as benchmarks/bench_distill.py); the output
 scoring uses the first 2 of them. ``--layers n`` restricts the choice to the first n encoder layers (the old scoring
@@ -166,9 +167,38 @@ def one_call(args) -> dict:
     return result
 
 
+@torch.no_grad()
+def kernels(args) -> dict:
+    """One 384 -> 1536 linear (MiniLM's FFN-in): fp32 GEMM against torch's CPU int kernels (fp32 activations) and
+    against PackedLinear (codes unpacked per call, then the fp32 GEMM), at 8 and 2048 rows; median ms."""
+    from comera_fx.packed import PackedLinear
+    from comera_fx.quantize import QuantSpec, quantize_groups
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(384, 1536)
+    result = {}
+    for rows in (8, 2048):
+        x = torch.randn(rows, 384)
+        columns = {"fp32": lambda: linear(x)}
+        codes, _ = quantize_groups(linear.weight.detach(), QuantSpec(8, None))
+        row_scale = linear.weight.detach().abs().amax(1) / 127
+        columns["aten int8 per channel"] = lambda: torch.ops.aten._weight_int8pack_mm(x, codes.reshape(1536, 384),
+                                                                                        row_scale)
+        nibbles = torch.randint(0, 16, (1536, 384), dtype=torch.int32)
+        tiled = torch.ops.aten._convert_weight_to_int4pack_for_cpu(nibbles, 1)
+        scale_zeros = torch.stack([torch.rand(3, 1536), torch.zeros(3, 1536)], -1)
+        columns["aten int4 g128"] = lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x, tiled, 128, scale_zeros)
+        for bits, group in ((8, None), (4, 128)):
+            packed = PackedLinear.from_linear(linear, QuantSpec(bits, group))
+            columns[f"PackedLinear int{bits} g{group}"] = lambda packed=packed: packed(x)
+        times = common.time_rotated(columns, repeats=args.repeats, inner=1)
+        result[rows] = {k: round(v * 1e3, 3) for k, v in times.items()}
+    return {"ms": result, "threads": torch.get_num_threads(), "loadavg": common.loadavg()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("what", choices=["choose", "serve", "compress"])
+    parser.add_argument("what", choices=["choose", "serve", "compress", "kernels"])
     parser.add_argument("--budget-seconds", type=float, default=600.0)
     parser.add_argument("--scoring", choices=["all", "shortlist", "fast"], default="fast")
     parser.add_argument("--layers", type=int, default=None)
@@ -180,7 +210,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    result = {"choose": choose, "serve": serve, "compress": one_call}[args.what](args)
+    result = {"choose": choose, "serve": serve, "compress": one_call, "kernels": kernels}[args.what](args)
     print(json.dumps({"argv": sys.argv[1:], **result}))
 
 
