@@ -180,7 +180,7 @@ def load_tensorized(path: str | Path, build_fn: Callable[[], nn.Module], *,
     allocated. The tensors come back with the state's dtypes; every parameter requires grad (as built). The TT
     matrices come back planned (``TTMatrix.prepare_plans``), so the model compiles before any eager call.
     ``PackedLinear`` layers come back packed; ``pack=True`` also loads every ``nn.Linear`` weight ``quantize_`` put
-    on an int grid an int kernel runs as a ``PackedLinear`` (codes in memory, int kernels; ``comera_fx.packed``)."""
+    on an int grid (whose groups fit its rows) as a ``PackedLinear``: codes in memory, no fp32 weight built."""
     manifest, tensors = _read(path)
     if manifest.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"{path}: manifest version {manifest.get('format_version')} is not {FORMAT_VERSION}; "

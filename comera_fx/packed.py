@@ -145,7 +145,7 @@ class PackedLinear(nn.Module):
 
 
 def packable(module: nn.Module) -> QuantSpec | None:
-    """The grid of an ``nn.Linear`` whose weight ``quantize_`` recorded and an int kernel can run, else None."""
+    """The grid of an ``nn.Linear`` whose weight ``quantize_`` recorded and whose groups fit its rows, else None."""
     if type(module) is not nn.Linear:
         return None
     spec = getattr(module, SPEC_ATTR, {}).get("weight")
@@ -162,8 +162,8 @@ def packable(module: nn.Module) -> QuantSpec | None:
 def pack_linears_(model: nn.Module) -> dict[str, str]:
     """Swap every ``nn.Linear`` whose weight ``quantize_`` / ``apply_formats_`` put on an int grid for a
     ``PackedLinear`` holding the same values as codes; returns {module path: why it stayed} for quantized linears
-    that no int kernel runs (they stay fake-quantized fp32). Inference only: pack after training. A weight shared
-    with another module (tied) is left as it is."""
+    whose groups do not fit their rows (they stay fake-quantized fp32). Inference only: pack after training. A weight
+    shared with another module (tied) is left as it is."""
     counts: dict[int, int] = {}
     for _, module in model.named_modules(remove_duplicate=False):
         for p in module._parameters.values():
@@ -222,7 +222,7 @@ def install_packed(model: nn.Module, entries: dict[str, dict]) -> None:
 
 
 def packed_from_quantized(model: nn.Module, manifest: dict, tensors: dict[str, Tensor], scale_prefix: str) -> None:
-    """``load_tensorized(pack=True)``: turn each saved quantized ``nn.Linear`` weight an int kernel runs into a
+    """``load_tensorized(pack=True)``: turn each saved quantized ``nn.Linear`` weight whose groups fit into a
     packed entry of the manifest (its codes and scales are already the portable form ``PackedLinear`` loads)."""
     quantized, packed = manifest.get("quantized", {}), manifest.setdefault("packed", {})
     aliased = set(manifest.get("aliases", {}).values()) | set(manifest.get("aliases", {}))
