@@ -5,9 +5,9 @@ weight stored in 1 or ½). ``PackedLinear`` holds only the codes (int8; int4 two
 group, and rebuilds the fp32 weight of one layer at a time inside its forward (freed after the GEMM).
 
 Why not torch's int kernels: ``aten._weight_int4pack_mm_for_cpu`` and ``aten._weight_int8pack_mm`` exist in the
-pinned torch 2.13 CPU build, give exactly these products, and were measured 13-150x slower than the fp32 GEMM with
+pinned torch 2.13 CPU build, give exactly these products, and were measured 6-74x slower than the fp32 GEMM with
 fp32 activations on this project's 2-core machine (benchmarks/history/2026-12-05-issue-46.md); unpacking the codes
-and calling the fp32 GEMM costs 1.2x the fp32 layer at 2048 rows and ~5x at 8. torchao was not used: no release
+and calling the fp32 GEMM costs 1.07x the fp32 layer at 2048 rows and 1.6-2.2x at 8. torchao was not used: no release
 installs against the pinned torch. The module keeps one code path so that a faster kernel can replace ``forward``
 alone.
 
