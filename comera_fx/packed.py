@@ -7,9 +7,9 @@ group, and rebuilds the fp32 weight of one layer at a time inside its forward (f
 Why not torch's int kernels: ``aten._weight_int4pack_mm_for_cpu`` and ``aten._weight_int8pack_mm`` exist in the
 pinned torch 2.13 CPU build, give exactly these products, and were measured 6-74x slower than the fp32 GEMM with
 fp32 activations on this project's 2-core machine (benchmarks/history/2026-12-05-issue-46.md); unpacking the codes
-and calling the fp32 GEMM costs 1.07x the fp32 layer at 2048 rows and 1.6-2.2x at 8. torchao was not used: 0.18.0 imports against the
-pinned torch, but its int4 weight-only path needs a further package (``mslk``). The module keeps one code path so that a faster kernel can replace ``forward``
-alone.
+and calling the fp32 GEMM costs 1.07x the fp32 layer at 2048 rows and 1.6-2.2x at 8. torchao was not used: 0.18.0
+imports against the pinned torch, but its int4 weight-only path needs a further package (``mslk``). The module keeps
+one code path so that a faster kernel can replace ``forward`` alone.
 
 The grid is ``comera_fx.quantize``'s: row-major groups of ``group_size`` weights with symmetric codes. A group that
 divides the input width is a group of input features of one output channel; a group that is a multiple of it spans
