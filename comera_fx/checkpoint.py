@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from .moe.checkpoint import HOLDER_TYPES as EXPERT_HOLDER_TYPES
 from .moe.checkpoint import expert_holders, install_expert_holder
 from .passes.holders import attach_tt_property
+from .packed import install_packed, packed_from_quantized, packed_manifest
 from .quantize import QuantSpec, dequantize, pack, quantize_groups, quantized_specs, set_spec, unpack
 from .tt.layers import TTEmbedding, TTLinear, TTMatrix, prepare_plans_under
 from .tt.layout import TTFormat, TTLayout
@@ -81,7 +82,8 @@ def manifest_of(model: nn.Module) -> dict:
                 holders.append({"path": path, "type": "property", "attr": attr, "transposed": transposed,
                                 "tt": matrices[id(module._modules[f"{attr}_tt"])]})
     holders.extend(expert_holders(model, matrices))  # MoE: banks of per-expert TT matrices
-    return {"format_version": FORMAT_VERSION, "tt_matrices": entries, "holders": holders}
+    return {"format_version": FORMAT_VERSION, "tt_matrices": entries, "holders": holders,
+            "packed": packed_manifest(model)}
 
 
 def save_tensorized(model: nn.Module, path: str | Path) -> dict:
@@ -171,12 +173,14 @@ def _read(path: str | Path) -> tuple[dict, dict[str, Tensor]]:
 
 
 def load_tensorized(path: str | Path, build_fn: Callable[[], nn.Module], *,
-                    device: torch.device | str = "cpu") -> nn.Module:
+                    device: torch.device | str = "cpu", pack: bool = False) -> nn.Module:
     """Rebuild a model saved by ``save_tensorized``: ``build_fn()`` builds the dense architecture (it is called
     under ``torch.device("meta")``, so its weights take no memory), the recorded TT layers replace their dense
     holders, and the saved state is loaded onto ``device``. Dense versions of the converted weights are never
     allocated. The tensors come back with the state's dtypes; every parameter requires grad (as built). The TT
-    matrices come back planned (``TTMatrix.prepare_plans``), so the model compiles before any eager call."""
+    matrices come back planned (``TTMatrix.prepare_plans``), so the model compiles before any eager call.
+    ``PackedLinear`` layers come back packed; ``pack=True`` also loads every ``nn.Linear`` weight ``quantize_`` put
+    on an int grid (whose groups fit its rows) as a ``PackedLinear``: codes in memory, no fp32 weight built."""
     manifest, tensors = _read(path)
     if manifest.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"{path}: manifest version {manifest.get('format_version')} is not {FORMAT_VERSION}; "
@@ -200,6 +204,9 @@ def load_tensorized(path: str | Path, build_fn: Callable[[], nn.Module], *,
             install_expert_holder(model, holder, matrices)
         else:
             _install(model, holder, matrices[holder["tt"]])
+    if pack:
+        packed_from_quantized(model, manifest, tensors, _SCALE_PREFIX)
+    install_packed(model, manifest.get("packed", {}))
     model.to_empty(device=device)
     specs = _restore_quantized(tensors, manifest.get("quantized", {}))
     state = {k: v for k, v in tensors.items() if not k.startswith(_BUFFER_PREFIX)}

@@ -14,7 +14,7 @@ from torch import nn
 
 import comera_fx
 from comera_fx.pretrained.formats import FormatChoice, _hull, select, select_on_hulls
-from comera_fx.quantize import QuantSpec, quantized_specs, stored_bytes
+from comera_fx.quantize import QuantSpec, fake_quant, quantized_specs, stored_bytes
 from comera_fx.tt.layers import TTLinear
 
 
@@ -193,3 +193,46 @@ def test_output_errors_are_measured_at_the_output_and_leave_the_model_as_it_was(
         built = (module.tt.dense().t() if isinstance(module, TTLinear) else module.weight).detach().double()
         want = float((x @ (w - built).T).square().sum() / total.square().sum())
         assert plan.choices[f"{name}.weight"].error == pytest.approx(want, rel=2e-3, abs=1e-9), name
+
+
+def test_the_output_short_list_chooses_what_scoring_every_candidate_chooses():
+    """Default output scoring runs only a short-list at the output; on these layers it picks what running every
+    candidate picks, with the same measured errors for the chosen ones, in fewer passes."""
+    model, batches, cal = calibrated()
+    every = comera_fx.choose_formats(model, cal, 0.15, ranks=(1, 2, 4, 8), config=CONFIG, batches=batches[:2],
+                                     score_all=True)
+    short = comera_fx.choose_formats(model, cal, 0.15, ranks=(1, 2, 4, 8), config=CONFIG, batches=batches[:2])
+    assert (every.scoring, short.scoring) == ("output", "shortlist")
+    assert {k: c.label() for k, c in short.choices.items()} == {k: c.label() for k, c in every.choices.items()}
+    for fqn, c in short.choices.items():
+        assert c.error == pytest.approx(every.choices[fqn].error, rel=1e-9, abs=1e-15)
+    assert short.output_passes < every.output_passes == sum(len(v) for v in every.candidates.values())
+    assert short.total_bytes <= short.budget_bytes
+
+
+def test_fast_estimates_are_near_the_exact_errors_and_choose_alike():
+    """``fast=True``: int errors from the diagonal of C within 10 % of tr(Eᵀ C E) (float64, from the weights), TT
+    candidates' bytes an upper bound of the built TT's (ranks at their caps); the same formats chosen."""
+    from comera_fx.pretrained.format_estimates import LayerEstimator
+
+    model, batches, cal = calibrated()
+    for name in ("low", "flat", "mid"):
+        layer = getattr(model, name)
+        est = LayerEstimator(layer, cal[f"{name}.weight"], None)
+        w, c = layer.weight.detach().double(), cal[f"{name}.weight"].second_moment.double()
+        total = float((w @ c @ w.T).trace())
+        for bits, group in ((8, 64), (4, 32)):
+            e = w - fake_quant(layer.weight.detach(), bits, group).double()
+            exact = float((e @ c @ e.T).trace()) / total
+            assert est.int_error(bits, group) == pytest.approx(exact, rel=0.1), (name, bits)
+    exact = comera_fx.choose_formats(model, cal, 0.15, ranks=(1, 2, 4, 8), config=CONFIG, batches=batches[:2],
+                                     score_all=True)
+    fast = comera_fx.choose_formats(model, cal, 0.15, ranks=(1, 2, 4, 8), config=CONFIG, fast=True,
+                                    batches=batches[:2])
+    for fqn, c in fast.candidates.items():
+        for e in exact.candidates[fqn]:
+            if e.format.startswith("tt") and e.error > 1e-6:
+                mine = next(f for f in c if (f.format, f.max_rank) == (e.format, e.max_rank))
+                assert mine.bytes >= e.bytes
+    assert {k: c.format[:2] for k, c in fast.choices.items()} == {k: c.format[:2] for k, c in exact.choices.items()}
+    assert fast.total_bytes <= fast.budget_bytes

@@ -1,0 +1,220 @@
+"""Issue 46: choose_formats' time and choice on all-MiniLM-L6-v2, old (every candidate scored at the output) against
+new (``fast=True``: estimates from one factorisation per layer, output scoring of a short-list only), at the same
+byte budget; and the packed student's resident memory and encode latency against the fp32 teacher.
+
+    flock /tmp/timing.lock python benchmarks/bench_distill_formats.py choose --scoring all --layers 2
+    flock /tmp/timing.lock python benchmarks/bench_distill_formats.py choose --scoring fast
+    flock /tmp/timing.lock python benchmarks/bench_distill_formats.py serve
+    flock /tmp/timing.lock python benchmarks/bench_distill_formats.py compress --budget-seconds 600
+    flock /tmp/timing.lock python benchmarks/bench_distill_formats.py kernels
+
+Calibration: 32 batches of 32 stdlib docstrings cut to 64 tokens (as benchmarks/bench_distill.py); the output
+scoring uses the first 2 of them. ``--layers n`` restricts the choice to the first n encoder layers (the old scoring
+on all six takes about 9 minutes on 2 cores). Each run prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+common.use_this_checkout()
+cp = common.load_example("compress_pretrained")
+
+import comera_fx  # noqa: E402
+from comera_fx.packed import pack_linears_, packed_modules  # noqa: E402
+
+
+def data(args):
+    teacher, tokenizer, builder, name = cp.load_teacher(False)
+    texts = cp.mine_stdlib(max_files=args.max_files)["train"]
+    encoded = cp.tokenize_all(tokenizer, texts, max_length=64)
+    draw = cp.batch_sampler(encoded, 32, seed=0, by_length=True)
+    return teacher, builder, [draw() for _ in range(args.calibration_batches)], encoded
+
+
+def encoder_config(layers: int | None, only: str | None = None) -> comera_fx.TensorizeConfig:
+    """The encoder's linears, or those of its first ``layers`` layers, or those matching ``only`` (a regex)."""
+    if only is None:
+        only = r"bert\.encoder\." if layers is None else \
+            rf"bert\.encoder\.layer\.(?:{'|'.join(map(str, range(layers)))})\."
+    return comera_fx.TensorizeConfig(skip=[rf"^(?!{only})"])
+
+
+def choose(args) -> dict:
+    teacher, _, batches, _ = data(args)
+    config = encoder_config(args.layers, args.only)
+    calibration = comera_fx.calibrate(teacher, batches, token_mask=cp.real_tokens, config=config)
+    start = time.perf_counter()
+    plan = comera_fx.choose_formats(teacher, calibration, args.budget, config=config, batches=batches[:2],
+                                    score_all=args.scoring == "all", fast=args.scoring == "fast")
+    seconds = time.perf_counter() - start
+    student = copy.deepcopy(teacher)
+    comera_fx.apply_formats_(student, plan, calibration)
+    built_error = exact_output_error(teacher, student, plan, batches[:2])
+    with torch.no_grad():
+        ref = torch.cat([teacher(**b) for b in batches[-4:]])
+        out = torch.cat([student(**b) for b in batches[-4:]])
+    cosine = float(torch.nn.functional.cosine_similarity(out, ref, dim=-1).mean())
+    return {"scoring": args.scoring, "layers": args.only or args.layers or 6, "seconds": round(seconds, 1),
+            "output_passes": plan.output_passes,
+            "planned_error": plan.total_error, "built_output_error": built_error,
+            "bytes": plan.total_bytes, "dense": plan.dense_bytes,
+            "counts": plan.counts(), "formats": {k: c.label() for k, c in plan.choices.items()},
+            "cosine_no_training_last4": round(cosine, 4), "loadavg": common.loadavg()}
+
+
+@torch.no_grad()
+def exact_output_error(teacher, student, plan, batches) -> float:
+    """The plan's error measured the old way on what apply_formats_ built: per layer, the relative squared change
+    of the output with that layer alone replaced by its built weight, summed (what ``score_all`` sums)."""
+    from comera_fx.pretrained.formats import _OutputError
+
+    scorer = _OutputError(teacher, batches, None)
+    total = 0.0
+    for fqn in plan.choices:
+        path = plan.module_paths[fqn]
+        built = student.get_submodule(path)
+        weight = built.tt.dense().t() if hasattr(built, "tt") else built.weight
+        total += scorer(teacher.get_submodule(path), weight.detach())
+    return total
+
+
+def rss() -> int:
+    return common.proc_status("VmRSS")
+
+
+def serve(args) -> dict:
+    """Resident memory of the loaded models and encode latency at batch 1 and 64 (median of rotated repeats)."""
+    teacher, builder, batches, encoded = data(args)
+    config = encoder_config(None)
+    calibration = comera_fx.calibrate(teacher, batches, token_mask=cp.real_tokens, config=config)
+    plan = comera_fx.choose_formats(teacher, calibration, args.budget, config=config, batches=batches[:2], fast=True)
+    student = copy.deepcopy(teacher)
+    comera_fx.apply_formats_(student, plan, calibration)
+    return measure_serving(teacher, student, builder, batches[0], encoded, args.repeats)
+
+
+def measure_serving(teacher, student, builder, batch, encoded, repeats: int) -> dict:
+    """Save ``student``, load it packed (``load_tensorized(pack=True)``), and compare with the fp32 ``teacher``:
+    bytes of the encoder linears stored / held, the process RSS the load added, latency at batch 1 and 64."""
+    path = Path(os.environ.get("TMPDIR", "/tmp")) / "i46_student.safetensors"
+    comera_fx.save_tensorized(student, path)
+    stored = comera_fx.quantize.stored_bytes(student, "bert.encoder.") + sum(  # packed layers hold buffers
+        m.spec.nbytes(m.in_features * m.out_features) for p, m in packed_modules(student).items()
+        if p.startswith("bert.encoder."))
+    del student
+    gc.collect()
+    before = rss()
+    loaded = comera_fx.load_tensorized(path, builder, pack=True).eval()
+    gc.collect()
+    after_student = rss()
+    fp32 = teacher.eval()
+    teacher_bytes = sum(p.numel() * 4 for n, p in fp32.named_parameters() if n.startswith("bert.encoder.")
+                        and p.dim() >= 2)
+    resident = sum(p.numel() * p.element_size() for n, p in loaded.named_parameters()
+                   if n.startswith("bert.encoder.") and p.dim() >= 2)
+    resident += sum(m.nbytes() for p, m in packed_modules(loaded).items() if p.startswith("bert.encoder."))
+    one = {k: v[:1] for k, v in batch.items()}
+    big = {k: v[:64] for k, v in cp.batch_sampler(encoded, 64, seed=1, by_length=True)().items()}
+    with torch.inference_mode():
+        times = common.time_rotated({"teacher b1": lambda: fp32(**one), "student b1": lambda: loaded(**one),
+                                     "teacher b64": lambda: fp32(**big), "student b64": lambda: loaded(**big)},
+                                    repeats=repeats, inner=1)
+    return {"stored_encoder_bytes": stored, "resident_encoder_bytes": resident, "teacher_encoder_bytes": teacher_bytes,
+            "resident_over_stored": round(resident / stored, 3),
+            "rss_delta_load_student": after_student - before, "packed_layers": len(packed_modules(loaded)),
+            "latency_ms": {k: round(v * 1e3, 2) for k, v in times.items()},
+            "b64_shape": list(big["input_ids"].shape), "threads": torch.get_num_threads(), "loadavg": common.loadavg()}
+
+
+def one_call(args) -> dict:
+    """compress_ on the README recipe's data (examples/compress_pretrained.py defaults), scored as there."""
+    from comera_fx.pretrained import DistillConfig, compress_
+
+    ns = argparse.Namespace(tiny=False, quick=False, max_files=None, retrieval=500, eval_texts=1000, train_len=64,
+                            code_fraction=0.0, code_len=128, other_texts=500, batch_size=32, by_length=True, seed=0,
+                            train_embedding=False)
+    teacher, builder, _, prepared, reference = cp.prepare(ns)
+    student = copy.deepcopy(teacher)
+    cp.freeze_word_embedding(student, ns)
+    config = DistillConfig(loss_fn=cp.distill_loss, progress=False)
+    summary = compress_(student, teacher, cp.training_sampler(prepared, ns, seed=0), byte_budget=args.budget,
+                        budget_seconds=args.budget_seconds, config=config,
+                        tensorize_config=comera_fx.TensorizeConfig(skip=[r"^(?!bert\.encoder\.)"]))
+    print(summary, flush=True)
+    scores = cp.evaluate(student.eval(), prepared, reference)
+    result = {"budget_seconds": args.budget_seconds, "byte_budget": args.budget, "steps": summary.steps,
+              "stored_over_dense": summary.stored_bytes / summary.dense_bytes,
+              "resident_over_stored": summary.resident_bytes / summary.stored_bytes,
+              "seconds": {k: round(v, 1) for k, v in summary.seconds.items()}, "counts": summary.plan.counts(),
+              **{k: round(v, 4) for k, v in scores.items()}, "loadavg": common.loadavg()}
+    print(json.dumps(result), flush=True)  # before the serving figures, which may fail on their own
+    try:
+        result["serving"] = measure_serving(teacher, student, builder, cp.training_sampler(prepared, ns, seed=1)(),
+                                            prepared["train_enc"], args.repeats)
+    except Exception as exc:  # noqa: BLE001  (a benchmark: report and keep the quality figures)
+        result["serving_error"] = repr(exc)
+    return result
+
+
+@torch.no_grad()
+def kernels(args) -> dict:
+    """One 384 -> 1536 linear (MiniLM's FFN-in): fp32 GEMM against torch's CPU int kernels (fp32 activations) and
+    against PackedLinear (codes unpacked per call, then the fp32 GEMM), at 8 and 2048 rows; median ms."""
+    from comera_fx.packed import PackedLinear
+    from comera_fx.quantize import QuantSpec, quantize_groups
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(384, 1536)
+    result = {}
+    for rows in (8, 2048):
+        x = torch.randn(rows, 384)
+        columns = {"fp32": lambda: linear(x)}
+        codes, _ = quantize_groups(linear.weight.detach(), QuantSpec(8, None))
+        row_scale = linear.weight.detach().abs().amax(1) / 127
+        columns["aten int8 per channel"] = lambda: torch.ops.aten._weight_int8pack_mm(x, codes.reshape(1536, 384),
+                                                                                        row_scale)
+        nibbles = torch.randint(0, 16, (1536, 384), dtype=torch.int32)
+        tiled = torch.ops.aten._convert_weight_to_int4pack_for_cpu(nibbles, 1)
+        scale_zeros = torch.stack([torch.rand(3, 1536), torch.zeros(3, 1536)], -1)
+        columns["aten int4 g128"] = lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x, tiled, 128, scale_zeros)
+        for bits, group in ((8, None), (4, 128)):
+            packed = PackedLinear.from_linear(linear, QuantSpec(bits, group))
+            columns[f"PackedLinear int{bits} g{group}"] = lambda packed=packed: packed(x)
+        times = common.time_rotated(columns, repeats=args.repeats, inner=1)
+        result[rows] = {k: round(v * 1e3, 3) for k, v in times.items()}
+    return {"ms": result, "threads": torch.get_num_threads(), "loadavg": common.loadavg()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("what", choices=["choose", "serve", "compress", "kernels"])
+    parser.add_argument("--budget-seconds", type=float, default=600.0)
+    parser.add_argument("--scoring", choices=["all", "shortlist", "fast"], default="fast")
+    parser.add_argument("--layers", type=int, default=None)
+    parser.add_argument("--only", default=None, help="a regex: only these linears (a slice the old scoring can time)")
+    parser.add_argument("--budget", type=float, default=0.125)
+    parser.add_argument("--calibration-batches", type=int, default=32)
+    parser.add_argument("--max-files", type=int, default=300)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    result = {"choose": choose, "serve": serve, "compress": one_call, "kernels": kernels}[args.what](args)
+    print(json.dumps({"argv": sys.argv[1:], **result}))
+
+
+if __name__ == "__main__":
+    main()

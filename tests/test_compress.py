@@ -1,0 +1,131 @@
+"""compress_: one call from a trained model to a packed student under a byte budget, and its refusals."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import transformers
+from torch import nn
+
+import comera_fx
+from comera_fx import TensorizeConfig
+from comera_fx.packed import PackedLinear
+from comera_fx.pretrained.compress import DistillConfig, compress_, repeated_blocks
+from comera_fx.tt.layers import TTLinear
+
+SMALL = TensorizeConfig(min_numel=1, min_dim=1)
+VOCAB, SEQ = 100, 8
+QUICK = DistillConfig(calibration_batches=4, output_batches=2, progress=False)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def tiny_bert(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    cfg = transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                  intermediate_size=64, max_position_embeddings=SEQ, attn_implementation="eager",
+                                  initializer_range=0.2)
+    return transformers.BertModel(cfg, add_pooling_layer=False).eval()
+
+
+def batches(n: int, seed: int, vocab: int = VOCAB) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        mask = torch.ones(4, SEQ, dtype=torch.long)
+        mask[1:, SEQ - 3:] = 0  # right padding
+        out.append({"input_ids": torch.randint(0, vocab, (4, SEQ), generator=g), "attention_mask": mask})
+    return out
+
+
+def layer_bytes(module: nn.Module) -> int:
+    """Bytes of a built layer as stored, counted from its modules (codes + one fp32 scale per group)."""
+    if isinstance(module, PackedLinear):
+        n, spec = module.in_features * module.out_features, module.spec
+        return math.ceil(n * spec.bits / 8) + 4 * (1 if spec.group_size is None else math.ceil(n / spec.group_size))
+    specs = comera_fx.quantize.quantized_specs(module)
+    total = 0
+    for name, p in module.named_parameters():
+        if p.dim() >= 2:
+            spec = specs[name]
+            total += math.ceil(p.numel() * spec.bits / 8) + 4 * math.ceil(p.numel() / spec.group_size)
+    return total
+
+
+def test_one_call_builds_trains_rounds_and_packs(tmp_path):
+    teacher = tiny_bert()
+    before = {k: v.clone() for k, v in teacher.state_dict().items()}
+    student = copy.deepcopy(teacher)
+    data = batches(6, 0)
+    summary = compress_(student, teacher, data, byte_budget=0.2, budget_seconds=None, steps=5,
+                        config=QUICK, tensorize_config=SMALL)
+    assert all(torch.equal(teacher.state_dict()[k], v) for k, v in before.items())
+    assert summary.steps == 5 and len(summary.losses) == 5
+    assert summary.hidden_modules == ("encoder.layer.0", "encoder.layer.1")
+    assert set(summary.seconds) == {"calibrate", "choose_formats", "build", "distill"}
+    assert len(summary.formats) == 12
+    total = 0
+    for fqn, choice in summary.plan.choices.items():
+        module = student.get_submodule(fqn.removesuffix(".weight"))
+        kind = TTLinear if choice.format.startswith("tt") else PackedLinear
+        assert isinstance(module, kind), fqn
+        total += layer_bytes(module)
+    assert total == summary.stored_bytes <= 0.2 * summary.dense_bytes
+    assert str(summary).startswith("comera_fx.compress_: 12 layers")
+    comera_fx.save_tensorized(student, tmp_path / "s.st")
+    loaded = comera_fx.load_tensorized(tmp_path / "s.st", tiny_bert)
+    with torch.no_grad():
+        for b in data[:2]:
+            assert torch.equal(loaded(**b).last_hidden_state, student(**b).last_hidden_state)
+
+
+def test_distill_config_is_data_and_refuses_bad_fields():
+    assert DistillConfig().quant_aware == 0.3
+    assert QUICK.match_kwargs(("a", "b"))["hidden_weight"] == 0.5
+    with pytest.raises(ValueError, match="calibration_batches"):
+        DistillConfig(calibration_batches=0)
+    with pytest.raises(ValueError, match="quant_aware"):
+        DistillConfig(quant_aware=1.5)
+    with pytest.raises(ValueError, match="output_batches"):
+        DistillConfig(calibration_batches=2, output_batches=3)
+
+
+def test_repeated_blocks_are_the_longest_module_list():
+    assert repeated_blocks(tiny_bert()) == ("encoder.layer.0", "encoder.layer.1")
+    assert repeated_blocks(nn.Sequential(nn.Linear(2, 2))) == ()
+
+
+def other_calibration():
+    other = tiny_bert(1)
+    other.encoder.layer = other.encoder.layer[:1]
+    return comera_fx.calibrate(other, batches(2, 3), config=SMALL)
+
+
+@pytest.mark.parametrize("case", ["budget", "foreign batches", "not a copy", "foreign calibration", "same object"])
+def test_bad_input_is_refused_before_any_weight_changes(case):
+    teacher = tiny_bert()
+    student = copy.deepcopy(teacher)
+    kwargs = dict(byte_budget=0.2, budget_seconds=None, steps=2, config=QUICK, tensorize_config=SMALL)
+    data = batches(6, 0)
+    match = {"budget": "byte_budget", "foreign batches": "do not run", "not a copy": "not a copy",
+             "foreign calibration": "does not belong", "same object": "teacher itself"}[case]
+    if case == "budget":
+        kwargs["byte_budget"] = 0.001
+    elif case == "foreign batches":
+        data = batches(6, 0, vocab=5000)  # another tokenizer's ids
+    elif case == "not a copy":
+        with torch.no_grad():
+            student.encoder.layer[0].output.dense.weight.add_(0.01)
+    elif case == "foreign calibration":
+        kwargs["calibration"] = other_calibration()
+    elif case == "same object":
+        student = teacher
+    state = {k: v.clone() for k, v in student.state_dict().items()}
+    with pytest.raises((ValueError, IndexError), match=match):
+        compress_(student, teacher, data, **kwargs)
+    assert student.state_dict().keys() == state.keys()
+    assert all(torch.equal(student.state_dict()[k], v) for k, v in state.items())
+    assert not any(isinstance(m, (TTLinear, PackedLinear)) for m in student.modules())
