@@ -162,3 +162,37 @@ def test_an_index_out_of_range_raises(bank_and_weight, index):
 def test_an_in_place_write_to_a_routed_expert_raises(bank_and_weight):
     with pytest.raises(RuntimeError, match="TT cores"):
         LazyBank(bank_and_weight[0])[1].mul_(2)
+
+
+def test_rank_adaptive_trains_and_shrinks_with_routed_reads(tmp_path):
+    """Experts no token reaches get no gradient (None, not zeros) in a step: the schedule must still prune the
+    others, and a pruned model must save and load."""
+    from comera_fx import RankAdaptive, RankConfig
+
+    model = build("gpt_oss", FAMILIES["gpt_oss"], num_local_experts=8).train()
+    model.config._experts_implementation = "eager"
+    comera_fx.tensorize_(model, FULL.replace(max_rank=8))
+    banks = [m for m in model.modules() if isinstance(m, TTExpertBank)]
+    before = sum(tt.layout.num_params for b in banks for tt in b)
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    hook = RankAdaptive(model, optimizer, RankConfig(keep_fraction=0.5, total_steps=8, prunes=2))
+    ids = tokens(1, 4)  # 4 tokens, top-2 of 8 experts: some experts get no token
+    losses, untouched = [], 0
+    for _ in range(8):
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        untouched += sum(all(p.grad is None for p in tt.parameters()) for b in banks for tt in b)
+        hook.observe(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert untouched and losses[-1] < losses[0]
+    assert sum(tt.layout.num_params for b in banks for tt in b) < before
+    model.eval()
+    path = tmp_path / "pruned.safetensors"
+    comera_fx.save_tensorized(model, path)
+    loaded = comera_fx.load_tensorized(path, lambda: build("gpt_oss", FAMILIES["gpt_oss"], seed=9,
+                                                           num_local_experts=8)).eval()
+    loaded.config._experts_implementation = "eager"
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(tokens()).logits, model(tokens()).logits, rtol=0, atol=0)
