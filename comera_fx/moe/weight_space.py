@@ -7,9 +7,10 @@ many experts) would then stay dense. Here the module keeps its forward and its c
 parameter becomes a ``TTExpertBank`` (or a shared bank) registered as ``<attr>_tt``, and ``<attr>`` becomes a
 property of a run-time subclass that returns the bank rebuilt from the cores (E × a × b, a plain tensor, so
 whichever implementation the module picks, eager loop, ``batched_mm`` or ``grouped_mm``, runs unchanged and the
-gradient reaches the cores). Nothing is re-implemented, so full rank is exact to rounding; the price is one
-rebuild of every expert per forward (in eager mode a forward builds each bank once and every read in it shares
-that; compiled, the reads of one graph are one expression that Inductor computes once).
+gradient reaches the cores). Nothing is re-implemented, so full rank is exact to rounding. In an eager forward
+the module reads a ``LazyBank`` (lazy_bank.py): ``P[e]`` rebuilds expert e alone, so a loop over the routed
+experts costs only theirs; a read of the whole bank (``bmm``, ``grouped_mm``) rebuilds it once per forward.
+Compiled, the reads of one graph are one expression over the whole bank that Inductor computes once.
 
 The banks are the same ``TTMatrix`` objects as elsewhere, so ``RankAdaptive``, ``report``, ``state_dict`` and
 ``save_tensorized`` see them unchanged; instances pickle and deep-copy through ``__reduce_ex__`` (the subclass,
@@ -24,6 +25,7 @@ from collections.abc import Mapping
 from torch import Tensor, nn
 
 from ..tt.dense_view import dense_view
+from .lazy_bank import LazyBank, plain_eager
 
 #: The attribute of an instance holding, during one eager forward, the banks rebuilt for it ({attr: tensor}).
 _CACHE = "_comera_fx_rebuilt"
@@ -81,7 +83,11 @@ def _forward(self, *args, **kwargs):
     cls = type(self)
     base_forward = super(cls, self).forward
     if cls._comera_fx_bank_attrs and _can_cache(self):
-        self.__dict__[_CACHE] = {attr: self._modules[f"{attr}_tt"].dense() for attr in cls._comera_fx_bank_attrs}
+        banks = {attr: self._modules[f"{attr}_tt"] for attr in cls._comera_fx_bank_attrs}
+        if plain_eager():  # P[e] rebuilds expert e alone; a read of the whole bank rebuilds it once (lazy_bank.py)
+            self.__dict__[_CACHE] = {attr: LazyBank(bank) for attr, bank in banks.items()}
+        else:
+            self.__dict__[_CACHE] = {attr: bank.dense() for attr, bank in banks.items()}
         try:
             return base_forward(*args, **kwargs)
         finally:
