@@ -6,7 +6,7 @@ blocks as ``CompileProbe`` does, and times the demo's whole step and its parts w
 interleaved and rotated in one process (``common.time_rotated``: drift falls on both). ``--profile``: the torch
 profiler's top ops of both paths' steps. Random bytes stand in for the stdlib text: only the shapes matter here.
 
-    flock /tmp/timing.lock .venv/bin/python benchmarks/bench_demo_step.py --profile
+    flock /tmp/timing.lock .venv/bin/python benchmarks/bench_demo_step.py --profile [--kernel-profile]
 """
 
 from __future__ import annotations
@@ -89,8 +89,13 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--inner", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="top ops of both paths' whole steps")
+    ap.add_argument("--kernel-profile", action="store_true",
+                    help="top ops of both paths' forward + backward, Inductor's kernels named one by one")
     args = ap.parse_args(argv)
+    if args.kernel_profile:
+        import torch._inductor.config as inductor_config
+        inductor_config.cpp.enable_kernel_profile = True  # before the compile: a generated kernel records itself
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="bench_demo_step_"))
     model, optimizer, hook, batch = build(args)
     compile_policy.compile_blocks(model)
@@ -108,6 +113,9 @@ def main(argv=None):
     if args.profile:
         for path in ("eager", "compiled"):
             profile(f"{path} step", on_path(model, calls, path, fns["step"]))
+    if args.kernel_profile:
+        for path in ("eager", "compiled"):
+            profile(f"{path} fwd+bwd", on_path(model, calls, path, fns["fwd+bwd"]))
     compile_policy.resume_blocks(model, calls)
 
 
