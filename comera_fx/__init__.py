@@ -15,6 +15,7 @@ Public API::
     comera_fx.quantize_(model, bits=8)                        # TT cores on an int8 grid; saved as int8 codes
     plan = comera_fx.choose_formats(model, cal, byte_budget=0.125); comera_fx.apply_formats_(model, plan, cal)
     comera_fx.distill_(student, teacher, batches, size_target=0.25, budget_seconds=600)  # compress a trained model
+    comera_fx.compress_(student, teacher, batches, byte_budget=0.125, budget_seconds=600)  # the whole recipe, one call
     torch.compile(model, backend=comera_fx.backend)          # or backend="comera_fx"; comera_fx.compile(model, config)
     comera_fx.compile_regions(model)                          # each repeated block compiled once, shared by all
     program = comera_fx.export(model.eval(), (x,), dynamic_shapes=({0: Dim("b", max=64)},))  # one plan per range
@@ -29,8 +30,10 @@ from .config import Allocation, Init, LayerSettings, TensorizeConfig
 from .passes.randomize import RandomizeSummary, randomize_backward_, restore_backward_
 from .passes.tensorize import TensorizeSummary, tensorize_
 from .quantize import QuantizeSummary, quantize_
-from .pretrained import (Calibration, DistillSummary, FormatPlan, InputStats, RefitSummary, apply_formats_,
-                         calibrate, choose_formats, distill_, refit_sequential_)
+from .packed import PackedLinear, pack_linears_
+from .pretrained import (Calibration, CompressSummary, DistillConfig, DistillSummary, FormatPlan, InputStats,
+                         RefitSummary, apply_formats_, calibrate, choose_formats, compress_, distill_,
+                         refit_sequential_)
 from .report import Report, report
 from .rmm import RMMConfig
 from .runtime import RankAdaptive, RankConfig, param_groups
@@ -56,6 +59,11 @@ __all__ = [
     "compile",
     "compile_regions",
     "distill_",
+    "compress_",
+    "CompressSummary",
+    "DistillConfig",
+    "PackedLinear",
+    "pack_linears_",
     "export",
     "make_backend",
     "refit_sequential_",
