@@ -33,7 +33,7 @@ common.use_this_checkout()
 cp = common.load_example("compress_pretrained")
 
 import comera_fx  # noqa: E402
-from comera_fx.packed import pack_linears_, packed_modules  # noqa: E402
+from comera_fx.packed import packed_modules  # noqa: E402
 
 
 def data(args):

@@ -18,7 +18,7 @@ from torch import nn
 import comera_fx
 from comera_fx.runtime import RankAdaptive
 from comera_fx.runtime.rank_adaptive import tt_matrices
-from comera_fx.runtime.shrink import bond_singular_values, tt_round
+from comera_fx.runtime.shrink import tt_round
 from comera_fx.tt import TTMatrix
 
 CONFIG32 = comera_fx.TensorizeConfig(max_rank=32, min_numel=1, min_dim=1)

@@ -8,7 +8,6 @@ in the test's temporary directory (no port to clash) and every collective has a 
 
 from __future__ import annotations
 
-import copy
 import os
 from pathlib import Path
 

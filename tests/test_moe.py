@@ -323,7 +323,7 @@ def test_rank_adaptive_trains_the_experts_and_spares_an_expert_no_token_reached(
     assert hook.tt_params() < hook.initial_tt_params
     assert all(a[3] == b[3] for a, b in zip(after, before))  # the expert no token reached keeps its ranks
     assert any(a[e] != b[e] for a, b in zip(after, before) for e in range(3))  # the others adapted
-    assert not any(f"experts.down_proj.3" in name or "gate_up_proj.3" in name for name in hook.zeroed)
+    assert not any("experts.down_proj.3" in name or "gate_up_proj.3" in name for name in hook.zeroed)
 
 
 # ---------------------------------------------------------------------------------------------- save and load
@@ -335,8 +335,8 @@ def test_state_dict_and_save_tensorized_round_trip_a_pruned_moe(name, tmp_path):
     model.config._experts_implementation = "eager"
     comera_fx.tensorize_(model, TensorizeConfig(max_rank=8, min_numel=0, min_dim=1, **EXPERTS_ONLY))
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
-    hook = RankAdaptive(model, optimizer, RankConfig(keep_fraction=0.6, total_steps=4, prunes=1,
-                                                     warmup_fraction=0.25, final_fraction=0.5))
+    _hook = RankAdaptive(model, optimizer, RankConfig(keep_fraction=0.6, total_steps=4, prunes=1,
+                                                      warmup_fraction=0.25, final_fraction=0.5))
     ids = tokens()
     for _ in range(4):
         model(ids, labels=ids).loss.backward()

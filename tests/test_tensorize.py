@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import assume, given
+from hypothesis import given
 from hypothesis import strategies as st
 import transformers  # a test dependency (pyproject's [test] extra): missing, the suite fails here, loudly
 from torch import nn

@@ -33,8 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from ..config import check_config_type
-from ..tt.inventory import (DEFAULT_GATE_THRESHOLD, MatrixEntry, live_counts, live_counts_later, physical_params,
-                            tt_matrices)
+from ..tt.inventory import MatrixEntry, live_counts, live_counts_later, physical_params, tt_matrices
 from ..tt.layers import TTMatrix
 from .distributed import RankSync
 from .comera import EARLY, LATE, PlateauDetector, achievement_lambda, add_gate_penalty_, scale_grads_

@@ -48,7 +48,7 @@ from .envelope import EnvelopePiece, PlanEnvelope, plan
 from .execution import execute, plan_program
 from .network import OPS, Tree, TTNetwork, build_network
 from .plans import BATCH, Plan, Step
-from .subset_dp import _search, search  # _search: tests clear its cache
+from .subset_dp import _search as _search, search  # _search: tests clear its cache
 
 __all__ = [
     "BATCH",
