@@ -131,8 +131,17 @@ class ComeraClassifier(nn.Module):
     code): word (30522), position (512) and token-type embeddings, LayerNorm, encoders, then the first token through
     fc1 (d × d) + tanh + fc2 (d × classes)."""
 
-    def __init__(self, vocab: int, d: int, heads: int, ff: int, layers: int, classes: int = 3,
-                 positions: int = 512, dropout: float = 0.1):
+    def __init__(
+        self,
+        vocab: int,
+        d: int,
+        heads: int,
+        ff: int,
+        layers: int,
+        classes: int = 3,
+        positions: int = 512,
+        dropout: float = 0.1,
+    ):
         super().__init__()
         self.word_emb, self.position_emb = nn.Embedding(vocab, d), nn.Embedding(positions, d)
         self.token_type_emb = nn.Embedding(2, d)
@@ -165,9 +174,13 @@ class Encoder(nn.Module):
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", choices=("lm", "comera"), default="lm",
-                        help="lm: the byte-vocabulary LM above (default); comera: CoMERA's MNLI classifier "
-                             "(vocab 30522, dense word embedding, 3-class head; sets --vocab 30522)")
+    parser.add_argument(
+        "--preset",
+        choices=("lm", "comera"),
+        default="lm",
+        help="lm: the byte-vocabulary LM above (default); comera: CoMERA's MNLI classifier "
+        "(vocab 30522, dense word embedding, 3-class head; sets --vocab 30522)",
+    )
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--d-model", type=int, default=768)
     parser.add_argument("--heads", type=int, default=12)
@@ -179,18 +192,28 @@ def parse_args():
     parser.add_argument("--steps", type=int, default=8, help="timed steps per column after the first")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rest", action="store_true", help="add the 'no linears' column (one more compile)")
-    parser.add_argument("--all-tt", action="store_true",
-                        help="add 'all-tt eager' / 'all-tt comera_fx': the word embedding tensorized too")
-    parser.add_argument("--inductor-rng", action="store_true",
-                        help="add 'tt comera_fx inductor-rng': the backend with Inductor's own CPU RNG "
-                             "(fallback_random=False), the A/B of the backend's CPU default")
-    parser.add_argument("--comera-path", default=None,
-                        help="a checkout of the public CoMERA code (github.com/ziyangjoy/CoMERA, unpacked outside "
-                             "this repository): adds 'comera tt eager', its own TT model (init_Transformer, dense "
-                             "word embedding), imported from that path at run time")
+    parser.add_argument(
+        "--all-tt",
+        action="store_true",
+        help="add 'all-tt eager' / 'all-tt comera_fx': the word embedding tensorized too",
+    )
+    parser.add_argument(
+        "--inductor-rng",
+        action="store_true",
+        help="add 'tt comera_fx inductor-rng': the backend with Inductor's own CPU RNG "
+        "(fallback_random=False), the A/B of the backend's CPU default",
+    )
+    parser.add_argument(
+        "--comera-path",
+        default=None,
+        help="a checkout of the public CoMERA code (github.com/ziyangjoy/CoMERA, unpacked outside "
+        "this repository): adds 'comera tt eager', its own TT model (init_Transformer, dense "
+        "word embedding), imported from that path at run time",
+    )
     parser.add_argument("--fused-adamw", action="store_true", help="AdamW(fused=True) for every column")
-    parser.add_argument("--columns", default=None,
-                        help="comma-separated subset of the columns to run (e.g. 'tt eager,tt comera_fx')")
+    parser.add_argument(
+        "--columns", default=None, help="comma-separated subset of the columns to run (e.g. 'tt eager,tt comera_fx')"
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if args.vocab is None:
@@ -239,8 +262,9 @@ def comera_model(path: str, args, emb_tensorized: bool) -> nn.Module:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     torch.manual_seed(0)
-    model = module.init_Transformer(emb_tensorized=emb_tensorized, encoder_tensorized=True, r=args.max_rank,
-                                    num_class=3, n_layers=args.layers)
+    model = module.init_Transformer(
+        emb_tensorized=emb_tensorized, encoder_tensorized=True, r=args.max_rank, num_class=3, n_layers=args.layers
+    )
     return PeerModel(model.train())
 
 
@@ -258,8 +282,12 @@ class PeerModel(nn.Module):
 def tensorized(dense, args, inputs, filter_fn):
     model = copy.deepcopy(dense)
     started = time.perf_counter()
-    summary = comera_fx.tensorize_(model, comera_fx.TensorizeConfig(max_rank=args.max_rank, init="random", seed=0),
-                                   example_inputs=inputs, filter_fn=filter_fn)
+    summary = comera_fx.tensorize_(
+        model,
+        comera_fx.TensorizeConfig(max_rank=args.max_rank, init="random", seed=0),
+        example_inputs=inputs,
+        filter_fn=filter_fn,
+    )
     return model, summary, time.perf_counter() - started
 
 
@@ -273,16 +301,19 @@ def main():
     dense.train()
 
     tt, summary, tensorize_seconds = tensorized(dense, args, inputs, tt_filter)
-    backends = {"tt comera_fx": comera_fx.make_backend(),
-                "tt comera_fx aten dropout": comera_fx.make_backend(fast_dropout=False)}
+    backends = {
+        "tt comera_fx": comera_fx.make_backend(),
+        "tt comera_fx aten dropout": comera_fx.make_backend(fast_dropout=False),
+    }
     columns = {
         "dense eager": lambda: dense,
         "dense inductor": lambda: torch.compile(copy.deepcopy(dense)),
         "tt eager": lambda: tt,
         "tt comera_fx": lambda: torch.compile(copy.deepcopy(tt), backend=backends["tt comera_fx"]),
         # the A/B of the word dropout: aten's per-element dropout in the compiled graph (fast_dropout=False)
-        "tt comera_fx aten dropout": lambda: torch.compile(copy.deepcopy(tt),
-                                                           backend=backends["tt comera_fx aten dropout"]),
+        "tt comera_fx aten dropout": lambda: torch.compile(
+            copy.deepcopy(tt), backend=backends["tt comera_fx aten dropout"]
+        ),
         # the A/B of the padded bond: true ranks, bias through addmm (plan.autograd.PAD_RANKS / BIAS_IN_GEMM off)
         "tt eager unpadded": lambda: copy.deepcopy(tt),
         # the A/B of the bias in the padded bond alone: padded, the bias through addmm (BIAS_IN_GEMM off)
@@ -291,7 +322,8 @@ def main():
     if args.inductor_rng:
         backends["tt comera_fx inductor-rng"] = comera_fx.make_backend(inductor_options={"fallback_random": False})
         columns["tt comera_fx inductor-rng"] = lambda: torch.compile(
-            copy.deepcopy(tt), backend=backends["tt comera_fx inductor-rng"])
+            copy.deepcopy(tt), backend=backends["tt comera_fx inductor-rng"]
+        )
     if args.rest:
         columns["no linears"] = lambda: torch.compile(without_linears(dense))
     all_tt_summary = None
@@ -305,7 +337,8 @@ def main():
         # the A/B of the embedding gradient: Inductor's decomposition instead of aten's kernel (cpu_aten_kernels=())
         backends["all-tt comera_fx decomposed emb bwd"] = comera_fx.make_backend(cpu_aten_kernels=())
         columns["all-tt comera_fx decomposed emb bwd"] = lambda: torch.compile(
-            copy.deepcopy(all_tt), backend=backends["all-tt comera_fx decomposed emb bwd"])
+            copy.deepcopy(all_tt), backend=backends["all-tt comera_fx decomposed emb bwd"]
+        )
     if args.comera_path:
         if args.preset != "comera":
             raise SystemExit("--comera-path needs --preset comera")
@@ -352,7 +385,7 @@ def main():
     times = {name: [] for name in columns}
     names = list(columns)
     for index in range(args.steps):  # the order rotates: no column always sits after the same one (the memory a
-        shift = index % len(names)   # dense step frees comes back slower, benchmarks/RESULTS.md, "seat after dense")
+        shift = index % len(names)  # dense step frees comes back slower, benchmarks/RESULTS.md, "seat after dense")
         for name in names[shift:] + names[:shift]:
             times[name].append(step(name))
     load_end = os.getloadavg()
@@ -365,49 +398,75 @@ def main():
     linear_tt = sum(d.params for d in summary.converted)
     linear_dense_converted = sum(d.dense_params for d in summary.converted)
     ratios = {}
-    for slow, fast in (("comera tt eager", "tt comera_fx"), ("comera tt eager", "tt eager"),
-                       ("tt eager", "tt comera_fx"), ("tt comera_fx inductor-rng", "tt comera_fx"),
-                       ("tt eager", "tt comera_fx inductor-rng"), ("all-tt eager", "all-tt comera_fx"),
-                       ("dense eager", "dense inductor"), ("tt eager unpadded", "tt eager"),
-                       ("tt eager bias addmm", "tt eager")):
+    for slow, fast in (
+        ("comera tt eager", "tt comera_fx"),
+        ("comera tt eager", "tt eager"),
+        ("tt eager", "tt comera_fx"),
+        ("tt comera_fx inductor-rng", "tt comera_fx"),
+        ("tt eager", "tt comera_fx inductor-rng"),
+        ("all-tt eager", "all-tt comera_fx"),
+        ("dense eager", "dense inductor"),
+        ("tt eager unpadded", "tt eager"),
+        ("tt eager bias addmm", "tt eager"),
+    ):
         if slow in median and fast in median:
             ratios[f"{fast} vs {slow}"] = median[slow] / median[fast]
     compiled = [name for name in columns if " eager" not in name]
     result = dict(
-        command="python benchmarks/bench_backend.py " + " ".join(
+        command="python benchmarks/bench_backend.py "
+        + " ".join(
             f"--{k.replace('_', '-')}" + ("" if v is True else f" {v!r}" if isinstance(v, str) else f" {v}")
-            for k, v in vars(args).items() if v is not None and v is not False),
-        date=time.strftime("%Y-%m-%d %H:%M"), torch=torch.__version__, python=platform.python_version(),
+            for k, v in vars(args).items()
+            if v is not None and v is not False
+        ),
+        date=time.strftime("%Y-%m-%d %H:%M"),
+        torch=torch.__version__,
+        python=platform.python_version(),
         openmp=openmp_setting(),
-        load_start=load_start, load_end=load_end,
-        median_step_s=median, first_step_s=first, step_s=times, phase_median_s=phase_median,
-        speedup_vs=base_name, speedup={name: base / t for name, t in median.items()}, ratios=ratios,
+        load_start=load_start,
+        load_end=load_end,
+        median_step_s=median,
+        first_step_s=first,
+        step_s=times,
+        phase_median_s=phase_median,
+        speedup_vs=base_name,
+        speedup={name: base / t for name, t in median.items()},
+        ratios=ratios,
         compile_s={name: first[name] - median[name] for name in compiled},
         comera_fx_pass_s={name: b.stats.pass_seconds for name, b in backends.items() if name in columns},
         backend_graphs={name: b.stats.graphs for name, b in backends.items() if name in columns},
         tensorize_s=tensorize_seconds,
-        converted=len(summary.converted), linear_params_dense=linear_dense,
+        converted=len(summary.converted),
+        linear_params_dense=linear_dense,
         converted_params=(linear_dense_converted, linear_tt),
     )
     if all_tt_summary is not None:
-        result["all_tt_converted_params"] = (sum(d.dense_params for d in all_tt_summary.converted),
-                                             sum(d.params for d in all_tt_summary.converted))
+        result["all_tt_converted_params"] = (
+            sum(d.dense_params for d in all_tt_summary.converted),
+            sum(d.params for d in all_tt_summary.converted),
+        )
 
-    print(f"load {load_start} -> {load_end}; {result['openmp']}; {len(summary.converted)} weights converted, "
-          f"{linear_dense_converted:,} -> {linear_tt:,} params ({linear_dense_converted / linear_tt:.1f}x)")
-    print(f"{'column':36s} {'median step s':>14s} {'vs ' + base_name:>18s} {'first step s':>13s}  "
-          f"fwd / bwd / optimizer s")
+    print(
+        f"load {load_start} -> {load_end}; {result['openmp']}; {len(summary.converted)} weights converted, "
+        f"{linear_dense_converted:,} -> {linear_tt:,} params ({linear_dense_converted / linear_tt:.1f}x)"
+    )
+    print(
+        f"{'column':36s} {'median step s':>14s} {'vs ' + base_name:>18s} {'first step s':>13s}  fwd / bwd / optimizer s"
+    )
     for name in columns:
         fwd, bwd, opt = phase_median[name]
-        print(f"{name:36s} {median[name]:14.3f} {base / median[name]:17.2f}x {first[name]:13.1f}  "
-              f"{fwd:.3f} / {bwd:.3f} / {opt:.3f}")
+        print(
+            f"{name:36s} {median[name]:14.3f} {base / median[name]:17.2f}x {first[name]:13.1f}  "
+            f"{fwd:.3f} / {bwd:.3f} / {opt:.3f}"
+        )
     for name, ratio in ratios.items():
         print(f"{name}: {ratio:.2f}x")
     for name, seconds in result["compile_s"].items():
         passes = result["comera_fx_pass_s"].get(name)
-        print(f"compile {name} (first step - median): {seconds:.1f} s"
-              + ("" if passes is None else f"; comera_fx passes {passes:.2f} s, "
-                 f"graphs {result['backend_graphs'][name]}"))
+        print(
+            f"compile {name} (first step - median): {seconds:.1f} s"
+            + ("" if passes is None else f"; comera_fx passes {passes:.2f} s, graphs {result['backend_graphs'][name]}")
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

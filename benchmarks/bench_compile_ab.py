@@ -45,8 +45,19 @@ MODES = ("auto", "yes", "no")
 
 def build_run(mode: str, opts, p: demo.Preset, train_data, val_set, device):
     """One comera_fx run of the demo with ``--compile mode``: (result, step generator, hook)."""
-    argv = ["--budget-seconds", str(opts.budget_seconds), "--eval-every", str(opts.eval_every),
-            "--seed", str(opts.seed), "--max-rank", str(opts.rank), "--compile", mode, "--quiet"]
+    argv = [
+        "--budget-seconds",
+        str(opts.budget_seconds),
+        "--eval-every",
+        str(opts.eval_every),
+        "--seed",
+        str(opts.seed),
+        "--max-rank",
+        str(opts.rank),
+        "--compile",
+        mode,
+        "--quiet",
+    ]
     args, _ = demo.parse_args(argv)
     torch.manual_seed(args.seed)
     model = demo.GPT(p).to(device)  # every run starts from the same initial model
@@ -85,15 +96,25 @@ def interleave(runs: dict, slice_seconds: float) -> list[dict]:
 
 def summary(mode: str, result: demo.RunResult, hook) -> dict:
     """One run's figures, JSON-ready."""
-    return {"name": result.name, "mode": mode, "steps": result.steps, "train_seconds": result.train_seconds,
-            "final_val": result.final_val, "evals": result.evals, "compile": result.compile,
-            "linear_params_end": result.linear_params_end, "tt_params_end": hook.tt_params(),
-            "target_tt_params": result.target_params}
+    return {
+        "name": result.name,
+        "mode": mode,
+        "steps": result.steps,
+        "train_seconds": result.train_seconds,
+        "final_val": result.final_val,
+        "evals": result.evals,
+        "compile": result.compile,
+        "linear_params_end": result.linear_params_end,
+        "tt_params_end": hook.tt_params(),
+        "target_tt_params": result.target_params,
+    }
 
 
 def report(results: list[dict], rounds: list[dict]) -> str:
-    lines = ["| run | steps | final val loss (nats/byte) | path | compile | stored linear params at the end |",
-             "|---|---:|---:|---|---|---:|"]
+    lines = [
+        "| run | steps | final val loss (nats/byte) | path | compile | stored linear params at the end |",
+        "|---|---:|---:|---|---|---:|",
+    ]
     for r in results:
         c = r["compile"]
         compiled = "—"
@@ -103,23 +124,31 @@ def report(results: list[dict], rounds: list[dict]) -> str:
             compiled = f"{c['compile_s']:.1f} s, {c['graphs']} graph(s), {c['recompiles']} recompile(s)"
             if "probe_pairs" in c:
                 compiled += f", probe {c['probe_speedup']:.2f}x over {c['probe_pairs']} pairs"
-        lines.append(f"| {r['name']} | {r['steps']} | {r['final_val']:.4f} | {c['path']} | {compiled} | "
-                     f"{r['linear_params_end']:,} |")
+        lines.append(
+            f"| {r['name']} | {r['steps']} | {r['final_val']:.4f} | {c['path']} | {compiled} | "
+            f"{r['linear_params_end']:,} |"
+        )
     modes = [r["mode"] for r in results]
-    lines += ["", f"Steps per slice round ({' / '.join(modes)}): " + "; ".join(
-        "/".join(str(rnd.get(m, 0)) for m in modes) for rnd in rounds)]
+    lines += [
+        "",
+        f"Steps per slice round ({' / '.join(modes)}): "
+        + "; ".join("/".join(str(rnd.get(m, 0)) for m in modes) for rnd in rounds),
+    ]
     return "\n".join(lines)
 
 
 def parse(argv):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--budget-seconds", type=float, default=600.0, help="training wall clock per run")
-    ap.add_argument("--eval-every", type=float, default=None, help="seconds of training between validations "
-                    "(default: budget / 8)")
+    ap.add_argument(
+        "--eval-every", type=float, default=None, help="seconds of training between validations (default: budget / 8)"
+    )
     ap.add_argument("--modes", default="yes,no", help=f"--compile of each run, comma-separated ({', '.join(MODES)})")
-    ap.add_argument("--slice-seconds", type=float, default=15.0, help="training seconds a run takes before the "
-                    "next run's turn")
+    ap.add_argument(
+        "--slice-seconds", type=float, default=15.0, help="training seconds a run takes before the next run's turn"
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rank", type=int, default=16, help="TT max rank")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
@@ -141,9 +170,12 @@ def main(argv=None) -> dict:
     if opts.threads:
         torch.set_num_threads(opts.threads)
     started = datetime.now()
-    print(f"{started:%Y-%m-%d %H:%M:%S}  load {loadavg()}  torch {torch.__version__}  threads "
-          f"{torch.get_num_threads()}  budget {opts.budget_seconds:g} s per run  modes {opts.modes}  "
-          f"{WAIT_POLICY}", flush=True)
+    print(
+        f"{started:%Y-%m-%d %H:%M:%S}  load {loadavg()}  torch {torch.__version__}  threads "
+        f"{torch.get_num_threads()}  budget {opts.budget_seconds:g} s per run  modes {opts.modes}  "
+        f"{WAIT_POLICY}",
+        flush=True,
+    )
     _, p = demo.parse_args([])
     device = torch.device("cpu")
     train_data, val_data, _ = demo.load_stdlib(p.data_bytes)
@@ -156,12 +188,23 @@ def main(argv=None) -> dict:
     results = [summary(mode, result, hook) for mode, (result, _, hook) in runs.items()]
     text = report(results, rounds)
     print("\n" + text)
-    print(f"\nfinished {datetime.now():%Y-%m-%d %H:%M:%S} ({wall:.0f} s), load {load_start} → {load_end}, other "
-          f"processes {others:.2f} cores (Inductor's compile workers among them)")
+    print(
+        f"\nfinished {datetime.now():%Y-%m-%d %H:%M:%S} ({wall:.0f} s), load {load_start} → {load_end}, other "
+        f"processes {others:.2f} cores (Inductor's compile workers among them)"
+    )
     if opts.json:
-        write_record(opts.json, openmp=WAIT_POLICY, budget_seconds=opts.budget_seconds,
-                     slice_seconds=opts.slice_seconds, results=results, rounds=rounds, wall_seconds=wall,
-                     load_start=load_start, load_end=load_end, others_cores=others)
+        write_record(
+            opts.json,
+            openmp=WAIT_POLICY,
+            budget_seconds=opts.budget_seconds,
+            slice_seconds=opts.slice_seconds,
+            results=results,
+            rounds=rounds,
+            wall_seconds=wall,
+            load_start=load_start,
+            load_end=load_end,
+            others_cores=others,
+        )
     return {"results": results, "rounds": rounds}
 
 

@@ -64,18 +64,21 @@ def parts(model, optimizer, hook, batch) -> dict:
 
 def on_path(model, calls, path, fn):
     """``fn`` with the blocks compiled (``path`` "compiled") or eager, as the probe switches them."""
+
     def call():
         if path == "eager":
             compile_policy.uncompile_blocks(model)
         else:
             compile_policy.resume_blocks(model, calls)
         return fn()
+
     return call
 
 
 def profile(title, fn, steps=4, top=25):
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as prof_ctx
+
     fn()
     with prof_ctx(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         for _ in range(steps):
@@ -90,11 +93,15 @@ def main(argv=None):
     ap.add_argument("--inner", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--profile", action="store_true", help="top ops of both paths' whole steps")
-    ap.add_argument("--kernel-profile", action="store_true",
-                    help="top ops of both paths' forward + backward, Inductor's kernels named one by one")
+    ap.add_argument(
+        "--kernel-profile",
+        action="store_true",
+        help="top ops of both paths' forward + backward, Inductor's kernels named one by one",
+    )
     args = ap.parse_args(argv)
     if args.kernel_profile:
         import torch._inductor.config as inductor_config
+
         inductor_config.cpp.enable_kernel_profile = True  # before the compile: a generated kernel records itself
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="bench_demo_step_"))
     model, optimizer, hook, batch = build(args)
@@ -102,14 +109,17 @@ def main(argv=None):
     fns = parts(model, optimizer, hook, batch)
     fns["step"]()  # compiles
     calls = [b._compiled_call_impl for b in model.blocks]
-    columns = {f"{path} {name}": on_path(model, calls, path, fn) for path in ("compiled", "eager")
-               for name, fn in fns.items()}
+    columns = {
+        f"{path} {name}": on_path(model, calls, path, fn) for path in ("compiled", "eager") for name, fn in fns.items()
+    }
     seconds = common.time_rotated(columns, repeats=args.rounds, inner=args.inner)
     for name, s in seconds.items():
         print(f"{name:20s} {s * 1e3:8.1f} ms")
-    print(f"eager/compiled: step {seconds['eager step'] / seconds['compiled step']:.3f}x, fwd+bwd "
-          f"{seconds['eager fwd+bwd'] / seconds['compiled fwd+bwd']:.3f}x; threads {torch.get_num_threads()}, "
-          f"{WAIT_POLICY}, load {common.loadavg()}")
+    print(
+        f"eager/compiled: step {seconds['eager step'] / seconds['compiled step']:.3f}x, fwd+bwd "
+        f"{seconds['eager fwd+bwd'] / seconds['compiled fwd+bwd']:.3f}x; threads {torch.get_num_threads()}, "
+        f"{WAIT_POLICY}, load {common.loadavg()}"
+    )
     if args.profile:
         for path in ("eager", "compiled"):
             profile(f"{path} step", on_path(model, calls, path, fns["step"]))

@@ -85,11 +85,24 @@ def run_low_rank(teacher, data, ratio, args) -> dict:
     params, dense = to_low_rank_(student, ratio)
     cp.freeze_word_embedding(student, args)
     losses, seconds, _ = match_teacher(
-        student, teacher, cp.training_sampler(data, args, seed=args.seed),
-        steps=args.steps, budget_seconds=args.budget_seconds, loss_fn=cp.distill_loss,
-        hidden_modules=cp.hidden_layers(teacher), hidden_weight=1 / 6, lr=args.lr, progress=not args.no_progress)
-    info = {"steps": len(losses), "train_s": seconds, "ratio": params / dense, "ranks": {},
-            "bytes_ratio": weight_bytes(student) / weight_bytes(teacher)}
+        student,
+        teacher,
+        cp.training_sampler(data, args, seed=args.seed),
+        steps=args.steps,
+        budget_seconds=args.budget_seconds,
+        loss_fn=cp.distill_loss,
+        hidden_modules=cp.hidden_layers(teacher),
+        hidden_weight=1 / 6,
+        lr=args.lr,
+        progress=not args.no_progress,
+    )
+    info = {
+        "steps": len(losses),
+        "train_s": seconds,
+        "ratio": params / dense,
+        "ranks": {},
+        "bytes_ratio": weight_bytes(student) / weight_bytes(teacher),
+    }
     return scored(student, data, args, start, info)
 
 
@@ -99,20 +112,31 @@ def run_int8_dynamic(teacher, data, ratio, args) -> dict:
     start = time.perf_counter()
     student = copy.deepcopy(teacher)
     student.bert.encoder = torch.ao.quantization.quantize_dynamic(student.bert.encoder, {nn.Linear}, torch.qint8)
-    info = {"steps": 0, "train_s": 0.0, "ratio": 1.0, "ranks": {},
-            "bytes_ratio": weight_bytes(teacher, bits=8) / weight_bytes(teacher)}
+    info = {
+        "steps": 0,
+        "train_s": 0.0,
+        "ratio": 1.0,
+        "ranks": {},
+        "bytes_ratio": weight_bytes(teacher, bits=8) / weight_bytes(teacher),
+    }
     return scored(student, data, args, start, info)
 
 
-def run_int_group(teacher, data, ratio, args, bits: int = 4, group_size: int | None = 64,
-                  per_row: bool = False) -> dict:
+def run_int_group(
+    teacher, data, ratio, args, bits: int = 4, group_size: int | None = 64, per_row: bool = False
+) -> dict:
     """Symmetric group-wise weight fake-quantization of every encoder linear (groups of 64 along each row, fp32
     scales; ``per_row``: one scale per output channel; activations stay float), no training: int4 in groups of 64
     about 7x fewer bytes, per row about 7.8x; int8 about 3.8x. ``ratio`` is ignored."""
     start = time.perf_counter()
     student = fake_quant_(copy.deepcopy(teacher), bits, group_size, per_row=per_row)
-    info = {"steps": 0, "train_s": 0.0, "ratio": 1.0, "ranks": {},
-            "bytes_ratio": weight_bytes(teacher, bits, group_size, per_row=per_row) / weight_bytes(teacher)}
+    info = {
+        "steps": 0,
+        "train_s": 0.0,
+        "ratio": 1.0,
+        "ranks": {},
+        "bytes_ratio": weight_bytes(teacher, bits, group_size, per_row=per_row) / weight_bytes(teacher),
+    }
     return scored(student, data, args, start, info)
 
 
@@ -128,9 +152,15 @@ def run_layer_drop(teacher, data, ratio, args, bits: int = 32) -> dict:
     student.bert.config.num_hidden_layers = len(student.bert.encoder.layer)
     cp.freeze_word_embedding(student, args)
     losses, seconds, _ = match_teacher(
-        student, teacher, cp.training_sampler(data, args, seed=args.seed),
-        steps=args.steps, budget_seconds=args.budget_seconds, loss_fn=cp.distill_loss, lr=args.lr,
-        progress=not args.no_progress)
+        student,
+        teacher,
+        cp.training_sampler(data, args, seed=args.seed),
+        steps=args.steps,
+        budget_seconds=args.budget_seconds,
+        loss_fn=cp.distill_loss,
+        lr=args.lr,
+        progress=not args.no_progress,
+    )
     info = {"steps": len(losses), "train_s": seconds, "ranks": {}}
     if bits < 16:
         grouped = fake_quant_(copy.deepcopy(student), bits, 64)
@@ -138,8 +168,9 @@ def run_layer_drop(teacher, data, ratio, args, bits: int = 32) -> dict:
         info["g64_bytes_ratio"] = weight_bytes(student, bits, 64) / weight_bytes(teacher)
         info["float_cosine_other"] = cp.evaluate(student, data, args.reference).get("cosine_other")
         fake_quant_(student, bits, per_row=True)
-    info["bytes_ratio"] = info["ratio"] = (weight_bytes(student, bits, per_row=True) if bits < 16
-                                           else weight_bytes(student)) / weight_bytes(teacher)
+    info["bytes_ratio"] = info["ratio"] = (
+        weight_bytes(student, bits, per_row=True) if bits < 16 else weight_bytes(student)
+    ) / weight_bytes(teacher)
     return scored(student, data, args, start, info)
 
 
@@ -197,13 +228,21 @@ def _choose_formats(teacher, data, ratio, args, output_batches: int):
     start = time.perf_counter()
     batches = [draw() for _ in range(args.calibration_batches)]
     calibration = comera_fx.calibrate(student, batches, token_mask=cp.real_tokens, config=ENCODER_ONLY)
-    plan = comera_fx.choose_formats(student, calibration, ratio, config=ENCODER_ONLY,
-                                    batches=batches[:output_batches] or None)
+    plan = comera_fx.choose_formats(
+        student, calibration, ratio, config=ENCODER_ONLY, batches=batches[:output_batches] or None
+    )
     comera_fx.apply_formats_(student, plan, calibration)
     print(plan, flush=True)
-    info = {"steps": 0, "train_s": 0.0, "setup_s": time.perf_counter() - start, "ratio": ratio, "ranks": {},
-            "formats": {fqn: c.label() for fqn, c in plan.choices.items()}, "planned_error": plan.total_error,
-            "bytes_ratio": stored_bytes(student, ENCODER_PREFIX) / weight_bytes(teacher)}
+    info = {
+        "steps": 0,
+        "train_s": 0.0,
+        "setup_s": time.perf_counter() - start,
+        "ratio": ratio,
+        "ranks": {},
+        "formats": {fqn: c.label() for fqn, c in plan.choices.items()},
+        "planned_error": plan.total_error,
+        "bytes_ratio": stored_bytes(student, ENCODER_PREFIX) / weight_bytes(teacher),
+    }
     return student, info
 
 
@@ -214,50 +253,80 @@ def run_formats(teacher, data, ratio, args, output_batches: int = 0) -> dict:
     return scored(student, data, args, start, info)
 
 
-def run_formats_distill(teacher, data, ratio, args, output_batches: int = 0, augment: bool = False,
-                        quant_aware: float = 0.0) -> dict:
+def run_formats_distill(
+    teacher, data, ratio, args, output_batches: int = 0, augment: bool = False, quant_aware: float = 0.0
+) -> dict:
     """The same, then distilled in float for the budget and rounded back onto each layer's grid (``augment``: on
     ``comera_fx.pretrained.Augmentation()`` edits of the batches: spans / dropped tokens / shuffled chunks / spliced
     rows; ``quant_aware``: that last fraction of the budget trains at the rounded weights, straight-through)."""
     start = time.perf_counter()
     student, info = formats_student(teacher, data, ratio, args, output_batches)
-    info.update({f"start_{k}": v for k, v in cp.evaluate(student, data, args.reference).items()
-                 if k in ("cosine", "cosine_other")})
+    info.update(
+        {
+            f"start_{k}": v
+            for k, v in cp.evaluate(student, data, args.reference).items()
+            if k in ("cosine", "cosine_other")
+        }
+    )
     cp.freeze_word_embedding(student, args)
     losses, seconds, _ = match_teacher(
-        student, teacher, cp.training_sampler(data, args, seed=args.seed),
+        student,
+        teacher,
+        cp.training_sampler(data, args, seed=args.seed),
         augment=Augmentation(max_growth=2.0) if augment else None,  # spliced rows up to twice the batch width
-        steps=args.steps, budget_seconds=args.budget_seconds, loss_fn=cp.distill_loss,
-        hidden_modules=cp.hidden_layers(teacher), hidden_weight=1 / 6, lr=args.lr, progress=not args.no_progress,
-        quant_aware=quant_aware)
+        steps=args.steps,
+        budget_seconds=args.budget_seconds,
+        loss_fn=cp.distill_loss,
+        hidden_modules=cp.hidden_layers(teacher),
+        hidden_weight=1 / 6,
+        lr=args.lr,
+        progress=not args.no_progress,
+        quant_aware=quant_aware,
+    )
     info["float_cosine_other"] = cp.evaluate(student, data, args.reference).get("cosine_other")  # before rounding
     requantize_(student)
-    info.update({"steps": len(losses), "train_s": seconds,
-                 "bytes_ratio": stored_bytes(student, ENCODER_PREFIX) / weight_bytes(teacher)})
+    info.update(
+        {
+            "steps": len(losses),
+            "train_s": seconds,
+            "bytes_ratio": stored_bytes(student, ENCODER_PREFIX) / weight_bytes(teacher),
+        }
+    )
     return scored(student, data, args, start, info)
 
 
-BASELINES = {"low-rank distill": run_low_rank, "int8 dynamic": run_int8_dynamic, "int4 group64": run_int_group,
-             "int8 group64": lambda *a: run_int_group(*a, bits=8),
-             "int4 per-row": lambda *a: run_int_group(*a, bits=4, group_size=None, per_row=True),
-             "layer drop distill": run_layer_drop, "distill calibrated+energy +int8": run_tt_int8,
-             "layer drop distill +int8": lambda *a: run_layer_drop(*a, bits=8),
-             "layer drop distill +int4": lambda *a: run_layer_drop(*a, bits=4),
-             "low-rank distill +int8": run_low_rank_int8,
-             "formats": run_formats, "formats distill": run_formats_distill,
-             "formats output": lambda *a: run_formats(*a, output_batches=OUTPUT_BATCHES),
-             "formats output distill": lambda *a: run_formats_distill(*a, output_batches=OUTPUT_BATCHES),
-             "formats output distill aug": lambda *a: run_formats_distill(*a, output_batches=OUTPUT_BATCHES,
-                                                                          augment=True),
-             "formats output distill qat": lambda *a: run_formats_distill(*a, output_batches=OUTPUT_BATCHES,
-                                                                          quant_aware=QUANT_AWARE)}
+BASELINES = {
+    "low-rank distill": run_low_rank,
+    "int8 dynamic": run_int8_dynamic,
+    "int4 group64": run_int_group,
+    "int8 group64": lambda *a: run_int_group(*a, bits=8),
+    "int4 per-row": lambda *a: run_int_group(*a, bits=4, group_size=None, per_row=True),
+    "layer drop distill": run_layer_drop,
+    "distill calibrated+energy +int8": run_tt_int8,
+    "layer drop distill +int8": lambda *a: run_layer_drop(*a, bits=8),
+    "layer drop distill +int4": lambda *a: run_layer_drop(*a, bits=4),
+    "low-rank distill +int8": run_low_rank_int8,
+    "formats": run_formats,
+    "formats distill": run_formats_distill,
+    "formats output": lambda *a: run_formats(*a, output_batches=OUTPUT_BATCHES),
+    "formats output distill": lambda *a: run_formats_distill(*a, output_batches=OUTPUT_BATCHES),
+    "formats output distill aug": lambda *a: run_formats_distill(*a, output_batches=OUTPUT_BATCHES, augment=True),
+    "formats output distill qat": lambda *a: run_formats_distill(
+        *a, output_batches=OUTPUT_BATCHES, quant_aware=QUANT_AWARE
+    ),
+}
 
 
 def main() -> None:
     load_before = common.loadavg()
     result = cp.main(sys.argv[1:], extra=BASELINES)
-    record = {"teacher": result["teacher"], "results": result["results"], "loadavg_before": load_before,
-              "loadavg_after": common.loadavg(), "argv": sys.argv[1:]}
+    record = {
+        "teacher": result["teacher"],
+        "results": result["results"],
+        "loadavg_before": load_before,
+        "loadavg_after": common.loadavg(),
+        "argv": sys.argv[1:],
+    }
     (result["out"] / "bench.json").write_text(json.dumps(record, indent=1))
     print(json.dumps({k: record[k] for k in ("loadavg_before", "loadavg_after")}))
 

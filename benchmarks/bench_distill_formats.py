@@ -47,8 +47,11 @@ def data(args):
 def encoder_config(layers: int | None, only: str | None = None) -> comera_fx.TensorizeConfig:
     """The encoder's linears, or those of its first ``layers`` layers, or those matching ``only`` (a regex)."""
     if only is None:
-        only = r"bert\.encoder\." if layers is None else \
-            rf"bert\.encoder\.layer\.(?:{'|'.join(map(str, range(layers)))})\."
+        only = (
+            r"bert\.encoder\."
+            if layers is None
+            else rf"bert\.encoder\.layer\.(?:{'|'.join(map(str, range(layers)))})\."
+        )
     return comera_fx.TensorizeConfig(skip=[rf"^(?!{only})"])
 
 
@@ -57,8 +60,15 @@ def choose(args) -> dict:
     config = encoder_config(args.layers, args.only)
     calibration = comera_fx.calibrate(teacher, batches, token_mask=cp.real_tokens, config=config)
     start = time.perf_counter()
-    plan = comera_fx.choose_formats(teacher, calibration, args.budget, config=config, batches=batches[:2],
-                                    score_all=args.scoring == "all", fast=args.scoring == "fast")
+    plan = comera_fx.choose_formats(
+        teacher,
+        calibration,
+        args.budget,
+        config=config,
+        batches=batches[:2],
+        score_all=args.scoring == "all",
+        fast=args.scoring == "fast",
+    )
     seconds = time.perf_counter() - start
     student = copy.deepcopy(teacher)
     comera_fx.apply_formats_(student, plan, calibration)
@@ -67,12 +77,20 @@ def choose(args) -> dict:
         ref = torch.cat([teacher(**b) for b in batches[-4:]])
         out = torch.cat([student(**b) for b in batches[-4:]])
     cosine = float(torch.nn.functional.cosine_similarity(out, ref, dim=-1).mean())
-    return {"scoring": args.scoring, "layers": args.only or args.layers or 6, "seconds": round(seconds, 1),
-            "output_passes": plan.output_passes,
-            "planned_error": plan.total_error, "built_output_error": built_error,
-            "bytes": plan.total_bytes, "dense": plan.dense_bytes,
-            "counts": plan.counts(), "formats": {k: c.label() for k, c in plan.choices.items()},
-            "cosine_no_training_last4": round(cosine, 4), "loadavg": common.loadavg()}
+    return {
+        "scoring": args.scoring,
+        "layers": args.only or args.layers or 6,
+        "seconds": round(seconds, 1),
+        "output_passes": plan.output_passes,
+        "planned_error": plan.total_error,
+        "built_output_error": built_error,
+        "bytes": plan.total_bytes,
+        "dense": plan.dense_bytes,
+        "counts": plan.counts(),
+        "formats": {k: c.label() for k, c in plan.choices.items()},
+        "cosine_no_training_last4": round(cosine, 4),
+        "loadavg": common.loadavg(),
+    }
 
 
 @torch.no_grad()
@@ -112,8 +130,10 @@ def measure_serving(teacher, student, builder, batch, encoded, repeats: int) -> 
     path = Path(os.environ.get("TMPDIR", "/tmp")) / "i46_student.safetensors"
     comera_fx.save_tensorized(student, path)
     stored = comera_fx.quantize.stored_bytes(student, "bert.encoder.") + sum(  # packed layers hold buffers
-        m.spec.nbytes(m.in_features * m.out_features) for p, m in packed_modules(student).items()
-        if p.startswith("bert.encoder."))
+        m.spec.nbytes(m.in_features * m.out_features)
+        for p, m in packed_modules(student).items()
+        if p.startswith("bert.encoder.")
+    )
     del student
     gc.collect()
     before = rss()
@@ -121,49 +141,92 @@ def measure_serving(teacher, student, builder, batch, encoded, repeats: int) -> 
     gc.collect()
     after_student = rss()
     fp32 = teacher.eval()
-    teacher_bytes = sum(p.numel() * 4 for n, p in fp32.named_parameters() if n.startswith("bert.encoder.")
-                        and p.dim() >= 2)
-    resident = sum(p.numel() * p.element_size() for n, p in loaded.named_parameters()
-                   if n.startswith("bert.encoder.") and p.dim() >= 2)
+    teacher_bytes = sum(
+        p.numel() * 4 for n, p in fp32.named_parameters() if n.startswith("bert.encoder.") and p.dim() >= 2
+    )
+    resident = sum(
+        p.numel() * p.element_size()
+        for n, p in loaded.named_parameters()
+        if n.startswith("bert.encoder.") and p.dim() >= 2
+    )
     resident += sum(m.nbytes() for p, m in packed_modules(loaded).items() if p.startswith("bert.encoder."))
     one = {k: v[:1] for k, v in batch.items()}
     big = {k: v[:64] for k, v in cp.batch_sampler(encoded, 64, seed=1, by_length=True)().items()}
     with torch.inference_mode():
-        times = common.time_rotated({"teacher b1": lambda: fp32(**one), "student b1": lambda: loaded(**one),
-                                     "teacher b64": lambda: fp32(**big), "student b64": lambda: loaded(**big)},
-                                    repeats=repeats, inner=1)
-    return {"stored_encoder_bytes": stored, "resident_encoder_bytes": resident, "teacher_encoder_bytes": teacher_bytes,
-            "resident_over_stored": round(resident / stored, 3),
-            "rss_delta_load_student": after_student - before, "packed_layers": len(packed_modules(loaded)),
-            "latency_ms": {k: round(v * 1e3, 2) for k, v in times.items()},
-            "b64_shape": list(big["input_ids"].shape), "threads": torch.get_num_threads(), "loadavg": common.loadavg()}
+        times = common.time_rotated(
+            {
+                "teacher b1": lambda: fp32(**one),
+                "student b1": lambda: loaded(**one),
+                "teacher b64": lambda: fp32(**big),
+                "student b64": lambda: loaded(**big),
+            },
+            repeats=repeats,
+            inner=1,
+        )
+    return {
+        "stored_encoder_bytes": stored,
+        "resident_encoder_bytes": resident,
+        "teacher_encoder_bytes": teacher_bytes,
+        "resident_over_stored": round(resident / stored, 3),
+        "rss_delta_load_student": after_student - before,
+        "packed_layers": len(packed_modules(loaded)),
+        "latency_ms": {k: round(v * 1e3, 2) for k, v in times.items()},
+        "b64_shape": list(big["input_ids"].shape),
+        "threads": torch.get_num_threads(),
+        "loadavg": common.loadavg(),
+    }
 
 
 def one_call(args) -> dict:
     """compress_ on the README recipe's data (examples/compress_pretrained.py defaults), scored as there."""
     from comera_fx.pretrained import DistillConfig, compress_
 
-    ns = argparse.Namespace(tiny=False, quick=False, max_files=None, retrieval=500, eval_texts=1000, train_len=64,
-                            code_fraction=0.0, code_len=128, other_texts=500, batch_size=32, by_length=True, seed=0,
-                            train_embedding=False)
+    ns = argparse.Namespace(
+        tiny=False,
+        quick=False,
+        max_files=None,
+        retrieval=500,
+        eval_texts=1000,
+        train_len=64,
+        code_fraction=0.0,
+        code_len=128,
+        other_texts=500,
+        batch_size=32,
+        by_length=True,
+        seed=0,
+        train_embedding=False,
+    )
     teacher, builder, _, prepared, reference = cp.prepare(ns)
     student = copy.deepcopy(teacher)
     cp.freeze_word_embedding(student, ns)
     config = DistillConfig(loss_fn=cp.distill_loss, progress=False)
-    summary = compress_(student, teacher, cp.training_sampler(prepared, ns, seed=0), byte_budget=args.budget,
-                        budget_seconds=args.budget_seconds, config=config,
-                        tensorize_config=comera_fx.TensorizeConfig(skip=[r"^(?!bert\.encoder\.)"]))
+    summary = compress_(
+        student,
+        teacher,
+        cp.training_sampler(prepared, ns, seed=0),
+        byte_budget=args.budget,
+        budget_seconds=args.budget_seconds,
+        config=config,
+        tensorize_config=comera_fx.TensorizeConfig(skip=[r"^(?!bert\.encoder\.)"]),
+    )
     print(summary, flush=True)
     scores = cp.evaluate(student.eval(), prepared, reference)
-    result = {"budget_seconds": args.budget_seconds, "byte_budget": args.budget, "steps": summary.steps,
-              "stored_over_dense": summary.stored_bytes / summary.dense_bytes,
-              "resident_over_stored": summary.resident_bytes / summary.stored_bytes,
-              "seconds": {k: round(v, 1) for k, v in summary.seconds.items()}, "counts": summary.plan.counts(),
-              **{k: round(v, 4) for k, v in scores.items()}, "loadavg": common.loadavg()}
+    result = {
+        "budget_seconds": args.budget_seconds,
+        "byte_budget": args.budget,
+        "steps": summary.steps,
+        "stored_over_dense": summary.stored_bytes / summary.dense_bytes,
+        "resident_over_stored": summary.resident_bytes / summary.stored_bytes,
+        "seconds": {k: round(v, 1) for k, v in summary.seconds.items()},
+        "counts": summary.plan.counts(),
+        **{k: round(v, 4) for k, v in scores.items()},
+        "loadavg": common.loadavg(),
+    }
     print(json.dumps(result), flush=True)  # before the serving figures, which may fail on their own
     try:
-        result["serving"] = measure_serving(teacher, student, builder, cp.training_sampler(prepared, ns, seed=1)(),
-                                            prepared["train_enc"], args.repeats)
+        result["serving"] = measure_serving(
+            teacher, student, builder, cp.training_sampler(prepared, ns, seed=1)(), prepared["train_enc"], args.repeats
+        )
     except Exception as exc:  # noqa: BLE001  (a benchmark: report and keep the quality figures)
         result["serving_error"] = repr(exc)
     return result
@@ -184,8 +247,9 @@ def kernels(args) -> dict:
         columns = {"fp32": lambda: linear(x)}
         codes, _ = quantize_groups(linear.weight.detach(), QuantSpec(8, None))
         row_scale = linear.weight.detach().abs().amax(1) / 127
-        columns["aten int8 per channel"] = lambda: torch.ops.aten._weight_int8pack_mm(x, codes.reshape(1536, 384),
-                                                                                        row_scale)
+        columns["aten int8 per channel"] = lambda: torch.ops.aten._weight_int8pack_mm(
+            x, codes.reshape(1536, 384), row_scale
+        )
         nibbles = torch.randint(0, 16, (1536, 384), dtype=torch.int32)
         tiled = torch.ops.aten._convert_weight_to_int4pack_for_cpu(nibbles, 1)
         scale_zeros = torch.stack([torch.rand(3, 1536), torch.zeros(3, 1536)], -1)

@@ -5,7 +5,8 @@ energy-allocated ranks at ``--ratio``, the default; ``uniform`` = whitened with 
 TT-SVD with one max rank; ``masked`` = calibrated without padding rows on ``--refit-batches`` batches, energy ranks;
 ``refit`` = ``masked``, then ``comera_fx.refit_sequential_``; ``--num-modes 1`` makes every start a whitened
 low-rank matrix instead of a TT chain; computed once and cached under ``--cache``) and
-trains it with ``comera_fx.pretrained.distill.match_teacher`` for ``--budget-seconds``; only the recipe differs. Data, loss
+trains it with ``comera_fx.pretrained.distill.match_teacher`` for ``--budget-seconds``; only the recipe differs.
+Data, loss
 and evaluation are those of examples/compress_pretrained.py (held-out mean cosine to the teacher, docstring -> code
 retrieval top-1).
 
@@ -69,8 +70,9 @@ def prepared(args, teacher):
     """(data, reference, tensorized start, calibration), cached: mining + tokenising + the start take minutes."""
     args.cache.mkdir(parents=True, exist_ok=True)
     data_file = args.cache / "data.pt"
-    start_file = args.cache / (f"start_{args.ratio}.pt" if args.start == "energy" else
-                               f"start_{args.ratio}_{args.start}.pt")
+    start_file = args.cache / (
+        f"start_{args.ratio}.pt" if args.start == "energy" else f"start_{args.ratio}_{args.start}.pt"
+    )
     if data_file.exists():
         data, reference, calibration = torch.load(data_file, weights_only=False)
     else:
@@ -79,9 +81,11 @@ def prepared(args, teacher):
         calibration = comera_fx.calibrate(copy.deepcopy(teacher), [draw() for _ in range(8)])
         torch.save((data, reference, calibration), data_file)
     if args.start in ("refit", "masked"):
-        start_file = args.cache / (f"start_{args.ratio}_{args.start}_{args.refit_batches}x{args.refit_batch_size}"
-                                   f"{'_by-length' if args.refit_by_length else ''}"
-                                   f"{f'_modes{args.num_modes}' if args.num_modes else ''}.pt")
+        start_file = args.cache / (
+            f"start_{args.ratio}_{args.start}_{args.refit_batches}x{args.refit_batch_size}"
+            f"{'_by-length' if args.refit_by_length else ''}"
+            f"{f'_modes{args.num_modes}' if args.num_modes else ''}.pt"
+        )
     elif args.num_modes:
         start_file = start_file.with_name(f"{start_file.stem}_modes{args.num_modes}.pt")
     if start_file.exists():
@@ -90,22 +94,29 @@ def prepared(args, teacher):
         began = time.perf_counter()
         start = copy.deepcopy(teacher)
         allocation = "uniform" if args.start in ("uniform", "plain") else "energy"
-        config = comera_fx.TensorizeConfig(param_budget=args.ratio, allocation=allocation, max_rank=None,
-                                           num_modes=args.num_modes)
+        config = comera_fx.TensorizeConfig(
+            param_budget=args.ratio, allocation=allocation, max_rank=None, num_modes=args.num_modes
+        )
         keep_linears = lambda m, n: not isinstance(m, nn.Embedding)  # noqa: E731
         if args.start in ("refit", "masked"):  # calibration without padding rows on more batches (+ the refit)
-            draw = cp.batch_sampler(data["train_enc"], args.refit_batch_size, seed=args.seed + 1,
-                                    by_length=args.refit_by_length)
+            draw = cp.batch_sampler(
+                data["train_enc"], args.refit_batch_size, seed=args.seed + 1, by_length=args.refit_by_length
+            )
             batches = [draw() for _ in range(args.refit_batches)]
             mask = lambda b: b["attention_mask"]  # noqa: E731
             own = comera_fx.calibrate(start, batches, token_mask=mask)
             comera_fx.tensorize_(start, config, filter_fn=keep_linears, calibration=own)
             if args.start == "refit":
-                print(comera_fx.refit_sequential_(start, teacher, batches, token_mask=mask,
-                                                  blocks=cp.hidden_layers(teacher)), flush=True)
+                print(
+                    comera_fx.refit_sequential_(
+                        start, teacher, batches, token_mask=mask, blocks=cp.hidden_layers(teacher)
+                    ),
+                    flush=True,
+                )
         else:
-            comera_fx.tensorize_(start, config, filter_fn=keep_linears,
-                                 calibration=None if args.start == "plain" else calibration)
+            comera_fx.tensorize_(
+                start, config, filter_fn=keep_linears, calibration=None if args.start == "plain" else calibration
+            )
         setup = time.perf_counter() - began
         torch.save((start, setup), start_file)
     print(f"start {args.start}: set-up {setup:.1f} s (calibration of the 'energy' start not included)", flush=True)
@@ -127,8 +138,9 @@ def run_cell(cell: str, teacher, data, reference, start, calibration, args) -> d
     kw = dict(hidden_weight=1 / 6, **RECIPES[name])
     batch = next((int(m[2:]) for m in mods if m.startswith("bs")), 16)
     code = next((float(m[4:]) for m in mods if m.startswith("code")), 0.0)
-    draw = cp.training_sampler(data, argparse.Namespace(batch_size=batch, by_length="by-length" in mods,
-                                                        code_fraction=code), seed=args.seed)
+    draw = cp.training_sampler(
+        data, argparse.Namespace(batch_size=batch, by_length="by-length" in mods, code_fraction=code), seed=args.seed
+    )
     shrink = next((float(m[5:]) for m in mods if m.startswith("start")), None)
     student = copy.deepcopy(teacher if shrink else start)
     if "frozen" in mods:
@@ -155,32 +167,68 @@ def run_cell(cell: str, teacher, data, reference, start, calibration, args) -> d
         load_before, began = common.loadavg(), time.perf_counter()
         if shrink:
             summary = comera_fx.distill_(
-                student, teacher, draw, size_target=args.ratio, start_ratio=shrink,
-                budget_seconds=args.budget_seconds, loss_fn=cp.distill_loss, hidden_modules=cp.hidden_layers(teacher),
-                calibration=calibration, progress=False, **kw)
+                student,
+                teacher,
+                draw,
+                size_target=args.ratio,
+                start_ratio=shrink,
+                budget_seconds=args.budget_seconds,
+                loss_fn=cp.distill_loss,
+                hidden_modules=cp.hidden_layers(teacher),
+                calibration=calibration,
+                progress=False,
+                **kw,
+            )
             losses = summary.losses
         else:
-            losses, _, _ = match_teacher(student, teacher, draw, steps=None, budget_seconds=args.budget_seconds,
-                                         loss_fn=cp.distill_loss, hidden_modules=cp.hidden_layers(teacher),
-                                         progress=False, observe=observe, clock=clock, **kw)
+            losses, _, _ = match_teacher(
+                student,
+                teacher,
+                draw,
+                steps=None,
+                budget_seconds=args.budget_seconds,
+                loss_fn=cp.distill_loss,
+                hidden_modules=cp.hidden_layers(teacher),
+                progress=False,
+                observe=observe,
+                clock=clock,
+                **kw,
+            )
         wall, load_after = time.perf_counter() - began, common.loadavg()
     tt, dense = matrix_sizes(student)
-    return {"cell": cell, "steps": len(losses), "texts": len(losses) * batch, "wall_s": round(wall, 1),
-            "ratio": tt / dense, "loss_first": losses[0], "loss_last": sum(losses[-10:]) / len(losses[-10:]),
-            "load": [load_before, load_after], "curve": curve, **cp.evaluate(student, data, reference)}
+    return {
+        "cell": cell,
+        "steps": len(losses),
+        "texts": len(losses) * batch,
+        "wall_s": round(wall, 1),
+        "ratio": tt / dense,
+        "loss_first": losses[0],
+        "loss_last": sum(losses[-10:]) / len(losses[-10:]),
+        "load": [load_before, load_after],
+        "curve": curve,
+        **cp.evaluate(student, data, reference),
+    }
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cells", nargs="+", default=["base", "base+frozen", "base+by-length+frozen+bs32"])
     parser.add_argument("--ratio", type=float, default=0.25)
-    parser.add_argument("--start", choices=["energy", "uniform", "plain", "masked", "refit"], default="energy",
-                        help="the start: calibrated + energy ranks, calibrated + one max rank, plain TT-SVD; masked: "
-                             "calibrated without padding rows on --refit-batches, energy ranks; refit: masked, then "
-                             "refit_sequential_")
-    parser.add_argument("--num-modes", type=int, default=None,
-                        help="modes per side of every TT linear (TensorizeConfig.num_modes); 1 = two cores, i.e. "
-                             "a (whitened, energy-allocated) low-rank matrix; default: the library's choice")
+    parser.add_argument(
+        "--start",
+        choices=["energy", "uniform", "plain", "masked", "refit"],
+        default="energy",
+        help="the start: calibrated + energy ranks, calibrated + one max rank, plain TT-SVD; masked: "
+        "calibrated without padding rows on --refit-batches, energy ranks; refit: masked, then "
+        "refit_sequential_",
+    )
+    parser.add_argument(
+        "--num-modes",
+        type=int,
+        default=None,
+        help="modes per side of every TT linear (TensorizeConfig.num_modes); 1 = two cores, i.e. "
+        "a (whitened, energy-allocated) low-rank matrix; default: the library's choice",
+    )
     parser.add_argument("--refit-batches", type=int, default=32)
     parser.add_argument("--refit-batch-size", type=int, default=32)
     parser.add_argument("--refit-by-length", action=argparse.BooleanOptionalAction, default=True)
@@ -203,14 +251,15 @@ def main(argv=None) -> None:
     data, reference, start, calibration = prepared(args, teacher)
     if any("+code" in cell for cell in args.cells):
         data["train_code_enc"] = training_code(args, tokenizer)
-    print(f"teacher {cp.evaluate(teacher, data, reference)}; start: "
-          f"{matrix_sizes(start)[1] / matrix_sizes(start)[0]:.2f}x smaller, {cp.evaluate(start, data, reference)}",
-          flush=True)
+    print(
+        f"teacher {cp.evaluate(teacher, data, reference)}; start: "
+        f"{matrix_sizes(start)[1] / matrix_sizes(start)[0]:.2f}x smaller, {cp.evaluate(start, data, reference)}",
+        flush=True,
+    )
     args.out.mkdir(parents=True, exist_ok=True)
     for cell in args.cells:
         record = run_cell(cell, teacher, data, reference, start, calibration, args)
-        record.update(budget_s=args.budget_seconds, threads=args.threads, start=args.start,
-                      num_modes=args.num_modes)
+        record.update(budget_s=args.budget_seconds, threads=args.threads, start=args.start, num_modes=args.num_modes)
         print(json.dumps({k: v for k, v in record.items() if k != "curve"}), flush=True)
         with open(args.out / "cells.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")

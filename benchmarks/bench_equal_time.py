@@ -134,8 +134,9 @@ def size_target(model: nn.Module, p: demo.Preset, args, example: torch.Tensor, r
     return full, args.keep_fraction * full
 
 
-def rank_for_size(model: nn.Module, p: demo.Preset, args, example: torch.Tensor, target: float,
-                  top: int) -> tuple[int, int]:
+def rank_for_size(
+    model: nn.Module, p: demo.Preset, args, example: torch.Tensor, target: float, top: int
+) -> tuple[int, int]:
     """The uniform TT max rank (1..top) whose TT size is closest to ``target`` -> (rank, its TT size)."""
     import copy
 
@@ -238,8 +239,18 @@ def child(opts) -> dict:
     """Build and train one variant; return its measurements (JSON-ready)."""
     if opts.threads:
         torch.set_num_threads(opts.threads)
-    demo_argv = ["--budget-seconds", str(opts.budget_seconds), "--eval-every", str(opts.eval_every),
-                 "--seed", str(opts.seed), "--max-rank", str(opts.rank), "--compile", opts.compile]
+    demo_argv = [
+        "--budget-seconds",
+        str(opts.budget_seconds),
+        "--eval-every",
+        str(opts.eval_every),
+        "--seed",
+        str(opts.seed),
+        "--max-rank",
+        str(opts.rank),
+        "--compile",
+        opts.compile,
+    ]
     if not opts.progress:
         demo_argv.append("--quiet")
     args, p = demo.parse_args(demo_argv)
@@ -258,8 +269,12 @@ def child(opts) -> dict:
         optimizer = demo.make_dense_optimizer(model, args)
     elif opts.child == "comera_fx":
         optimizer, hook, _, step_seconds = demo.prepare_tt_run(model, p, args, train_data, device, result)
-        extra.update(estimated_step_seconds=step_seconds, gate_lr=args.gate_lr_used,
-                     late_start_step=result.late_start_step, target_tt_params=result.target_params)
+        extra.update(
+            estimated_step_seconds=step_seconds,
+            gate_lr=args.gate_lr_used,
+            late_start_step=result.late_start_step,
+            target_tt_params=result.target_params,
+        )
     elif opts.child == "tt_fixed":  # comera_fx's TT layers at fixed rank: no RankAdaptive (equal-rank figure)
         example = demo.get_batch(train_data, 1, p.seq_len, torch.Generator().manual_seed(0), device)[0]
         t0 = time.perf_counter()
@@ -284,19 +299,28 @@ def child(opts) -> dict:
         factors = [q for m in model.modules() if isinstance(m, LowRankLinear) for q in (m.a, m.b)]
         taken = {id(q) for q in factors}
         optimizer = torch.optim.AdamW(
-            [{"params": factors, "lr": args.lr_cores},
-             {"params": [q for q in model.parameters() if id(q) not in taken], "lr": args.lr}],
-            betas=(0.9, 0.95), weight_decay=0.0)
-        extra.update(rank=rank, factor_params=sum(q.numel() for q in factors), target_tt_params=target,
-                     lr_factors=args.lr_cores)
+            [
+                {"params": factors, "lr": args.lr_cores},
+                {"params": [q for q in model.parameters() if id(q) not in taken], "lr": args.lr},
+            ],
+            betas=(0.9, 0.95),
+            weight_decay=0.0,
+        )
+        extra.update(
+            rank=rank, factor_params=sum(q.numel() for q in factors), target_tt_params=target, lr_factors=args.lr_cores
+        )
     elif opts.child == "lowrank":
         lowrank_(model, opts.rank)
         factors = [q for m in model.modules() if isinstance(m, LowRankLinear) for q in (m.a, m.b)]
         taken = {id(q) for q in factors}
         optimizer = torch.optim.AdamW(
-            [{"params": factors, "lr": args.lr_cores},
-             {"params": [q for q in model.parameters() if id(q) not in taken], "lr": args.lr}],
-            betas=(0.9, 0.95), weight_decay=0.0)
+            [
+                {"params": factors, "lr": args.lr_cores},
+                {"params": [q for q in model.parameters() if id(q) not in taken], "lr": args.lr},
+            ],
+            betas=(0.9, 0.95),
+            weight_decay=0.0,
+        )
         extra.update(rank=opts.rank, lr_factors=args.lr_cores)
     elif opts.child == "narrow":
         run_p = narrow_preset(p, opts.narrow_d)
@@ -310,10 +334,22 @@ def child(opts) -> dict:
         projected = [getattr(b, n).weight for b in model.blocks for n in LINEAR_NAMES]
         taken = {id(q) for q in projected}
         optimizer = GaLoreAdamW(
-            [{"params": [q for q in model.parameters() if id(q) not in taken]},
-             {"params": projected, "rank": opts.galore_rank, "update_proj_gap": opts.galore_gap,
-              "scale": opts.galore_scale, "proj_type": "std"}],
-            lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, no_deprecation_warning=True)
+            [
+                {"params": [q for q in model.parameters() if id(q) not in taken]},
+                {
+                    "params": projected,
+                    "rank": opts.galore_rank,
+                    "update_proj_gap": opts.galore_gap,
+                    "scale": opts.galore_scale,
+                    "proj_type": "std",
+                },
+            ],
+            lr=args.lr,
+            betas=(0.9, 0.95),
+            eps=1e-8,
+            weight_decay=0.0,
+            no_deprecation_warning=True,
+        )
         extra.update(rank=opts.galore_rank, update_proj_gap=opts.galore_gap, scale=opts.galore_scale)
     else:
         raise SystemExit(f"unknown run {opts.child!r}")
@@ -330,31 +366,54 @@ def child(opts) -> dict:
     state_bytes = training_state_bytes(model, optimizer)  # after the last step: gradients still there
 
     if hook is not None:
-        extra.update(final_tt_params=hook.tt_params(), initial_tt_params=hook.initial_tt_params,
-                     final_ranks=result.final_ranks, zeroed=dict(getattr(hook, "zeroed", {})),
-                     prune_steps=[e["step"] for e in result.history if e["shrunk"]])
+        extra.update(
+            final_tt_params=hook.tt_params(),
+            initial_tt_params=hook.initial_tt_params,
+            final_ranks=result.final_ranks,
+            zeroed=dict(getattr(hook, "zeroed", {})),
+            prune_steps=[e["step"] for e in result.history if e["shrunk"]],
+        )
     profile = {}
     if opts.profile_steps:
         profile["phases_ms"] = phase_split(model, optimizer, train_data, run_p, device, opts.profile_steps)
         profile["layers_ms"] = layer_times(model, run_p, opts.profile_steps)
         if opts.child == "comera_fx":  # the hook's own share of optimizer.step(): the same steps without it
             hook.remove()
-            profile["phases_without_hook_ms"] = phase_split(model, optimizer, train_data, run_p, device,
-                                                            opts.profile_steps)
+            profile["phases_without_hook_ms"] = phase_split(
+                model, optimizer, train_data, run_p, device, opts.profile_steps
+            )
     if hook is not None:
         hook.remove()
     return {
-        "name": opts.child, "steps": result.steps, "train_seconds": result.train_seconds,
-        "steps_per_s": result.steps_per_s, "tokens_per_s": result.tokens_per_s, "final_val": result.final_val,
-        "evals": result.evals, "train_losses": result.train_losses, "linear_params_start": result.linear_params_start,
-        "linear_params_end": result.linear_params_end, "total_params_start": result.total_params_start,
-        "total_params_end": result.total_params_end, "setup_seconds": result.setup_seconds,
-        "eval_seconds": result.eval_seconds, "rss_before_train": rss_before, "peak_rss_setup": peak_setup,
-        "peak_rss_train": peak_train if reset_ok else None, "peak_rss_process": proc_status("VmHWM"),
-        "peak_reset_ok": reset_ok, "state_bytes": state_bytes, "load_start": load_start, "load_end": load_end,
+        "name": opts.child,
+        "steps": result.steps,
+        "train_seconds": result.train_seconds,
+        "steps_per_s": result.steps_per_s,
+        "tokens_per_s": result.tokens_per_s,
+        "final_val": result.final_val,
+        "evals": result.evals,
+        "train_losses": result.train_losses,
+        "linear_params_start": result.linear_params_start,
+        "linear_params_end": result.linear_params_end,
+        "total_params_start": result.total_params_start,
+        "total_params_end": result.total_params_end,
+        "setup_seconds": result.setup_seconds,
+        "eval_seconds": result.eval_seconds,
+        "rss_before_train": rss_before,
+        "peak_rss_setup": peak_setup,
+        "peak_rss_train": peak_train if reset_ok else None,
+        "peak_rss_process": proc_status("VmHWM"),
+        "peak_reset_ok": reset_ok,
+        "state_bytes": state_bytes,
+        "load_start": load_start,
+        "load_end": load_end,
         "others_cores": others,
-        "wall_seconds": wall, "threads": torch.get_num_threads(), "extra": extra, "profile": profile,
-        "data": data_info, "compile": result.compile,
+        "wall_seconds": wall,
+        "threads": torch.get_num_threads(),
+        "extra": extra,
+        "profile": profile,
+        "data": data_info,
+        "compile": result.compile,
     }
 
 
@@ -364,11 +423,32 @@ def child(opts) -> dict:
 def spawn(name: str, opts, narrow_d: int | None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
-        cmd = [sys.executable, __file__, "--child", name, "--child-out", str(out),
-               "--budget-seconds", str(opts.budget_seconds), "--eval-every", str(opts.eval_every),
-               "--seed", str(opts.seed), "--rank", str(opts.rank), "--profile-steps", str(opts.profile_steps),
-               "--galore-rank", str(opts.galore_rank), "--galore-gap", str(opts.galore_gap),
-               "--galore-scale", str(opts.galore_scale), "--compile", opts.compile]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--child",
+            name,
+            "--child-out",
+            str(out),
+            "--budget-seconds",
+            str(opts.budget_seconds),
+            "--eval-every",
+            str(opts.eval_every),
+            "--seed",
+            str(opts.seed),
+            "--rank",
+            str(opts.rank),
+            "--profile-steps",
+            str(opts.profile_steps),
+            "--galore-rank",
+            str(opts.galore_rank),
+            "--galore-gap",
+            str(opts.galore_gap),
+            "--galore-scale",
+            str(opts.galore_scale),
+            "--compile",
+            opts.compile,
+        ]
         if opts.threads:
             cmd += ["--threads", str(opts.threads)]
         if narrow_d:
@@ -394,10 +474,20 @@ def fmt_params(n: int) -> str:
 
 
 def tables(results: list[dict]) -> str:
-    head = ("run", "steps", "steps/s", "tokens/s", "val loss (nats/byte)", "linear-layer params",
-            "whole-model params", "params+grads+opt state (MiB)", "peak RSS train (MiB)", "peak RSS process (MiB)",
-            "load start → end",
-            "others (cores)")
+    head = (
+        "run",
+        "steps",
+        "steps/s",
+        "tokens/s",
+        "val loss (nats/byte)",
+        "linear-layer params",
+        "whole-model params",
+        "params+grads+opt state (MiB)",
+        "peak RSS train (MiB)",
+        "peak RSS process (MiB)",
+        "load start → end",
+        "others (cores)",
+    )
     rows, skipped = [], []
     for r in results:
         if "skipped" in r:
@@ -410,40 +500,79 @@ def tables(results: list[dict]) -> str:
         if r["total_params_end"] != r["total_params_start"]:
             tot += f" (start {fmt_params(r['total_params_start'])})"
         name = r["name"] + (f" d {r['extra']['d_model']}" if r["name"] == "narrow" else "")
-        rows.append((name, r["steps"], f"{r['steps_per_s']:.2f}", f"{r['tokens_per_s']:,.0f}",
-                     f"{r['final_val']:.4f}", lin, tot, f"{r['state_bytes'] / 2**20:.1f}", mb(r["peak_rss_train"]),
-                     mb(r["peak_rss_process"]),
-                     f"{r['load_start']} → {r['load_end']}", f"{r['others_cores']:.2f}"))
+        rows.append(
+            (
+                name,
+                r["steps"],
+                f"{r['steps_per_s']:.2f}",
+                f"{r['tokens_per_s']:,.0f}",
+                f"{r['final_val']:.4f}",
+                lin,
+                tot,
+                f"{r['state_bytes'] / 2**20:.1f}",
+                mb(r["peak_rss_train"]),
+                mb(r["peak_rss_process"]),
+                f"{r['load_start']} → {r['load_end']}",
+                f"{r['others_cores']:.2f}",
+            )
+        )
     text = demo.markdown_table(head, rows)
     ran = [r for r in results if "skipped" not in r and r.get("train_losses")]
     if len(ran) > 1:  # equal steps: the training loss (mean of 20 steps) where the slowest run stopped
         n = min(len(r["train_losses"]) for r in ran)
         window = min(20, n)
-        cells = [f"{r['name']} {statistics.fmean(r['train_losses'][n - window:n]):.4f}" for r in ran]
-        text += (f"\n\nAt equal steps: training loss, mean of steps {n - window + 1}-{n} (the shortest run's last "
-                 f"{window}): " + ", ".join(cells) + ".")
+        cells = [f"{r['name']} {statistics.fmean(r['train_losses'][n - window : n]):.4f}" for r in ran]
+        text += (
+            f"\n\nAt equal steps: training loss, mean of steps {n - window + 1}-{n} (the shortest run's last "
+            f"{window}): " + ", ".join(cells) + "."
+        )
     prof = [r for r in results if "skipped" not in r and r.get("profile")]
     if prof:
-        head2 = ("run", "step ms", "forward", "backward", "clip", "optimizer.step", "block linears fwd+bwd alone",
-                 "qkv", "proj", "fc", "out")
+        head2 = (
+            "run",
+            "step ms",
+            "forward",
+            "backward",
+            "clip",
+            "optimizer.step",
+            "block linears fwd+bwd alone",
+            "qkv",
+            "proj",
+            "fc",
+            "out",
+        )
         rows2 = []
         for r in prof:
             ph, ly = r["profile"]["phases_ms"], r["profile"]["layers_ms"]
-            rows2.append((r["name"], f"{ph['step']:.0f}", f"{ph['forward']:.0f}", f"{ph['backward']:.0f}",
-                          f"{ph['clip']:.1f}", f"{ph['optimizer']:.1f}", f"{ly['all']:.0f}",
-                          *(f"{ly[n]:.1f}" for n in LINEAR_NAMES)))
-        text += ("\n\nWhere a step's time goes (ms, median of the profile steps on the trained model; the layer "
-                 "columns are forward+backward of each block linear alone at 2048 tokens, summed over the 4 "
-                 "blocks):\n\n" + demo.markdown_table(head2, rows2))
+            rows2.append(
+                (
+                    r["name"],
+                    f"{ph['step']:.0f}",
+                    f"{ph['forward']:.0f}",
+                    f"{ph['backward']:.0f}",
+                    f"{ph['clip']:.1f}",
+                    f"{ph['optimizer']:.1f}",
+                    f"{ly['all']:.0f}",
+                    *(f"{ly[n]:.1f}" for n in LINEAR_NAMES),
+                )
+            )
+        text += (
+            "\n\nWhere a step's time goes (ms, median of the profile steps on the trained model; the layer "
+            "columns are forward+backward of each block linear alone at 2048 tokens, summed over the 4 "
+            "blocks):\n\n" + demo.markdown_table(head2, rows2)
+        )
         tt = next((r for r in prof if "phases_without_hook_ms" in r["profile"]), None)
         if tt:
             wo = tt["profile"]["phases_without_hook_ms"]
-            text += (f"\n\ncomera_fx without the RankAdaptive hook: step {wo['step']:.0f} ms, optimizer.step "
-                     f"{wo['optimizer']:.1f} ms.")
+            text += (
+                f"\n\ncomera_fx without the RankAdaptive hook: step {wo['step']:.0f} ms, optimizer.step "
+                f"{wo['optimizer']:.1f} ms."
+            )
     compiled = [r for r in results if "skipped" not in r and r.get("compile")]
     if compiled:
         text += "\n\nCompiled or eager (`--compile`; compile seconds are inside each run's clock):\n\n" + "\n".join(
-            f"- {r['name']}: {demo.compile_line(r['compile'])}" for r in compiled)
+            f"- {r['name']}: {demo.compile_line(r['compile'])}" for r in compiled
+        )
     if skipped:
         text += "\n\n" + "\n".join(skipped)
     return text
@@ -454,8 +583,11 @@ def parent(opts) -> None:
     bad = [n for n in names if n not in RUNS + EXTRA_RUNS]
     if bad:
         raise SystemExit(f"unknown runs {bad}; choose from {RUNS + EXTRA_RUNS}")
-    print(f"{datetime.now():%Y-%m-%d %H:%M:%S}  load {loadavg()}  torch {torch.__version__}  "
-          f"budget {opts.budget_seconds:g} s per run  runs {names}  {WAIT_POLICY}", flush=True)
+    print(
+        f"{datetime.now():%Y-%m-%d %H:%M:%S}  load {loadavg()}  torch {torch.__version__}  "
+        f"budget {opts.budget_seconds:g} s per run  runs {names}  {WAIT_POLICY}",
+        flush=True,
+    )
     p = demo.PRESETS["small"]
     results = []
     galore_note = None
@@ -483,9 +615,12 @@ def parent(opts) -> None:
         if "skipped" in r:
             print(f"  skipped: {r['skipped']}", flush=True)
         else:
-            print(f"  {r['steps']} steps, {r['steps_per_s']:.2f} steps/s, val {r['final_val']:.4f}, "
-                  f"linear params {r['linear_params_end']:,}, peak RSS train {mb(r['peak_rss_train'])} MiB, "
-                  f"load {r['load_start']} → {r['load_end']}, others {r['others_cores']:.2f} cores", flush=True)
+            print(
+                f"  {r['steps']} steps, {r['steps_per_s']:.2f} steps/s, val {r['final_val']:.4f}, "
+                f"linear params {r['linear_params_end']:,}, peak RSS train {mb(r['peak_rss_train'])} MiB, "
+                f"load {r['load_start']} → {r['load_end']}, others {r['others_cores']:.2f} cores",
+                flush=True,
+            )
     text = tables(results)
     print("\n" + text)
     print(f"\nfinished {datetime.now():%Y-%m-%d %H:%M:%S}, load {loadavg()}")
@@ -494,12 +629,18 @@ def parent(opts) -> None:
 
 
 def parse(argv):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--budget-seconds", type=float, default=120.0,
-                    help="training wall clock per run (default 120: five runs in ~13 minutes)")
-    ap.add_argument("--eval-every", type=float, default=None, help="seconds of training between validations "
-                    "(default: budget / 8)")
+    ap = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--budget-seconds",
+        type=float,
+        default=120.0,
+        help="training wall clock per run (default 120: five runs in ~13 minutes)",
+    )
+    ap.add_argument(
+        "--eval-every", type=float, default=None, help="seconds of training between validations (default: budget / 8)"
+    )
     ap.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated subset of {','.join(RUNS + EXTRA_RUNS)}")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rank", type=int, default=16, help="TT max rank and low-rank r")
@@ -508,8 +649,12 @@ def parse(argv):
     ap.add_argument("--galore-gap", type=int, default=200, help="GaLore update_proj_gap")
     ap.add_argument("--galore-scale", type=float, default=0.25)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    ap.add_argument("--compile", choices=("auto", "yes", "no"), default="auto",
-                    help="each run: compile its blocks when it pays (auto), always (yes) or never (no); see the demo")
+    ap.add_argument(
+        "--compile",
+        choices=("auto", "yes", "no"),
+        default="auto",
+        help="each run: compile its blocks when it pays (auto), always (yes) or never (no); see the demo",
+    )
     ap.add_argument("--profile-steps", type=int, default=5, help="steps for the time split after training (0: none)")
     ap.add_argument("--progress", action="store_true", help="show the children's progress bars")
     ap.add_argument("--json", default=None, help="write every measurement here")

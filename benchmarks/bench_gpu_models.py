@@ -51,6 +51,7 @@ def comera_case(smoke: bool, device):
 
     def all_tt(module, fqn):  # the encoders' linears, fc1 and the word embedding, as CoMERA's all-TT model
         return (isinstance(module, nn.Linear) and fqn != "fc2") or fqn == "word_emb"
+
     return model, (ids, seg, labels), loss, all_tt
 
 
@@ -62,6 +63,7 @@ def lm_case(smoke: bool, device):
 
     def loss(m, x, y):
         return F.cross_entropy(m(x).float().reshape(-1, VOCAB), y.reshape(-1))
+
     return model, (data[:, :-1], data[:, 1:]), loss, (lambda module, fqn: isinstance(module, nn.Linear))
 
 
@@ -76,13 +78,17 @@ def train_step(model, loss, inputs, graphs: bool, device):
             out = loss(model, *inputs)
         out.backward()
         optimizer.step()
+
     return step
 
 
 def compiled(model, tt: bool, graphs: bool, inductor: bool):
     if not tt:
-        return torch.compile(model, backend="inductor" if inductor else "aot_eager",
-                             mode="reduce-overhead" if graphs and inductor else None)
+        return torch.compile(
+            model,
+            backend="inductor" if inductor else "aot_eager",
+            mode="reduce-overhead" if graphs and inductor else None,
+        )
     options = {"triton.cudagraphs": True} if graphs else {}
     return torch.compile(model, backend=make_backend(inductor=inductor, inductor_options=options))
 
@@ -101,8 +107,9 @@ def model_rows(name, case, args, device, deadline) -> list[dict]:
     dense, inputs, loss, filter_fn = case(args.smoke, device)
     tt_model = copy.deepcopy(dense)
     small = {"min_numel": 1024, "min_dim": 16} if args.smoke else {}  # the smoke run's layers are tiny
-    summary = comera_fx.tensorize_(tt_model, comera_fx.TensorizeConfig(max_rank=args.rank, init="random", seed=0,
-                                                                      **small), filter_fn=filter_fn)
+    summary = comera_fx.tensorize_(
+        tt_model, comera_fx.TensorizeConfig(max_rank=args.rank, init="random", seed=0, **small), filter_fn=filter_fn
+    )
     if not summary.converted:
         raise SystemExit(f"{name}: nothing was tensorized; the TT rows would time the dense model")
     print(f"{name}: {len(summary.converted)} weights in TT form", flush=True)
@@ -125,10 +132,16 @@ def model_rows(name, case, args, device, deadline) -> list[dict]:
             step()
             common.synced(lambda: None, device)()
             row["compile s"] = round(time.perf_counter() - start, 1)
-            seconds = common.time_rotated({"step": common.synced(step, device)}, repeats=args.rounds,
-                                          inner=args.inner)["step"]
-            row.update({"ms/step": round(1e3 * seconds, 2), "steps/s": round(1 / seconds, 2),
-                        "peak MiB": peak_mib(step, device)})
+            seconds = common.time_rotated({"step": common.synced(step, device)}, repeats=args.rounds, inner=args.inner)[
+                "step"
+            ]
+            row.update(
+                {
+                    "ms/step": round(1e3 * seconds, 2),
+                    "steps/s": round(1 / seconds, 2),
+                    "peak MiB": peak_mib(step, device),
+                }
+            )
         except Exception as exc:  # record and go on: which configurations run at all is part of the answer
             row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
             traceback.print_exc()
@@ -145,7 +158,8 @@ def layer_rows(args, device) -> list[dict]:
     torch.manual_seed(0)
     dense = nn.Linear(size, size, bias=False).to(device, torch.bfloat16)
     tt = comera_fx.TTLinear.from_dense(nn.Linear(size, size, bias=False), max_rank=32, init="random").to(
-        device, torch.bfloat16)
+        device, torch.bfloat16
+    )
     x = torch.randn(tokens, size, device=device, dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn(tokens, size, device=device, dtype=torch.bfloat16)
     backend = "inductor" if not args.no_inductor else "aot_eager"
@@ -153,8 +167,9 @@ def layer_rows(args, device) -> list[dict]:
     for tag, layer in (("dense", dense), ("TT r 32", tt)):
         fn = torch.compile(layer, backend=backend)
         columns = {"fwd+bwd": lambda fn=fn: fn(x).backward(grad)}
-        seconds = common.time_rotated({k: common.synced(v, device) for k, v in columns.items()},
-                                      repeats=args.rounds, inner=args.inner)["fwd+bwd"]
+        seconds = common.time_rotated(
+            {k: common.synced(v, device) for k, v in columns.items()}, repeats=args.rounds, inner=args.inner
+        )["fwd+bwd"]
         rows.append({"row": f"layer {size}² at {tokens} tokens: {tag} compiled", "ms/step": round(1e3 * seconds, 3)})
     rows[1]["× dense best"] = round(rows[0]["ms/step"] / rows[1]["ms/step"], 2)
     return rows

@@ -35,12 +35,16 @@ from comera_fx.tt import merged
 
 def build(opts, tensorized: bool) -> torch.nn.Module:
     torch.manual_seed(0)
-    config = transformers.GPT2Config(n_layer=opts.layers, n_embd=768, n_head=12, n_positions=1024, vocab_size=50257,
-                                     bos_token_id=0, eos_token_id=0)
+    config = transformers.GPT2Config(
+        n_layer=opts.layers, n_embd=768, n_head=12, n_positions=1024, vocab_size=50257, bos_token_id=0, eos_token_id=0
+    )
     model = transformers.GPT2LMHeadModel(config).eval()
     if tensorized:
-        comera_fx.tensorize_(model, comera_fx.TensorizeConfig(max_rank=opts.rank, init="random", seed=0),
-                             example_inputs={"input_ids": torch.zeros(1, 8, dtype=torch.long)})
+        comera_fx.tensorize_(
+            model,
+            comera_fx.TensorizeConfig(max_rank=opts.rank, init="random", seed=0),
+            example_inputs={"input_ids": torch.zeros(1, 8, dtype=torch.long)},
+        )
     return model
 
 
@@ -77,8 +81,15 @@ def measure(model, opts) -> dict[str, float]:
         prompt = torch.randint(0, 50257, (batch, opts.prompt), generator=g)
 
         def decode():
-            model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=opts.new,
-                           min_new_tokens=opts.new, do_sample=False, use_cache=True, pad_token_id=0)
+            model.generate(
+                prompt,
+                attention_mask=torch.ones_like(prompt),
+                max_new_tokens=opts.new,
+                min_new_tokens=opts.new,
+                do_sample=False,
+                use_cache=True,
+                pad_token_id=0,
+            )
 
         decode()  # warm-up (plans, allocator)
         prefill_only = best_seconds(lambda: model(prompt, use_cache=True), opts.repeats)
@@ -131,16 +142,24 @@ def measure_encode(model, opts) -> dict[str, float]:
 
 
 def main_minilm(opts) -> None:
-    print(f"torch {torch.__version__}, {opts.threads} threads; all-MiniLM-L6-v2 encode (mean pooling), sequence "
-          f"lengths {opts.seq}, best of {opts.repeats}")
+    print(
+        f"torch {torch.__version__}, {opts.threads} threads; all-MiniLM-L6-v2 encode (mean pooling), sequence "
+        f"lengths {opts.seq}, best of {opts.repeats}"
+    )
     results = {}
     for name, model in build_minilm_students(opts.ratios, opts.num_modes).items():
         results[name] = measure_encode(model, opts)
         print(name, "  ".join(f"{k}: {v:.1f}" for k, v in results[name].items()), flush=True)
     for name in results:
         if name != "teacher":
-            print(f"{name} / teacher", "  ".join(f"{k}: {results[name][k] / results['teacher'][k]:.2f}"
-                                                 for k in results[name] if results["teacher"][k]))
+            print(
+                f"{name} / teacher",
+                "  ".join(
+                    f"{k}: {results[name][k] / results['teacher'][k]:.2f}"
+                    for k in results[name]
+                    if results["teacher"][k]
+                ),
+            )
 
 
 def main(argv=None) -> None:
@@ -153,8 +172,11 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-cache", action="store_true", help="TT products and lookups without the cached merged forms")
-    ap.add_argument("--minilm", action="store_true", help="encode latency of all-MiniLM-L6-v2 and its TT students "
-                                                           "instead of GPT-2 decoding")
+    ap.add_argument(
+        "--minilm",
+        action="store_true",
+        help="encode latency of all-MiniLM-L6-v2 and its TT students instead of GPT-2 decoding",
+    )
     ap.add_argument("--ratios", type=float, nargs="+", default=[0.25, 0.125], help="--minilm: students' sizes")
     ap.add_argument("--num-modes", type=int, default=None, help="--minilm: 1 for low-rank students")
     ap.add_argument("--seq", type=int, nargs="+", default=[32, 128], help="--minilm: tokens per text")
@@ -163,15 +185,19 @@ def main(argv=None) -> None:
     torch.set_num_threads(opts.threads)
     if opts.minilm:
         return main_minilm(opts)
-    print(f"torch {torch.__version__}, transformers {transformers.__version__}, {opts.threads} threads; GPT-2 "
-          f"n_layer={opts.layers} n_embd=768 vocab=50257, TT max rank {opts.rank}; prompt {opts.prompt}, "
-          f"{opts.new} new tokens, best of {opts.repeats}")
+    print(
+        f"torch {torch.__version__}, transformers {transformers.__version__}, {opts.threads} threads; GPT-2 "
+        f"n_layer={opts.layers} n_embd=768 vocab=50257, TT max rank {opts.rank}; prompt {opts.prompt}, "
+        f"{opts.new} new tokens, best of {opts.repeats}"
+    )
     results = {}
     for name, tensorized in (("dense", False), ("tt", True)):
         results[name] = measure(build(opts, tensorized), opts)
         print(name, "  ".join(f"{k}: {v:.1f}" for k, v in results[name].items()), flush=True)
-    print("tt / dense", "  ".join(f"{k}: {results['tt'][k] / results['dense'][k]:.2f}" for k in results["tt"]
-                                   if results["dense"][k]))
+    print(
+        "tt / dense",
+        "  ".join(f"{k}: {results['tt'][k] / results['dense'][k]:.2f}" for k in results["tt"] if results["dense"][k]),
+    )
 
 
 if __name__ == "__main__":

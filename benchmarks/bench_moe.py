@@ -29,9 +29,17 @@ def build(args):
     from transformers import MixtralConfig, MixtralForCausalLM
 
     torch.manual_seed(args.seed)
-    config = MixtralConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.ffn,
-                           num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2,
-                           num_local_experts=args.experts, num_experts_per_tok=2, max_position_embeddings=args.seq)
+    config = MixtralConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.ffn,
+        num_hidden_layers=args.layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=args.experts,
+        num_experts_per_tok=2,
+        max_position_embeddings=args.seq,
+    )
     model = MixtralForCausalLM(config)
     model.config._experts_implementation = "eager"
     return model
@@ -61,8 +69,9 @@ def expert_params(model) -> int:
 def experts_only(max_rank: int):
     import comera_fx
 
-    return comera_fx.TensorizeConfig(max_rank=max_rank, min_numel=0, min_dim=1,
-                                     skip=(r"embed", r"lm_head", r"self_attn", r"mlp\.gate\."))
+    return comera_fx.TensorizeConfig(
+        max_rank=max_rank, min_numel=0, min_dim=1, skip=(r"embed", r"lm_head", r"self_attn", r"mlp\.gate\.")
+    )
 
 
 def to_shared(model, max_rank: int):
@@ -132,20 +141,26 @@ def main(argv=None):
     held_out = bigram_batches(args, 4, seed=2)
 
     rows = []
-    for name, model, note in (("dense", dense, "-"), ("per-expert TT", per_expert, f"max_rank {args.max_rank}"),
-                              ("shared TT", shared, f"max_rank {shared_rank}")):
+    for name, model, note in (
+        ("dense", dense, "-"),
+        ("per-expert TT", per_expert, f"max_rank {args.max_rank}"),
+        ("shared TT", shared, f"max_rank {shared_rank}"),
+    ):
         total = sum(p.numel() for p in model.parameters())
         step, loss = train(model, batches, held_out, args)
         rows.append((name, note, expert_params(model), total, step, loss))
     dense_step = rows[0][4]
-    print(f"bench_moe: {args.layers} layers, hidden {args.hidden}, ffn {args.ffn}, {args.experts} experts top-2, "
-          f"vocab {args.vocab}, {args.steps} Adam steps (lr {args.lr}) of {args.batch}x{args.seq} tokens, "
-          f"{args.threads} thread(s)")
+    print(
+        f"bench_moe: {args.layers} layers, hidden {args.hidden}, ffn {args.ffn}, {args.experts} experts top-2, "
+        f"vocab {args.vocab}, {args.steps} Adam steps (lr {args.lr}) of {args.batch}x{args.seq} tokens, "
+        f"{args.threads} thread(s)"
+    )
     print("| variant | ranks | expert params | model params | step ms (median) | step / dense | held-out loss |")
     print("|---|---|---|---|---|---|---|")
     for name, note, experts, total, step, loss in rows:
-        print(f"| {name} | {note} | {experts:,} | {total:,} | {step * 1e3:.1f} | {step / dense_step:.2f} | "
-              f"{loss:.4f} |")
+        print(
+            f"| {name} | {note} | {experts:,} | {total:,} | {step * 1e3:.1f} | {step / dense_step:.2f} | {loss:.4f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -30,11 +30,13 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--ffn", type=int, default=128)
     parser.add_argument("--batches", type=int, default=4)
-    parser.add_argument("--families", nargs="*",
-                        default=["mixtral", "qwen3_moe", "deepseek_v3", "olmoe", "gpt_oss", "llama4"])
+    parser.add_argument(
+        "--families", nargs="*", default=["mixtral", "qwen3_moe", "deepseek_v3", "olmoe", "gpt_oss", "llama4"]
+    )
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     from transformers.utils import logging
+
     logging.set_verbosity_error()
     torch.set_num_threads(1)
     names = dict(families())
@@ -46,14 +48,19 @@ def main() -> None:
     print("| family | expert TT params | plain rel err | calibrated rel err | calibrated / plain |")
     print("|---|---:|---:|---:|---:|")
     for family in args.families:
-        dense = build(family, names[family], hidden_size=args.hidden, intermediate_size=args.ffn,
-                      moe_intermediate_size=args.ffn)
+        dense = build(
+            family, names[family], hidden_size=args.hidden, intermediate_size=args.ffn, moe_intermediate_size=args.ffn
+        )
         generator = torch.Generator().manual_seed(0)
         data = [torch.randint(0, 64, (4, 32), generator=generator) for _ in range(args.batches)]
         paths = [n for n, m in dense.named_modules() if holds_experts(m, n)]
         calls = {p: [] for p in paths}
-        handles = [dense.get_submodule(p).register_forward_hook(
-            lambda m, a, k, o, p=p: calls[p].append((a, k)), with_kwargs=True) for p in paths]
+        handles = [
+            dense.get_submodule(p).register_forward_hook(
+                lambda m, a, k, o, p=p: calls[p].append((a, k)), with_kwargs=True
+            )
+            for p in paths
+        ]
         with torch.no_grad():
             for batch in data:
                 dense(batch)
@@ -74,8 +81,11 @@ def main() -> None:
                         num, den = num + float((y - r).pow(2).sum()), den + float(r.pow(2).sum())
             errors[name] = (num / den) ** 0.5
         assert params["plain"] == params["calibrated"]
-        print(f"| {family} | {params['plain']:,} | {errors['plain']:.4f} | {errors['calibrated']:.4f} | "
-              f"{errors['calibrated'] / errors['plain']:.3f} |", flush=True)
+        print(
+            f"| {family} | {params['plain']:,} | {errors['plain']:.4f} | {errors['calibrated']:.4f} | "
+            f"{errors['calibrated'] / errors['plain']:.3f} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

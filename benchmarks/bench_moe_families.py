@@ -54,8 +54,9 @@ def full_rank_error(family: str, class_name: str) -> float:
 
     model = build(family, class_name)
     dense = copy.deepcopy(model)
-    comera_fx.tensorize_(model, comera_fx.TensorizeConfig(max_rank=10**6, min_numel=0, min_dim=1,
-                                                          skip=(r"embed", r"lm_head")))
+    comera_fx.tensorize_(
+        model, comera_fx.TensorizeConfig(max_rank=10**6, min_numel=0, min_dim=1, skip=(r"embed", r"lm_head"))
+    )
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         a, b = model(ids).logits, dense(ids).logits
@@ -76,13 +77,18 @@ def main() -> None:
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     from transformers.utils import logging
+
     logging.set_verbosity_error()
     torch.set_num_threads(1)
 
-    print(f"torch {torch.__version__}, 1 thread, hidden {args.hidden}, ffn {args.ffn}, 2 layers, 4 experts top-2, "
-          f"{args.batch}x{args.seq} tokens, median of {args.steps} steps")
-    print("| family | path | full-rank rel err | expert params dense -> default | step dense ms | step TT ms | "
-          "TT / dense |")
+    print(
+        f"torch {torch.__version__}, 1 thread, hidden {args.hidden}, ffn {args.ffn}, 2 layers, 4 experts top-2, "
+        f"{args.batch}x{args.seq} tokens, median of {args.steps} steps"
+    )
+    print(
+        "| family | path | full-rank rel err | expert params dense -> default | step dense ms | step TT ms | "
+        "TT / dense |"
+    )
     print("|---|---|---:|---:|---:|---:|---:|")
     sizes = dict(hidden_size=args.hidden, intermediate_size=args.ffn, moe_intermediate_size=args.ffn)
     for family, class_name in families():
@@ -94,15 +100,21 @@ def main() -> None:
             print(f"| {family} | not built: {type(exc).__name__}: {str(exc)[:60]} | | | | | |")
             continue
         model = copy.deepcopy(dense)
-        summary = comera_fx.tensorize_(model, comera_fx.TensorizeConfig(),
-                                       filter_fn=lambda m, p: any(q.dim() == 3 for q in m.parameters(recurse=False)))
+        summary = comera_fx.tensorize_(
+            model,
+            comera_fx.TensorizeConfig(),
+            filter_fn=lambda m, p: any(q.dim() == 3 for q in m.parameters(recurse=False)),
+        )
         ids = torch.randint(0, 64, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
         t_dense = step_time(dense, ids, args.steps)
         t_tt = step_time(model, ids, args.steps)
         before, after = expert_parameters(dense), expert_parameters(model)
-        print(f"| {family} | {path_of(summary)} | {full_rank_error(family, class_name):.1e} | "
-              f"{before:,} -> {after:,} ({before / after:.1f}x) | {t_dense * 1e3:.1f} | {t_tt * 1e3:.1f} | "
-              f"{t_tt / t_dense:.2f} |", flush=True)
+        print(
+            f"| {family} | {path_of(summary)} | {full_rank_error(family, class_name):.1e} | "
+            f"{before:,} -> {after:,} ({before / after:.1f}x) | {t_dense * 1e3:.1f} | {t_tt * 1e3:.1f} | "
+            f"{t_tt / t_dense:.2f} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

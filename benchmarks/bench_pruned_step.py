@@ -50,8 +50,11 @@ def build(rank: int | None, width: int = 128) -> nn.Module:
     torch.manual_seed(0)
     model = CausalLM(2, width, 4, 4 * width, 64)
     if rank is not None:
-        comera_fx.tensorize_(model, comera_fx.TensorizeConfig(max_rank=rank, min_numel=4096),
-                             filter_fn=lambda module, fqn: isinstance(module, nn.Linear))
+        comera_fx.tensorize_(
+            model,
+            comera_fx.TensorizeConfig(max_rank=rank, min_numel=4096),
+            filter_fn=lambda module, fqn: isinstance(module, nn.Linear),
+        )
     return model
 
 
@@ -106,19 +109,31 @@ def time_layout(name: str, rank: int | None, tokens_per_row: int, batch_rows: in
     hook = args.hook and rank is not None
     parts = {"eager": step_parts(eager, batch, hook), "compiled": step_parts(compiled, batch, hook)}  # compiles
     compile_s = time.perf_counter() - start
-    columns = {f"{path} {part}": common.synced(fn, device) for path, fns in parts.items()
-               for part, fn in fns.items()}
+    columns = {f"{path} {part}": common.synced(fn, device) for path, fns in parts.items() for part, fn in fns.items()}
     seconds = common.time_rotated(columns, repeats=args.rounds, inner=args.inner)
     if args.profile and rank is not None:
         print_profile(f"{name}, {batch_rows * tokens_per_row} tokens, compiled step", parts["compiled"]["step"])
     expected = eager(batch[0]).detach()  # grad on in both: the compiled training graph, no new compile
     rel = ((compiled(batch[0]).detach() - expected).norm() / expected.norm()).item()
-    row = {"layout": name, "rank": rank, "rows": batch_rows, "tokens": batch_rows * tokens_per_row,
-           "flops": flops, "flops_with_attention": flops_attention, "compile_s": compile_s,
-           "compiled_vs_eager_rel": rel, **seconds}
-    print(f"{name:10s} {row['tokens']:5d} tokens: FLOPs {flops:.3g} ({flops_attention:.3g} with attention); step "
-          f"eager {seconds['eager step']:.4f} s, compiled {seconds['compiled step']:.4f} s (fwd+bwd "
-          f"{seconds['compiled fwd+bwd']:.4f}, optimizer {seconds['compiled optimizer']:.4f}); compile {compile_s:.0f} s; compiled vs eager {rel:.1e}", flush=True)
+    row = {
+        "layout": name,
+        "rank": rank,
+        "rows": batch_rows,
+        "tokens": batch_rows * tokens_per_row,
+        "flops": flops,
+        "flops_with_attention": flops_attention,
+        "compile_s": compile_s,
+        "compiled_vs_eager_rel": rel,
+        **seconds,
+    }
+    print(
+        f"{name:10s} {row['tokens']:5d} tokens: FLOPs {flops:.3g} ({flops_attention:.3g} with attention); step "
+        f"eager {seconds['eager step']:.4f} s, compiled {seconds['compiled step']:.4f} s (fwd+bwd "
+        f"{seconds['compiled fwd+bwd']:.4f}, optimizer {seconds['compiled optimizer']:.4f}); "
+        f"compile {compile_s:.0f} s; "
+        f"compiled vs eager {rel:.1e}",
+        flush=True,
+    )
     return row
 
 
@@ -126,6 +141,7 @@ def print_profile(title: str, step, steps: int = 5, top: int = 12) -> None:
     """Where a step's time goes: torch.profiler's ops by self CPU time over ``steps`` steps, and the GEMMs' count,
     FLOPs (from their recorded shapes) and time, which say whether the compiled graph runs the planned products."""
     from torch.profiler import ProfilerActivity, profile
+
     step()
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         for _ in range(steps):
@@ -168,8 +184,12 @@ def summary(rows: list[dict], unpruned: int, pruned: int) -> list[str]:
             f"{small['eager step'] / big['eager step']:.2f}; compiled / eager at rank {unpruned} "
             f"{big['compiled step'] / big['eager step']:.2f}, at rank {pruned} "
             f"{small['compiled step'] / small['eager step']:.2f}"
-            + (f"; dense compiled / TT rank {pruned} compiled {dense['compiled step'] / small['compiled step']:.2f}"
-               if dense else ""))
+            + (
+                f"; dense compiled / TT rank {pruned} compiled {dense['compiled step'] / small['compiled step']:.2f}"
+                if dense
+                else ""
+            )
+        )
     return lines
 
 
@@ -196,8 +216,10 @@ def main(argv=None) -> None:
     layouts = [(f"TT r{r}", r) for r in args.ranks] + ([] if args.no_dense else [("dense", None)])
     load = common.loadavg()
     rows = [time_layout(name, rank, 64, b, args, backend) for b in args.batches for name, rank in layouts]
-    print(f"\ndevice {args.device}, threads {args.threads}, load before {load}, after {common.loadavg()}, "
-          f"{common.openmp_setting()}")
+    print(
+        f"\ndevice {args.device}, threads {args.threads}, load before {load}, after {common.loadavg()}, "
+        f"{common.openmp_setting()}"
+    )
     lines = summary(rows, *args.ranks)
     print("\n".join(lines))
     if args.out:

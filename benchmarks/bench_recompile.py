@@ -89,8 +89,11 @@ def build(opts) -> tuple[nn.Module, tuple, callable]:
     if opts.model == "lm":
         model = CausalLM(opts.layers, 128, 4, 512, 64)
         if not opts.dense:
-            comera_fx.tensorize_(model, comera_fx.TensorizeConfig(max_rank=16, min_numel=4096),
-                                 filter_fn=lambda module, fqn: isinstance(module, nn.Linear))
+            comera_fx.tensorize_(
+                model,
+                comera_fx.TensorizeConfig(max_rank=16, min_numel=4096),
+                filter_fn=lambda module, fqn: isinstance(module, nn.Linear),
+            )
         data = torch.randint(0, VOCAB, (8, 65))
         batch = (data[:, :-1], data[:, 1:])
 
@@ -104,6 +107,7 @@ def build(opts) -> tuple[nn.Module, tuple, callable]:
 
         def loss_fn(m, x, y):
             return ((m(x) - y) ** 2).mean()
+
     return model, batch, loss_fn
 
 
@@ -144,8 +148,10 @@ def dense_first_steps(model, batch, loss_fn, regional: bool, steps: int = 5) -> 
         compiled = torch.compile(model)
     times = [train_step(compiled, optimizer, loss_fn, batch) for _ in range(steps)]
     label = "stock torch.compile" + (" per block" if regional else "")
-    print(f"dense, {label}: first step (compile) {times[0]:.1f} s; median step "
-          f"{statistics.median(times[1:]):.4f} s; Inductor cache {os.environ['TORCHINDUCTOR_CACHE_DIR']}")
+    print(
+        f"dense, {label}: first step (compile) {times[0]:.1f} s; median step "
+        f"{statistics.median(times[1:]):.4f} s; Inductor cache {os.environ['TORCHINDUCTOR_CACHE_DIR']}"
+    )
     print("\nDynamo compile times:\n" + str(torch._dynamo.utils.compile_times(repr="str")))
 
 
@@ -164,10 +170,20 @@ def main(argv=None) -> None:
     ap.add_argument("--cache-dir", help="Inductor cache directory (default: a fresh temporary one)")
     ap.add_argument("--dense", action="store_true", help="the dense LM under stock torch.compile, first steps only")
     ap.add_argument("--regional", action="store_true", help="compile each LM block on its own (compile_regions)")
-    ap.add_argument("--same-shape-blocks", action="store_const", const=True, default=None,
-                    help="RankConfig(same_shape_blocks=True): one stored width per matrix role across blocks")
-    ap.add_argument("--own-shape-blocks", dest="same_shape_blocks", action="store_const", const=False,
-                    help="RankConfig(same_shape_blocks=False): each block stored at its own live ranks")
+    ap.add_argument(
+        "--same-shape-blocks",
+        action="store_const",
+        const=True,
+        default=None,
+        help="RankConfig(same_shape_blocks=True): one stored width per matrix role across blocks",
+    )
+    ap.add_argument(
+        "--own-shape-blocks",
+        dest="same_shape_blocks",
+        action="store_const",
+        const=False,
+        help="RankConfig(same_shape_blocks=False): each block stored at its own live ranks",
+    )
     opts = ap.parse_args(argv)
     # A cold compile: Inductor's caches start empty. (Importing torch's Inductor sets TORCHINDUCTOR_CACHE_DIR to
     # its shared default, so the variable is always set by now: override it unless --cache-dir names one.)
@@ -182,9 +198,17 @@ def main(argv=None) -> None:
     eager_before = eager_step_seconds(model, loss_fn, batch)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     slack = opts.slack
-    hook = RankAdaptive(model, optimizer, RankConfig(keep_fraction=opts.target_ratio, total_steps=opts.steps,
-                                                     prunes=opts.prunes, shrink_slack=slack,
-                                                     same_shape_blocks=opts.same_shape_blocks))
+    hook = RankAdaptive(
+        model,
+        optimizer,
+        RankConfig(
+            keep_fraction=opts.target_ratio,
+            total_steps=opts.steps,
+            prunes=opts.prunes,
+            shrink_slack=slack,
+            same_shape_blocks=opts.same_shape_blocks,
+        ),
+    )
     backend = make_backend(inductor=not opts.no_inductor)
     torch._dynamo.reset()
     if opts.regional:
@@ -206,15 +230,19 @@ def main(argv=None) -> None:
     print(f"{'step':>4} {'s':>8} graphs pruned stored-TT-params")
     for step, t, graphs, pruned, stored in rows:
         print(f"{step:4d} {t:8.3f} {graphs:6d} {'yes' if pruned else '':6s} {stored}")
-    print(f"\nmodel {opts.model}, {opts.layers} blocks{', regional' if opts.regional else ''}"
-          f", same_shape_blocks {opts.same_shape_blocks}, slack {slack}, hook saw {hook.compiled_as}, "
-          f"inductor {not opts.no_inductor}, threads {opts.threads}, Inductor "
-          f"cache {os.environ['TORCHINDUCTOR_CACHE_DIR']}")
+    print(
+        f"\nmodel {opts.model}, {opts.layers} blocks{', regional' if opts.regional else ''}"
+        f", same_shape_blocks {opts.same_shape_blocks}, slack {slack}, hook saw {hook.compiled_as}, "
+        f"inductor {not opts.no_inductor}, threads {opts.threads}, Inductor "
+        f"cache {os.environ['TORCHINDUCTOR_CACHE_DIR']}"
+    )
     print(f"first step (compile) {first:.1f} s; median step {median:.4f} s; prunes at {prune_steps}")
-    print(f"post-prune overhead {overhead:.1f} s = {overhead / first:.2f}x the first step; graphs compiled "
-          f"{backend.stats.graphs} (first step {rows[0][2]}, recompiles after it {recompiles}); backend "
-          f"compile_seconds {backend.stats.compile_seconds:.1f}, pass_seconds {backend.stats.pass_seconds:.1f}, "
-          f"AOTAutograd cache hits {backend.stats.cache_hits}")
+    print(
+        f"post-prune overhead {overhead:.1f} s = {overhead / first:.2f}x the first step; graphs compiled "
+        f"{backend.stats.graphs} (first step {rows[0][2]}, recompiles after it {recompiles}); backend "
+        f"compile_seconds {backend.stats.compile_seconds:.1f}, pass_seconds {backend.stats.pass_seconds:.1f}, "
+        f"AOTAutograd cache hits {backend.stats.cache_hits}"
+    )
     x, _ = batch
     # Regional: the model's own blocks are compiled in place; a deep copy drops the compiled calls (eager).
     eager_model = copy.deepcopy(model) if opts.regional else model
@@ -223,18 +251,25 @@ def main(argv=None) -> None:
     got = compiled(x).detach()  # grad on: the training graph, no new compile
     rel = ((got - expected).norm() / expected.norm()).item()
     print(f"compiled vs eager after the last prune: relative error {rel:.2e}; graphs {backend.stats.graphs}")
-    print(f"TT params: before {hook.initial_tt_params}, after {hook.tt_params()} live / {hook.stored_tt_params()} "
-          f"stored (target {hook.target_size:.0f})")
+    print(
+        f"TT params: before {hook.initial_tt_params}, after {hook.tt_params()} live / {hook.stored_tt_params()} "
+        f"stored (target {hook.target_size:.0f})"
+    )
     hook.remove()
     flops_after = step_flops(eager_model, loss_fn, batch)
     eager_after = eager_step_seconds(model, loss_fn, batch)
     unpruned = statistics.median(t for s, t, _, _, _ in rows[1:] if s < prune_steps[0]) if prune_steps else median
-    pruned = statistics.median(t for s, t, _, _, _ in rows if prune_steps and s > prune_steps[-1] + 1) \
-        if prune_steps and prune_steps[-1] + 1 < opts.steps else median
-    print(f"compiled step: unpruned {unpruned:.4f} s, after the last prune {pruned:.4f} s (ratio "
-          f"{pruned / unpruned:.2f}); fwd+bwd FLOPs {flops_before:.3g} -> {flops_after:.3g} (ratio "
-          f"{flops_after / flops_before:.2f}); eager step {eager_before:.4f} -> {eager_after:.4f} s "
-          f"(compiled / eager: {unpruned / eager_before:.2f} unpruned, {pruned / eager_after:.2f} pruned)")
+    pruned = (
+        statistics.median(t for s, t, _, _, _ in rows if prune_steps and s > prune_steps[-1] + 1)
+        if prune_steps and prune_steps[-1] + 1 < opts.steps
+        else median
+    )
+    print(
+        f"compiled step: unpruned {unpruned:.4f} s, after the last prune {pruned:.4f} s (ratio "
+        f"{pruned / unpruned:.2f}); fwd+bwd FLOPs {flops_before:.3g} -> {flops_after:.3g} (ratio "
+        f"{flops_after / flops_before:.2f}); eager step {eager_before:.4f} -> {eager_after:.4f} s "
+        f"(compiled / eager: {unpruned / eager_before:.2f} unpruned, {pruned / eager_after:.2f} pruned)"
+    )
     print("\nDynamo compile times:\n" + str(torch._dynamo.utils.compile_times(repr="str")))
 
 

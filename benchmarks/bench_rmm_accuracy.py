@@ -132,8 +132,9 @@ def compress_linears_(model: nn.Module, method: str, budget: float | None, filte
     targets = [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, nn.Linear) and filter_fn(m, fqn)]
     for fqn, module in targets:
         parent_name, _, child = fqn.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, child,
-                CompressedLinear(module, method, budget))
+        setattr(
+            model.get_submodule(parent_name) if parent_name else model, child, CompressedLinear(module, method, budget)
+        )
     return [fqn for fqn, _ in targets]
 
 
@@ -143,8 +144,21 @@ def in_blocks(module, fqn: str) -> bool:
 
 def run(method: str, opts, data) -> dict:
     train_data, val_set, p = data
-    args, _ = demo.parse_args(["--preset", opts.preset, "--max-steps", str(opts.steps), "--budget-seconds", "1e9",
-                               "--eval-every", "1e9", "--seed", "0", "--quiet"])
+    args, _ = demo.parse_args(
+        [
+            "--preset",
+            opts.preset,
+            "--max-steps",
+            str(opts.steps),
+            "--budget-seconds",
+            "1e9",
+            "--eval-every",
+            "1e9",
+            "--seed",
+            "0",
+            "--quiet",
+        ]
+    )
     torch.manual_seed(args.seed)
     model = demo.GPT(p)
     info = {}
@@ -152,11 +166,17 @@ def run(method: str, opts, data) -> dict:
         why = rmm_missing()
         if why:
             return {"method": method, "skipped": why}
-        example = demo.get_batch(train_data, p.batch, p.seq_len, torch.Generator().manual_seed(0),
-                                 torch.device("cpu"))[0]
-        summary = comera_randomize_backward_(model, rho=float(method[3:]), sketch=opts.sketch,
-                                             example_inputs=(example,), filter_fn=in_blocks,
-                                             min_numel=p.min_numel)  # the tiny preset's 64-wide layers too
+        example = demo.get_batch(train_data, p.batch, p.seq_len, torch.Generator().manual_seed(0), torch.device("cpu"))[
+            0
+        ]
+        summary = comera_randomize_backward_(
+            model,
+            rho=float(method[3:]),
+            sketch=opts.sketch,
+            example_inputs=(example,),
+            filter_fn=in_blocks,
+            min_numel=p.min_numel,
+        )  # the tiny preset's 64-wide layers too
         info["summary"] = str(summary)[:1500]
     elif method.startswith("topk"):
         info["replaced"] = compress_linears_(model, "topk", float(method[4:]), in_blocks)
@@ -169,14 +189,23 @@ def run(method: str, opts, data) -> dict:
     result = demo.RunResult(method)
     load_start = loadavg()
     demo.train(method, model, optimizer, None, train_data, val_set, p, args, torch.device("cpu"), result)
-    return {"method": method, "steps": result.steps, "val": result.evals[-1][2], "val_start": result.evals[0][2],
-            "train_loss_last50": sum(result.train_losses[-50:]) / len(result.train_losses[-50:]),
-            "train_seconds": result.train_seconds, "load_start": load_start, "load_end": loadavg(), **info}
+    return {
+        "method": method,
+        "steps": result.steps,
+        "val": result.evals[-1][2],
+        "val_start": result.evals[0][2],
+        "train_loss_last50": sum(result.train_losses[-50:]) / len(result.train_losses[-50:]),
+        "train_seconds": result.train_seconds,
+        "load_start": load_start,
+        "load_end": loadavg(),
+        **info,
+    }
 
 
 def parse(argv):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--preset", default="small", choices=("tiny", "small"))
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--methods", default=DEFAULT_METHODS)
@@ -193,10 +222,12 @@ def main(argv=None):
     torch.set_num_threads(opts.threads or p.threads or 2)
     train_data, val_data, _ = demo.load_stdlib(p.data_bytes)
     val_gen = torch.Generator().manual_seed(1234)
-    val_set = [demo.get_batch(val_data, p.batch, p.seq_len, val_gen, torch.device("cpu"))
-               for _ in range(p.val_batches)]
-    print(f"{datetime.now():%Y-%m-%d %H:%M:%S} load {loadavg()} torch {torch.__version__} preset {opts.preset} "
-          f"steps {opts.steps}", flush=True)
+    val_set = [demo.get_batch(val_data, p.batch, p.seq_len, val_gen, torch.device("cpu")) for _ in range(p.val_batches)]
+    print(
+        f"{datetime.now():%Y-%m-%d %H:%M:%S} load {loadavg()} torch {torch.__version__} preset {opts.preset} "
+        f"steps {opts.steps}",
+        flush=True,
+    )
     results = []
     for method in [m.strip() for m in opts.methods.split(",") if m.strip()]:
         t0 = time.perf_counter()

@@ -37,8 +37,16 @@ import torch  # noqa: E402
 import common  # noqa: E402  (benchmarks/ is this script's sys.path[0])
 
 common.use_this_checkout()  # this checkout's comera_fx, not an installed copy
-from common import (comera_rmm_linear, exact_linear, fewbit_linear, load_fewbit, loadavg, rmm_missing,  # noqa: E402
-                    saved_bytes_by_op, write_record)
+from common import (
+    comera_rmm_linear,
+    exact_linear,
+    fewbit_linear,
+    load_fewbit,
+    loadavg,
+    rmm_missing,  # noqa: E402
+    saved_bytes_by_op,
+    write_record,
+)
 
 COMERA_SKETCHES = ("gaussian", "rademacher", "srht")
 FEWBIT_MATMULS = ("gaussian", "rademacher", "dct")
@@ -97,8 +105,13 @@ def run_shape(n_in: int, n_out: int, opts, fns: dict) -> dict:
         s = saved_bytes_by_op(lambda: fn(x, w, b).sum(), [w, b])  # sum saves nothing
         saved[name] = s["total"] / exact_input
     x.grad = w.grad = b.grad = None
-    return {"shape": f"{n_in}→{n_out}", "median_s": median, "ratio": {k: v / median["exact"] for k, v in median.items()},
-            "spread": {k: (min(v), max(v)) for k, v in times.items()}, "saved_vs_exact_input": saved}
+    return {
+        "shape": f"{n_in}→{n_out}",
+        "median_s": median,
+        "ratio": {k: v / median["exact"] for k, v in median.items()},
+        "spread": {k: (min(v), max(v)) for k, v in times.items()},
+        "saved_vs_exact_input": saved,
+    }
 
 
 def table(results: list[dict], fns: dict) -> str:
@@ -112,8 +125,9 @@ def table(results: list[dict], fns: dict) -> str:
 
 
 def parse(argv):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--shapes", default="768x3072,3072x768", help="in x out, comma-separated")
     ap.add_argument("--rhos", default="0.5,0.2,0.1")
@@ -133,9 +147,12 @@ def main(argv=None):
     load_start = loadavg()
     import comera_fx
 
-    print(f"{datetime.now():%Y-%m-%d %H:%M:%S} load {load_start} torch {torch.__version__} comera_fx "
-          f"{Path(comera_fx.__file__).parent} threads "
-          f"{torch.get_num_threads()} tokens {opts.tokens} repeats {opts.repeats}", flush=True)
+    print(
+        f"{datetime.now():%Y-%m-%d %H:%M:%S} load {load_start} torch {torch.__version__} comera_fx "
+        f"{Path(comera_fx.__file__).parent} threads "
+        f"{torch.get_num_threads()} tokens {opts.tokens} repeats {opts.repeats}",
+        flush=True,
+    )
     results = []
     for shape in opts.shapes.split(","):
         n_in, n_out = (int(v) for v in shape.split("x"))

@@ -57,34 +57,66 @@ from torch import nn  # noqa: E402
 import common  # noqa: E402  (benchmarks/ is this script's sys.path[0])
 
 common.use_this_checkout()  # this checkout's comera_fx, not an installed copy
-from common import (comera_randomize_backward_, loadavg, proc_status, reset_peak_rss, rmm_missing,  # noqa: E402
-                    saved_bytes_by_op, write_record)
+from common import (
+    comera_randomize_backward_,
+    loadavg,
+    proc_status,
+    reset_peak_rss,
+    rmm_missing,  # noqa: E402
+    saved_bytes_by_op,
+    write_record,
+)
 
 # The Inductor-compiled variants (``..._compiled``) are opt-in: their compile took > 15 min on the loaded 2-core
 # machine (RESULTS.md, RMM section).
-DEFAULT_CONFIGS = ("dense", "tt_enc", "tt_all", "tt_all_rmm0.5", "tt_all_rmm0.25", "tt_all_rmm0.1", "tt_all_ckpt",
-                   "tt_all_rmm0.25_ckpt", "tt_all_rmm0.1_ckpt", "tt_all_rmm0.25_mincut",
-                   "tt_all_rmm0.25_mincut_budget0.5", "tt_all_rmm0.25_mincut_budget0.1")
+DEFAULT_CONFIGS = (
+    "dense",
+    "tt_enc",
+    "tt_all",
+    "tt_all_rmm0.5",
+    "tt_all_rmm0.25",
+    "tt_all_rmm0.1",
+    "tt_all_ckpt",
+    "tt_all_rmm0.25_ckpt",
+    "tt_all_rmm0.1_ckpt",
+    "tt_all_rmm0.25_mincut",
+    "tt_all_rmm0.25_mincut_budget0.5",
+    "tt_all_rmm0.25_mincut_budget0.1",
+)
 CONFIG_RE = re.compile(r"^(dense|tt_enc|tt_all)(?:_rmm([0-9.]+))?(_ckpt)?(_compiled|_mincut)?(?:_budget([0-9.]+))?$")
 
 
 def parse_config(name: str) -> dict:
     m = CONFIG_RE.match(name)
     if not m:
-        raise SystemExit(f"unknown configuration {name!r}: base dense|tt_enc|tt_all, then optional _rmm<rho>, "
-                         "_ckpt, _compiled or _mincut, _budget<fraction> (budget needs one of those)")
+        raise SystemExit(
+            f"unknown configuration {name!r}: base dense|tt_enc|tt_all, then optional _rmm<rho>, "
+            "_ckpt, _compiled or _mincut, _budget<fraction> (budget needs one of those)"
+        )
     base, rho, ckpt, compiled, budget = m.groups()
     if budget and not compiled:
         raise SystemExit(f"{name}: _budget needs _compiled or _mincut (the budget acts in AOTAutograd's partitioner)")
-    return {"base": base, "rho": float(rho) if rho else None, "ckpt": bool(ckpt), "compiled": compiled,
-            "budget": float(budget) if budget else None}
+    return {
+        "base": base,
+        "rho": float(rho) if rho else None,
+        "ckpt": bool(ckpt),
+        "compiled": compiled,
+        "budget": float(budget) if budget else None,
+    }
 
 
 def build_model(seq: int, layers: int = 6):
     from transformers import BertConfig, BertForSequenceClassification
 
-    config = BertConfig(vocab_size=30522, hidden_size=768, num_hidden_layers=layers, num_attention_heads=12,
-                        intermediate_size=3072, max_position_embeddings=512, num_labels=2)
+    config = BertConfig(
+        vocab_size=30522,
+        hidden_size=768,
+        num_hidden_layers=layers,
+        num_attention_heads=12,
+        intermediate_size=3072,
+        max_position_embeddings=512,
+        num_labels=2,
+    )
     # Set what the model's first call would: Hugging Face writes problem_type into the config then, and under
     # torch.compile that write fails a guard and recompiles inside the measured steps.
     config.problem_type = "single_label_classification"
@@ -98,12 +130,12 @@ def tensorize(model, base: str, ids) -> object:
     if base == "tt_enc":
         keep = lambda m, fqn: isinstance(m, nn.Linear) and ".encoder." in f".{fqn}."  # noqa: E731
     else:
-        keep = lambda m, fqn: ((isinstance(m, nn.Linear) and ".encoder." in f".{fqn}.")  # noqa: E731
-                               or fqn.endswith("word_embeddings"))
+        keep = lambda m, fqn: (  # noqa: E731
+            (isinstance(m, nn.Linear) and ".encoder." in f".{fqn}.") or fqn.endswith("word_embeddings")
+        )
     # A module scan (no example inputs): this model has no functional weight use, and a Dynamo capture of it
     # costs a minute per configuration on a loaded 2-core machine.
-    return comera_fx.tensorize_(model, comera_fx.TensorizeConfig(max_rank=30, init="random", seed=0),
-                                filter_fn=keep)
+    return comera_fx.tensorize_(model, comera_fx.TensorizeConfig(max_rank=30, init="random", seed=0), filter_fn=keep)
 
 
 def child(opts) -> dict:
@@ -170,22 +202,54 @@ def child(opts) -> dict:
     load_end = loadavg()
     params = list(model.parameters())
     state = sum(p.numel() * p.element_size() * 2 for p in params)  # parameters + gradients
-    state += sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values()
-                 if torch.is_tensor(v))
+    state += sum(
+        v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)
+    )
     optimizer.zero_grad(set_to_none=True)
     saved = saved_bytes_by_op(lambda: loss_of(step_model), params, attribute=not cfg["compiled"])
-    return {"name": opts.child, "batch": opts.batch, "rss_before": rss_before, "peak": peak if reset_ok else None,
-            "peak_above_before": (peak - rss_before) if reset_ok else None, "state_bytes": state,
-            "params": sum(p.numel() for p in params), "losses": losses, "per_step_hwm_rss": per_step, "step_seconds": step_seconds,
-            "load_start": load_start, "load_end": load_end, "saved": saved, **info}
+    return {
+        "name": opts.child,
+        "batch": opts.batch,
+        "rss_before": rss_before,
+        "peak": peak if reset_ok else None,
+        "peak_above_before": (peak - rss_before) if reset_ok else None,
+        "state_bytes": state,
+        "params": sum(p.numel() for p in params),
+        "losses": losses,
+        "per_step_hwm_rss": per_step,
+        "step_seconds": step_seconds,
+        "load_start": load_start,
+        "load_end": load_end,
+        "saved": saved,
+        **info,
+    }
 
 
 def spawn(name: str, batch: int, opts) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "r.json"
-        cmd = [sys.executable, __file__, "--child", name, "--child-out", str(out), "--batch", str(batch),
-               "--seq", str(opts.seq), "--steps", str(opts.steps), "--layers", str(opts.layers), "--threads", str(opts.threads),
-               "--sketch", opts.sketch, "--max-gib", str(opts.max_gib)]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--child",
+            name,
+            "--child-out",
+            str(out),
+            "--batch",
+            str(batch),
+            "--seq",
+            str(opts.seq),
+            "--steps",
+            str(opts.steps),
+            "--layers",
+            str(opts.layers),
+            "--threads",
+            str(opts.threads),
+            "--sketch",
+            opts.sketch,
+            "--max-gib",
+            str(opts.max_gib),
+        ]
         started = time.perf_counter()
         try:
             env = {**os.environ, **dict(kv.split("=", 1) for kv in opts.child_env)}
@@ -193,8 +257,11 @@ def spawn(name: str, batch: int, opts) -> dict:
         except subprocess.TimeoutExpired:
             return {"name": name, "batch": batch, "skipped": f"took over {opts.child_timeout:.0f} s (killed)"}
         if proc.returncode != 0 or not out.exists():
-            return {"name": name, "batch": batch,
-                    "skipped": f"exit code {proc.returncode}: {proc.stderr[-1500:].strip()}"}
+            return {
+                "name": name,
+                "batch": batch,
+                "skipped": f"exit code {proc.returncode}: {proc.stderr[-1500:].strip()}",
+            }
         result = json.loads(out.read_text())
         result["process_seconds"] = time.perf_counter() - started
         return result
@@ -205,19 +272,26 @@ def mib(n) -> str:
 
 
 def report(results: list[dict]) -> str:
-    lines = ["| configuration | batch | peak above RSS before (MiB) | saved for backward (MiB) | params+grads+AdamW "
-             "(MiB) | s/step | load start → end |", "|---|---:|---:|---:|---:|---:|---|"]
+    lines = [
+        "| configuration | batch | peak above RSS before (MiB) | saved for backward (MiB) | params+grads+AdamW "
+        "(MiB) | s/step | load start → end |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
     for r in results:
         if "skipped" in r:
             lines.append(f"| {r['name']} | {r['batch']} | skipped: {r['skipped'][:300]} | | | | |")
             continue
-        lines.append(f"| {r['name']} | {r['batch']} | {mib(r['peak_above_before'])} | {mib(r['saved']['total'])} | "
-                     f"{mib(r['state_bytes'])} | {r['step_seconds']:.2f} | {r['load_start']} → {r['load_end']} |")
+        lines.append(
+            f"| {r['name']} | {r['batch']} | {mib(r['peak_above_before'])} | {mib(r['saved']['total'])} | "
+            f"{mib(r['state_bytes'])} | {r['step_seconds']:.2f} | {r['load_start']} → {r['load_end']} |"
+        )
     for r in results:
         if "skipped" in r:
             continue
-        lines.append(f"\nSaved for backward, {r['name']}, batch {r['batch']} (MiB; parameters saved: "
-                     f"{mib(r['saved']['params'])}):\n")
+        lines.append(
+            f"\nSaved for backward, {r['name']}, batch {r['batch']} (MiB; parameters saved: "
+            f"{mib(r['saved']['params'])}):\n"
+        )
         for name, nbytes in sorted(r["saved"]["by_op"].items(), key=lambda kv: -kv[1]):
             if nbytes >= 2**19:
                 lines.append(f"- {name}: {nbytes / 2**20:.1f}")
@@ -225,8 +299,9 @@ def report(results: list[dict]) -> str:
 
 
 def parse(argv):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--configs", default=",".join(DEFAULT_CONFIGS))
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--batch", type=int, default=1, help=argparse.SUPPRESS)
@@ -236,11 +311,20 @@ def parse(argv):
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--sketch", default="gaussian")
     ap.add_argument("--max-gib", type=float, default=8.0, help="address-space limit of each configuration's process")
-    ap.add_argument("--child-timeout", type=float, default=900.0,
-                    help="seconds before a configuration's process is killed (compiled ones compile first)")
-    ap.add_argument("--child-env", action="append", default=[], metavar="KEY=VALUE",
-                    help="environment of the configurations' processes, e.g. MALLOC_TRIM_THRESHOLD_=0 (glibc "
-                         "returns freed heap memory at once; repeatable)")
+    ap.add_argument(
+        "--child-timeout",
+        type=float,
+        default=900.0,
+        help="seconds before a configuration's process is killed (compiled ones compile first)",
+    )
+    ap.add_argument(
+        "--child-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="environment of the configurations' processes, e.g. MALLOC_TRIM_THRESHOLD_=0 (glibc "
+        "returns freed heap memory at once; repeatable)",
+    )
     ap.add_argument("--json", default=None)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
@@ -258,16 +342,21 @@ def main(argv=None):
     batches = [int(b) for b in opts.batches.split(",")]
     import comera_fx
 
-    print(f"{datetime.now():%Y-%m-%d %H:%M:%S} load {loadavg()} torch {torch.__version__} comera_fx "
-          f"{Path(comera_fx.__file__).parent} child env {opts.child_env} configs {names} "
-          f"batches {batches}", flush=True)
+    print(
+        f"{datetime.now():%Y-%m-%d %H:%M:%S} load {loadavg()} torch {torch.__version__} comera_fx "
+        f"{Path(comera_fx.__file__).parent} child env {opts.child_env} configs {names} "
+        f"batches {batches}",
+        flush=True,
+    )
     results = []
     for batch in batches:
         for name in names:
             r = spawn(name, batch, opts)
             results.append(r)
-            msg = r.get("skipped") or (f"peak {mib(r['peak_above_before'])} MiB, saved {mib(r['saved']['total'])} "
-                                       f"MiB, {r['step_seconds']:.2f} s/step, load {r['load_end']}")
+            msg = r.get("skipped") or (
+                f"peak {mib(r['peak_above_before'])} MiB, saved {mib(r['saved']['total'])} "
+                f"MiB, {r['step_seconds']:.2f} s/step, load {r['load_end']}"
+            )
             print(f"{datetime.now():%H:%M:%S} {name} batch {batch}: {msg[:400]}", flush=True)
             if opts.json:
                 write_record(opts.json, results=results)

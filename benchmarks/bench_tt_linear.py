@@ -222,8 +222,12 @@ def random_connected_trees(net: planner.TTNetwork, count: int, seed: int, exclud
             break
         nodes = [(t, 1 << t) for t in range(net.n_tensors)]
         while len(nodes) > 1:
-            pairs = [(i, j) for i in range(len(nodes)) for j in range(i + 1, len(nodes))
-                     if net.open_indices(nodes[i][1]) & net.open_indices(nodes[j][1])]
+            pairs = [
+                (i, j)
+                for i in range(len(nodes))
+                for j in range(i + 1, len(nodes))
+                if net.open_indices(nodes[i][1]) & net.open_indices(nodes[j][1])
+            ]
             i, j = rng.choice(pairs)
             (tj, mj), (ti, mi) = nodes.pop(j), nodes.pop(i)
             nodes.append(((ti, tj), mi | mj))
@@ -325,29 +329,45 @@ def build_rank_case(shape: str, rank: int, seed: int) -> RankCase:
     std = 1.0 / math.sqrt(3.0 * n_in)
     cores = [c.requires_grad_() for c in random_tt_cores(layout.core_shapes, std, generator=gen)]
     torch.manual_seed(seed)
-    module = TTLinear.from_dense(nn.Linear(n_in, n_out, bias=False), init="random", max_rank=rank,
-                                 row_modes=rows, col_modes=cols)
+    module = TTLinear.from_dense(
+        nn.Linear(n_in, n_out, bias=False), init="random", max_rank=rank, row_modes=rows, col_modes=cols
+    )
     if module.tt.layout != layout:
         raise RuntimeError(f"module layout {module.tt.layout} != {layout}")
     r_mid = ranks[len(rows)]
-    lr = (torch.randn(n_in, r_mid).mul_(n_in ** -0.5).requires_grad_(),
-          torch.randn(r_mid, n_out).mul_(r_mid ** -0.5).requires_grad_())
+    lr = (
+        torch.randn(n_in, r_mid).mul_(n_in**-0.5).requires_grad_(),
+        torch.randn(r_mid, n_out).mul_(r_mid**-0.5).requires_grad_(),
+    )
     tl_layer, tl_rank, tl_params = None, None, None
     if tltorch is not None and len(rows) == len(cols):
         tl_rank, tl_params = blocktt_rank(rows, cols, layout.num_params)
-        tl_layer = tltorch.FactorizedLinear(rows, cols, bias=False, factorization="blocktt", rank=tl_rank,
-                                            implementation="factorized")
+        tl_layer = tltorch.FactorizedLinear(
+            rows, cols, bias=False, factorization="blocktt", rank=tl_rank, implementation="factorized"
+        )
         got = sum(p.numel() for p in tl_layer.parameters())
         if got != tl_params:
             raise RuntimeError(f"tltorch layer has {got} parameters, expected {tl_params}")
-    known = {p.tree for p in envelope.plans} | {planner.Plan.from_tree(net, naive_tree(net)).tree,
-                                                planner.Plan.from_tree(net, comera_tree(net)).tree}
+    known = {p.tree for p in envelope.plans} | {
+        planner.Plan.from_tree(net, naive_tree(net)).tree,
+        planner.Plan.from_tree(net, comera_tree(net)).tree,
+    }
     trees = random_connected_trees(net, 20, seed, known)
     return RankCase(rank, layout, net, envelope, cores, module, lr, tl_layer, tl_rank, tl_params, trees)
 
 
-def measure_group(shape: str, tokens: int, cases: list[RankCase], repeats: int, warmup: int, random_cap: float,
-                  seed: int, log, group_seconds: float = 0.0, confirm_factor: int = 3) -> list[dict]:
+def measure_group(
+    shape: str,
+    tokens: int,
+    cases: list[RankCase],
+    repeats: int,
+    warmup: int,
+    random_cap: float,
+    seed: int,
+    log,
+    group_seconds: float = 0.0,
+    confirm_factor: int = 3,
+) -> list[dict]:
     """Time dense + every rank's columns for one (shape, tokens), interleaved; one result dict per rank."""
     n_in, n_out, _, _ = SHAPES[shape]
     gen = torch.Generator().manual_seed(seed + tokens)
@@ -424,10 +444,12 @@ def measure_group(shape: str, tokens: int, cases: list[RankCase], repeats: int, 
         if best_tree != chosen.tree and confirm_repeats > 0:
             # The best of ~25 noisy medians is biased low (winner's curse): re-time the planner's choice against
             # the measured best head to head, interleaved, with more repeats, and judge the 10% target on that.
-            pair = [Column("planner", by_key[f"{tag}:plan:{'/'.join(plan_times[chosen.tree][2])}"].run),
-                    Column("best", by_key[f"{tag}:plan:{'/'.join(best_labels)}"].run)]
+            pair = [
+                Column("planner", by_key[f"{tag}:plan:{'/'.join(plan_times[chosen.tree][2])}"].run),
+                Column("best", by_key[f"{tag}:plan:{'/'.join(best_labels)}"].run),
+            ]
             for rep in range(confirm_repeats):
-                for col in (pair if rep % 2 == 0 else pair[::-1]):
+                for col in pair if rep % 2 == 0 else pair[::-1]:
                     start = time.perf_counter()
                     col.run()
                     col.times.append(time.perf_counter() - start)
@@ -435,35 +457,56 @@ def measure_group(shape: str, tokens: int, cases: list[RankCase], repeats: int, 
         min_flops = min(float(p.flops(tokens)) for _, p, _ in plan_times.values())
         min_bytes = 4 * (3 * tokens * n_in + 2 * tokens * n_out + 2 * case.layout.num_params)
         res = {
-            "shape": shape, "tokens": tokens, "rank": case.rank, "ranks": list(case.layout.ranks),
-            "repeats": repeats, "load1": os.getloadavg()[0],
-            "params_tt": case.layout.num_params, "params_dense": n_in * n_out,
+            "shape": shape,
+            "tokens": tokens,
+            "rank": case.rank,
+            "ranks": list(case.layout.ranks),
+            "repeats": repeats,
+            "load1": os.getloadavg()[0],
+            "params_tt": case.layout.num_params,
+            "params_dense": n_in * n_out,
             "dense_s": dense_t,
-            "naive_s": t_of(named["naive"]), "greedy_s": t_of(named["greedy"]), "comera_s": t_of(named["comera"]),
-            "best_s": best_t, "best_plan": str(best_plan), "best_labels": best_labels,
-            "planner_s": chosen_t, "planner_plan": str(chosen), "greedy_plan": str(plans[
-                planner.Plan.from_tree(case.net, named["greedy"]).tree][0]),
-            "module_s": by_key[f"{tag}:module"].median, "LR_s": by_key[f"{tag}:LR"].median,
+            "naive_s": t_of(named["naive"]),
+            "greedy_s": t_of(named["greedy"]),
+            "comera_s": t_of(named["comera"]),
+            "best_s": best_t,
+            "best_plan": str(best_plan),
+            "best_labels": best_labels,
+            "planner_s": chosen_t,
+            "planner_plan": str(chosen),
+            "greedy_plan": str(plans[planner.Plan.from_tree(case.net, named["greedy"]).tree][0]),
+            "module_s": by_key[f"{tag}:module"].median,
+            "LR_s": by_key[f"{tag}:LR"].median,
             "tltorch_s": by_key[f"{tag}:tltorch"].median if case.tl_layer is not None else None,
-            "tltorch_rank": case.tl_rank, "tltorch_params": case.tl_params,
-            "n_plans_timed": len(plans), "n_random_skipped": skipped, "confirm": confirm,
+            "tltorch_rank": case.tl_rank,
+            "tltorch_params": case.tl_params,
+            "n_plans_timed": len(plans),
+            "n_random_skipped": skipped,
+            "confirm": confirm,
             "ratio_raw": chosen_t / best_t,
             "ratio": confirm["planner_s"] / confirm["best_s"] if confirm else chosen_t / best_t,
             "planner_cost": float(chosen.cost(tokens)),
             "dense_flops": 6.0 * tokens * n_in * n_out,
             "dense_bytes": 4 * (3 * tokens * n_in + 2 * tokens * n_out + 2 * n_in * n_out),
             "planner_pred_s": float(chosen.cost(tokens)) / RATES["gemm"],
-            "planner_flops": float(chosen.flops(tokens)), "min_flops": min_flops, "min_bytes": min_bytes,
+            "planner_flops": float(chosen.flops(tokens)),
+            "min_flops": min_flops,
+            "min_bytes": min_bytes,
             "floor_s": max(min_flops / RATES["gemm"], min_bytes / RATES["bw"]),
-            "dense_floor_s": max(6.0 * tokens * n_in * n_out / RATES["gemm"],
-                                 4 * (3 * tokens * n_in + 2 * tokens * n_out + 2 * n_in * n_out) / RATES["bw"]),
-            "min_s": {k.split(":", 1)[-1] if k.startswith(tag) else k: min(c.times) for k, c in by_key.items()
-                      if k == "dense" or k.startswith(tag + ":")},
-            "best_min_s": min(min(by_key[f"{tag}:plan:{'/'.join(labels)}"].times) for _, _, labels in
-                              plan_times.values()),
+            "dense_floor_s": max(
+                6.0 * tokens * n_in * n_out / RATES["gemm"],
+                4 * (3 * tokens * n_in + 2 * tokens * n_out + 2 * n_in * n_out) / RATES["bw"],
+            ),
+            "min_s": {
+                k.split(":", 1)[-1] if k.startswith(tag) else k: min(c.times)
+                for k, c in by_key.items()
+                if k == "dense" or k.startswith(tag + ":")
+            },
+            "best_min_s": min(
+                min(by_key[f"{tag}:plan:{'/'.join(labels)}"].times) for _, _, labels in plan_times.values()
+            ),
             "planner_min_s": min(by_key[f"{tag}:plan:{'/'.join(plan_times[chosen.tree][2])}"].times),
-            "all_plans": {str(p): [t, labels, float(p.cost(tokens))]
-                          for t, p, labels in plan_times.values()},
+            "all_plans": {str(p): [t, labels, float(p.cost(tokens))] for t, p, labels in plan_times.values()},
         }
         results.append(res)
         log(format_row(res))
@@ -479,9 +522,11 @@ def update_rates(rounds: int, log) -> None:
     gemm, bw = machine_rates(rounds)
     others = probe.cores()
     RATES["gemm"], RATES["bw"] = max(RATES.get("gemm", 0.0), gemm), max(RATES.get("bw", 0.0), bw)
-    log(f"# GEMM rate (1024² fp32 mm) {gemm / 1e9:.1f} GFLOP/s, copy bandwidth (256 MiB, read+write) "
+    log(
+        f"# GEMM rate (1024² fp32 mm) {gemm / 1e9:.1f} GFLOP/s, copy bandwidth (256 MiB, read+write) "
         f"{bw / 1e9:.2f} GB/s, other processes {'?' if others is None else f'{others:.2f}'} cores; best so far "
-        f"{RATES['gemm'] / 1e9:.1f} GFLOP/s, {RATES['bw'] / 1e9:.2f} GB/s")
+        f"{RATES['gemm'] / 1e9:.1f} GFLOP/s, {RATES['bw'] / 1e9:.2f} GB/s"
+    )
 
 
 def finalize(results: list[dict]) -> None:
@@ -495,9 +540,11 @@ def finalize(results: list[dict]) -> None:
 # ---------------------------------------------------------------------------------------------------- output
 
 
-HEADER = (f"{'shape':>9} {'tok':>5} {'r':>3} {'dense ms':>9} | {'tltorch':>7} {'naive':>6} {'greedy':>6} "
-          f"{'comera':>6} {'best':>6} {'planner':>7} {'module':>6} {'LR':>6} | {'pl/best':>7} "
-          f"{'pred ms':>8} {'meas ms':>8} {'/floor':>6} | repeats, 1-min load | best plan")
+HEADER = (
+    f"{'shape':>9} {'tok':>5} {'r':>3} {'dense ms':>9} | {'tltorch':>7} {'naive':>6} {'greedy':>6} "
+    f"{'comera':>6} {'best':>6} {'planner':>7} {'module':>6} {'LR':>6} | {'pl/best':>7} "
+    f"{'pred ms':>8} {'meas ms':>8} {'/floor':>6} | repeats, 1-min load | best plan"
+)
 
 
 def _ratio(dense: float, t) -> str:
@@ -506,13 +553,15 @@ def _ratio(dense: float, t) -> str:
 
 def format_row(r: dict) -> str:
     d = r["dense_s"]
-    return (f"{r['shape']:>9} {r['tokens']:>5} {r['rank']:>3} {d * 1e3:>9.2f} | {_ratio(d, r['tltorch_s']):>7} "
-            f"{_ratio(d, r['naive_s']):>6} {_ratio(d, r['greedy_s']):>6} {_ratio(d, r['comera_s']):>6} "
-            f"{_ratio(d, r['best_s']):>6} {_ratio(d, r['planner_s']):>7} {_ratio(d, r['module_s']):>6} "
-            f"{_ratio(d, r['LR_s']):>6} | {r['ratio']:>7.3f} {r['planner_pred_s'] * 1e3:>8.3f} "
-            f"{r['planner_s'] * 1e3:>8.3f} {r['planner_s'] / r['floor_s']:>6.1f} | n={r['repeats']} "
-            f"load={r['load1']:.1f} | {r['best_plan']}"
-            + ("" if r["best_plan"] == r["planner_plan"] else f"  (planner: {r['planner_plan']})"))
+    return (
+        f"{r['shape']:>9} {r['tokens']:>5} {r['rank']:>3} {d * 1e3:>9.2f} | {_ratio(d, r['tltorch_s']):>7} "
+        f"{_ratio(d, r['naive_s']):>6} {_ratio(d, r['greedy_s']):>6} {_ratio(d, r['comera_s']):>6} "
+        f"{_ratio(d, r['best_s']):>6} {_ratio(d, r['planner_s']):>7} {_ratio(d, r['module_s']):>6} "
+        f"{_ratio(d, r['LR_s']):>6} | {r['ratio']:>7.3f} {r['planner_pred_s'] * 1e3:>8.3f} "
+        f"{r['planner_s'] * 1e3:>8.3f} {r['planner_s'] / r['floor_s']:>6.1f} | n={r['repeats']} "
+        f"load={r['load1']:.1f} | {r['best_plan']}"
+        + ("" if r["best_plan"] == r["planner_plan"] else f"  (planner: {r['planner_plan']})")
+    )
 
 
 def _others(r: dict) -> str:
@@ -528,9 +577,11 @@ def _pl_best(r: dict) -> str:
 
 
 def markdown_table(results: list[dict]) -> str:
-    lines = ["| shape | tokens | rank | dense ms | tltorch | naive | greedy | comera | best | planner | module | "
-             "LR | planner/best (raw) | pred ms | planner ms | planner/floor | dense/floor | n | load | others |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| shape | tokens | rank | dense ms | tltorch | naive | greedy | comera | best | planner | module | "
+        "LR | planner/best (raw) | pred ms | planner ms | planner/floor | dense/floor | n | load | others |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in results:
         d = r["dense_s"]
         lines.append(
@@ -539,20 +590,25 @@ def markdown_table(results: list[dict]) -> str:
             f"{_ratio(d, r['best_s'])} | {_ratio(d, r['planner_s'])} | {_ratio(d, r['module_s'])} | "
             f"{_ratio(d, r['LR_s'])} | {_pl_best(r)} | {r['planner_pred_s'] * 1e3:.3f} | "
             f"{r['planner_s'] * 1e3:.3f} | {r['planner_s'] / r['floor_s']:.1f} | {d / r['dense_floor_s']:.1f} | "
-            f"{r['repeats']} | {r['load1']:.1f} | {_others(r)} |")
+            f"{r['repeats']} | {r['load1']:.1f} | {_others(r)} |"
+        )
     return "\n".join(lines)
 
 
 def min_table(results: list[dict]) -> str:
     """The same ratios from each column's fastest repeat (the least disturbed run on a shared machine)."""
-    lines = ["| shape | tokens | rank | dense ms (min) | tltorch | planner | module | LR | planner/best |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| shape | tokens | rank | dense ms (min) | tltorch | planner | module | LR | planner/best |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in results:
         m = r["min_s"]
         d = m["dense"]
-        lines.append(f"| {r['shape']} | {r['tokens']} | {r['rank']} | {d * 1e3:.1f} | {_ratio(d, m.get('tltorch'))} | "
-                     f"{_ratio(d, r['planner_min_s'])} | {_ratio(d, m['module'])} | {_ratio(d, m['LR'])} | "
-                     f"{r['planner_min_s'] / r['best_min_s']:.3f} |")
+        lines.append(
+            f"| {r['shape']} | {r['tokens']} | {r['rank']} | {d * 1e3:.1f} | {_ratio(d, m.get('tltorch'))} | "
+            f"{_ratio(d, r['planner_min_s'])} | {_ratio(d, m['module'])} | {_ratio(d, m['LR'])} | "
+            f"{r['planner_min_s'] / r['best_min_s']:.3f} |"
+        )
     return "\n".join(lines)
 
 
@@ -562,17 +618,21 @@ def target_report(results: list[dict]) -> str:
     raw_within = [r for r in results if r["ratio_raw"] <= 1.10]
     frac = len(within) / len(results) if results else 0.0
     worst = max(results, key=lambda r: r["ratio"])
-    out.append(f"planner within 10% of measured best: {len(within)}/{len(results)} points = {frac:.0%} "
-               f"(target >= 90%: {'MET' if frac >= 0.9 else 'MISSED'}; before the head-to-head re-timing "
-               f"{len(raw_within)}/{len(results)}); worst {worst['ratio']:.3f} at {worst['shape']} "
-               f"tokens={worst['tokens']} r={worst['rank']}")
+    out.append(
+        f"planner within 10% of measured best: {len(within)}/{len(results)} points = {frac:.0%} "
+        f"(target >= 90%: {'MET' if frac >= 0.9 else 'MISSED'}; before the head-to-head re-timing "
+        f"{len(raw_within)}/{len(results)}); worst {worst['ratio']:.3f} at {worst['shape']} "
+        f"tokens={worst['tokens']} r={worst['rank']}"
+    )
     for r in results:
         if r["ratio"] > 1.10 or r["ratio_raw"] > 1.10:
             c = r["confirm"] or {}
-            out.append(f"  {'miss' if r['ratio'] > 1.10 else 'raw miss only'}: {r['shape']} tokens={r['tokens']} "
-                       f"r={r['rank']}: planner {r['planner_plan']} {r['planner_s'] * 1e3:.3f} ms vs best "
-                       f"{r['best_plan']} {r['best_s'] * 1e3:.3f} ms; head to head "
-                       f"{c.get('planner_s', 0) * 1e3:.3f} vs {c.get('best_s', 0) * 1e3:.3f} ms (n={c.get('n')})")
+            out.append(
+                f"  {'miss' if r['ratio'] > 1.10 else 'raw miss only'}: {r['shape']} tokens={r['tokens']} "
+                f"r={r['rank']}: planner {r['planner_plan']} {r['planner_s'] * 1e3:.3f} ms vs best "
+                f"{r['best_plan']} {r['best_s'] * 1e3:.3f} ms; head to head "
+                f"{c.get('planner_s', 0) * 1e3:.3f} vs {c.get('best_s', 0) * 1e3:.3f} ms (n={c.get('n')})"
+            )
     for (shape, rank), need in SPEEDUP_TARGETS.items():
         row = next((r for r in results if r["shape"] == shape and r["rank"] == rank and r["tokens"] == 4096), None)
         if row is None:
@@ -582,18 +642,22 @@ def target_report(results: list[dict]) -> str:
         mod = row["dense_s"] / row["module_s"]
         lr = row["dense_s"] / row["LR_s"]
         public, plain = REFERENCE_NOTES[(shape, rank)]
-        out.append(f"speed-up {shape} r={rank} @4096 tokens: planner {got:.2f}x, module {mod:.2f}x, LR leaves "
-                   f"{lr:.2f}x (target >= {need}x: {'MET' if got >= need else f'MISSED by {need / got:.2f}x'}; "
-                   f"team notes: CoMERA {public}x, LR {plain}x)")
+        out.append(
+            f"speed-up {shape} r={rank} @4096 tokens: planner {got:.2f}x, module {mod:.2f}x, LR leaves "
+            f"{lr:.2f}x (target >= {need}x: {'MET' if got >= need else f'MISSED by {need / got:.2f}x'}; "
+            f"team notes: CoMERA {public}x, LR {plain}x)"
+        )
     tl = [r for r in results if r["tltorch_s"]]
     if tl:
         ratios = sorted((r["tltorch_s"] / r["planner_s"], r) for r in tl)
         met = sum(1 for q, _ in ratios if q >= 10)
         lo, lo_r = ratios[0]
-        out.append(f"vs tensorly-torch (equal params): planner faster by {lo:.1f}x .. {ratios[-1][0]:.1f}x, median "
-                   f"{statistics.median(q for q, _ in ratios):.1f}x; >= 10x at {met}/{len(ratios)} points "
-                   f"(target: {'MET' if met == len(ratios) else 'MISSED'}); lowest at {lo_r['shape']} "
-                   f"tokens={lo_r['tokens']} r={lo_r['rank']}")
+        out.append(
+            f"vs tensorly-torch (equal params): planner faster by {lo:.1f}x .. {ratios[-1][0]:.1f}x, median "
+            f"{statistics.median(q for q, _ in ratios):.1f}x; >= 10x at {met}/{len(ratios)} points "
+            f"(target: {'MET' if met == len(ratios) else 'MISSED'}); lowest at {lo_r['shape']} "
+            f"tokens={lo_r['tokens']} r={lo_r['rank']}"
+        )
     else:
         out.append("vs tensorly-torch: not measured (package not installed)")
     return "\n".join(out)
@@ -654,14 +718,22 @@ def profile_split(shape: str, rank: int, tokens: int, repeats: int, log) -> dict
         for m, m_idx in reversed(merged_leaves):
             shared = set(idx) & set(m_idx)
             out = tuple(i for i in idx if i not in shared) + tuple(i for i in m_idx if i not in shared)
-            eq = "".join(sym[i] for i in idx) + "," + "".join(sym[i] for i in m_idx) + "->" + \
-                "".join(sym[i] for i in out)
+            eq = (
+                "".join(sym[i] for i in idx)
+                + ","
+                + "".join(sym[i] for i in m_idx)
+                + "->"
+                + "".join(sym[i] for i in out)
+            )
             acc, idx = oe.contract(eq, acc, m), out
         perm = [idx.index(i) for i in net.output]
         acc.permute(perm).reshape(tokens, n_out).backward(dy)
 
-    cols = [Column("total", plan_runner(chosen, x, cores, layout, dy)), Column("merge", run_merge),
-            Column("gemms", run_gemms)]
+    cols = [
+        Column("total", plan_runner(chosen, x, cores, layout, dy)),
+        Column("merge", run_merge),
+        Column("gemms", run_gemms),
+    ]
     for col in cols:
         col.run()
     for _ in range(repeats):
@@ -671,11 +743,13 @@ def profile_split(shape: str, rank: int, tokens: int, repeats: int, log) -> dict
             col.times.append(time.perf_counter() - start)
     res = {c.key: c.median for c in cols}
     merge_flops = sum(float(s.flops[0]) for s in chosen.steps if not s.batched) * 3
-    log(f"profile {shape} r={rank} tokens={tokens} plan {chosen}: total {res['total'] * 1e3:.2f} ms; core merge "
+    log(
+        f"profile {shape} r={rank} tokens={tokens} plan {chosen}: total {res['total'] * 1e3:.2f} ms; core merge "
         f"(b-independent, {merge_flops / 1e6:.1f} MFLOP fwd+bwd) {res['merge'] * 1e3:.2f} ms; b-dependent GEMMs "
         f"{res['gemms'] * 1e3:.2f} ms ({float(chosen.flops(tokens)) / 1e9 - merge_flops / 1e9:.3f} GFLOP, "
         f"{(float(chosen.flops(tokens)) - merge_flops) / res['gemms'] / 1e9:.1f} GFLOP/s); rest "
-        f"{(res['total'] - res['merge'] - res['gemms']) * 1e3:.2f} ms")
+        f"{(res['total'] - res['merge'] - res['gemms']) * 1e3:.2f} ms"
+    )
     return {"shape": shape, "rank": rank, "tokens": tokens, "plan": str(chosen), **res}
 
 
@@ -696,30 +770,60 @@ def _ints(text: str) -> tuple[int, ...]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true",
-                        help="default subset: all shapes, tokens 64/512/4096, ranks 16/32 (+30 on 768 shapes)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="default subset: all shapes, tokens 64/512/4096, ranks 16/32 (+30 on 768 shapes)",
+    )
     parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {list(SHAPES)}")
     parser.add_argument("--tokens", default=None, help=f"comma list (default {FULL_TOKENS})")
     parser.add_argument("--ranks", default=None, help=f"comma list (default {FULL_RANKS}); clamped to feasible")
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats per column (median reported)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed rounds over all columns first")
-    parser.add_argument("--group-seconds", type=float, default=4.0,
-                        help="time cheap (shape, tokens) groups for about this long: up to 10x --repeats")
+    parser.add_argument(
+        "--group-seconds",
+        type=float,
+        default=4.0,
+        help="time cheap (shape, tokens) groups for about this long: up to 10x --repeats",
+    )
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
-    parser.add_argument("--random-cap", type=float, default=8.0,
-                        help="skip random trees predicted to cost more than this × the planner's choice")
-    parser.add_argument("--confirm", type=int, default=3,
-                        help="where the planner's choice is not the fastest plan, re-time it head to head against "
-                             "the fastest with this many times the group's repeats (0: off)")
-    parser.add_argument("--retries", type=int, default=0,
-                        help="measure a (shape, tokens) group again (up to this many times) when other processes "
-                             "used more than --busy-cores during it")
-    parser.add_argument("--wait-quiet", type=float, default=0.0,
-                        help="before each group wait up to this many seconds for other processes to go quiet")
-    parser.add_argument("--busy-cores", type=float, default=0.3,
-                        help="other processes' CPU use (in cores) above which a group counts as disturbed")
-    parser.add_argument("--profile", action="store_true",
-                        help="also split the planner's plan into core merge vs b-dependent GEMMs at 4096 tokens")
+    parser.add_argument(
+        "--random-cap",
+        type=float,
+        default=8.0,
+        help="skip random trees predicted to cost more than this × the planner's choice",
+    )
+    parser.add_argument(
+        "--confirm",
+        type=int,
+        default=3,
+        help="where the planner's choice is not the fastest plan, re-time it head to head against "
+        "the fastest with this many times the group's repeats (0: off)",
+    )
+    parser.add_argument(
+        "--retries",
+        type=int,
+        default=0,
+        help="measure a (shape, tokens) group again (up to this many times) when other processes "
+        "used more than --busy-cores during it",
+    )
+    parser.add_argument(
+        "--wait-quiet",
+        type=float,
+        default=0.0,
+        help="before each group wait up to this many seconds for other processes to go quiet",
+    )
+    parser.add_argument(
+        "--busy-cores",
+        type=float,
+        default=0.3,
+        help="other processes' CPU use (in cores) above which a group counts as disturbed",
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="also split the planner's plan into core merge vs b-dependent GEMMs at 4096 tokens",
+    )
     parser.add_argument("--json", default=None, help="write raw results here")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -742,19 +846,24 @@ def main() -> None:
     started = time.time()
     load = os.getloadavg()
     log(f"# bench_tt_linear {datetime.datetime.now().isoformat(timespec='seconds')}  {' '.join(sys.argv[1:])}")
-    log(f"# torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, {platform.processor() or 'cpu'}; "
-        f"load average at start {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+    log(
+        f"# torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, {platform.processor() or 'cpu'}; "
+        f"load average at start {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
+    )
     if tltorch is None:
-        log("# NOTE: tensorly-torch not installed: the tltorch column is skipped "
-            "(pip install tensorly tensorly-torch)")
+        log("# NOTE: tensorly-torch not installed: the tltorch column is skipped (pip install tensorly tensorly-torch)")
     else:
-        log(f"# tensorly-torch {getattr(tltorch, '__version__', '?')}: FactorizedLinear(factorization='blocktt', "
-            f"implementation='factorized'), uniform rank closest to the TT layer's parameter count")
+        log(
+            f"# tensorly-torch {getattr(tltorch, '__version__', '?')}: FactorizedLinear(factorization='blocktt', "
+            f"implementation='factorized'), uniform rank closest to the TT layer's parameter count"
+        )
     if args.wait_quiet > 0:
         wait_for_quiet(args.wait_quiet, args.busy_cores, log)
     update_rates(3, log)
-    log("# columns: dense / column time (higher = faster); pl/best = planner / best measured plan; pred = planner "
-        "cost / GEMM rate; /floor = planner time / floor")
+    log(
+        "# columns: dense / column time (higher = faster); pl/best = planner / best measured plan; pred = planner "
+        "cost / GEMM rate; /floor = planner time / floor"
+    )
     log(HEADER)
 
     results, profiles = [], []
@@ -768,29 +877,48 @@ def main() -> None:
                 continue
             case = build_rank_case(shape, rank, args.seed)
             cases.append(case)
-            tl = (f"tltorch BlockTT rank {case.tl_rank}, {case.tl_params} params" if case.tl_layer is not None
-                  else "no tltorch column")
-            log(f"# {shape} r={rank}: ranks {case.layout.ranks}, {case.layout.num_params} TT params "
+            tl = (
+                f"tltorch BlockTT rank {case.tl_rank}, {case.tl_params} params"
+                if case.tl_layer is not None
+                else "no tltorch column"
+            )
+            log(
+                f"# {shape} r={rank}: ranks {case.layout.ranks}, {case.layout.num_params} TT params "
                 f"({case.layout.compression:.0f}x compression); {tl}; envelope {len(case.envelope.plans)} plans, "
                 f"breakpoints {', '.join(f'{float(b):.1f}' for b in case.envelope.breakpoints)}; "
-                f"{len(case.random_trees)} random trees")
+                f"{len(case.random_trees)} random trees"
+            )
         for t in tokens:
             for attempt in range(args.retries + 1):
                 if args.wait_quiet > 0:
                     wait_for_quiet(args.wait_quiet, args.busy_cores, log)
                     update_rates(1, log)
                 probe = OtherLoad()
-                group = measure_group(shape, t, cases, args.repeats, args.warmup, args.random_cap, args.seed, log,
-                                      args.group_seconds, args.confirm)
+                group = measure_group(
+                    shape,
+                    t,
+                    cases,
+                    args.repeats,
+                    args.warmup,
+                    args.random_cap,
+                    args.seed,
+                    log,
+                    args.group_seconds,
+                    args.confirm,
+                )
                 others = probe.cores()
                 for r in group:
                     r["others_cores"], r["attempt"] = others, attempt
                 disturbed = others is not None and others > args.busy_cores
-                log(f"#   {shape} tokens={t}: other processes used "
-                    f"{'?' if others is None else f'{others:.2f}'} cores during this group")
+                log(
+                    f"#   {shape} tokens={t}: other processes used "
+                    f"{'?' if others is None else f'{others:.2f}'} cores during this group"
+                )
                 if disturbed and attempt < args.retries:
-                    log(f"#   {shape} tokens={t}: other processes used {others:.2f} cores during the group "
-                        f"(> {args.busy_cores}); measuring it again")
+                    log(
+                        f"#   {shape} tokens={t}: other processes used {others:.2f} cores during the group "
+                        f"(> {args.busy_cores}); measuring it again"
+                    )
                     continue
                 if disturbed:
                     log(f"#   {shape} tokens={t}: DISTURBED, other processes used {others:.2f} cores; kept")
@@ -798,7 +926,7 @@ def main() -> None:
             results += group
     if args.profile:
         log("\n# profile: median of interleaved repeats")
-        for (shape, rank) in SPEEDUP_TARGETS:
+        for shape, rank in SPEEDUP_TARGETS:
             if shape in shapes:
                 if args.wait_quiet > 0:
                     wait_for_quiet(args.wait_quiet, args.busy_cores, log)
@@ -809,18 +937,33 @@ def main() -> None:
                 log(f"#   other processes used {'?' if others is None else f'{others:.2f}'} cores meanwhile")
     update_rates(3, log)
     finalize(results)
-    log(f"# predicted times and floors below use the best rates seen: {RATES['gemm'] / 1e9:.1f} GFLOP/s, "
-        f"{RATES['bw'] / 1e9:.2f} GB/s")
+    log(
+        f"# predicted times and floors below use the best rates seen: {RATES['gemm'] / 1e9:.1f} GFLOP/s, "
+        f"{RATES['bw'] / 1e9:.2f} GB/s"
+    )
     load_end = os.getloadavg()
-    log(f"\n# done in {time.time() - started:.0f} s; load average at end {load_end[0]:.2f} {load_end[1]:.2f} "
-        f"{load_end[2]:.2f}")
+    log(
+        f"\n# done in {time.time() - started:.0f} s; load average at end {load_end[0]:.2f} {load_end[1]:.2f} "
+        f"{load_end[2]:.2f}"
+    )
     log("\n" + markdown_table(results))
     log("\n# the same from each column's fastest repeat (min instead of median)\n" + min_table(results))
     log("\n" + target_report(results))
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"argv": sys.argv[1:], "load_start": load, "load_end": load_end, "gemm_flops": RATES["gemm"],
-                       "bandwidth": RATES["bw"], "results": results, "profiles": profiles}, fh, indent=1)
+            json.dump(
+                {
+                    "argv": sys.argv[1:],
+                    "load_start": load,
+                    "load_end": load_end,
+                    "gemm_flops": RATES["gemm"],
+                    "bandwidth": RATES["bw"],
+                    "results": results,
+                    "profiles": profiles,
+                },
+                fh,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

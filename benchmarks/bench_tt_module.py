@@ -67,6 +67,7 @@ def step_fn(layer: nn.Module, x: torch.Tensor, dy: torch.Tensor, pad: bool = Tru
             layer(x).backward(dy)
         finally:
             planned_autograd.PAD_RANKS = planned_autograd.BIAS_IN_GEMM = True
+
     return run
 
 
@@ -85,18 +86,30 @@ def measure_shape(n_in: int, n_out: int, rank: int, tokens: int, repeats: int, s
     dy = torch.randn(tokens, n_out, generator=gen)
     chosen = layers.choose_plan(layers.planned_envelope(tt.tt.layout, "matmul"), tokens)
     inner = 1 if n_in * n_out > 4_000_000 else 3
-    times = time_rotated({"dense": step_fn(dense, x, dy), "tt": step_fn(tt, x, dy),
-                          "tt_addmm": step_fn(tt, x, dy, bias_in_gemm=False),
-                          "tt_unpadded": step_fn(tt, x, dy, pad=False, bias_in_gemm=False),
-                          "tt_no_bias": step_fn(no_bias, x, dy)},
-                         repeats, inner)
+    times = time_rotated(
+        {
+            "dense": step_fn(dense, x, dy),
+            "tt": step_fn(tt, x, dy),
+            "tt_addmm": step_fn(tt, x, dy, bias_in_gemm=False),
+            "tt_unpadded": step_fn(tt, x, dy, pad=False, bias_in_gemm=False),
+            "tt_no_bias": step_fn(no_bias, x, dy),
+        },
+        repeats,
+        inner,
+    )
     dense_flops = 3 * 2 * tokens * n_in * n_out
-    return dict(shape=f"{n_in}x{n_out}", rank=rank, ranks=list(tt.tt.ranks), tokens=tokens,
-                padded_rank=planned_autograd.plan_runner(chosen).padded_rank(x),
-                bias_in_gemm=planned_autograd.plan_runner(chosen).bias_in_gemm(x, tt.bias),
-                folds=planned_autograd.folds_bias(chosen), seconds=times,
-                flop_ratio=dense_flops / float(chosen.flops(tokens, backward=True)),
-                speedup={name: times["dense"] / t for name, t in times.items() if name != "dense"})
+    return dict(
+        shape=f"{n_in}x{n_out}",
+        rank=rank,
+        ranks=list(tt.tt.ranks),
+        tokens=tokens,
+        padded_rank=planned_autograd.plan_runner(chosen).padded_rank(x),
+        bias_in_gemm=planned_autograd.plan_runner(chosen).bias_in_gemm(x, tt.bias),
+        folds=planned_autograd.folds_bias(chosen),
+        seconds=times,
+        flop_ratio=dense_flops / float(chosen.flops(tokens, backward=True)),
+        speedup={name: times["dense"] / t for name, t in times.items() if name != "dense"},
+    )
 
 
 def measure_pruned(ranks: list[int], tokens: int, repeats: int, seed: int) -> list[dict]:
@@ -116,9 +129,16 @@ def measure_pruned(ranks: list[int], tokens: int, repeats: int, seed: int) -> li
     times = time_rotated(columns, repeats, 3)
     rows = []
     for name, seconds in times.items():
-        rows.append(dict(rank=int(name[1:].split("_")[0]), padded=not name.endswith("_unpadded"),
-                         ranks=list(modules[name].tt.ranks), seconds=seconds,
-                         gflops=float(flops[name]) / 1e9, s_per_gflop=seconds / (float(flops[name]) / 1e9)))
+        rows.append(
+            dict(
+                rank=int(name[1:].split("_")[0]),
+                padded=not name.endswith("_unpadded"),
+                ranks=list(modules[name].tt.ranks),
+                seconds=seconds,
+                gflops=float(flops[name]) / 1e9,
+                s_per_gflop=seconds / (float(flops[name]) / 1e9),
+            )
+        )
     for row in rows:
         reference = next((r for r in rows if r["rank"] == 16 and r["padded"] == row["padded"]), rows[-1])
         row["per_flop_vs_16"] = row["s_per_gflop"] / reference["s_per_gflop"]
@@ -137,32 +157,41 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {args.threads} threads, {args.tokens} tokens, "
-          f"{openmp_setting()}, load "
-          f"{loadavg()}")
+    print(
+        f"torch {torch.__version__}, {args.threads} threads, {args.tokens} tokens, {openmp_setting()}, load {loadavg()}"
+    )
     results = {"shapes": [], "pruned": []}
-    print("| shape | rank (padded) | bias | dense ms | TT ms | addmm ms | unpadded ms | no-bias ms | dense/TT "
-          "| dense/addmm | dense/unpadded | dense/no-bias | FLOP ratio |")
+    print(
+        "| shape | rank (padded) | bias | dense ms | TT ms | addmm ms | unpadded ms | no-bias ms | dense/TT "
+        "| dense/addmm | dense/unpadded | dense/no-bias | FLOP ratio |"
+    )
     print("|---|---:|:---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for n_in, n_out, rank in parse_shapes(args.shapes):
         r = measure_shape(n_in, n_out, rank, args.tokens, args.repeats, args.seed)
         results["shapes"].append(r)
         t, s = r["seconds"], r["speedup"]
         where = "in GEMM" if r["bias_in_gemm"] else ("addmm" if r["folds"] else "add")
-        print(f"| {r['shape']} | {rank} ({r['padded_rank']}) | {where} | {t['dense'] * 1e3:.2f} | "
-              f"{t['tt'] * 1e3:.2f} | {t['tt_addmm'] * 1e3:.2f} | {t['tt_unpadded'] * 1e3:.2f} | "
-              f"{t['tt_no_bias'] * 1e3:.2f} | {s['tt']:.2f}x | {s['tt_addmm']:.2f}x | {s['tt_unpadded']:.2f}x | "
-              f"{s['tt_no_bias']:.2f}x | {r['flop_ratio']:.1f}x |", flush=True)
+        print(
+            f"| {r['shape']} | {rank} ({r['padded_rank']}) | {where} | {t['dense'] * 1e3:.2f} | "
+            f"{t['tt'] * 1e3:.2f} | {t['tt_addmm'] * 1e3:.2f} | {t['tt_unpadded'] * 1e3:.2f} | "
+            f"{t['tt_no_bias'] * 1e3:.2f} | {s['tt']:.2f}x | {s['tt_addmm']:.2f}x | {s['tt_unpadded']:.2f}x | "
+            f"{s['tt_no_bias']:.2f}x | {r['flop_ratio']:.1f}x |",
+            flush=True,
+        )
     if args.ranks:
         ranks = [int(r) for r in args.ranks.split(",")]
         results["pruned"] = measure_pruned(ranks, args.tokens, args.repeats, args.seed)
-        print("\n| rank (768x768) | padded | bond ranks | ms | time vs rank 16 | planned GFLOP | ms per GFLOP "
-              "| per FLOP vs rank 16 |")
+        print(
+            "\n| rank (768x768) | padded | bond ranks | ms | time vs rank 16 | planned GFLOP | ms per GFLOP "
+            "| per FLOP vs rank 16 |"
+        )
         print("|---:|:---:|---|---:|---:|---:|---:|---:|")
         for row in results["pruned"]:
-            print(f"| {row['rank']} | {'yes' if row['padded'] else 'no'} | {row['ranks']} | "
-                  f"{row['seconds'] * 1e3:.2f} | {row['time_vs_16']:.2f} | {row['gflops']:.3f} | "
-                  f"{row['s_per_gflop'] * 1e3:.1f} | {row['per_flop_vs_16']:.2f} |")
+            print(
+                f"| {row['rank']} | {'yes' if row['padded'] else 'no'} | {row['ranks']} | "
+                f"{row['seconds'] * 1e3:.2f} | {row['time_vs_16']:.2f} | {row['gflops']:.3f} | "
+                f"{row['s_per_gflop'] * 1e3:.1f} | {row['per_flop_vs_16']:.2f} |"
+            )
     print(f"load after: {loadavg()}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))

@@ -44,21 +44,31 @@ def child(args) -> dict:
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    model = build("gpt_oss", dict(families())["gpt_oss"], hidden_size=args.hidden, intermediate_size=args.hidden,
-                  num_local_experts=args.experts, num_experts_per_tok=args.top_k, num_hidden_layers=args.layers,
-                  vocab_size=256).train()
+    model = build(
+        "gpt_oss",
+        dict(families())["gpt_oss"],
+        hidden_size=args.hidden,
+        intermediate_size=args.hidden,
+        num_local_experts=args.experts,
+        num_experts_per_tok=args.top_k,
+        num_hidden_layers=args.layers,
+        vocab_size=256,
+    ).train()
     model.config._experts_implementation = "eager"
     if args.variant != "dense":
-        comera_fx.tensorize_(model, TensorizeConfig(),
-                             filter_fn=lambda m, _: any(p.dim() == 3 for p in m.parameters(recurse=False)))
+        comera_fx.tensorize_(
+            model, TensorizeConfig(), filter_fn=lambda m, _: any(p.dim() == 3 for p in m.parameters(recurse=False))
+        )
     if args.variant == "whole":
         from comera_fx.moe import weight_space
 
         weight_space.plain_eager = lambda: False
     ids = torch.randint(0, 256, (1, args.tokens[0]), generator=torch.Generator().manual_seed(0))
     routed = []  # experts hit per layer in the measured step
-    hooks = [layer.mlp.router.register_forward_hook(lambda m, i, out: routed.append(len(out[2].unique())))
-             for layer in model.model.layers]
+    hooks = [
+        layer.mlp.router.register_forward_hook(lambda m, i, out: routed.append(len(out[2].unique())))
+        for layer in model.model.layers
+    ]
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
     before = rss_bytes()
     model(ids, labels=ids).loss.backward()
@@ -74,8 +84,12 @@ def child(args) -> dict:
         optimizer.step()
         optimizer.zero_grad()
         times.append(time.perf_counter() - start)
-    return {"peak_mib": peak / 2**20, "step_ms": 1e3 * statistics.median(times),
-            "expert_params": expert_parameters(model), "hit": "/".join(map(str, routed))}
+    return {
+        "peak_mib": peak / 2**20,
+        "step_ms": 1e3 * statistics.median(times),
+        "expert_params": expert_parameters(model),
+        "hit": "/".join(map(str, routed)),
+    }
 
 
 def main() -> None:
@@ -91,17 +105,23 @@ def main() -> None:
     if args.variant:
         print(json.dumps(child(args)))
         return
-    print(f"gpt-oss, {args.layers} layers, hidden = expert ffn = {args.hidden}, {args.experts} experts, "
-          f"top-{args.top_k}, eager experts loop, 1 thread")
+    print(
+        f"gpt-oss, {args.layers} layers, hidden = expert ffn = {args.hidden}, {args.experts} experts, "
+        f"top-{args.top_k}, eager experts loop, 1 thread"
+    )
     print(f"{'tokens':>6} {'variant':>7} {'experts hit':>11} {'expert params':>13} {'peak MiB':>9} {'step ms':>8}")
     for tokens in args.tokens:
         for variant in ("dense", "whole", "routed"):
             command = [sys.executable, __file__, "--variant", variant, "--tokens", str(tokens)] + [
-                f"--{k.replace('_', '-')}={getattr(args, k)}" for k in ("experts", "top_k", "hidden", "layers", "steps")]
+                f"--{k.replace('_', '-')}={getattr(args, k)}" for k in ("experts", "top_k", "hidden", "layers", "steps")
+            ]
             out = subprocess.run(command, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
             r = json.loads(out)
-            print(f"{tokens:>6} {variant:>7} {r['hit']:>11} {r['expert_params']:>13} "
-                  f"{r['peak_mib']:>9.1f} {r['step_ms']:>8.1f}", flush=True)
+            print(
+                f"{tokens:>6} {variant:>7} {r['hit']:>11} {r['expert_params']:>13} "
+                f"{r['peak_mib']:>9.1f} {r['step_ms']:>8.1f}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

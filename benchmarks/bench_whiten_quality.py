@@ -30,11 +30,51 @@ SKIP = [r"embeddings", r"pooler"]
 
 
 def docstrings(limit: int) -> list[str]:
-    names = ["os", "json", "collections", "itertools", "functools", "re", "pathlib", "typing", "inspect",
-             "argparse", "logging", "subprocess", "shutil", "textwrap", "string", "datetime", "decimal",
-             "fractions", "statistics", "random", "heapq", "bisect", "enum", "dataclasses", "contextlib", "abc",
-             "csv", "configparser", "tempfile", "glob", "unittest", "email", "http.client", "urllib.parse",
-             "zipfile", "tarfile", "threading", "queue", "asyncio", "socket", "pickle", "copy", "pprint"]
+    names = [
+        "os",
+        "json",
+        "collections",
+        "itertools",
+        "functools",
+        "re",
+        "pathlib",
+        "typing",
+        "inspect",
+        "argparse",
+        "logging",
+        "subprocess",
+        "shutil",
+        "textwrap",
+        "string",
+        "datetime",
+        "decimal",
+        "fractions",
+        "statistics",
+        "random",
+        "heapq",
+        "bisect",
+        "enum",
+        "dataclasses",
+        "contextlib",
+        "abc",
+        "csv",
+        "configparser",
+        "tempfile",
+        "glob",
+        "unittest",
+        "email",
+        "http.client",
+        "urllib.parse",
+        "zipfile",
+        "tarfile",
+        "threading",
+        "queue",
+        "asyncio",
+        "socket",
+        "pickle",
+        "copy",
+        "pprint",
+    ]
     seen, out = set(), []
     for name in names:
         module = importlib.import_module(name)
@@ -48,8 +88,14 @@ def docstrings(limit: int) -> list[str]:
 
 def text_batches(tokenizer, texts, batch_size=16, max_length=128):
     texts = sorted(texts, key=len)  # little padding inside a batch (calibration counts padded positions too)
-    return [dict(tokenizer(texts[i:i + batch_size], padding=True, truncation=True, max_length=max_length,
-                           return_tensors="pt")) for i in range(0, len(texts), batch_size)]
+    return [
+        dict(
+            tokenizer(
+                texts[i : i + batch_size], padding=True, truncation=True, max_length=max_length, return_tensors="pt"
+            )
+        )
+        for i in range(0, len(texts), batch_size)
+    ]
 
 
 def sentence_embeddings(model, batches):
@@ -92,10 +138,11 @@ def main() -> None:
         dense = transformers.AutoModel.from_pretrained(path).eval()
         tokenizer = transformers.AutoTokenizer.from_pretrained(path)
         texts = docstrings(args.calib + args.held_out)
-        calib, held = text_batches(tokenizer, texts[:args.calib]), text_batches(tokenizer, texts[args.calib:])
+        calib, held = text_batches(tokenizer, texts[: args.calib]), text_batches(tokenizer, texts[args.calib :])
     else:
-        config = transformers.BertConfig(num_hidden_layers=6, hidden_size=384, num_attention_heads=12,
-                                         intermediate_size=1536, vocab_size=30522)
+        config = transformers.BertConfig(
+            num_hidden_layers=6, hidden_size=384, num_attention_heads=12, intermediate_size=1536, vocab_size=30522
+        )
         dense = transformers.BertModel(config).eval()
         g = torch.Generator().manual_seed(1)
 
@@ -108,22 +155,28 @@ def main() -> None:
     held_cal = comera_fx.calibrate(dense, held, config=select)
     reference = sentence_embeddings(dense, held) if args.model == "real" else None
     print(f"model {args.model}: {len(cal)} linear weights, calibration {cal}, held-out {held_cal}")
-    print("| budget | decomposition | allocation | params | weighted rel. error (held-out) | in-sample | "
-          "mean per-layer | cosine |")
+    print(
+        "| budget | decomposition | allocation | params | weighted rel. error (held-out) | in-sample | "
+        "mean per-layer | cosine |"
+    )
     print("|---|---|---|---:|---:|---:|---:|---:|")
     for budget in args.budgets:
         for allocation in ("uniform", "energy"):
             for name, calibration in (("plain TT-SVD", None), ("whitened", cal)):
                 model = copy.deepcopy(dense)
-                summary = comera_fx.tensorize_(model, select.replace(param_budget=budget, allocation=allocation),
-                                               calibration=calibration)
+                summary = comera_fx.tensorize_(
+                    model, select.replace(param_budget=budget, allocation=allocation), calibration=calibration
+                )
                 agg, mean = weighted_errors(dense, model, held_cal)
                 in_sample, _ = weighted_errors(dense, model, cal)
                 cosine = ""
                 if reference is not None:
                     cosine = f"{float((sentence_embeddings(model, held) * reference).sum(-1).mean()):.3f}"
-                print(f"| 1/{round(1 / budget)} | {name} | {allocation} | {summary.budget.reached:,} | {agg:.3f} | "
-                      f"{in_sample:.3f} | {mean:.3f} | {cosine} |", flush=True)
+                print(
+                    f"| 1/{round(1 / budget)} | {name} | {allocation} | {summary.budget.reached:,} | {agg:.3f} | "
+                    f"{in_sample:.3f} | {mean:.3f} | {cosine} |",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

@@ -120,8 +120,9 @@ def fwd_bwd_seconds(chosen: planner.Plan, layout: TTLayout, batch: int, repeat: 
 
 def check_plans(flop_rate: float, alpha: float, gamma: float, repeat: int) -> None:
     """Predicted (cost / GEMM rate) vs measured fwd+bwd time of each envelope plan of CoMERA's layers."""
-    print(f"\nplan check: predicted = cost / {flop_rate / 1e9:.1f} GFLOP/s with alpha = {alpha:.2f}, "
-          f"gamma = {gamma:.3g}")
+    print(
+        f"\nplan check: predicted = cost / {flop_rate / 1e9:.1f} GFLOP/s with alpha = {alpha:.2f}, gamma = {gamma:.3g}"
+    )
     for name, layout in COMERA_LAYERS.items():
         result = planner.plan(layout, alpha=round(alpha, 2), gamma=int(round(gamma, -3)))
         for batch in (1, 8, 64, 512, 4096):
@@ -130,8 +131,10 @@ def check_plans(flop_rate: float, alpha: float, gamma: float, repeat: int) -> No
                 predicted = float(chosen.cost(batch)) / flop_rate
                 measured = fwd_bwd_seconds(chosen, layout, batch, repeat)
                 mark = "*" if chosen == winner else " "
-                print(f"{name} b={batch:<5} {mark} {str(chosen):32} predicted {predicted * 1e3:8.3f} ms  "
-                      f"measured {measured * 1e3:8.3f} ms")
+                print(
+                    f"{name} b={batch:<5} {mark} {str(chosen):32} predicted {predicted * 1e3:8.3f} ms  "
+                    f"measured {measured * 1e3:8.3f} ms"
+                )
 
 
 def main() -> None:
@@ -157,18 +160,26 @@ def main() -> None:
     gamma = overhead * flop_rate
 
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32")
-    print(f"GEMM rate (square 1024/2048, each round): {', '.join(f'{r / 1e9:.1f}' for r in rates)} GFLOP/s "
-          f"-> best {flop_rate / 1e9:.1f}")
+    print(
+        f"GEMM rate (square 1024/2048, each round): {', '.join(f'{r / 1e9:.1f}' for r in rates)} GFLOP/s "
+        f"-> best {flop_rate / 1e9:.1f}"
+    )
     print(f"skinny GEMM 4096x768 @ 768x30: {skinny / 1e9:.1f} GFLOP/s (reference only)")
-    print(f"copy bandwidth (256/512 MiB, each round): {', '.join(f'{b / 1e9:.2f}' for b in bandwidths)} GB/s "
-          f"-> best {bandwidth / 1e9:.2f}")
+    print(
+        f"copy bandwidth (256/512 MiB, each round): {', '.join(f'{b / 1e9:.2f}' for b in bandwidths)} GB/s "
+        f"-> best {bandwidth / 1e9:.2f}"
+    )
     print(f"alpha = {alpha:.2f} FLOPs per byte")
-    print(f"tiny GEMM in an autograd chain (each round): {', '.join(f'{o * 1e6:.2f}' for o in overheads)} us per "
-          f"GEMM launched -> best {overhead * 1e6:.2f}; bare torch.mm {min(bare_overheads) * 1e6:.2f} us")
+    print(
+        f"tiny GEMM in an autograd chain (each round): {', '.join(f'{o * 1e6:.2f}' for o in overheads)} us per "
+        f"GEMM launched -> best {overhead * 1e6:.2f}; bare torch.mm {min(bare_overheads) * 1e6:.2f} us"
+    )
     print(f"gamma = {gamma:.3g} FLOP-equivalents per GEMM")
     print()
-    print(f"# Calibrated by benchmarks/calibrate_plan_cost.py on {datetime.date.today().isoformat()} "
-          f"({args.threads} threads, torch {torch.__version__}):")
+    print(
+        f"# Calibrated by benchmarks/calibrate_plan_cost.py on {datetime.date.today().isoformat()} "
+        f"({args.threads} threads, torch {torch.__version__}):"
+    )
     print(f"# GEMM {flop_rate / 1e9:.1f} GFLOP/s, copy bandwidth {bandwidth / 1e9:.2f} GB/s.")
     print(f"# Tiny GEMM (fwd + bwd autograd chain) {overhead * 1e6:.2f} us per GEMM launched.")
     print(f"DEFAULT_ALPHA = {alpha:.1f}")

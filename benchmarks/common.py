@@ -94,6 +94,7 @@ def synced(fn: Callable[[], object], device) -> Callable[[], object]:
     def call():
         fn()
         torch.cuda.synchronize(device)
+
     return call
 
 
@@ -168,9 +169,15 @@ def run_header() -> dict:
     """What every JSON record starts with: the command, when, and on what."""
     import torch
 
-    return {"argv": sys.argv, "date": f"{datetime.now():%Y-%m-%d %H:%M:%S}", "torch": torch.__version__,
-            "python": platform.python_version(), "threads": torch.get_num_threads(), "openmp": openmp_setting(),
-            "load": loadavg()}
+    return {
+        "argv": sys.argv,
+        "date": f"{datetime.now():%Y-%m-%d %H:%M:%S}",
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "threads": torch.get_num_threads(),
+        "openmp": openmp_setting(),
+        "load": loadavg(),
+    }
 
 
 def write_record(path: str | Path, **fields) -> None:
@@ -234,8 +241,10 @@ def load_fewbit(path: str | Path) -> Callable:
     missing = [str(p) for p in needed if not p.is_file()]
     if missing:
         raise RuntimeError(f"--fewbit {path}: not a copy of skolai/fewbit (missing {', '.join(missing)})")
-    saved = {name: sys.modules.get(name) for name in ("fewbit", "fewbit.functional", "fewbit.fft",
-                                                       "fewbit.functional.linear")}
+    saved = {
+        name: sys.modules.get(name)
+        for name in ("fewbit", "fewbit.functional", "fewbit.fft", "fewbit.functional.linear")
+    }
     try:
         for name, folder in (("fewbit", root), ("fewbit.functional", root / "functional")):
             stub = types.ModuleType(name)
@@ -346,6 +355,9 @@ def saved_bytes_by_op(run_forward: Callable[[], object], params, attribute: bool
     for ptr, nbytes in sizes.items():
         if ptr not in param_ptrs:
             by_op[labels.get(ptr, "-")] += nbytes
-    return {"total": sum(n for p, n in sizes.items() if p not in param_ptrs),
-            "params": sum(n for p, n in sizes.items() if p in param_ptrs), "by_op": dict(by_op),
-            "count": len(sizes)}
+    return {
+        "total": sum(n for p, n in sizes.items() if p not in param_ptrs),
+        "params": sum(n for p, n in sizes.items() if p in param_ptrs),
+        "by_op": dict(by_op),
+        "count": len(sizes),
+    }

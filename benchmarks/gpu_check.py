@@ -100,6 +100,7 @@ def bench(fn, device: torch.device, *, warmup: int = 3, repeats: int = 15, budge
 
 def part(name: str):
     """Run a section, recording an exception instead of stopping the script."""
+
     def wrap(fn):
         def run(*args, **kwargs):
             t0 = time.perf_counter()
@@ -112,7 +113,9 @@ def part(name: str):
                 traceback.print_exc()
             log(f"   ({time.perf_counter() - t0:.1f} s)")
             save()  # after every part: a run stopped at its time limit still returns what it measured
+
         return run
+
     return wrap
 
 
@@ -148,10 +151,12 @@ def _leaves(tensors, device, dtype):
 def check_take_rows(name, layout, device, dtype, tol, *, tokens=64, pre_gated=False, dedup=False):
     gen = torch.Generator().manual_seed(0)
     # float64 references of the values the kernels see (rounded to ``dtype`` first)
-    cores64 = [c.to(dtype).double() for c in random_tt_cores(layout.core_shapes, 1.0, dtype=torch.float64,
-                                                                generator=gen)]
-    gates64 = [(torch.rand(r, generator=gen, dtype=torch.float64) + 0.5).to(dtype).double()
-               for r in layout.internal_ranks]
+    cores64 = [
+        c.to(dtype).double() for c in random_tt_cores(layout.core_shapes, 1.0, dtype=torch.float64, generator=gen)
+    ]
+    gates64 = [
+        (torch.rand(r, generator=gen, dtype=torch.float64) + 0.5).to(dtype).double() for r in layout.internal_ranks
+    ]
     index = torch.randint(0, layout.rows, (tokens,), generator=gen)
     index[: tokens // 4] = index[0]  # repeated ids
     ref_cores = [c.clone().requires_grad_() for c in cores64]
@@ -166,17 +171,22 @@ def check_take_rows(name, layout, device, dtype, tol, *, tokens=64, pre_gated=Fa
     expected = torch.autograd.grad(ref, ref_cores + ref_gates, grad)
     actual = torch.autograd.grad(out, cores + gates, grad.to(device, dtype))
     errs = [max_rel_err(out, ref)] + [max_rel_err(a, e) for a, e in zip(actual, expected)]
-    record_check(name, max(errs) < tol and kernels.kernel_path(*cores) == "triton",
-                 f"path={kernels.kernel_path(*cores)} max rel err fwd {errs[0]:.2e}, grads {max(errs[1:]):.2e}")
+    record_check(
+        name,
+        max(errs) < tol and kernels.kernel_path(*cores) == "triton",
+        f"path={kernels.kernel_path(*cores)} max rel err fwd {errs[0]:.2e}, grads {max(errs[1:]):.2e}",
+    )
 
 
 def check_merge(name, layout, device, dtype, tol):
     gen = torch.Generator().manual_seed(1)
     # float64 references of the values the kernels see (rounded to ``dtype`` first)
-    cores64 = [c.to(dtype).double() for c in random_tt_cores(layout.core_shapes, 1.0, dtype=torch.float64,
-                                                                generator=gen)]
-    gates64 = [(torch.rand(r, generator=gen, dtype=torch.float64) + 0.5).to(dtype).double()
-               for r in layout.internal_ranks]
+    cores64 = [
+        c.to(dtype).double() for c in random_tt_cores(layout.core_shapes, 1.0, dtype=torch.float64, generator=gen)
+    ]
+    gates64 = [
+        (torch.rand(r, generator=gen, dtype=torch.float64) + 0.5).to(dtype).double() for r in layout.internal_ranks
+    ]
     ref_cores = [c.clone().requires_grad_() for c in cores64]
     ref_gates = [g.clone().requires_grad_() for g in gates64]
     args = (layout.row_modes, layout.col_modes, layout.ranks)
@@ -211,8 +221,7 @@ def check_compiled(layout, device):
     ref = step(index, cores, gates)
     ref_grads = torch.autograd.grad(ref.square().sum(), cores + gates)
     errs = [max_rel_err(out, ref)] + [max_rel_err(a, e) for a, e in zip(grads, ref_grads)]
-    record_check("compile fullgraph lookup fwd+bwd", max(errs) < 1e-4,
-                 f"max rel err vs eager kernels {max(errs):.2e}")
+    record_check("compile fullgraph lookup fwd+bwd", max(errs) < 1e-4, f"max rel err vs eager kernels {max(errs):.2e}")
 
 
 @part("correctness")
@@ -257,11 +266,16 @@ def embedding(device, layout, tokens, dtype):
     gates = _leaves([torch.ones(r) for r in layout.internal_ranks], device, dtype)
     params = list(cores) + list(gates)
     grad = torch.randn(tokens, layout.cols, generator=gen).to(device, dtype)
-    log(f"   {layout.rows}x{layout.cols} {layout.describe_modes()} ranks {layout.ranks}, {tokens} tokens, {dtype}, "
-        f"TT params {layout.num_params} vs dense {layout.dense_params}")
+    log(
+        f"   {layout.rows}x{layout.cols} {layout.describe_modes()} ranks {layout.ranks}, {tokens} tokens, {dtype}, "
+        f"TT params {layout.num_params} vs dense {layout.dense_params}"
+    )
     for dist in ("uniform", "zipf"):
-        ids = (torch.randint(0, layout.rows, (tokens,), generator=gen) if dist == "uniform"
-               else zipf_ids(tokens, layout.rows, gen)).to(device)
+        ids = (
+            torch.randint(0, layout.rows, (tokens,), generator=gen)
+            if dist == "uniform"
+            else zipf_ids(tokens, layout.rows, gen)
+        ).to(device)
         RESULTS["timings"][f"emb {dist} distinct ids"] = int(ids.unique().numel())
         variants = {
             "dense": lambda: dense(ids),
@@ -276,6 +290,7 @@ def embedding(device, layout, tokens, dtype):
             def fwd_bwd(fn=fn, tag=tag):
                 out = fn()
                 out.backward(grad)
+
             both = timing(f"emb {dist} fwd+bwd {tag}", bench(fwd_bwd, device))
             if tag == "dense":
                 dense_fwd, dense_both = fwd, both
@@ -295,8 +310,10 @@ def gate_fusion(device, layout, dtype):
     d = len(layout.row_modes)
     h = (d + 1) // 2
     rows, cols, ranks = layout.row_modes, layout.col_modes, layout.ranks
-    halves = {"left": (cores[:h], gates[: h - 1], rows[:h], cols[:h], ranks[: h + 1]),
-              "right": (cores[h:], gates[h:], rows[h:], cols[h:], ranks[h:])}
+    halves = {
+        "left": (cores[:h], gates[: h - 1], rows[:h], cols[:h], ranks[: h + 1]),
+        "right": (cores[h:], gates[h:], rows[h:], cols[h:], ranks[h:]),
+    }
     for side, (cs, gs, rm, cm, rk) in halves.items():
         if len(cs) < 2:
             continue
@@ -305,7 +322,7 @@ def gate_fusion(device, layout, dtype):
             return kernels.gated_ttm_merge(cs, gs, rm, cm, rk, fused=True)
 
         def unfused(cs=cs, gs=gs, rm=rm, cm=cm, rk=rk):
-            gated = [c * g for c, g in zip(cs, gs)] + list(cs[len(gs):])
+            gated = [c * g for c, g in zip(cs, gs)] + list(cs[len(gs) :])
             return ops.ttm_merge(gated, rm, cm, rk)
 
         with torch.no_grad():
@@ -313,10 +330,8 @@ def gate_fusion(device, layout, dtype):
             u = timing(f"merge {side} aten gate+merge fwd", bench(unfused, device, repeats=50))
         ratio(f"merge {side} fwd fused vs aten", u, f, "aten")
         grad = torch.randn(fused().shape, generator=gen).to(device, dtype)
-        f = timing(f"merge {side} fused kernel fwd+bwd",
-                   bench(lambda: fused().backward(grad), device, repeats=50))
-        u = timing(f"merge {side} aten gate+merge fwd+bwd",
-                   bench(lambda: unfused().backward(grad), device, repeats=50))
+        f = timing(f"merge {side} fused kernel fwd+bwd", bench(lambda: fused().backward(grad), device, repeats=50))
+        u = timing(f"merge {side} aten gate+merge fwd+bwd", bench(lambda: unfused().backward(grad), device, repeats=50))
         ratio(f"merge {side} fwd+bwd fused vs aten", u, f, "aten")
 
 
@@ -324,8 +339,17 @@ def gate_fusion(device, layout, dtype):
 def linear(device, size, tokens, rank, dtype, compile_too):
     gen = torch.Generator().manual_seed(5)
     row_modes, col_modes = choose_layout_modes(size, size, TTFormat.TT)
-    tt = TTMatrix.random(size, size, format=TTFormat.TT, row_modes=row_modes, col_modes=col_modes, max_rank=rank,
-                         std=1.0 / math.sqrt(3 * size), dtype=dtype, device=device)
+    tt = TTMatrix.random(
+        size,
+        size,
+        format=TTFormat.TT,
+        row_modes=row_modes,
+        col_modes=col_modes,
+        max_rank=rank,
+        std=1.0 / math.sqrt(3 * size),
+        dtype=dtype,
+        device=device,
+    )
     tt_layer = TTLinear(tt)
     dense = nn.Linear(size, size, bias=False).to(device, dtype)
     log(f"   {size}x{size} {tt.layout.describe_modes()} ranks {tt.layout.ranks}, {tokens} tokens, {dtype}")
@@ -337,8 +361,10 @@ def linear(device, size, tokens, rank, dtype, compile_too):
         layers["dense compiled"] = torch.compile(dense)
         layers["tt compiled"] = torch.compile(tt_layer)
     for tag, layer in layers.items():
+
         def fwd_bwd(layer=layer):
             layer(x).backward(grad)
+
         with torch.no_grad():
             fwd = timing(f"linear fwd {tag}", bench(lambda layer=layer: layer(x), device))
         both = timing(f"linear fwd+bwd {tag}", bench(fwd_bwd, device))
@@ -367,12 +393,14 @@ def rank_padding(device, n_in, n_out, tokens, rank, dtype):
 
             def fwd_bwd():
                 layer(x).backward(grad)
+
             times[tag] = timing(f"rank padding r{rank} fwd+bwd {tag}", bench(fwd_bwd, device))
     finally:
         planned.PAD_DEVICES = devices
     err = max_rel_err(outputs["padded"], outputs["unpadded"])
-    record_check(f"rank padding r{rank} output", err < (3e-2 if dtype == torch.bfloat16 else 1e-4),
-                 f"max rel err {err:.2e}")
+    record_check(
+        f"rank padding r{rank} output", err < (3e-2 if dtype == torch.bfloat16 else 1e-4), f"max rel err {err:.2e}"
+    )
     ratio(f"rank padding r{rank} fwd+bwd padded", times["unpadded"], times["padded"], "unpadded")
 
 
@@ -411,13 +439,18 @@ def compile_once(device, smoke: bool):
     timing("compile once: first step (compile)", 1e3 * times[0])
     timing("compile once: median step", 1e3 * median)
     RESULTS["ratios"]["compile once: post-prune overhead / first step"] = overhead / times[0]
-    log(f"   post-prune overhead {overhead:.2f} s = {overhead / times[0]:.2f}x the first step; recompiles "
+    log(
+        f"   post-prune overhead {overhead:.2f} s = {overhead / times[0]:.2f}x the first step; recompiles "
         f"{recompiles}; TT params {hook.initial_tt_params} -> {hook.tt_params()} live / {hook.stored_tt_params()} "
-        f"stored")
+        f"stored"
+    )
     record_check("compile once: at most 3 recompiles", recompiles <= 3, f"{recompiles} after the first step")
     record_check("compile once: compiled == eager after the last prune", rel < 1e-4, f"relative error {rel:.2e}")
-    record_check("compile once: the TT size shrank", hook.tt_params() < hook.initial_tt_params,
-                 f"{hook.initial_tt_params} -> {hook.tt_params()}")
+    record_check(
+        "compile once: the TT size shrank",
+        hook.tt_params() < hook.initial_tt_params,
+        f"{hook.initial_tt_params} -> {hook.tt_params()}",
+    )
     hook.remove()
 
 
@@ -427,8 +460,12 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--rank", type=int, default=32, help="TT linear max rank")
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile of the linear layers")
-    parser.add_argument("--emb", metavar="ROWSxCOLS", help="another embedding table for the lookup and gate-fusion "
-                        "timings (TTM, 4 modes a side chosen by the library; default 32000x768 with CoMERA's modes)")
+    parser.add_argument(
+        "--emb",
+        metavar="ROWSxCOLS",
+        help="another embedding table for the lookup and gate-fusion "
+        "timings (TTM, 4 modes a side chosen by the library; default 32000x768 with CoMERA's modes)",
+    )
     parser.add_argument("--emb-rank", type=int, default=32, help="internal ranks of --emb's table")
     parser.add_argument("--skip-compile-once", action="store_true", help="skip part 6 (a second run of the kernels)")
     args = parser.parse_args()
@@ -442,18 +479,23 @@ def main() -> int:
         return 2
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 checks compare IEEE kernels with IEEE aten
     RESULTS["env"] = {
-        "torch": torch.__version__, "python": platform.python_version(), "device": device.type,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "device": device.type,
         "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None,
-        "triton": _version("triton"), "kernels": kernels.kernel_path(torch.zeros(1, device=device)),
+        "triton": _version("triton"),
+        "kernels": kernels.kernel_path(torch.zeros(1, device=device)),
         "smoke": args.smoke,
     }
     log(f"env: {RESULTS['env']}")
     if RESULTS["env"]["kernels"] != "triton":
         log(f"!! kernels unavailable here ({kernels._impl_error}); timings below use the aten path")
 
-    small = [TTLayout(TTFormat.TTM, 45, 20, (3, 4, 4), (2, 3, 4), (1, 3, 5, 1)),
-             TTLayout(TTFormat.TTM, 37, 250, (2, 5, 4), (3, 11, 12), (1, 3, 70, 1)),
-             TTLayout(TTFormat.TTM, 500, 60, (5, 4, 5, 5), (2, 3, 2, 5), (1, 6, 12, 7, 1))]
+    small = [
+        TTLayout(TTFormat.TTM, 45, 20, (3, 4, 4), (2, 3, 4), (1, 3, 5, 1)),
+        TTLayout(TTFormat.TTM, 37, 250, (2, 5, 4), (3, 11, 12), (1, 3, 70, 1)),
+        TTLayout(TTFormat.TTM, 500, 60, (5, 4, 5, 5), (2, 3, 2, 5), (1, 6, 12, 7, 1)),
+    ]
     if args.smoke:
         emb = TTLayout(TTFormat.TTM, 300, 48, (5, 6, 10), (2, 4, 6), (1, 4, 8, 1))
         tokens, lin_size, lin_tokens = 64, 64, 32
@@ -471,15 +513,26 @@ def main() -> int:
     correctness(device, emb, small)
     embedding(device, emb, tokens, torch.bfloat16 if device.type == "cuda" else torch.float32)
     gate_fusion(device, emb, torch.bfloat16 if device.type == "cuda" else torch.float32)
-    linear(device, lin_size, lin_tokens, args.rank, torch.bfloat16 if device.type == "cuda" else torch.float32,
-           compile_too=not args.no_compile and not args.smoke)
-    rank_padding(device, *((64, 96, 32, 5) if args.smoke else (768, 3072, args.tokens, 30)),
-                 torch.bfloat16 if device.type == "cuda" else torch.float32)
+    linear(
+        device,
+        lin_size,
+        lin_tokens,
+        args.rank,
+        torch.bfloat16 if device.type == "cuda" else torch.float32,
+        compile_too=not args.no_compile and not args.smoke,
+    )
+    rank_padding(
+        device,
+        *((64, 96, 32, 5) if args.smoke else (768, 3072, args.tokens, 30)),
+        torch.bfloat16 if device.type == "cuda" else torch.float32,
+    )
 
     RESULTS["seconds"] = time.perf_counter() - t0
     failed = [k for k, v in RESULTS["checks"].items() if not v["ok"]]
-    log(f"\nchecks: {len(RESULTS['checks']) - len(failed)} ok, {len(failed)} failed {failed or ''}; "
-        f"errors: {list(RESULTS['errors']) or 'none'}; {RESULTS['seconds']:.0f} s")
+    log(
+        f"\nchecks: {len(RESULTS['checks']) - len(failed)} ok, {len(failed)} failed {failed or ''}; "
+        f"errors: {list(RESULTS['errors']) or 'none'}; {RESULTS['seconds']:.0f} s"
+    )
     save()
     return 1 if failed or RESULTS["errors"] else 0
 

@@ -53,6 +53,7 @@ def main() -> None:
     parser.add_argument("--held-out", action="store_true", help="held-out stdlib text instead of other-source text")
     args = parser.parse_args()
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -61,8 +62,7 @@ def main() -> None:
     markers = "os^DvPX*<>"
     for i, (method, cells) in enumerate(sorted(points(args.results, key).items())):
         xs = sorted(cells)  # 20 colours and 10 markers: no two of up to 20 methods look alike
-        ax.plot(xs, [cells[x] for x in xs], marker=markers[i % len(markers)], color=plt.cm.tab20(i % 20),
-                label=method)
+        ax.plot(xs, [cells[x] for x in xs], marker=markers[i % len(markers)], color=plt.cm.tab20(i % 20), label=method)
         for x in xs:
             print(f"{method:40s} bytes {x:.4f}  cosine {cells[x]:.4f}")
     ax.set_xscale("log", base=2)

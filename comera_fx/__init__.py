@@ -23,17 +23,28 @@ Public API::
 """
 
 from . import passes
-from .backend import (BackendConfig, ComeraBackend, DenseWeightsWarning, backend, compile, compile_regions,
-                      make_backend)
+from .backend import BackendConfig, ComeraBackend, DenseWeightsWarning, backend, compile, compile_regions, make_backend
 from .checkpoint import load_tensorized, save_tensorized
 from .config import Allocation, Init, LayerSettings, TensorizeConfig
 from .passes.randomize import RandomizeSummary, randomize_backward_, restore_backward_
 from .passes.tensorize import TensorizeSummary, tensorize_
 from .quantize import QuantizeSummary, quantize_
 from .packed import PackedLinear, pack_linears_
-from .pretrained import (Calibration, CompressSummary, DistillConfig, DistillSummary, FormatPlan, InputStats,
-                         RefitSummary, apply_formats_, calibrate, choose_formats, compress_, distill_,
-                         refit_sequential_)
+from .pretrained import (
+    Calibration,
+    CompressSummary,
+    DistillConfig,
+    DistillSummary,
+    FormatPlan,
+    InputStats,
+    RefitSummary,
+    apply_formats_,
+    calibrate,
+    choose_formats,
+    compress_,
+    distill_,
+    refit_sequential_,
+)
 from .report import Report, report
 from .rmm import RMMConfig
 from .runtime import RankAdaptive, RankConfig, param_groups

@@ -112,14 +112,18 @@ class BackendConfig:
 
     def __post_init__(self) -> None:
         budget = self.activation_memory_budget
-        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))
-                                   or not 0 <= budget <= 1):
+        if budget is not None and (
+            isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 <= budget <= 1
+        ):
             raise ValueError(f"activation_memory_budget must be None or a number in [0, 1], got {budget!r}")
         kernels = self.cpu_aten_kernels
         if not isinstance(kernels, tuple) or not all(
-                isinstance(op, (torch._ops.OpOverloadPacket, torch._ops.OpOverload)) for op in kernels):
-            raise ValueError("cpu_aten_kernels must be a tuple of aten ops "
-                             f"(e.g. torch.ops.aten.embedding_dense_backward), got {kernels!r}")
+            isinstance(op, (torch._ops.OpOverloadPacket, torch._ops.OpOverload)) for op in kernels
+        ):
+            raise ValueError(
+                "cpu_aten_kernels must be a tuple of aten ops "
+                f"(e.g. torch.ops.aten.embedding_dense_backward), got {kernels!r}"
+            )
         if self.rmm is not None and not isinstance(self.rmm, RMMConfig):
             if isinstance(self.rmm, bool) or not isinstance(self.rmm, (int, float)):
                 raise ValueError(f"rmm must be None, an RMMConfig or a float rho in (0, 1], got {self.rmm!r}")
@@ -148,14 +152,14 @@ class BackendStats:
     graphs: int = 0
     reconstructed_contracted: int = 0
     dense_reported: list[str] = field(default_factory=list)
-    rmm_rewritten: int = 0         # linear-like ops given a randomized backward by ``BackendConfig.rmm``, and
-    dropouts_rewritten: int = 0    # dropouts drawn from random words (``passes.fast_dropout``), successful attempts
-    sketches_shared: int = 0       # sketches merged into another of one input (``passes.share_sketches``), in the
+    rmm_rewritten: int = 0  # linear-like ops given a randomized backward by ``BackendConfig.rmm``, and
+    dropouts_rewritten: int = 0  # dropouts drawn from random words (``passes.fast_dropout``), successful attempts
+    sketches_shared: int = 0  # sketches merged into another of one input (``passes.share_sketches``), in the
     #                                graphs compiled (successful attempts only)
-    pass_seconds: float = 0.0      # in comera_fx's own passes (both stages)
-    compile_seconds: float = 0.0   # in the backend calls: passes, AOTAutograd, Inductor's forward (Inductor
+    pass_seconds: float = 0.0  # in comera_fx's own passes (both stages)
+    compile_seconds: float = 0.0  # in the backend calls: passes, AOTAutograd, Inductor's forward (Inductor
     #                                lowers the backward lazily, at the first backward call, outside this figure)
-    cache_hits: int = 0            # graphs AOTAutograd's on-disk cache returned instead of compiling (warm starts)
+    cache_hits: int = 0  # graphs AOTAutograd's on-disk cache returned instead of compiling (warm starts)
 
 
 class ComeraBackend:
@@ -170,8 +174,9 @@ class ComeraBackend:
     def __repr__(self) -> str:
         return f"ComeraBackend({self.config})"
 
-    def __call__(self, gm: fx.GraphModule, example_inputs, *, mode: str | None = None,
-                 options: Mapping[str, Any] | None = None):
+    def __call__(
+        self, gm: fx.GraphModule, example_inputs, *, mode: str | None = None, options: Mapping[str, Any] | None = None
+    ):
         started = time.perf_counter()
         config = self.config.with_options(options)
         note_graph_inputs(example_inputs)  # RankAdaptive then holds these TT matrices' shapes between prunes
@@ -183,12 +188,16 @@ class ComeraBackend:
         if config.fast_dropout and _on_cpu(example_inputs):
             gm = fast_dropout(gm)
         if config.rmm is not None:
-            gm = randomize_backward(gm, config.rmm.rho, config.rmm.sketch, min_numel=config.rmm.min_numel,
-                                    example_inputs=example_inputs)
+            gm = randomize_backward(
+                gm, config.rmm.rho, config.rmm.sketch, min_numel=config.rmm.min_numel, example_inputs=example_inputs
+            )
         gm = share_sketches(gm)
         self.stats.pass_seconds += time.perf_counter() - started
-        budget = ({} if config.activation_memory_budget is None
-                  else {"activation_memory_budget": float(config.activation_memory_budget)})
+        budget = (
+            {}
+            if config.activation_memory_budget is None
+            else {"activation_memory_budget": float(config.activation_memory_budget)}
+        )
         with torch._functorch.config.patch(**budget):
             hits_before = _autograd_cache_hits()
             compiled = self._compile(gm, example_inputs, config, mode)
@@ -223,13 +232,20 @@ class ComeraBackend:
             if tag is not None:
                 patches["post_grad_custom_pre_pass"] = tag
             bypass = needs_key and tag is None
-            autograd_cache = {"enable_autograd_cache": False} if bypass else {
-                "autograd_cache_allow_custom_autograd_functions": True}  # the planner's Function: keyed by its graph
+            autograd_cache = (
+                {"enable_autograd_cache": False} if bypass else {"autograd_cache_allow_custom_autograd_functions": True}
+            )  # the planner's Function: keyed by its graph
             with torch._functorch.config.patch(**autograd_cache):
-                return compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches or None,
-                                  decompositions=decompositions)
-        return _aot_eager(gm, example_inputs, config.post_aot_passes, self.stats,
-                          min_cut=config.activation_memory_budget is not None)
+                return compile_fx(
+                    gm,
+                    example_inputs,
+                    inner_compile=inner,
+                    config_patches=patches or None,
+                    decompositions=decompositions,
+                )
+        return _aot_eager(
+            gm, example_inputs, config.post_aot_passes, self.stats, min_cut=config.activation_memory_budget is not None
+        )
 
     def reset(self) -> None:
         """Called by ``torch._dynamo.reset()``: forget what was reported, so a fresh compile reports again."""
@@ -243,7 +259,9 @@ class ComeraBackend:
                 continue
             kinds = {classify_use(user, node) for user in node.users}
             seen = self._reported.get(id(value))
-            if not kinds & {UseKind.LINEAR, UseKind.MATMUL, UseKind.EMBEDDING} or (seen is not None and seen() is value):
+            if not kinds & {UseKind.LINEAR, UseKind.MATMUL, UseKind.EMBEDDING} or (
+                seen is not None and seen() is value
+            ):
                 continue
             self._reported[id(value)] = weakref.ref(value)
             found.append(f"{_readable_name(node)} {tuple(value.shape)}")
@@ -357,8 +375,10 @@ def _pass_identity(graph_pass) -> str | None:
     defaults = (getattr(graph_pass, "__defaults__", None), getattr(graph_pass, "__kwdefaults__", None))
     if not _plain((closure, defaults)):
         return None
-    return (f"{getattr(graph_pass, '__module__', '')}.{getattr(graph_pass, '__qualname__', '')}:{source}:"
-            f"{closure!r}:{defaults!r}")
+    return (
+        f"{getattr(graph_pass, '__module__', '')}.{getattr(graph_pass, '__qualname__', '')}:{source}:"
+        f"{closure!r}:{defaults!r}"
+    )
 
 
 def _plain(value) -> bool:
@@ -378,8 +398,11 @@ def _cache_tag(config: "BackendConfig", patches: Mapping[str, Any]):
     from torch._inductor.custom_graph_pass import CustomGraphPass
 
     identities = [_pass_identity(p) for p in config.post_aot_passes]
-    if any(i is None for i in identities) or patches.get("post_grad_custom_pre_pass") is not None \
-            or torch._inductor.config.post_grad_custom_pre_pass is not None:
+    if (
+        any(i is None for i in identities)
+        or patches.get("post_grad_custom_pre_pass") is not None
+        or torch._inductor.config.post_grad_custom_pre_pass is not None
+    ):
         return None
     ops = sorted(str(op) for op in config.cpu_aten_kernels)
     digest = hashlib.sha256("\n".join(["comera_fx backend", *ops, *identities]).encode()).hexdigest()
@@ -440,8 +463,15 @@ def make_backend(config: BackendConfig | None = None, **fields) -> ComeraBackend
 backend = ComeraBackend()
 
 
-def compile(model: nn.Module, config: TensorizeConfig | None = None, *, example_inputs=None,
-            backend_config: BackendConfig | None = None, regional: bool | None = None, **compile_kwargs):
+def compile(
+    model: nn.Module,
+    config: TensorizeConfig | None = None,
+    *,
+    example_inputs=None,
+    backend_config: BackendConfig | None = None,
+    regional: bool | None = None,
+    **compile_kwargs,
+):
     """``tensorize_`` the model in place, plan its TT products, then compile it with comera_fx's backend: its
     repeated blocks regionally where it has them, else the whole model.
 
@@ -481,8 +511,11 @@ def repeated_blocks(model: nn.Module) -> list[str]:
         counts: dict[type, int] = {}
         for child in module.children():
             counts[type(child)] = counts.get(type(child), 0) + 1
-        names += [f"{name}.{key}" if name else key for key, child in module.named_children()
-                  if counts[type(child)] >= 2 and next(child.children(), None) is not None]
+        names += [
+            f"{name}.{key}" if name else key
+            for key, child in module.named_children()
+            if counts[type(child)] >= 2 and next(child.children(), None) is not None
+        ]
     return names
 
 
@@ -502,8 +535,7 @@ def _region_names(model: nn.Module, regions) -> list[str]:
     return names
 
 
-def compile_regions(model: nn.Module, regions=None, *, backend: Callable | None = None,
-                    **compile_kwargs) -> list[str]:
+def compile_regions(model: nn.Module, regions=None, *, backend: Callable | None = None, **compile_kwargs) -> list[str]:
     """Compile each repeated block of ``model`` on its own, in place (regional compilation); returns their names.
 
     Blocks of one class share their ``forward``'s code, so Dynamo reuses one compiled graph for every block with
@@ -524,9 +556,11 @@ def compile_regions(model: nn.Module, regions=None, *, backend: Callable | None 
     """
     names = _region_names(model, regions)
     if not names:
-        raise ValueError(f"{type(model).__name__} has no repeated blocks (children of an nn.ModuleList sharing a "
-                         f"class); pass regions=(YourBlock,) or the names of the modules to compile, or use "
-                         f"torch.compile(model, backend=comera_fx.backend) for the whole model")
+        raise ValueError(
+            f"{type(model).__name__} has no repeated blocks (children of an nn.ModuleList sharing a "
+            f"class); pass regions=(YourBlock,) or the names of the modules to compile, or use "
+            f"torch.compile(model, backend=comera_fx.backend) for the whole model"
+        )
     chosen = backend if backend is not None else _SHARED_BACKEND
     for name in names:
         region = model.get_submodule(name)

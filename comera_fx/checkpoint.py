@@ -42,8 +42,12 @@ def _made_with_to_json(made_with):
     if made_with is None:
         return None
     kind, options = made_with
-    return {"kind": kind, "options": {k: (v.value if hasattr(v, "value") else list(v) if isinstance(v, tuple) else v)
-                                      for k, v in options.items()}}
+    return {
+        "kind": kind,
+        "options": {
+            k: (v.value if hasattr(v, "value") else list(v) if isinstance(v, tuple) else v) for k, v in options.items()
+        },
+    }
 
 
 def _made_with_from_json(data):
@@ -65,25 +69,46 @@ def manifest_of(model: nn.Module) -> dict:
         if isinstance(module, TTMatrix) and id(module) not in matrices:
             matrices[id(module)] = path
             layout = module.layout
-            entries.append({"fqn": path, "format": layout.format.value, "rows": layout.rows, "cols": layout.cols,
-                            "row_modes": list(layout.row_modes), "col_modes": list(layout.col_modes),
-                            "ranks": list(layout.ranks),
-                            "made_with": _made_with_to_json(getattr(module, "made_with", None))})
+            entries.append(
+                {
+                    "fqn": path,
+                    "format": layout.format.value,
+                    "rows": layout.rows,
+                    "cols": layout.cols,
+                    "row_modes": list(layout.row_modes),
+                    "col_modes": list(layout.col_modes),
+                    "ranks": list(layout.ranks),
+                    "made_with": _made_with_to_json(getattr(module, "made_with", None)),
+                }
+            )
     holders = []
     for path, module in model.named_modules(remove_duplicate=False):
         if isinstance(module, TTLinear):
-            holders.append({"path": path, "type": "linear", "tt": matrices[id(module.tt)],
-                            "transposed": module.transposed})
+            holders.append(
+                {"path": path, "type": "linear", "tt": matrices[id(module.tt)], "transposed": module.transposed}
+            )
         elif isinstance(module, TTEmbedding):
-            holders.append({"path": path, "type": "embedding", "tt": matrices[id(module.tt)],
-                            "padding_idx": module.padding_idx})
+            holders.append(
+                {"path": path, "type": "embedding", "tt": matrices[id(module.tt)], "padding_idx": module.padding_idx}
+            )
         elif getattr(type(module), "_comera_fx_tt_class", False):
             for attr, transposed in type(module)._comera_fx_properties.items():
-                holders.append({"path": path, "type": "property", "attr": attr, "transposed": transposed,
-                                "tt": matrices[id(module._modules[f"{attr}_tt"])]})
+                holders.append(
+                    {
+                        "path": path,
+                        "type": "property",
+                        "attr": attr,
+                        "transposed": transposed,
+                        "tt": matrices[id(module._modules[f"{attr}_tt"])],
+                    }
+                )
     holders.extend(expert_holders(model, matrices))  # MoE: banks of per-expert TT matrices
-    return {"format_version": FORMAT_VERSION, "tt_matrices": entries, "holders": holders,
-            "packed": packed_manifest(model)}
+    return {
+        "format_version": FORMAT_VERSION,
+        "tt_matrices": entries,
+        "holders": holders,
+        "packed": packed_manifest(model),
+    }
 
 
 def save_tensorized(model: nn.Module, path: str | Path) -> dict:
@@ -132,8 +157,12 @@ def _store_quantized(tensors: dict[str, Tensor], specs: dict[str, QuantSpec]) ->
         codes, scales = quantize_groups(tensor, spec)
         tensors[key] = pack(codes, spec.bits)
         tensors[_SCALE_PREFIX + key] = scales
-        entries[key] = {"bits": spec.bits, "group_size": spec.group_size, "shape": list(tensor.shape),
-                        "dtype": str(tensor.dtype).removeprefix("torch.")}
+        entries[key] = {
+            "bits": spec.bits,
+            "group_size": spec.group_size,
+            "shape": list(tensor.shape),
+            "dtype": str(tensor.dtype).removeprefix("torch."),
+        }
     return entries
 
 
@@ -163,8 +192,10 @@ def _read(path: str | Path) -> tuple[dict, dict[str, Tensor]]:
             with handle as f:
                 metadata = f.metadata() or {}
                 if "comera_fx" not in metadata:
-                    raise ValueError(f"{path} is a safetensors file without comera_fx's manifest; it was not "
-                                     f"written by comera_fx.save_tensorized")
+                    raise ValueError(
+                        f"{path} is a safetensors file without comera_fx's manifest; it was not "
+                        f"written by comera_fx.save_tensorized"
+                    )
                 return json.loads(metadata["comera_fx"]), {k: f.get_tensor(k) for k in f.keys()}
     data = torch.load(path, weights_only=True, map_location="cpu")
     if not isinstance(data, dict) or "manifest" not in data:
@@ -172,8 +203,9 @@ def _read(path: str | Path) -> tuple[dict, dict[str, Tensor]]:
     return json.loads(data["manifest"]), data["tensors"]
 
 
-def load_tensorized(path: str | Path, build_fn: Callable[[], nn.Module], *,
-                    device: torch.device | str = "cpu", pack: bool = False) -> nn.Module:
+def load_tensorized(
+    path: str | Path, build_fn: Callable[[], nn.Module], *, device: torch.device | str = "cpu", pack: bool = False
+) -> nn.Module:
     """Rebuild a model saved by ``save_tensorized``: ``build_fn()`` builds the dense architecture (it is called
     under ``torch.device("meta")``, so its weights take no memory), the recorded TT layers replace their dense
     holders, and the saved state is loaded onto ``device``. Dense versions of the converted weights are never
@@ -183,16 +215,24 @@ def load_tensorized(path: str | Path, build_fn: Callable[[], nn.Module], *,
     on an int grid (whose groups fit its rows) as a ``PackedLinear``: codes in memory, no fp32 weight built."""
     manifest, tensors = _read(path)
     if manifest.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"{path}: manifest version {manifest.get('format_version')} is not {FORMAT_VERSION}; "
-                         f"save it again with this comera_fx")
+        raise ValueError(
+            f"{path}: manifest version {manifest.get('format_version')} is not {FORMAT_VERSION}; "
+            f"save it again with this comera_fx"
+        )
     with torch.device("meta"):
         model = build_fn()
     if not isinstance(model, nn.Module):
         raise TypeError(f"build_fn must return an nn.Module, got {type(model).__name__}")
     matrices = {}
     for entry in manifest["tt_matrices"]:
-        layout = TTLayout(TTFormat(entry["format"]), entry["rows"], entry["cols"], tuple(entry["row_modes"]),
-                          tuple(entry["col_modes"]), tuple(entry["ranks"]))
+        layout = TTLayout(
+            TTFormat(entry["format"]),
+            entry["rows"],
+            entry["cols"],
+            tuple(entry["row_modes"]),
+            tuple(entry["col_modes"]),
+            tuple(entry["ranks"]),
+        )
         cores = [torch.empty(shape, device="meta") for shape in layout.core_shapes]
         tt = TTMatrix(layout, cores)
         made_with = _made_with_from_json(entry.get("made_with"))
@@ -212,7 +252,7 @@ def load_tensorized(path: str | Path, build_fn: Callable[[], nn.Module], *,
     state = {k: v for k, v in tensors.items() if not k.startswith(_BUFFER_PREFIX)}
     for key, target in manifest.get("aliases", {}).items():
         state[key] = tensors[target]
-    buffers = {k[len(_BUFFER_PREFIX):]: v for k, v in tensors.items() if k.startswith(_BUFFER_PREFIX)}
+    buffers = {k[len(_BUFFER_PREFIX) :]: v for k, v in tensors.items() if k.startswith(_BUFFER_PREFIX)}
     _cast_to_saved_dtypes(model, state)
     model.load_state_dict(state, strict=True)
     for key, spec in specs.items():
@@ -252,8 +292,9 @@ def _install(model: nn.Module, holder: dict, tt: TTMatrix) -> None:
 
 def _cast_to_saved_dtypes(model: nn.Module, state: dict[str, Tensor]) -> None:
     """Give every parameter and buffer the dtype it was saved with (build_fn builds in the default dtype)."""
-    for name, param in list(model.named_parameters(remove_duplicate=False)) + \
-            list(model.named_buffers(remove_duplicate=False)):
+    for name, param in list(model.named_parameters(remove_duplicate=False)) + list(
+        model.named_buffers(remove_duplicate=False)
+    ):
         saved = state.get(name)
         if saved is not None and saved.dtype != param.dtype and saved.is_floating_point():
             param.data = param.data.to(saved.dtype)

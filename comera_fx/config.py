@@ -39,12 +39,16 @@ class Init(str, enum.Enum):
 
 def warn_renamed(old: str, new: str, *, stacklevel: int = 3) -> None:
     """One ``DeprecationWarning`` for a spelling kept for a release: it names the spelling to use instead."""
-    warnings.warn(f"{old} is deprecated and will be removed in the next release; use {new}", DeprecationWarning,
-                  stacklevel=stacklevel)
+    warnings.warn(
+        f"{old} is deprecated and will be removed in the next release; use {new}",
+        DeprecationWarning,
+        stacklevel=stacklevel,
+    )
 
 
-def renamed_keywords(given: Mapping[str, Any], renames: Mapping[str, str], owner: str, *,
-                     stacklevel: int = 4) -> dict[str, Any]:
+def renamed_keywords(
+    given: Mapping[str, Any], renames: Mapping[str, str], owner: str, *, stacklevel: int = 4
+) -> dict[str, Any]:
     """``given`` with each old keyword of ``renames`` (old -> new) moved to its new name, warning once per old
     keyword; both spellings at once is refused (which one would win is not obvious)."""
     out = dict(given)
@@ -61,6 +65,7 @@ def renamed_keywords(given: Mapping[str, Any], renames: Mapping[str, str], owner
 def accepts_renamed(renames: Mapping[str, str]):
     """Class decorator: the dataclass's constructor also takes the old keywords of ``renames`` (old -> new) for a
     release, with a warning."""
+
     def decorate(cls: type) -> type:
         init = cls.__init__
 
@@ -70,6 +75,7 @@ def accepts_renamed(renames: Mapping[str, str]):
 
         cls.__init__ = __init__
         return cls
+
     return decorate
 
 
@@ -155,8 +161,9 @@ class LayerSettings:
         _check_optional_float(owner, "max_pad_fraction", self.max_pad_fraction, 0.0, 1.0, open_low=False)
         object.__setattr__(self, "init", _coerce_enum(owner, "init", self.init, Init))
         object.__setattr__(self, "linear_format", _coerce_enum(owner, "linear_format", self.linear_format, TTFormat))
-        object.__setattr__(self, "embedding_format",
-                           _coerce_enum(owner, "embedding_format", self.embedding_format, TTFormat))
+        object.__setattr__(
+            self, "embedding_format", _coerce_enum(owner, "embedding_format", self.embedding_format, TTFormat)
+        )
         object.__setattr__(self, "row_modes", _check_modes(owner, "row_modes", self.row_modes))
         object.__setattr__(self, "col_modes", _check_modes(owner, "col_modes", self.col_modes))
 
@@ -165,9 +172,17 @@ class LayerSettings:
 
     def tt_options(self, kind: str) -> dict[str, Any]:
         """Keyword arguments for ``comera_fx.tt.make_tt_matrix``."""
-        return dict(format=self.format_for(kind), init=self.init.value, max_rank=self.max_rank,
-                    rank_ratio=self.rank_ratio, rel_tol=self.rel_tol, num_modes=self.num_modes,
-                    row_modes=self.row_modes, col_modes=self.col_modes, max_pad_fraction=self.max_pad_fraction)
+        return dict(
+            format=self.format_for(kind),
+            init=self.init.value,
+            max_rank=self.max_rank,
+            rank_ratio=self.rank_ratio,
+            rel_tol=self.rel_tol,
+            num_modes=self.num_modes,
+            row_modes=self.row_modes,
+            col_modes=self.col_modes,
+            max_pad_fraction=self.max_pad_fraction,
+        )
 
 
 _LAYER_FIELDS = {f.name for f in dataclasses.fields(LayerSettings)}
@@ -232,17 +247,23 @@ class TensorizeConfig(LayerSettings):
         if self.expert_form not in EXPERT_FORMS:
             raise ValueError(f"{owner}.expert_form must be one of {EXPERT_FORMS}; got {self.expert_form!r}")
         if self.expert_form == "shared" and (self.init is not Init.SVD or self.size_target is not None):
-            raise ValueError(f"{owner}.expert_form='shared' is built by TT-SVD of the experts side by side: it needs "
-                             f"init='svd' and no size_target (got init={self.init.value!r}, "
-                             f"size_target={self.size_target!r}); use expert_form='per_expert' for those")
+            raise ValueError(
+                f"{owner}.expert_form='shared' is built by TT-SVD of the experts side by side: it needs "
+                f"init='svd' and no size_target (got init={self.init.value!r}, "
+                f"size_target={self.size_target!r}); use expert_form='per_expert' for those"
+            )
         _check_size_target(owner, self.size_target)
         object.__setattr__(self, "allocation", _coerce_enum(owner, "allocation", self.allocation, Allocation))
         if self.size_target is not None and self.rel_tol is not None:
-            raise ValueError(f"{owner}.rel_tol must be None when size_target is set (the size target decides the "
-                             f"ranks); got rel_tol={self.rel_tol!r}")
+            raise ValueError(
+                f"{owner}.rel_tol must be None when size_target is set (the size target decides the "
+                f"ranks); got rel_tol={self.rel_tol!r}"
+            )
         if self.allocation is Allocation.ENERGY and self.init is not Init.SVD:
-            raise ValueError(f"{owner}.allocation='energy' needs init='svd' (it reads the weights' spectra); "
-                             f"got init={self.init.value!r}")
+            raise ValueError(
+                f"{owner}.allocation='energy' needs init='svd' (it reads the weights' spectra); "
+                f"got init={self.init.value!r}"
+            )
         if isinstance(self.skip, str) or not isinstance(self.skip, (list, tuple)):
             raise ValueError(f"{owner}.skip must be a list or tuple of regex strings; got {self.skip!r}")
         for pattern in self.skip:
@@ -260,8 +281,10 @@ class TensorizeConfig(LayerSettings):
                 raise ValueError(f"{owner}.overrides[{pattern!r}] must be a dict of LayerSettings fields")
             unknown = set(values) - _OVERRIDE_FIELDS
             if unknown:
-                raise ValueError(f"{owner}.overrides[{pattern!r}] has unknown fields {sorted(unknown)}; "
-                                 f"allowed: {sorted(_OVERRIDE_FIELDS)}")
+                raise ValueError(
+                    f"{owner}.overrides[{pattern!r}] has unknown fields {sorted(unknown)}; "
+                    f"allowed: {sorted(_OVERRIDE_FIELDS)}"
+                )
             if not isinstance(values.get("skip", False), bool):
                 raise ValueError(f"{owner}.overrides[{pattern!r}]['skip'] must be a bool")
             try:
@@ -336,8 +359,10 @@ def _check_size_target(owner: str, value: Any) -> None:
         return
     if isinstance(value, float) and 0.0 < value <= 1.0:
         return
-    raise ValueError(f"{owner}.size_target must be an int >= 1 (parameters) or a float in (0, 1] (fraction of "
-                     f"the converted layers' dense size) or None; got {value!r}")
+    raise ValueError(
+        f"{owner}.size_target must be an int >= 1 (parameters) or a float in (0, 1] (fraction of "
+        f"the converted layers' dense size) or None; got {value!r}"
+    )
 
 
 def _compile(owner: str, name: str, pattern: Any) -> re.Pattern:
@@ -347,4 +372,3 @@ def _compile(owner: str, name: str, pattern: Any) -> re.Pattern:
         return re.compile(pattern)
     except re.error as exc:
         raise ValueError(f"{owner}.{name} has an invalid regex {pattern!r}: {exc}") from None
-

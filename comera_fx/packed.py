@@ -37,8 +37,10 @@ def kernel_group(spec: QuantSpec, rows: int, cols: int) -> int:
     rows unevenly (int4 also needs an even number of input features)."""
     group = rows * cols if spec.group_size is None else spec.group_size
     if group % cols and cols % group:
-        raise ValueError(f"a group of {group} weights neither divides nor spans whole rows of {cols} input "
-                         f"features: no packed layout; use a group size that divides {cols}")
+        raise ValueError(
+            f"a group of {group} weights neither divides nor spans whole rows of {cols} input "
+            f"features: no packed layout; use a group size that divides {cols}"
+        )
     if spec.bits == 4 and cols % 2:
         raise ValueError(f"int4 codes go two to a byte along a row: {cols} input features is odd")
     return min(group, cols)
@@ -56,14 +58,17 @@ class PackedLinear(nn.Module):
     ``fake_quant(W, bits, group_size)`` gives, in 1 or ½ byte each (plus the scales). Inference only: the codes are
     buffers, not parameters."""
 
-    def __init__(self, in_features: int, out_features: int, spec: QuantSpec, bias: bool = True,
-                 device=None, dtype=None):
+    def __init__(
+        self, in_features: int, out_features: int, spec: QuantSpec, bias: bool = True, device=None, dtype=None
+    ):
         super().__init__()
         self.in_features, self.out_features, self.spec = in_features, out_features, spec
         self.kgroup = kernel_group(spec, out_features, in_features)
         width = in_features if spec.bits == 8 else in_features // 2
-        self.register_buffer("codes", torch.empty(out_features, width, device=device,
-                                                  dtype=torch.int8 if spec.bits == 8 else torch.uint8))
+        self.register_buffer(
+            "codes",
+            torch.empty(out_features, width, device=device, dtype=torch.int8 if spec.bits == 8 else torch.uint8),
+        )
         self.register_buffer("scales", torch.empty(out_features, in_features // self.kgroup, device=device))
         self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
 
@@ -127,8 +132,9 @@ class PackedLinear(nn.Module):
         if self.bias is not None:
             destination[prefix + "bias"] = self.bias if keep_vars else self.bias.detach()
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs):
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ):
         for key in ("weight", SCALES_SUFFIX) + (("bias",) if self.bias is not None else ()):
             if prefix + key not in state_dict:
                 missing_keys.append(prefix + key)
@@ -140,8 +146,10 @@ class PackedLinear(nn.Module):
                 self.bias.copy_(state_dict[prefix + "bias"])
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, int{self.spec.bits} "
-                f"group {self.spec.group_size}, bias={self.bias is not None}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, int{self.spec.bits} "
+            f"group {self.spec.group_size}, bias={self.bias is not None}"
+        )
 
 
 def packable(module: nn.Module) -> QuantSpec | None:
@@ -197,8 +205,13 @@ def packed_modules(model: nn.Module) -> dict[str, PackedLinear]:
 
 def reference_weight(codes: Tensor, scales: Tensor, spec: QuantSpec, shape) -> Tensor:
     """The float64 weight of stored codes and scales (``comera_fx.quantize.dequantize``), for tests and checks."""
-    return dequantize(unpack(codes, spec.bits, math.prod(shape)) if codes.dtype == torch.uint8 else codes,
-                      scales, spec, tuple(shape), torch.float64)
+    return dequantize(
+        unpack(codes, spec.bits, math.prod(shape)) if codes.dtype == torch.uint8 else codes,
+        scales,
+        spec,
+        tuple(shape),
+        torch.float64,
+    )
 
 
 # ---- save_tensorized / load_tensorized
@@ -206,16 +219,29 @@ def reference_weight(codes: Tensor, scales: Tensor, spec: QuantSpec, shape) -> T
 
 def packed_manifest(model: nn.Module) -> dict[str, dict]:
     """{path: its grid and shape} of every ``PackedLinear`` (the manifest entry ``load_tensorized`` rebuilds)."""
-    return {path: {"bits": m.spec.bits, "group_size": m.spec.group_size, "in": m.in_features,
-                   "out": m.out_features, "bias": m.bias is not None} for path, m in packed_modules(model).items()}
+    return {
+        path: {
+            "bits": m.spec.bits,
+            "group_size": m.spec.group_size,
+            "in": m.in_features,
+            "out": m.out_features,
+            "bias": m.bias is not None,
+        }
+        for path, m in packed_modules(model).items()
+    }
 
 
 def install_packed(model: nn.Module, entries: dict[str, dict]) -> None:
     """Swap the modules at the manifest's paths for (unallocated) ``PackedLinear`` s; the state fills them."""
     for path, e in entries.items():
         old = model.get_submodule(path)
-        new = PackedLinear(e["in"], e["out"], QuantSpec(e["bits"], e["group_size"]), e["bias"],
-                           device=next(old.parameters(), torch.empty(0)).device)
+        new = PackedLinear(
+            e["in"],
+            e["out"],
+            QuantSpec(e["bits"], e["group_size"]),
+            e["bias"],
+            device=next(old.parameters(), torch.empty(0)).device,
+        )
         new.train(old.training)
         parent, _, child = path.rpartition(".")
         setattr(model.get_submodule(parent), child, new)
@@ -236,7 +262,12 @@ def packed_from_quantized(model: nn.Module, manifest: dict, tensors: dict[str, T
             kernel_group(spec, module.out_features, module.in_features)
         except ValueError:
             continue
-        packed[path] = {"bits": spec.bits, "group_size": spec.group_size, "in": module.in_features,
-                        "out": module.out_features, "bias": module.bias is not None}
+        packed[path] = {
+            "bits": spec.bits,
+            "group_size": spec.group_size,
+            "in": module.in_features,
+            "out": module.out_features,
+            "bias": module.bias is not None,
+        }
         tensors[f"{path}.{SCALES_SUFFIX}"] = tensors.pop(scale_prefix + key)
         del quantized[key]

@@ -40,8 +40,9 @@ class QuantSpec:
     def __post_init__(self) -> None:
         if self.bits not in (4, 8):
             raise ValueError(f"bits must be 8 or 4, got {self.bits!r}")
-        if self.group_size is not None and (isinstance(self.group_size, bool) or not isinstance(self.group_size, int)
-                                            or self.group_size < 1):
+        if self.group_size is not None and (
+            isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size < 1
+        ):
             raise ValueError(f"group_size must be a positive int or None, got {self.group_size!r}")
 
     @property
@@ -131,8 +132,10 @@ class QuantizeSummary:
 
     def __str__(self) -> str:
         ratio = self.bytes_after / self.bytes_before if self.bytes_before else 1.0
-        return (f"quantize_: {len(self.quantized)} weights, {self.bytes_before:,} -> {self.bytes_after:,} bytes "
-                f"({ratio:.3f}x)")
+        return (
+            f"quantize_: {len(self.quantized)} weights, {self.bytes_before:,} -> {self.bytes_after:,} bytes "
+            f"({ratio:.3f}x)"
+        )
 
 
 def _selected(model: nn.Module, dense_linears: bool, include: str | None) -> dict[int, nn.Parameter]:
@@ -158,8 +161,14 @@ def _owners(model: nn.Module):
 
 
 @torch.no_grad()
-def quantize_(model: nn.Module, bits: int = 8, group_size: int | None = 64, *, dense_linears: bool = False,
-              include: str | None = None) -> QuantizeSummary:
+def quantize_(
+    model: nn.Module,
+    bits: int = 8,
+    group_size: int | None = 64,
+    *,
+    dense_linears: bool = False,
+    include: str | None = None,
+) -> QuantizeSummary:
     """Round every TT core of ``model`` (and every ``nn.Linear`` weight with ``dense_linears=True``) onto a
     ``bits``-bit grid with a scale per ``group_size`` weights, in place, and record the grid so that
     ``save_tensorized`` stores the codes. ``include``: a regex; only modules whose name matches it (``re.search``).

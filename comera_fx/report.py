@@ -71,21 +71,43 @@ class Report:
     def to_dict(self) -> dict:
         return {
             "layers": [dict(asdict(r), compression=r.compression) for r in self.layers],
-            "total": {"tt_params": self.tt_params, "dense_params": self.dense_params,
-                      "compression": self.dense_params / max(self.tt_params, 1),
-                      "model_params": self.model_params, "dense_model_params": self.dense_model_params},
+            "total": {
+                "tt_params": self.tt_params,
+                "dense_params": self.dense_params,
+                "compression": self.dense_params / max(self.tt_params, 1),
+                "model_params": self.model_params,
+                "dense_model_params": self.dense_model_params,
+            },
             "randomized_backward": [asdict(r) for r in self.randomized],
         }
 
     def __str__(self) -> str:
         header = ("layer", "format", "modes (rows | cols)", "ranks", "params", "dense", "ratio")
-        rows = [(r.fqn + (f" (tied: {', '.join(r.used_by[1:])})" if len(r.used_by) > 1 else ""), r.format, r.modes, _ranks_text(r), f"{r.params:,}", f"{r.dense_params:,}",
-                 f"{r.compression:.1f}x" if r.params else "removed") for r in self.layers]
+        rows = [
+            (
+                r.fqn + (f" (tied: {', '.join(r.used_by[1:])})" if len(r.used_by) > 1 else ""),
+                r.format,
+                r.modes,
+                _ranks_text(r),
+                f"{r.params:,}",
+                f"{r.dense_params:,}",
+                f"{r.compression:.1f}x" if r.params else "removed",
+            )
+            for r in self.layers
+        ]
         ratio = self.dense_params / max(self.tt_params, 1)
-        rows.append(("total (TT layers)", "", "", "", f"{self.tt_params:,}", f"{self.dense_params:,}",
-                     f"{ratio:.1f}x"))
-        rows.append(("whole model", "", "", "", f"{self.model_params:,}", f"{self.dense_model_params:,}",
-                     f"{self.dense_model_params / max(self.model_params, 1):.1f}x"))
+        rows.append(("total (TT layers)", "", "", "", f"{self.tt_params:,}", f"{self.dense_params:,}", f"{ratio:.1f}x"))
+        rows.append(
+            (
+                "whole model",
+                "",
+                "",
+                "",
+                f"{self.model_params:,}",
+                f"{self.dense_model_params:,}",
+                f"{self.dense_model_params / max(self.model_params, 1):.1f}x",
+            )
+        )
         widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
         lines = ["  ".join(str(cell).ljust(w) for cell, w in zip(header, widths))]
         lines.append("  ".join("-" * w for w in widths))
@@ -96,8 +118,10 @@ class Report:
             lines.append(f"\ncontraction order at {self.batch} tokens (comera_fx.plan):")
             lines += [f"  {r.fqn}: {r.plan or 'row lookup (not planned)'}" for r in self.layers]
         if self.randomized:
-            lines.append("\nrandomized backward (comera_fx.randomize_backward_: weight gradients from a sketch of "
-                         "rho of the tokens):")
+            lines.append(
+                "\nrandomized backward (comera_fx.randomize_backward_: weight gradients from a sketch of "
+                "rho of the tokens):"
+            )
             lines += [f"  {r.fqn or '<root>'} ({r.module}): rho={r.rho:g}, {r.sketch}" for r in self.randomized]
         return "\n".join(lines)
 
@@ -124,8 +148,15 @@ def _randomized(model: nn.Module) -> tuple[RandomizedRow, ...]:
             base = module._rmm_base.__name__ if isinstance(module, RandomizedBackward) else type(module).__name__
             rows.append(RandomizedRow(name, base, module.rmm.rho, module.rmm.sketch))
         if isinstance(module, RandomizedUses):
-            rows += [RandomizedRow(f"{name}.{param}" if name else param, f"{module._rmm_uses_base.__name__}.forward",
-                                   module.rmm.rho, module.rmm.sketch) for param in module.rmm_parameters]
+            rows += [
+                RandomizedRow(
+                    f"{name}.{param}" if name else param,
+                    f"{module._rmm_uses_base.__name__}.forward",
+                    module.rmm.rho,
+                    module.rmm.sketch,
+                )
+                for param in module.rmm_parameters
+            ]
     return tuple(rows)
 
 
@@ -146,8 +177,7 @@ def _product_op(model: nn.Module, tt: TTMatrix) -> str | None:
     return None
 
 
-def report(model: nn.Module, *, batch: int | None = None,
-           gate_threshold: float = DEFAULT_GATE_THRESHOLD) -> Report:
+def report(model: nn.Module, *, batch: int | None = None, gate_threshold: float = DEFAULT_GATE_THRESHOLD) -> Report:
     """Report every TT matrix in ``model`` once (a tied matrix lists all modules using it), and every layer whose
     backward ``randomize_backward_`` randomized (with its ρ and sketch).
 
@@ -160,8 +190,19 @@ def report(model: nn.Module, *, batch: int | None = None,
         tt, layout = entry.tt, entry.tt.layout
         op = _product_op(model, tt) if batch is not None and not tt.is_zero else None
         chosen = str(planned_envelope(layout, op).choose(batch)) if op is not None else None
-        rows.append(LayerRow(entry.name, entry.used_by, layout.format.value, layout.describe_modes(), layout.ranks,
-                             (1, *counts, 1), physical_params(tt), layout.dense_params, chosen,
-                             _backward_of(model, tt)))
+        rows.append(
+            LayerRow(
+                entry.name,
+                entry.used_by,
+                layout.format.value,
+                layout.describe_modes(),
+                layout.ranks,
+                (1, *counts, 1),
+                physical_params(tt),
+                layout.dense_params,
+                chosen,
+                _backward_of(model, tt),
+            )
+        )
     model_params = sum(p.numel() for p in model.parameters())
     return Report(tuple(rows), model_params, batch, _randomized(model))

@@ -26,8 +26,16 @@ from .tt import layers
 from .tt import plan as planner
 from .tt.range_plan import RangePlan, finite as _finite, plan_for_range
 
-__all__ = ["ExportRangeError", "RangePlan", "batch_range", "check_aten_only", "export", "package",
-           "pinned_plans", "plan_for_range"]
+__all__ = [
+    "ExportRangeError",
+    "RangePlan",
+    "batch_range",
+    "check_aten_only",
+    "export",
+    "package",
+    "pinned_plans",
+    "plan_for_range",
+]
 
 
 class ExportRangeError(ValueError):
@@ -42,8 +50,10 @@ def batch_range(batch) -> tuple[int, int]:
     node = batch.node
     bounds = node.shape_env.bound_sympy(node.expr)
     if not (_finite(bounds.lower) and _finite(bounds.upper)):
-        raise ExportRangeError(f"a TT layer's batch size {node.expr} has no finite range ({bounds.lower}, "
-                               f"{bounds.upper}); give every dynamic dimension a max (torch.export.Dim(name, max=...))")
+        raise ExportRangeError(
+            f"a TT layer's batch size {node.expr} has no finite range ({bounds.lower}, "
+            f"{bounds.upper}); give every dynamic dimension a max (torch.export.Dim(name, max=...))"
+        )
     return int(bounds.lower), int(bounds.upper)
 
 
@@ -70,8 +80,9 @@ def pinned_plans(model: nn.Module, chosen: dict | None = None):
         layers.PLAN_OVERRIDE = before
 
 
-def export(model: nn.Module, example_inputs, kwargs: Mapping | None = None, *, dynamic_shapes=None,
-           check_range: bool = True) -> torch.export.ExportedProgram:
+def export(
+    model: nn.Module, example_inputs, kwargs: Mapping | None = None, *, dynamic_shapes=None, check_range: bool = True
+) -> torch.export.ExportedProgram:
     """``torch.export`` of a (tensorized, possibly pruned) model for inference, valid at every size in the declared
     ranges.
 
@@ -102,9 +113,11 @@ def export(model: nn.Module, example_inputs, kwargs: Mapping | None = None, *, d
                 with torch.no_grad():
                     model(*inputs[0], **inputs[1])
             except Exception as error:
-                raise ExportRangeError(f"the model fails when {name} = {size}, the declared {bound} of that "
-                                       f"dimension: {type(error).__name__}: {error}. Declare a range the model "
-                                       f"supports") from error
+                raise ExportRangeError(
+                    f"the model fails when {name} = {size}, the declared {bound} of that "
+                    f"dimension: {type(error).__name__}: {error}. Declare a range the model "
+                    f"supports"
+                ) from error
     return program
 
 
@@ -115,9 +128,11 @@ def rank_checked_inputs(model: nn.Module):
     ``module()`` check each dimension's size but not how many there are, and a TT product flattens its input's
     leading dimensions by element count, so a (B, 48, 1) input to a graph traced with (B, 48) ran and returned
     (B, out) where ``nn.Linear`` fails. The permute costs nothing (a view) and fails at run time on a wrong rank."""
+
     def check(_module, args, kwargs):
         def identity(value):
             return value.permute(*range(value.dim())) if isinstance(value, Tensor) else value
+
         return pytree.tree_map(identity, args), pytree.tree_map(identity, kwargs)
 
     handle = model.register_forward_pre_hook(check, with_kwargs=True, prepend=True)
@@ -138,16 +153,21 @@ def check_aten_only(program: torch.export.ExportedProgram) -> None:
             continue
         if getattr(target, "__module__", None) in ("_operator", "operator", "builtins", "math"):
             continue
-        raise RuntimeError(f"the exported graph calls {target} ({node.name}), which is not an aten op; an "
-                           f"AOTInductor package could not run it")
+        raise RuntimeError(
+            f"the exported graph calls {target} ({node.name}), which is not an aten op; an "
+            f"AOTInductor package could not run it"
+        )
 
 
 def _range_ends(program: torch.export.ExportedProgram, args: tuple, kwargs: dict):
     """For each dynamic size symbol and each end of its range: (a name for the dimension, the size, "min"/"max",
     (args, kwargs) resized to it, other dimensions at the example's sizes)."""
     leaves, spec = pytree.tree_flatten((args, kwargs))
-    placeholders = [node for node in program.graph.nodes if node.op == "placeholder"
-                    and node.name in program.graph_signature.user_inputs]
+    placeholders = [
+        node
+        for node in program.graph.nodes
+        if node.op == "placeholder" and node.name in program.graph_signature.user_inputs
+    ]
     if len(placeholders) != len(leaves):
         return  # an input form this check does not map back; the export itself stands
     example_sizes: dict[sympy.Symbol, int] = {}
@@ -166,9 +186,18 @@ def _range_ends(program: torch.export.ExportedProgram, args: tuple, kwargs: dict
             if not _finite(size):
                 raise ExportRangeError(f"{name} has no finite {bound}; declare one (torch.export.Dim)")
             values = {**example_sizes, symbol: int(size)}
-            resized = [_resize(leaf, [int(sympy.sympify(s.node.expr if isinstance(s, torch.SymInt) else s)
-                                               .subs(values)) for s in node.meta["val"].shape])
-                       if isinstance(leaf, Tensor) else leaf for node, leaf in zip(placeholders, leaves)]
+            resized = [
+                _resize(
+                    leaf,
+                    [
+                        int(sympy.sympify(s.node.expr if isinstance(s, torch.SymInt) else s).subs(values))
+                        for s in node.meta["val"].shape
+                    ],
+                )
+                if isinstance(leaf, Tensor)
+                else leaf
+                for node, leaf in zip(placeholders, leaves)
+            ]
             yield name, int(size), bound, pytree.tree_unflatten(resized, spec)
 
 
@@ -177,7 +206,7 @@ def _resize(tensor: Tensor, shape: list[int]) -> Tensor:
     for dim, size in enumerate(shape):
         have = tensor.shape[dim]
         if have == 0:
-            tensor = tensor.new_zeros(tensor.shape[:dim] + (size,) + tensor.shape[dim + 1:])
+            tensor = tensor.new_zeros(tensor.shape[:dim] + (size,) + tensor.shape[dim + 1 :])
             continue
         if size > have:
             repeats = [1] * tensor.dim()

@@ -79,7 +79,7 @@ def mine_stdlib(max_files: int | None = None, held_out_every: int = 5) -> dict:
                     texts.append(" ".join(doc.split())[:600])
                     if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and len(node.body) > 1:
                         # the def line and the body after the docstring (ast.get_source_segment is quadratic)
-                        code = "\n".join([lines[node.lineno - 1]] + lines[node.body[1].lineno - 1: node.end_lineno])
+                        code = "\n".join([lines[node.lineno - 1]] + lines[node.body[1].lineno - 1 : node.end_lineno])
                         file_pairs.append((texts[-1], code[:1500]))
         try:
             for tok in tokenize.generate_tokens(io.StringIO(source).readline):
@@ -96,8 +96,12 @@ def mine_stdlib(max_files: int | None = None, held_out_every: int = 5) -> dict:
     return {"train": train, "train_code": train_code, "test_texts": test_texts, "test_pairs": pairs}
 
 
-def mine_other_source(exclude: set[str] | frozenset = frozenset(), limit: int = 500,
-                      packages: tuple[str, ...] = ("numpy", "sympy"), max_files: int | None = None) -> list[str]:
+def mine_other_source(
+    exclude: set[str] | frozenset = frozenset(),
+    limit: int = 500,
+    packages: tuple[str, ...] = ("numpy", "sympy"),
+    max_files: int | None = None,
+) -> list[str]:
     """Evaluation text from another source than the training text: docstrings of installed third-party packages
     (numpy and sympy by default: installed wherever this library's tests run, prose of another style than the
     standard library's - maths, array semantics, examples). A student distilled on stdlib docstrings may match the
@@ -176,9 +180,15 @@ def build_bert(tiny: bool):
     import transformers
 
     if tiny:
-        config = transformers.BertConfig(vocab_size=ByteTokenizer.vocab_size, hidden_size=128, num_hidden_layers=2,
-                                         num_attention_heads=2, intermediate_size=512, max_position_embeddings=MAX_LEN,
-                                         initializer_range=0.1)
+        config = transformers.BertConfig(
+            vocab_size=ByteTokenizer.vocab_size,
+            hidden_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=512,
+            max_position_embeddings=MAX_LEN,
+            initializer_range=0.1,
+        )
     else:
         config = transformers.AutoConfig.from_pretrained(minilm_dir())
     return lambda: SentenceEncoder(transformers.BertModel(config, add_pooling_layer=False))
@@ -214,12 +224,13 @@ def batch_sampler(encoded: dict, batch_size: int, seed: int, by_length: bool = F
     def draw():
         if by_length:
             begin = rng.randrange(max(1, n - batch_size + 1))
-            idx = order[begin: begin + batch_size]
+            idx = order[begin : begin + batch_size]
         else:
             idx = torch.tensor(rng.sample(range(n), batch_size))
         mask = encoded["attention_mask"][idx]
         width = int(mask.sum(1).max())
         return {"input_ids": encoded["input_ids"][idx, :width], "attention_mask": mask[:, :width]}
+
     return draw
 
 
@@ -240,9 +251,9 @@ def embed(model: nn.Module, encoded: dict, batch_size: int = 128) -> torch.Tenso
     model.eval()
     out = []
     for i in range(0, encoded["input_ids"].shape[0], batch_size):
-        mask = encoded["attention_mask"][i: i + batch_size]
+        mask = encoded["attention_mask"][i : i + batch_size]
         width = int(mask.sum(1).max())
-        out.append(model(encoded["input_ids"][i: i + batch_size, :width], mask[:, :width]))
+        out.append(model(encoded["input_ids"][i : i + batch_size, :width], mask[:, :width]))
     return torch.cat(out)
 
 
@@ -279,8 +290,9 @@ def real_tokens(batch: dict) -> torch.Tensor:
 
 
 def hidden_layers(model: nn.Module) -> list[str]:
-    return [name for name, _ in model.named_modules()
-            if name.startswith("bert.encoder.layer.") and name.count(".") == 3]
+    return [
+        name for name, _ in model.named_modules() if name.startswith("bert.encoder.layer.") and name.count(".") == 3
+    ]
 
 
 # ---------------------------------------------------------------------------------------------- runs
@@ -293,8 +305,10 @@ def prepare(args) -> tuple:
     teacher, tokenizer, builder, name = load_teacher(tiny)
     mined = mine_stdlib(max_files=args.max_files)
     if not mined["test_pairs"] or not mined["train"] or (args.code_fraction and not mined["train_code"]):
-        raise SystemExit(f"{args.max_files} stdlib files gave no held-out (docstring, code) pair or no training "
-                         f"text (or code, with --code-fraction); raise --max-files")
+        raise SystemExit(
+            f"{args.max_files} stdlib files gave no held-out (docstring, code) pair or no training "
+            f"text (or code, with --code-fraction); raise --max-files"
+        )
     rng = random.Random(0)
     pairs = mined["test_pairs"]
     rng.shuffle(pairs)
@@ -305,12 +319,17 @@ def prepare(args) -> tuple:
     data = {
         "train_enc": tokenize_all(tokenizer, mined["train"], max_length=args.train_len),
         "train_code_enc": tokenize_all(tokenizer, mined["train_code"], max_length=args.code_len)
-        if args.code_fraction else None,
+        if args.code_fraction
+        else None,
         "test_texts_enc": tokenize_all(tokenizer, test_texts),
         "queries_enc": tokenize_all(tokenizer, [q for q, _ in pairs]),
         "codes_enc": tokenize_all(tokenizer, [c for _, c in pairs], max_length=256 if not tiny else MAX_LEN),
-        "counts": {"train_texts": len(mined["train"]), "train_code": len(mined["train_code"]),
-                   "test_texts": len(test_texts), "pairs": len(pairs)},
+        "counts": {
+            "train_texts": len(mined["train"]),
+            "train_code": len(mined["train_code"]),
+            "test_texts": len(test_texts),
+            "pairs": len(pairs),
+        },
     }
     other = mine_other_source(set(mined["train"]), limit=args.other_texts) if args.other_texts else []
     data["other_texts_enc"] = tokenize_all(tokenizer, other) if other else None
@@ -321,8 +340,9 @@ def prepare(args) -> tuple:
     return teacher, builder, name, data, reference
 
 
-def run_tt(teacher, data, ratio: float, allocation: str, distill: bool, args,
-           refit: bool = False, num_modes: int | None = None) -> tuple[nn.Module, dict]:
+def run_tt(
+    teacher, data, ratio: float, allocation: str, distill: bool, args, refit: bool = False, num_modes: int | None = None
+) -> tuple[nn.Module, dict]:
     """One cell: TT-SVD (uniform or calibrated + energy) at ``ratio``, with or without distillation; ``refit``:
     ``refit_sequential_`` after the TT-SVD; ``num_modes=1``: two cores per weight, i.e. a (whitened) low-rank
     matrix through the same code."""
@@ -334,14 +354,34 @@ def run_tt(teacher, data, ratio: float, allocation: str, distill: bool, args,
     calibrated = allocation == "energy"
     if distill:
         summary = comera_fx.distill_(
-            student, teacher, draw, size_target=ratio, budget_seconds=args.budget_seconds, steps=args.steps,
-            loss_fn=distill_loss, hidden_modules=hidden_layers(teacher), hidden_weight=1 / 6, lr=args.lr,
-            allocation=allocation, calibration_batches=args.calibration_batches if calibrated else 0,
-            token_mask=real_tokens, refit=refit, start_ratio=args.start_ratio, config=base,
-            augment=comera_fx.pretrained.Augmentation() if args.augment else None, progress=not args.no_progress)
-        info = {"steps": summary.steps, "train_s": summary.seconds, "setup_s": summary.setup_seconds,
-                "ratio": summary.ratio, "ranks": {k: list(v) for k, v in summary.ranks.items()},
-                "loss_first": summary.losses[0], "loss_last": sum(summary.losses[-10:]) / len(summary.losses[-10:])}
+            student,
+            teacher,
+            draw,
+            size_target=ratio,
+            budget_seconds=args.budget_seconds,
+            steps=args.steps,
+            loss_fn=distill_loss,
+            hidden_modules=hidden_layers(teacher),
+            hidden_weight=1 / 6,
+            lr=args.lr,
+            allocation=allocation,
+            calibration_batches=args.calibration_batches if calibrated else 0,
+            token_mask=real_tokens,
+            refit=refit,
+            start_ratio=args.start_ratio,
+            config=base,
+            augment=comera_fx.pretrained.Augmentation() if args.augment else None,
+            progress=not args.no_progress,
+        )
+        info = {
+            "steps": summary.steps,
+            "train_s": summary.seconds,
+            "setup_s": summary.setup_seconds,
+            "ratio": summary.ratio,
+            "ranks": {k: list(v) for k, v in summary.ranks.items()},
+            "loss_first": summary.losses[0],
+            "loss_last": sum(summary.losses[-10:]) / len(summary.losses[-10:]),
+        }
     else:
         config = base.replace(size_target=ratio, allocation=allocation, max_rank=None)
         batches = [draw() for _ in range(args.calibration_batches)] if calibrated else []
@@ -349,11 +389,17 @@ def run_tt(teacher, data, ratio: float, allocation: str, distill: bool, args,
         keep_linears = lambda m, n: not isinstance(m, nn.Embedding)  # noqa: E731
         summary = comera_fx.tensorize_(student, config, filter_fn=keep_linears, calibration=calibration)
         if refit:
-            comera_fx.refit_sequential_(student, teacher, batches, token_mask=real_tokens,
-                                        blocks=hidden_layers(teacher))
+            comera_fx.refit_sequential_(
+                student, teacher, batches, token_mask=real_tokens, blocks=hidden_layers(teacher)
+            )
         tt, dense = matrix_sizes(student)
-        info = {"steps": 0, "train_s": 0.0, "setup_s": time.perf_counter() - start, "ratio": tt / dense,
-                "ranks": {d.fqn: list(d.ranks) for d in summary.converted}}
+        info = {
+            "steps": 0,
+            "train_s": 0.0,
+            "setup_s": time.perf_counter() - start,
+            "ratio": tt / dense,
+            "ranks": {d.fqn: list(d.ranks) for d in summary.converted},
+        }
     info["refit"] = refit
     info.update(evaluate(student, data, args.reference))
     info["total_s"] = time.perf_counter() - start
@@ -373,6 +419,7 @@ METHODS = {  # name: (allocation, distill, refit, modes per side: None = the lib
 
 def plots(out: Path, results: list[dict], teacher_top1: float) -> list[str]:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -396,8 +443,9 @@ def plots(out: Path, results: list[dict], teacher_top1: float) -> list[str]:
     layers = list(row["ranks"])
     ax.bar(range(len(layers)), [sum(r[1:-1]) / max(1, len(r) - 2) for r in row["ranks"].values()])
     ax.set_xticks(range(len(layers)))
-    ax.set_xticklabels([n.replace("bert.encoder.layer.", "L").replace("attention.", "")[:24] for n in layers],
-                       rotation=90, fontsize=6)
+    ax.set_xticklabels(
+        [n.replace("bert.encoder.layer.", "L").replace("attention.", "")[:24] for n in layers], rotation=90, fontsize=6
+    )
     ax.set_ylabel("mean internal TT rank")
     ax.set_title(f"ranks per layer: {row['method']} at {1 / row['ratio']:.1f}x")
     fig.tight_layout()
@@ -411,31 +459,52 @@ def main(argv=None, extra: dict | None = None) -> dict:
     """``extra``: {method name: fn(teacher, data, ratio, args) -> info dict} for baselines (the benchmark's)."""
     extra = extra or {}
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ratios", type=float, nargs="+", default=[0.25, 0.125],
-                        help="TT size / dense size of the linear weights (0.25 = 4x smaller)")
+    parser.add_argument(
+        "--ratios",
+        type=float,
+        nargs="+",
+        default=[0.25, 0.125],
+        help="TT size / dense size of the linear weights (0.25 = 4x smaller)",
+    )
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS) + list(extra))
     parser.add_argument("--budget-seconds", type=float, default=120.0, help="distillation wall clock per run")
     parser.add_argument("--steps", type=int, default=None, help="or a step budget (the first reached ends a run)")
     parser.add_argument("--start-ratio", type=float, default=None, help="start larger and shrink (RankAdaptive)")
     parser.add_argument("--lr", type=float, default=5e-4)
     parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--by-length", action=argparse.BooleanOptionalAction, default=True,
-                        help="batches of texts of neighbouring lengths (less padding; default on)")
+    parser.add_argument(
+        "--by-length",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="batches of texts of neighbouring lengths (less padding; default on)",
+    )
     parser.add_argument("--train-embedding", action="store_true", help="also train the dense word embedding")
-    parser.add_argument("--augment", action="store_true",
-                        help="distill on edited copies of the batches too (comera_fx.pretrained.Augmentation)")
-    parser.add_argument("--calibration-batches", type=int, default=32,
-                        help="batches for the calibrated cells' statistics (padding rows left out) and the refit")
+    parser.add_argument(
+        "--augment",
+        action="store_true",
+        help="distill on edited copies of the batches too (comera_fx.pretrained.Augmentation)",
+    )
+    parser.add_argument(
+        "--calibration-batches",
+        type=int,
+        default=32,
+        help="batches for the calibrated cells' statistics (padding rows left out) and the refit",
+    )
     parser.add_argument("--train-len", type=int, default=64, help="training texts are cut to this many tokens")
-    parser.add_argument("--code-fraction", type=float, default=0.0,
-                        help="share of the training batches drawn from the training files' function sources")
+    parser.add_argument(
+        "--code-fraction",
+        type=float,
+        default=0.0,
+        help="share of the training batches drawn from the training files' function sources",
+    )
     parser.add_argument("--code-len", type=int, default=128, help="training code is cut to this many tokens")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (1 is faster on a busy machine)")
     parser.add_argument("--max-files", type=int, default=None, help="mine only this many stdlib files")
     parser.add_argument("--eval-texts", type=int, default=1000)
     parser.add_argument("--retrieval", type=int, default=500, help="held-out (docstring, code) pairs")
-    parser.add_argument("--other-texts", type=int, default=500,
-                        help="other-source evaluation texts (numpy/sympy docstrings; 0: none)")
+    parser.add_argument(
+        "--other-texts", type=int, default=500, help="other-source evaluation texts (numpy/sympy docstrings; 0: none)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--quick", action="store_true", help="smoke run: few files, tiny budget")
@@ -457,8 +526,10 @@ def main(argv=None, extra: dict | None = None) -> dict:
     t0 = time.perf_counter()
     teacher, builder, name, data, args.reference = prepare(args)
     teacher_eval = evaluate(teacher, data, args.reference)
-    print(f"{name}: {data['counts']}; teacher retrieval top-1 {teacher_eval['top1']:.3f} "
-          f"(setup {time.perf_counter() - t0:.0f} s)")
+    print(
+        f"{name}: {data['counts']}; teacher retrieval top-1 {teacher_eval['top1']:.3f} "
+        f"(setup {time.perf_counter() - t0:.0f} s)"
+    )
     results, best = [], None
     for ratio in args.ratios:
         for method in args.methods:
@@ -470,9 +541,12 @@ def main(argv=None, extra: dict | None = None) -> dict:
                 info["bytes_ratio"] = weight_bytes(student) / weight_bytes(teacher)
             info.update(method=method, target=ratio)
             results.append(info)
-            print(f"  {method:28s} {1 / info.get('bytes_ratio', info['ratio']):5.1f}x bytes  cosine {info['cosine']:.4f}  top-1 {info['top1']:.3f}"
-                  f"  other {info.get('cosine_other', float('nan')):.4f} (worst "
-                  f"{info.get('worst_other', float('nan')):.3f})  ({info['steps']} steps, {info['total_s']:.0f} s)")
+            print(
+                f"  {method:28s} {1 / info.get('bytes_ratio', info['ratio']):5.1f}x bytes  cosine {info['cosine']:.4f}"
+                f"  top-1 {info['top1']:.3f}"
+                f"  other {info.get('cosine_other', float('nan')):.4f} (worst "
+                f"{info.get('worst_other', float('nan')):.3f})  ({info['steps']} steps, {info['total_s']:.0f} s)"
+            )
             if distill and (best is None or info["cosine"] > best[1]["cosine"]):
                 best = (student, info)
 
@@ -485,9 +559,17 @@ def main(argv=None, extra: dict | None = None) -> dict:
         saved = {"path": path.name, "bytes": path.stat().st_size, "max_abs_diff": same, "method": best[1]["method"]}
     dense_bytes = sum(p.numel() * p.element_size() for p in teacher.parameters())
     write_report(out, name, args, data, teacher_eval, results, saved, dense_bytes)
-    (out / "results.json").write_text(json.dumps({"teacher": teacher_eval, "results": results, "saved": saved,
-                                                  "loadavg": Path("/proc/loadavg").read_text().split()[:3]
-                                                  if Path("/proc/loadavg").exists() else None}, indent=1))
+    (out / "results.json").write_text(
+        json.dumps(
+            {
+                "teacher": teacher_eval,
+                "results": results,
+                "saved": saved,
+                "loadavg": Path("/proc/loadavg").read_text().split()[:3] if Path("/proc/loadavg").exists() else None,
+            },
+            indent=1,
+        )
+    )
     print(f"wrote {out / 'report.md'}")
     return {"teacher": teacher_eval, "results": results, "saved": saved, "out": out}
 
@@ -495,30 +577,40 @@ def main(argv=None, extra: dict | None = None) -> dict:
 def write_report(out, name, args, data, teacher_eval, results, saved, dense_bytes) -> None:
     figures = plots(out, results, teacher_eval["top1"])
     load = Path("/proc/loadavg").read_text().split()[:3] if Path("/proc/loadavg").exists() else ["?"]
-    lines = [f"# Compressing {name} with comera_fx", "",
-             f"{time.strftime('%Y-%m-%d %H:%M')}, torch {torch.__version__}, {args.threads} threads, load average "
-             f"at the end {' '.join(load)}. Data: {data['counts']} (split by file). Distillation budget "
-             f"{args.budget_seconds:.0f} s per run{f', {args.steps} steps' if args.steps else ''}, batch "
-             f"{args.batch_size}{' (texts of neighbouring lengths)' if args.by_length else ''}"
-             f"{f', {args.code_fraction:.0%} of the batches function sources' if args.code_fraction else ''}, "
-             f"lr {args.lr}, word embedding {'trained' if args.train_embedding else 'frozen'}. Calibrated cells: "
-             f"statistics of {args.calibration_batches} batches without padding rows (+refit: then refit_sequential_, each layer "
-             f"refit on the compressed model's own inputs); set-up is in the time column.", "",
-             f"Teacher: retrieval top-1 {teacher_eval['top1']:.3f} (cosine 1 by definition).", "",
-             "| method | compression | bytes ratio | mean cosine | worst | other-source cosine | other worst "
-             "| retrieval top-1 | steps | time (s) |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"# Compressing {name} with comera_fx",
+        "",
+        f"{time.strftime('%Y-%m-%d %H:%M')}, torch {torch.__version__}, {args.threads} threads, load average "
+        f"at the end {' '.join(load)}. Data: {data['counts']} (split by file). Distillation budget "
+        f"{args.budget_seconds:.0f} s per run{f', {args.steps} steps' if args.steps else ''}, batch "
+        f"{args.batch_size}{' (texts of neighbouring lengths)' if args.by_length else ''}"
+        f"{f', {args.code_fraction:.0%} of the batches function sources' if args.code_fraction else ''}, "
+        f"lr {args.lr}, word embedding {'trained' if args.train_embedding else 'frozen'}. Calibrated cells: "
+        f"statistics of {args.calibration_batches} batches without padding rows (+refit: then refit_sequential_, "
+        f"each layer refit on the compressed model's own inputs); set-up is in the time column.",
+        "",
+        f"Teacher: retrieval top-1 {teacher_eval['top1']:.3f} (cosine 1 by definition).",
+        "",
+        "| method | compression | bytes ratio | mean cosine | worst | other-source cosine | other worst "
+        "| retrieval top-1 | steps | time (s) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in results:
         nan = float("nan")
-        lines.append(f"| {r['method']} | {1 / r['ratio']:.1f}x | {r.get('bytes_ratio', r['ratio']):.3f} "
-                     f"| {r['cosine']:.4f} | {r['worst']:.3f} | {r.get('cosine_other', nan):.4f} "
-                     f"| {r.get('worst_other', nan):.3f} | {r['top1']:.3f} | {r['steps']} | {r['total_s']:.0f} |")
+        lines.append(
+            f"| {r['method']} | {1 / r['ratio']:.1f}x | {r.get('bytes_ratio', r['ratio']):.3f} "
+            f"| {r['cosine']:.4f} | {r['worst']:.3f} | {r.get('cosine_other', nan):.4f} "
+            f"| {r.get('worst_other', nan):.3f} | {r['top1']:.3f} | {r['steps']} | {r['total_s']:.0f} |"
+        )
     lines += [""] + [f"![{f}]({f})" for f in figures]
     if saved:
-        lines += ["", f"Saved the best distilled student ({saved['method']}) with `comera_fx.save_tensorized`: "
-                      f"{saved['bytes'] / 2**20:.1f} MiB (dense model {dense_bytes / 2**20:.1f} MiB); "
-                      f"`load_tensorized` rebuilt it on the meta device and loaded it: max |Δembedding| "
-                      f"{saved['max_abs_diff']:.1e}."]
+        lines += [
+            "",
+            f"Saved the best distilled student ({saved['method']}) with `comera_fx.save_tensorized`: "
+            f"{saved['bytes'] / 2**20:.1f} MiB (dense model {dense_bytes / 2**20:.1f} MiB); "
+            f"`load_tensorized` rebuilt it on the meta device and loaded it: max |Δembedding| "
+            f"{saved['max_abs_diff']:.1e}.",
+        ]
     (out / "report.md").write_text("\n".join(lines) + "\n")
 
 

@@ -34,8 +34,14 @@ def stdlib_token_ids(vocab_size: int, batch: int, seq: int) -> torch.Tensor:
 def build_model(layers: int, width: int, vocab_size: int = 50257):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    config = GPT2Config(n_layer=layers, n_embd=width, n_head=max(1, width // 64), n_positions=256,
-                        vocab_size=vocab_size, tie_word_embeddings=True)
+    config = GPT2Config(
+        n_layer=layers,
+        n_embd=width,
+        n_head=max(1, width // 64),
+        n_positions=256,
+        vocab_size=vocab_size,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(0)
     return GPT2LMHeadModel(config).eval()
 
@@ -68,16 +74,19 @@ def main() -> None:
     with torch.no_grad():
         ref = small(input_ids=small_ids).logits
         err = (exact(input_ids=small_ids).logits - ref).norm() / ref.norm()
-    print(f"   1-layer GPT-2, vocabulary 1009 (prime, padded to {exact.transformer.wte.tt.layout.padded_rows}): "
-          f"relative error of the logits {err:.2e}\n")
+    print(
+        f"   1-layer GPT-2, vocabulary 1009 (prime, padded to {exact.transformer.wte.tt.layout.padded_rows}): "
+        f"relative error of the logits {err:.2e}\n"
+    )
 
     dense = build_model(args.layers, args.width)
     ids = stdlib_token_ids(dense.config.vocab_size, args.batch, args.seq)
 
     print(f"== 2. Default compression (max_rank={args.max_rank}), found through a Dynamo graph")
     tt_model = copy.deepcopy(dense)
-    summary = comera_fx.tensorize_(tt_model, comera_fx.TensorizeConfig(max_rank=args.max_rank),
-                                   example_inputs={"input_ids": ids[:1]})
+    summary = comera_fx.tensorize_(
+        tt_model, comera_fx.TensorizeConfig(max_rank=args.max_rank), example_inputs={"input_ids": ids[:1]}
+    )
     print(summary, "\n")
     print(comera_fx.report(tt_model), "\n")
     assert tt_model.transformer.wte.tt is tt_model.lm_head.tt, "tied embedding and head must share one TT matrix"
@@ -85,8 +94,10 @@ def main() -> None:
     print("== 3. Eager training step (forward + backward of the LM loss), same batch")
     t_dense = train_step_seconds(dense, ids)
     t_tt = train_step_seconds(tt_model, ids)
-    print(f"   dense {t_dense * 1e3:.0f} ms, comera_fx {t_tt * 1e3:.0f} ms, speed-up {t_dense / t_tt:.2f}x "
-          f"(batch {args.batch} x {args.seq} tokens; random init is not low rank, so the loss differs)")
+    print(
+        f"   dense {t_dense * 1e3:.0f} ms, comera_fx {t_tt * 1e3:.0f} ms, speed-up {t_dense / t_tt:.2f}x "
+        f"(batch {args.batch} x {args.seq} tokens; random init is not low rank, so the loss differs)"
+    )
 
 
 if __name__ == "__main__":

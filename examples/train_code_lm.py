@@ -17,8 +17,9 @@ The dense run trains the model with AdamW. The comera_fx run starts from a copy 
 every block ``nn.Linear`` to tensor-train form with ``comera_fx.tensorize_`` (max rank 16) and trains it with
 ``comera_fx.runtime.RankAdaptive`` (its default budget schedule: the TT size falls on a cubic schedule to half
 its start by ``--prune-by`` of the budget, the least important rank directions removed physically;
-``--schedule comera``: CoMERA's ℓ1 pull and late stage instead). Each run gets the same training wall-clock budget; validation (nats/byte on a fixed
-set of held-out batches) runs every ``--eval-every`` seconds of training time, outside the budget clock.
+``--schedule comera``: CoMERA's ℓ1 pull and late stage instead). Each run gets the same training wall-clock budget;
+validation (nats/byte on a fixed set of held-out batches) runs every ``--eval-every`` seconds of
+training time, outside the budget clock.
 
 Compiled or eager (``--compile auto``, the default; ``comera_fx.runtime.compile_policy``): each run takes a few eager
 steps, then, if the budget left could repay a compile, compiles its blocks in place (``comera_fx.compile_regions`` for
@@ -81,29 +82,65 @@ class Preset:
     d_ff: int
     seq_len: int
     batch: int
-    min_numel: int          # TensorizeConfig.min_numel: every block linear of the preset is above it
-    data_bytes: int         # cap on the stdlib bytes read
-    val_batches: int        # fixed validation set: this many batches of (batch × seq_len) bytes
-    budget_seconds: float   # training wall clock per run
-    eval_every: float       # seconds of training time between validations
+    min_numel: int  # TensorizeConfig.min_numel: every block linear of the preset is above it
+    data_bytes: int  # cap on the stdlib bytes read
+    val_batches: int  # fixed validation set: this many batches of (batch × seq_len) bytes
+    budget_seconds: float  # training wall clock per run
+    eval_every: float  # seconds of training time between validations
     warmup_steps: int
     threads: int | None = None  # default torch threads (None: torch's own default)
     measure_only: bool = False  # "comera": time a few steps and count parameters, no training to budget
 
 
 PRESETS = {
-    "tiny": Preset(layers=2, d_model=64, heads=2, d_ff=256, seq_len=32, batch=8, min_numel=4096,
-                   data_bytes=1_000_000, val_batches=2, budget_seconds=3.0, eval_every=1.0, warmup_steps=5,
-                   # 64-wide layers: with 2 OpenMP threads on a busy 2-core machine thread hand-offs dominate
-                   # (measured 50x slower steps), so the smoke preset runs on one thread unless --threads says more.
-                   threads=1),
+    "tiny": Preset(
+        layers=2,
+        d_model=64,
+        heads=2,
+        d_ff=256,
+        seq_len=32,
+        batch=8,
+        min_numel=4096,
+        data_bytes=1_000_000,
+        val_batches=2,
+        budget_seconds=3.0,
+        eval_every=1.0,
+        warmup_steps=5,
+        # 64-wide layers: with 2 OpenMP threads on a busy 2-core machine thread hand-offs dominate
+        # (measured 50x slower steps), so the smoke preset runs on one thread unless --threads says more.
+        threads=1,
+    ),
     # The shapes of the reference measurements (dense ≈ 2 steps/s on 2 CPU cores when the machine is idle).
-    "small": Preset(layers=4, d_model=384, heads=6, d_ff=1536, seq_len=128, batch=16, min_numel=65536,
-                    data_bytes=8_000_000, val_batches=4, budget_seconds=120.0, eval_every=15.0, warmup_steps=20),
+    "small": Preset(
+        layers=4,
+        d_model=384,
+        heads=6,
+        d_ff=1536,
+        seq_len=128,
+        batch=16,
+        min_numel=65536,
+        data_bytes=8_000_000,
+        val_batches=4,
+        budget_seconds=120.0,
+        eval_every=15.0,
+        warmup_steps=20,
+    ),
     # CoMERA's BERT-base-like widths: too slow to train on a CPU, so only step time and parameter counts.
-    "comera": Preset(layers=6, d_model=768, heads=12, d_ff=3072, seq_len=128, batch=16, min_numel=65536,
-                     data_bytes=2_000_000, val_batches=1, budget_seconds=0.0, eval_every=0.0, warmup_steps=0,
-                     measure_only=True),
+    "comera": Preset(
+        layers=6,
+        d_model=768,
+        heads=12,
+        d_ff=3072,
+        seq_len=128,
+        batch=16,
+        min_numel=65536,
+        data_bytes=2_000_000,
+        val_batches=1,
+        budget_seconds=0.0,
+        eval_every=0.0,
+        warmup_steps=0,
+        measure_only=True,
+    ),
 }
 
 # ---------------------------------------------------------------------------------------------------------- data
@@ -143,19 +180,26 @@ def load_stdlib(max_bytes: int, val_fraction: float = 0.1) -> tuple[torch.Tensor
         (val if is_val else train).append(data + b"\n")
         n_files[is_val] += 1
     if not train or not val:
-        raise RuntimeError(f"too little standard-library source under {root} (train {len(train)} files, "
-                           f"val {len(val)} files)")
+        raise RuntimeError(
+            f"too little standard-library source under {root} (train {len(train)} files, val {len(val)} files)"
+        )
 
     def as_tensor(chunks):
         return torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8)
 
-    info = {"root": str(root), "train_files": n_files[0], "val_files": n_files[1],
-            "train_bytes": sum(map(len, train)), "val_bytes": sum(map(len, val))}
+    info = {
+        "root": str(root),
+        "train_files": n_files[0],
+        "val_files": n_files[1],
+        "train_bytes": sum(map(len, train)),
+        "val_bytes": sum(map(len, val)),
+    }
     return as_tensor(train), as_tensor(val), info
 
 
-def get_batch(data: torch.Tensor, batch: int, seq_len: int, generator: torch.Generator,
-              device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def get_batch(
+    data: torch.Tensor, batch: int, seq_len: int, generator: torch.Generator, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     start = torch.randint(len(data) - seq_len - 1, (batch,), generator=generator)
     chunk = data[start[:, None] + torch.arange(seq_len + 1)].long()
     return chunk[:, :-1].to(device), chunk[:, 1:].to(device)
@@ -222,8 +266,13 @@ def evaluate(model: nn.Module, val_set: list[tuple[torch.Tensor, torch.Tensor]])
 
 def linear_params(model: nn.Module) -> int:
     """Parameters held by the blocks' linear layers: weight + bias (dense) or cores + gates + bias (TT)."""
-    return sum(p.numel() for block in model.blocks for name, m in block.named_children()
-               if name in ("qkv", "proj", "fc", "out") for p in m.parameters())
+    return sum(
+        p.numel()
+        for block in model.blocks
+        for name, m in block.named_children()
+        if name in ("qkv", "proj", "fc", "out")
+        for p in m.parameters()
+    )
 
 
 def total_params(model: nn.Module) -> int:
@@ -243,10 +292,10 @@ def tensorize(model: nn.Module, p: Preset, args, example: torch.Tensor):
     reconstructed entries have nn.Linear's default variance. In a trial on the small preset (150 steps, same
     batches) svd reached 2.418 and random 2.454 nats/byte, so svd is the default; the difference is small.
     """
-    config = comera_fx.TensorizeConfig(max_rank=args.max_rank, min_numel=p.min_numel, init=args.init,
-                                       seed=args.seed)
-    return comera_fx.tensorize_(model, config, example_inputs=(example,),
-                                filter_fn=lambda module, fqn: isinstance(module, nn.Linear))
+    config = comera_fx.TensorizeConfig(max_rank=args.max_rank, min_numel=p.min_numel, init=args.init, seed=args.seed)
+    return comera_fx.tensorize_(
+        model, config, example_inputs=(example,), filter_fn=lambda module, fqn: isinstance(module, nn.Linear)
+    )
 
 
 def make_dense_optimizer(model: nn.Module, args) -> torch.optim.Optimizer:
@@ -284,14 +333,21 @@ def gate_lr(args, expected_steps: float) -> float:
     return min(max(1.0 / late_steps, 1e-3), 5e-2)
 
 
-def make_hook(model: nn.Module, optimizer: torch.optim.Optimizer, args, late_start_step: int | None,
-              result: "RunResult", expected_steps: float) -> RankAdaptive:
+def make_hook(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    args,
+    late_start_step: int | None,
+    result: "RunResult",
+    expected_steps: float,
+) -> RankAdaptive:
     """``--schedule budget`` (default): RankAdaptive's budget schedule towards ``--keep-fraction`` of the TT size,
     reached at ``--prune-by`` of the horizon (final_fraction = 1 − prune_by). The horizon is the run's training
     clock (``result.train_seconds``, validation excluded), or ``--max-steps`` when that ends the run first.
 
-    ``--schedule comera``: CoMERA's two stages: a light ℓ1 pull on the gates, then (from ``late_start_step``) the achievement
-    scalarization towards ``--keep-fraction`` of the initial TT size; dead slices removed every ``prune_every``.
+    ``--schedule comera``: CoMERA's two stages: a light ℓ1 pull on the gates, then (from ``late_start_step``) the
+    achievement scalarization towards ``--keep-fraction`` of the initial TT size; dead slices removed
+    every ``prune_every``.
 
     The price in a run this short is real. Trial (small preset, 174 steps, same batches, 1 thread): rank-16 TT
     without a late stage reached 2.376 nats/byte; with the late stage from step 44 (gate lr 0.011), 2.567 at 52%
@@ -312,12 +368,18 @@ def make_hook(model: nn.Module, optimizer: torch.optim.Optimizer, args, late_sta
         else:
             horizon = {"budget_seconds": args.budget_seconds}
         clock = None if "total_steps" in horizon else (lambda: result.train_seconds)
-        config = RankConfig(keep_fraction=args.keep_fraction, final_fraction=1 - args.prune_by, **horizon,
-                            **compile_once(args))
+        config = RankConfig(
+            keep_fraction=args.keep_fraction, final_fraction=1 - args.prune_by, **horizon, **compile_once(args)
+        )
         return RankAdaptive(model, optimizer, config, clock=clock, history_every=1)
-    config = RankConfig(schedule="comera", l1_weight=args.l1_weight, prune_every=args.prune_every,
-                        keep_fraction=args.keep_fraction, late_start_step=late_start_step,
-                        late_size_weight=args.late_size_weight)
+    config = RankConfig(
+        schedule="comera",
+        l1_weight=args.l1_weight,
+        prune_every=args.prune_every,
+        keep_fraction=args.keep_fraction,
+        late_start_step=late_start_step,
+        late_size_weight=args.late_size_weight,
+    )
     return RankAdaptive(model, optimizer, config, history_every=1)
 
 
@@ -339,8 +401,9 @@ def expected_recompiles(hook: RankAdaptive | None, args) -> int:
     return 1 if args.schedule == "budget" else compile_policy.UNBOUNDED  # comera: a shrink at every prune point
 
 
-def prepare_tt_run(model: nn.Module, p: Preset, args, train_data: torch.Tensor, device: torch.device,
-                   result: "RunResult") -> tuple[torch.optim.Optimizer, RankAdaptive, object, float]:
+def prepare_tt_run(
+    model: nn.Module, p: Preset, args, train_data: torch.Tensor, device: torch.device, result: "RunResult"
+) -> tuple[torch.optim.Optimizer, RankAdaptive, object, float]:
     """Everything the comera_fx run does before its first step (outside the budget clock): tensorize_ ``model`` in
     place, time a few steps to place the late stage in steps, pick the gate rate, build optimizer and hook.
     Fills ``result.setup_seconds`` / ``late_start_step`` / ``target_params``; returns (optimizer, hook,
@@ -371,8 +434,8 @@ class RunResult:
     steps: int = 0
     train_seconds: float = 0.0
     tokens: int = 0
-    evals: list = field(default_factory=list)          # (train seconds, step, val loss)
-    train_losses: list = field(default_factory=list)   # per step
+    evals: list = field(default_factory=list)  # (train seconds, step, val loss)
+    train_losses: list = field(default_factory=list)  # per step
     linear_params_start: int = 0
     linear_params_end: int = 0
     total_params_start: int = 0
@@ -380,11 +443,11 @@ class RunResult:
     setup_seconds: float = 0.0
     eval_seconds: float = 0.0
     late_start_step: int | None = None
-    target_params: float | None = None                 # RankAdaptive's size target S_t (TT cores + gates)
-    history: list = field(default_factory=list)        # RankAdaptive history (dicts)
+    target_params: float | None = None  # RankAdaptive's size target S_t (TT cores + gates)
+    history: list = field(default_factory=list)  # RankAdaptive history (dicts)
     final_ranks: dict = field(default_factory=dict)
-    compile: dict = field(default_factory=dict)        # compile_policy.CompileProbe.summary(): the path and why
-    shrunk_after_training: tuple | None = None         # stored TT params (before, after) the shrink to live ranks
+    compile: dict = field(default_factory=dict)  # compile_policy.CompileProbe.summary(): the path and why
+    shrunk_after_training: tuple | None = None  # stored TT params (before, after) the shrink to live ranks
 
     @property
     def steps_per_s(self) -> float:
@@ -402,12 +465,28 @@ class RunResult:
 def _progress(name: str, budget: float, disable: bool):
     from tqdm.auto import tqdm
 
-    return tqdm(total=round(budget, 1), desc=f"{name:>9}", unit="s", disable=disable, dynamic_ncols=True,
-                bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f}s train [{elapsed}{postfix}]")
+    return tqdm(
+        total=round(budget, 1),
+        desc=f"{name:>9}",
+        unit="s",
+        disable=disable,
+        dynamic_ncols=True,
+        bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f}s train [{elapsed}{postfix}]",
+    )
 
 
-def train(name: str, model: nn.Module, optimizer: torch.optim.Optimizer, hook: RankAdaptive | None,
-          train_data: torch.Tensor, val_set, p: Preset, args, device: torch.device, result: RunResult) -> RunResult:
+def train(
+    name: str,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    hook: RankAdaptive | None,
+    train_data: torch.Tensor,
+    val_set,
+    p: Preset,
+    args,
+    device: torch.device,
+    result: RunResult,
+) -> RunResult:
     """Train until ``budget`` seconds of step time (or ``--max-steps``); validate every ``eval_every`` seconds of
     training time with the clock stopped. Both runs draw the same sequence of batches."""
     for _ in training_steps(name, model, optimizer, hook, train_data, val_set, p, args, device, result):
@@ -415,8 +494,18 @@ def train(name: str, model: nn.Module, optimizer: torch.optim.Optimizer, hook: R
     return result
 
 
-def training_steps(name: str, model: nn.Module, optimizer: torch.optim.Optimizer, hook: RankAdaptive | None,
-                   train_data: torch.Tensor, val_set, p: Preset, args, device: torch.device, result: RunResult):
+def training_steps(
+    name: str,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    hook: RankAdaptive | None,
+    train_data: torch.Tensor,
+    val_set,
+    p: Preset,
+    args,
+    device: torch.device,
+    result: RunResult,
+):
     """``train`` one step at a time: yields ``result`` after every step (its validation included), and fills in
     the run's closing figures when exhausted. Lets a benchmark interleave two runs in one process, so that a shared
     machine's drift in speed falls on both alike (benchmarks/bench_compile_ab.py)."""
@@ -433,8 +522,9 @@ def training_steps(name: str, model: nn.Module, optimizer: torch.optim.Optimizer
     next_eval = eval_every
     smooth = None
     settles_eager = hook.shrink_eagerly if hook is not None and compile_once(args) else None
-    probe = compile_policy.CompileProbe(mode=args.compile, budget_s=budget, on_eager=settles_eager,
-                                        expected_recompiles=expected_recompiles(hook, args))
+    probe = compile_policy.CompileProbe(
+        mode=args.compile, budget_s=budget, on_eager=settles_eager, expected_recompiles=expected_recompiles(hook, args)
+    )
     bar = _progress(name, budget, args.quiet)
     model.train()
     while result.train_seconds < budget and (args.max_steps is None or result.steps < args.max_steps):
@@ -531,16 +621,40 @@ def ranks_summary(ranks: dict) -> str:
 
 
 def results_table(results: list[RunResult]) -> str:
-    header = ("run", "steps", "steps/s", "tokens/s", "final val loss (nats/byte)", "linear-layer params",
-              "total params", "final ranks (live)")
+    header = (
+        "run",
+        "steps",
+        "steps/s",
+        "tokens/s",
+        "final val loss (nats/byte)",
+        "linear-layer params",
+        "total params",
+        "final ranks (live)",
+    )
     rows = []
     for r in results:
-        lin = (f"{r.linear_params_end:,}" if r.linear_params_end == r.linear_params_start
-               else f"{r.linear_params_end:,} (start {r.linear_params_start:,})")
-        tot = (f"{r.total_params_end:,}" if r.total_params_end == r.total_params_start
-               else f"{r.total_params_end:,} (start {r.total_params_start:,})")
-        rows.append((r.name, str(r.steps), f"{r.steps_per_s:.2f}", f"{r.tokens_per_s:,.0f}", f"{r.final_val:.4f}",
-                     lin, tot, ranks_summary(r.final_ranks) if r.final_ranks else "dense"))
+        lin = (
+            f"{r.linear_params_end:,}"
+            if r.linear_params_end == r.linear_params_start
+            else f"{r.linear_params_end:,} (start {r.linear_params_start:,})"
+        )
+        tot = (
+            f"{r.total_params_end:,}"
+            if r.total_params_end == r.total_params_start
+            else f"{r.total_params_end:,} (start {r.total_params_start:,})"
+        )
+        rows.append(
+            (
+                r.name,
+                str(r.steps),
+                f"{r.steps_per_s:.2f}",
+                f"{r.tokens_per_s:,.0f}",
+                f"{r.final_val:.4f}",
+                lin,
+                tot,
+                ranks_summary(r.final_ranks) if r.final_ranks else "dense",
+            )
+        )
     return markdown_table(header, rows)
 
 
@@ -583,15 +697,27 @@ def plot_compression(tt: RunResult, path: Path) -> None:
     ax.set_ylabel("parameters of the TT layers")
     ax.grid(alpha=0.3)
     ratio = ax.twinx()
-    ratio.plot(steps, [h["compression"] or float("nan") for h in tt.history], color="C3", lw=1,
-               label="compression of the linear weights (dense / TT)")
+    ratio.plot(
+        steps,
+        [h["compression"] or float("nan") for h in tt.history],
+        color="C3",
+        lw=1,
+        label="compression of the linear weights (dense / TT)",
+    )
     ratio.set_ylabel("compression (×)", color="C3")
     ax.set_ylim(bottom=0)
     ratio.set_ylim(bottom=0)
     lines = ax.get_legend_handles_labels()
     more = ratio.get_legend_handles_labels()
-    ax.legend(lines[0] + more[0], lines[1] + more[1], fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.13),
-              ncol=2, frameon=False)
+    ax.legend(
+        lines[0] + more[0],
+        lines[1] + more[1],
+        fontsize=8,
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.13),
+        ncol=2,
+        frameon=False,
+    )
     ax.set_title("comera_fx: size of the tensorized layers during training")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -613,8 +739,13 @@ def plot_ranks(tt: RunResult, path: Path) -> None:
     image = np.array(rows, dtype=float) if rows else np.zeros((1, 1))
     fig, ax = plt.subplots(figsize=(8, max(3.0, 0.09 * len(rows) + 1.5)))
     steps = [h["step"] for h in tt.history] or [0]
-    im = ax.imshow(image, aspect="auto", interpolation="nearest", cmap="viridis",
-                   extent=(steps[0] - 0.5, steps[-1] + 0.5, len(rows) - 0.5, -0.5))
+    im = ax.imshow(
+        image,
+        aspect="auto",
+        interpolation="nearest",
+        cmap="viridis",
+        extent=(steps[0] - 0.5, steps[-1] + 0.5, len(rows) - 0.5, -0.5),
+    )
     for b in bounds[:-1]:
         ax.axhline(b - 0.5, color="white", lw=0.4)
     ax.set_yticks(range(len(labels)))
@@ -628,71 +759,124 @@ def plot_ranks(tt: RunResult, path: Path) -> None:
     plt.close(fig)
 
 
-COMPILE_NOTE = ("`--compile auto` (the default) runs a few eager steps, then, if the budget left could repay a "
-                "compile, compiles the blocks in place (`comera_fx.compile_regions` with comera_fx's backend for the "
-                "TT run, stock `torch.compile` per block for the dense one), then alternates compiled and eager "
-                "steps in neighbouring pairs (both train the model; 8-48 pairs, at most a tenth of the budget left) "
-                "until a sign test over the pairs says whether the compiled step repays the recompiles to come, and "
-                "keeps the compiled path only then; otherwise the blocks go back to eager. Steps gained are "
-                "estimated at the probe's speed-up. The compile is inside the run's training clock. Embeddings, "
-                "head, loss, clipping and the optimizer step stay eager, and validation runs eagerly "
-                "(`torch.compiler.set_stance('force_eager')`). The TT run's rank schedule keeps one width per matrix "
-                "role across blocks and shrinks physically once (`RankConfig(shrink_slack=4, "
-                "same_shape_blocks=True)`), so the compiled blocks recompile at most once, not once per prune; after "
-                "training its cores shrink to their live ranks.")
+COMPILE_NOTE = (
+    "`--compile auto` (the default) runs a few eager steps, then, if the budget left could repay a "
+    "compile, compiles the blocks in place (`comera_fx.compile_regions` with comera_fx's backend for the "
+    "TT run, stock `torch.compile` per block for the dense one), then alternates compiled and eager "
+    "steps in neighbouring pairs (both train the model; 8-48 pairs, at most a tenth of the budget left) "
+    "until a sign test over the pairs says whether the compiled step repays the recompiles to come, and "
+    "keeps the compiled path only then; otherwise the blocks go back to eager. Steps gained are "
+    "estimated at the probe's speed-up. The compile is inside the run's training clock. Embeddings, "
+    "head, loss, clipping and the optimizer step stay eager, and validation runs eagerly "
+    "(`torch.compiler.set_stance('force_eager')`). The TT run's rank schedule keeps one width per matrix "
+    "role across blocks and shrinks physically once (`RankConfig(shrink_slack=4, "
+    "same_shape_blocks=True)`), so the compiled blocks recompile at most once, not once per prune; after "
+    "training its cores shrink to their live ranks."
+)
 
 
 def compile_line(summary: dict) -> str:
     """One report line from ``CompileProbe.summary()``: the path that ran, why, and the compile figures."""
     text = f"{summary['path']}: {summary['reason']}"
     if "graphs" in summary:
-        text += (f". Graphs {summary['graphs']}, recompiles after the first compiled step {summary['recompiles']}, "
-                 f"{summary['compiled_steps']} compiled steps, {summary['steps_gained']:+.0f} steps gained by "
-                 f"them, compile and recompiles included" + (" (at the probe's speed-up)" if "probe_speedup" in
-                                                             summary else ""))
+        text += (
+            f". Graphs {summary['graphs']}, recompiles after the first compiled step {summary['recompiles']}, "
+            f"{summary['compiled_steps']} compiled steps, {summary['steps_gained']:+.0f} steps gained by "
+            f"them, compile and recompiles included"
+            + (" (at the probe's speed-up)" if "probe_speedup" in summary else "")
+        )
     return text + "."
 
 
-def write_report(out: Path, args, p: Preset, data_info: dict, results: list[RunResult], table: str,
-                 tt_report: str, summary_text: str, extra: str = "") -> None:
+def write_report(
+    out: Path,
+    args,
+    p: Preset,
+    data_info: dict,
+    results: list[RunResult],
+    table: str,
+    tt_report: str,
+    summary_text: str,
+    extra: str = "",
+) -> None:
     config_rows = [
-        ("preset", args.preset), ("model", f"{p.layers} layers, d_model {p.d_model}, {p.heads} heads, "
-                                            f"d_ff {p.d_ff}, seq {p.seq_len}, vocab {VOCAB} (bytes), tied head"),
+        ("preset", args.preset),
+        (
+            "model",
+            f"{p.layers} layers, d_model {p.d_model}, {p.heads} heads, "
+            f"d_ff {p.d_ff}, seq {p.seq_len}, vocab {VOCAB} (bytes), tied head",
+        ),
         ("batch", f"{p.batch} × {p.seq_len} = {p.batch * p.seq_len} tokens/step"),
-        ("budget", f"{args.budget_seconds:g} s of training per run (validation every {args.eval_every:g} s of "
-                   f"training, clock stopped)"),
-        ("data", f"{data_info['train_files']} train / {data_info['val_files']} val files of {data_info['root']} "
-                 f"({data_info['train_bytes']:,} / {data_info['val_bytes']:,} bytes), split by file"),
+        (
+            "budget",
+            f"{args.budget_seconds:g} s of training per run (validation every {args.eval_every:g} s of "
+            f"training, clock stopped)",
+        ),
+        (
+            "data",
+            f"{data_info['train_files']} train / {data_info['val_files']} val files of {data_info['root']} "
+            f"({data_info['train_bytes']:,} / {data_info['val_bytes']:,} bytes), split by file",
+        ),
         ("validation set", f"{p.val_batches} fixed batches = {p.val_batches * p.batch * p.seq_len:,} bytes"),
-        ("dense optimizer", f"AdamW lr {args.lr:g}, betas (0.9, 0.95), no weight decay, {p.warmup_steps} warm-up "
-                            f"steps, grad clip 1.0"),
-        ("comera_fx tensorize_", f"TensorizeConfig(max_rank={args.max_rank}, min_numel={p.min_numel}, "
-                                 f"init={args.init!r}), block nn.Linear layers only"),
-        ("comera_fx optimizer", f"AdamW (param_groups) cores {args.lr_cores:g} / gates {args.gate_lr_used:.2g} "
-                                f"({'auto' if args.lr_gates == 'auto' else 'fixed'}) / other {args.lr:g}, "
-                                f"same warm-up and clipping"),
-        ("RankAdaptive", f"budget schedule: keep_fraction={args.keep_fraction:g}, reached at {args.prune_by:.0%} of "
-                         f"the training clock (warm-up 10%, cubic decay, 10 prunes"
-                         f"{'; shrink_slack 4 and same_shape_blocks while compiled' if compile_once(args) else ''})"
-                         if args.schedule == "budget"
-                         else f"schedule='comera', l1_weight={args.l1_weight:g}, prune_every={args.prune_every}, "
-                         f"keep_fraction={args.keep_fraction:g}, late_size_weight={args.late_size_weight:g}, "
-                         f"late stage from ~{args.late_fraction:.0%} of the "
-                         f"budget (step estimated before training)"),
+        (
+            "dense optimizer",
+            f"AdamW lr {args.lr:g}, betas (0.9, 0.95), no weight decay, {p.warmup_steps} warm-up steps, grad clip 1.0",
+        ),
+        (
+            "comera_fx tensorize_",
+            f"TensorizeConfig(max_rank={args.max_rank}, min_numel={p.min_numel}, "
+            f"init={args.init!r}), block nn.Linear layers only",
+        ),
+        (
+            "comera_fx optimizer",
+            f"AdamW (param_groups) cores {args.lr_cores:g} / gates {args.gate_lr_used:.2g} "
+            f"({'auto' if args.lr_gates == 'auto' else 'fixed'}) / other {args.lr:g}, "
+            f"same warm-up and clipping",
+        ),
+        (
+            "RankAdaptive",
+            f"budget schedule: keep_fraction={args.keep_fraction:g}, reached at {args.prune_by:.0%} of "
+            f"the training clock (warm-up 10%, cubic decay, 10 prunes"
+            f"{'; shrink_slack 4 and same_shape_blocks while compiled' if compile_once(args) else ''})"
+            if args.schedule == "budget"
+            else f"schedule='comera', l1_weight={args.l1_weight:g}, prune_every={args.prune_every}, "
+            f"keep_fraction={args.keep_fraction:g}, late_size_weight={args.late_size_weight:g}, "
+            f"late stage from ~{args.late_fraction:.0%} of the "
+            f"budget (step estimated before training)",
+        ),
         ("compile", f"--compile {args.compile} (section 'Compiled or eager')"),
-        ("seed / device / threads", f"{args.seed} / {args.device} / {torch.get_num_threads()} "
-                                    f"({openmp_policy.wait_policy_note()})"),
+        (
+            "seed / device / threads",
+            f"{args.seed} / {args.device} / {torch.get_num_threads()} ({openmp_policy.wait_policy_note()})",
+        ),
         ("torch", torch.__version__),
     ]
-    lines = [f"# comera_fx training demo ({datetime.now():%Y-%m-%d %H:%M:%S})", "",
-             "`python " + " ".join(["examples/train_code_lm.py", *args.argv]).strip() + "`", "",
-             "## Configuration", "", markdown_table(("", ""), config_rows), "", "## Results", "", table, ""]
+    lines = [
+        f"# comera_fx training demo ({datetime.now():%Y-%m-%d %H:%M:%S})",
+        "",
+        "`python " + " ".join(["examples/train_code_lm.py", *args.argv]).strip() + "`",
+        "",
+        "## Configuration",
+        "",
+        markdown_table(("", ""), config_rows),
+        "",
+        "## Results",
+        "",
+        table,
+        "",
+    ]
     if extra:
         lines += [extra, ""]
-    lines += ["Steps/s and tokens/s count training steps only (validation excluded). Linear-layer params are the "
-              "blocks' qkv/proj/fc/out layers (dense weight + bias, or TT cores + gates + bias); the embedding "
-              "(tied to the head), position table and LayerNorms stay dense in both runs.", "",
-              "## Compiled or eager", "", COMPILE_NOTE, ""]
+    lines += [
+        "Steps/s and tokens/s count training steps only (validation excluded). Linear-layer params are the "
+        "blocks' qkv/proj/fc/out layers (dense weight + bias, or TT cores + gates + bias); the embedding "
+        "(tied to the head), position table and LayerNorms stay dense in both runs.",
+        "",
+        "## Compiled or eager",
+        "",
+        COMPILE_NOTE,
+        "",
+    ]
     lines += [f"* **{r.name}**: {compile_line(r.compile)}" for r in results if r.compile]
     lines += [""]
     if tt_report:
@@ -700,8 +884,16 @@ def write_report(out: Path, args, p: Preset, data_info: dict, results: list[RunR
     if summary_text:
         lines += ["## What tensorize_ did", "", "```", summary_text, "```", ""]
     if not p.measure_only:
-        lines += ["## Plots", "", "![validation loss](val_loss.png)", "", "![compression](compression.png)", "",
-                  "![ranks](ranks.png)", ""]
+        lines += [
+            "## Plots",
+            "",
+            "![validation loss](val_loss.png)",
+            "",
+            "![compression](compression.png)",
+            "",
+            "![ranks](ranks.png)",
+            "",
+        ]
     (out / "report.md").write_text("\n".join(lines))
 
 
@@ -709,46 +901,85 @@ def write_report(out: Path, args, p: Preset, data_info: dict, results: list[RunR
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--preset", choices=sorted(PRESETS), default="small")
-    parser.add_argument("--budget-seconds", type=float, default=None,
-                        help="training wall clock per run (default: the preset's; small: 120)")
-    parser.add_argument("--eval-every", type=float, default=None,
-                        help="seconds of training time between validations (default: the preset's; small: 15)")
+    parser.add_argument(
+        "--budget-seconds",
+        type=float,
+        default=None,
+        help="training wall clock per run (default: the preset's; small: 120)",
+    )
+    parser.add_argument(
+        "--eval-every",
+        type=float,
+        default=None,
+        help="seconds of training time between validations (default: the preset's; small: 15)",
+    )
     parser.add_argument("--max-steps", type=int, default=None, help="also stop each run after this many steps")
     parser.add_argument("--out", type=Path, default=None, help="output folder (default: runs/<timestamp>)")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch threads (default: torch's default; the tiny preset: 1)")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch threads (default: torch's default; the tiny preset: 1)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-rank", type=int, default=16)
     parser.add_argument("--init", choices=("random", "svd"), default="svd")
     parser.add_argument("--lr", type=float, default=1e-3, help="dense AdamW lr; also the TT run's non-TT params")
     parser.add_argument("--lr-cores", type=float, default=3e-3)
-    parser.add_argument("--lr-gates", default="auto",
-                        help="gate learning rate, or 'auto': reach the size target at --prune-by of the budget")
-    parser.add_argument("--schedule", choices=("budget", "comera"), default="budget",
-                        help="RankAdaptive's schedule: budget (default; reaches --keep-fraction at --prune-by of the "
-                             "training clock) or comera (ℓ1 + late stage; --l1-weight, --prune-every, "
-                             "--late-size-weight, --late-fraction, --lr-gates auto apply to it)")
+    parser.add_argument(
+        "--lr-gates",
+        default="auto",
+        help="gate learning rate, or 'auto': reach the size target at --prune-by of the budget",
+    )
+    parser.add_argument(
+        "--schedule",
+        choices=("budget", "comera"),
+        default="budget",
+        help="RankAdaptive's schedule: budget (default; reaches --keep-fraction at --prune-by of the "
+        "training clock) or comera (ℓ1 + late stage; --l1-weight, --prune-every, "
+        "--late-size-weight, --late-fraction, --lr-gates auto apply to it)",
+    )
     parser.add_argument("--l1-weight", type=float, default=0.01)
     parser.add_argument("--prune-every", type=int, default=25)
-    parser.add_argument("--late-size-weight", type=float, default=0.0,
-                        help="RankAdaptive late_size_weight (library default 0; CoMERA 0.01): the gate pull that "
-                             "stays on once the size target is met; see make_hook")
-    parser.add_argument("--keep-fraction", "--target-ratio", dest="keep_fraction", type=float, default=0.5,
-                        help="size target, as a fraction of the initial TT parameters (RankConfig.keep_fraction; "
-                             "--target-ratio is its old spelling)")
-    parser.add_argument("--late-fraction", type=float, default=0.25,
-                        help="comera schedule: the late stage starts after about this fraction of the budget")
-    parser.add_argument("--prune-by", type=float, default=0.75,
-                        help="fraction of the budget by which the size target should be met (budget schedule; "
-                             "comera: through --lr-gates auto)")
-    parser.add_argument("--compile", choices=("auto", "yes", "no"), default="auto",
-                        help="auto (default): after a few eager steps compile the blocks if the budget could repay "
-                             "it, keep the compiled path only if its measured step repays compile and recompiles "
-                             "(compile time counts in the budget); yes: always compile; no: eager")
+    parser.add_argument(
+        "--late-size-weight",
+        type=float,
+        default=0.0,
+        help="RankAdaptive late_size_weight (library default 0; CoMERA 0.01): the gate pull that "
+        "stays on once the size target is met; see make_hook",
+    )
+    parser.add_argument(
+        "--keep-fraction",
+        "--target-ratio",
+        dest="keep_fraction",
+        type=float,
+        default=0.5,
+        help="size target, as a fraction of the initial TT parameters (RankConfig.keep_fraction; "
+        "--target-ratio is its old spelling)",
+    )
+    parser.add_argument(
+        "--late-fraction",
+        type=float,
+        default=0.25,
+        help="comera schedule: the late stage starts after about this fraction of the budget",
+    )
+    parser.add_argument(
+        "--prune-by",
+        type=float,
+        default=0.75,
+        help="fraction of the budget by which the size target should be met (budget schedule; "
+        "comera: through --lr-gates auto)",
+    )
+    parser.add_argument(
+        "--compile",
+        choices=("auto", "yes", "no"),
+        default="auto",
+        help="auto (default): after a few eager steps compile the blocks if the budget could repay "
+        "it, keep the compiled path only if its measured step repays compile and recompiles "
+        "(compile time counts in the budget); yes: always compile; no: eager",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
     args.argv = list(argv)
@@ -787,17 +1018,27 @@ def run_measure_only(args, p: Preset, data_info, train_data, dense: nn.Module, d
     args.gate_lr_used = gate_lr(args, 1000)  # no training: only the optimizer's per-step cost matters
     rows = []
     for name, model, optimizer in (
-            ("dense", dense, make_dense_optimizer(dense, args)),
-            ("comera_fx", tt_model, make_tt_optimizer(tt_model, args, args.gate_lr_used))):
+        ("dense", dense, make_dense_optimizer(dense, args)),
+        ("comera_fx", tt_model, make_tt_optimizer(tt_model, args, args.gate_lr_used)),
+    ):
         print(f"timing {name} ...", flush=True)
         seconds = measure(model, optimizer, train_data, p, device)
-        rows.append((name, f"{seconds:.3f}", f"{p.batch * p.seq_len / seconds:,.0f}", f"{linear_params(model):,}",
-                     f"{total_params(model):,}"))
+        rows.append(
+            (
+                name,
+                f"{seconds:.3f}",
+                f"{p.batch * p.seq_len / seconds:,.0f}",
+                f"{linear_params(model):,}",
+                f"{total_params(model):,}",
+            )
+        )
     speed = float(rows[0][1]) / float(rows[1][1])
     table = markdown_table(("run", "s/step (median of 3)", "tokens/s", "linear-layer params", "total params"), rows)
-    extra = (f"comera_fx step time vs dense: {speed:.2f}× faster" if speed >= 1 else
-             f"comera_fx step time vs dense: {1 / speed:.2f}× slower") + \
-            f" (eager). tensorize_ took {setup:.1f} s. Measure-only preset: no training, no plots."
+    extra = (
+        f"comera_fx step time vs dense: {speed:.2f}× faster"
+        if speed >= 1
+        else f"comera_fx step time vs dense: {1 / speed:.2f}× slower"
+    ) + f" (eager). tensorize_ took {setup:.1f} s. Measure-only preset: no training, no plots."
     write_report(out, args, p, data_info, [], table, str(comera_fx.report(tt_model)), str(summary), extra)
     return table + "\n\n" + extra
 
@@ -823,8 +1064,11 @@ def _run(args, p: Preset) -> dict:
     wall_start = time.perf_counter()
 
     train_data, val_data, data_info = load_stdlib(p.data_bytes)
-    print(f"data: {data_info['train_files']} train / {data_info['val_files']} val files from {data_info['root']} "
-          f"({data_info['train_bytes']:,} / {data_info['val_bytes']:,} bytes)", flush=True)
+    print(
+        f"data: {data_info['train_files']} train / {data_info['val_files']} val files from {data_info['root']} "
+        f"({data_info['train_bytes']:,} / {data_info['val_bytes']:,} bytes)",
+        flush=True,
+    )
     val_gen = torch.Generator().manual_seed(1234)
     val_set = [get_batch(val_data, p.batch, p.seq_len, val_gen, device) for _ in range(p.val_batches)]
 
@@ -840,8 +1084,7 @@ def _run(args, p: Preset) -> dict:
 
     # -- dense --------------------------------------------------------------------------------------------------
     dense_result = RunResult("dense")
-    train("dense", dense, make_dense_optimizer(dense, args), None, train_data, val_set, p, args, device,
-          dense_result)
+    train("dense", dense, make_dense_optimizer(dense, args), None, train_data, val_set, p, args, device, dense_result)
 
     # -- comera_fx ----------------------------------------------------------------------------------------------
     tt_result = RunResult("comera_fx")
@@ -854,23 +1097,31 @@ def _run(args, p: Preset) -> dict:
     results = [dense_result, tt_result]
     table = results_table(results)
     gap = tt_result.final_val - dense_result.final_val
-    extra = (f"comera_fx − dense final val loss: {gap:+.4f} nats/byte ({gap / dense_result.final_val:+.1%}); "
-             f"linear layers {dense_result.linear_params_end / max(tt_result.linear_params_end, 1):.1f}× smaller, "
-             f"whole model {dense_result.total_params_end / max(tt_result.total_params_end, 1):.1f}× smaller. "
-             f"tensorize_ took {tt_result.setup_seconds:.1f} s (outside the budget)")
+    extra = (
+        f"comera_fx − dense final val loss: {gap:+.4f} nats/byte ({gap / dense_result.final_val:+.1%}); "
+        f"linear layers {dense_result.linear_params_end / max(tt_result.linear_params_end, 1):.1f}× smaller, "
+        f"whole model {dense_result.total_params_end / max(tt_result.total_params_end, 1):.1f}× smaller. "
+        f"tensorize_ took {tt_result.setup_seconds:.1f} s (outside the budget)"
+    )
     if tt_result.late_start_step is not None:
-        extra += (f"; the late stage started at step {tt_result.late_start_step} (estimated {step_seconds:.3f} "
-                  f"s/step before training)")
+        extra += (
+            f"; the late stage started at step {tt_result.late_start_step} (estimated {step_seconds:.3f} "
+            f"s/step before training)"
+        )
     extra += "."
     if tt_result.history:
         last = tt_result.history[-1]
-        extra += (f" Rank adaptation: size target {tt_result.target_params:,.0f} TT params "
-                  f"({args.keep_fraction:.0%} of {hook.initial_tt_params:,}); at the end {last['tt_params']:,} stored, "
-                  f"{last['live_tt_params']:,} live.")
+        extra += (
+            f" Rank adaptation: size target {tt_result.target_params:,.0f} TT params "
+            f"({args.keep_fraction:.0%} of {hook.initial_tt_params:,}); at the end {last['tt_params']:,} stored, "
+            f"{last['live_tt_params']:,} live."
+        )
     if tt_result.shrunk_after_training and tt_result.shrunk_after_training[0] != tt_result.shrunk_after_training[1]:
         before, after = tt_result.shrunk_after_training
-        extra += (f" After training the cores held wider for compiling shrank to their live ranks: {before:,} → "
-                  f"{after:,} stored TT params (the table's end sizes are after this).")
+        extra += (
+            f" After training the cores held wider for compiling shrank to their live ranks: {before:,} → "
+            f"{after:,} stored TT params (the table's end sizes are after this)."
+        )
     import matplotlib
 
     matplotlib.use("Agg")
@@ -878,8 +1129,11 @@ def _run(args, p: Preset) -> dict:
     plot_compression(tt_result, out / "compression.png")
     plot_ranks(tt_result, out / "ranks.png")
     (out / "rank_history.json").write_text(json.dumps(tt_result.history))
-    metrics = {r.name: {k: v for k, v in asdict(r).items() if k != "history"} | {
-        "steps_per_s": r.steps_per_s, "tokens_per_s": r.tokens_per_s, "final_val": r.final_val} for r in results}
+    metrics = {
+        r.name: {k: v for k, v in asdict(r).items() if k != "history"}
+        | {"steps_per_s": r.steps_per_s, "tokens_per_s": r.tokens_per_s, "final_val": r.final_val}
+        for r in results
+    }
     (out / "metrics.json").write_text(json.dumps(metrics, indent=1))
     write_report(out, args, p, data_info, results, table, str(comera_fx.report(tt_model)), str(summary), extra)
 

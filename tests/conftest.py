@@ -43,7 +43,8 @@ def threads_left_as_found(session_threads):
     yield
     assert torch.get_num_threads() == session_threads, (
         f"torch's thread count is {torch.get_num_threads()} after this test, {session_threads} before the session: "
-        "restore it where it is set")
+        "restore it where it is set"
+    )
 
 
 @pytest.fixture

@@ -18,8 +18,9 @@ SPAWN_TIMEOUT_S = 240  # the whole group; a collective gives up after COLLECTIVE
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=120)
 
 
-def run_spawned(worker: Callable, args: tuple, out: Path, names: Sequence[str], world: int,
-                timeout_s: float) -> dict[str, list]:
+def run_spawned(
+    worker: Callable, args: tuple, out: Path, names: Sequence[str], world: int, timeout_s: float
+) -> dict[str, list]:
     """Run ``worker(rank, *args)`` on ``world`` spawned processes and load what each rank saved as
     ``out/<name>.<rank>.pt``: {name: [rank 0's, rank 1's, ...]}. A group still running after ``timeout_s`` (a hang)
     fails the test and its processes are terminated."""
@@ -33,18 +34,19 @@ def run_spawned(worker: Callable, args: tuple, out: Path, names: Sequence[str], 
         for proc in ctx.processes:
             if proc.is_alive():
                 proc.terminate()
-    return {name: [torch.load(out / f"{name}.{rank}.pt", weights_only=False) for rank in range(world)]
-            for name in names}
+    return {
+        name: [torch.load(out / f"{name}.{rank}.pt", weights_only=False) for rank in range(world)] for name in names
+    }
 
 
-def _scenario_worker(rank: int, world: int, module: str, names: tuple[str, ...], store_path: str,
-                     out_dir: str) -> None:
+def _scenario_worker(rank: int, world: int, module: str, names: tuple[str, ...], store_path: str, out_dir: str) -> None:
     """One rank: join the gloo group through a FileStore, run ``module.SCENARIOS[name](rank, world)`` for each name
     (an exception is saved as the result, so the other ranks are not left waiting), save each result."""
     torch.set_num_threads(1)
     scenarios = importlib.import_module(module).SCENARIOS
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
-                            timeout=COLLECTIVE_TIMEOUT)
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT
+    )
     try:
         for name in names:
             try:
@@ -62,8 +64,14 @@ def run_scenarios(module: str, names: Sequence[str], tmp: Path, world: int) -> d
     {scenario: [rank 0's result, rank 1's, ...]}."""
     out = tmp / "results"
     out.mkdir()
-    return run_spawned(_scenario_worker, (world, module, tuple(names), str(tmp / "store"), str(out)), out, names,
-                       world, SPAWN_TIMEOUT_S)
+    return run_spawned(
+        _scenario_worker,
+        (world, module, tuple(names), str(tmp / "store"), str(out)),
+        out,
+        names,
+        world,
+        SPAWN_TIMEOUT_S,
+    )
 
 
 def scenario_results(group: dict[str, list], name: str) -> list:

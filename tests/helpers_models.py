@@ -43,8 +43,7 @@ def random_trees(draw, n: int) -> planner.Tree:
 def tt_dense_reference(tt: TTMatrix) -> Tensor:
     """M (rows × cols) of a TT matrix in float64 by opt_einsum from its cores and gate vectors (each gate its own
     operand on its bond, not folded into a core), padding sliced away: independent of the library's products."""
-    return tt_chain_dense([c.detach().double() for c in tt.cores], [g.detach().double() for g in tt.gates],
-                          tt.layout)
+    return tt_chain_dense([c.detach().double() for c in tt.cores], [g.detach().double() for g in tt.gates], tt.layout)
 
 
 def tt_chain_dense(cores, gates, layout) -> Tensor:

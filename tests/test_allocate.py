@@ -10,7 +10,7 @@ from torch import nn
 
 import comera_fx
 from comera_fx import TensorizeConfig
-from comera_fx.tt.allocate import (BudgetTooSmall, allocate_ranks, bond_energies, chain_params, uniform_ranks)
+from comera_fx.tt.allocate import BudgetTooSmall, allocate_ranks, bond_energies, chain_params, uniform_ranks
 from comera_fx.tt.decompose import matrix_to_tt, tt_core_shapes
 from comera_fx.tt.shapes import capped_ranks, feasible_ranks
 from comera_fx.tt.whiten import tt_chain_to_matrix
@@ -79,8 +79,9 @@ def test_energy_allocation_meets_the_budget_within_one_raise():
     for r, e in zip(ranks, energies):
         for k in range(1, len(DIMS)):
             new = r[k] + 1
-            possible = (new <= caps[k] and r[k] < len(e[k - 1]) and new <= r[k - 1] * DIMS[k - 1]
-                        and new <= DIMS[k] * r[k + 1])
+            possible = (
+                new <= caps[k] and r[k] < len(e[k - 1]) and new <= r[k - 1] * DIMS[k - 1] and new <= DIMS[k] * r[k + 1]
+            )
             cost = r[k - 1] * DIMS[k - 1] + DIMS[k] * r[k + 1] + 1
             assert not possible or cost > budget - total
 
@@ -129,8 +130,7 @@ def test_tensorize_meets_the_budget(allocation, budget):
     torch.manual_seed(0)
     model = MLP(128, 256, 100)
     dense = 128 * 256 + 256 * 100
-    summary = comera_fx.tensorize_(model, TensorizeConfig(size_target=budget, allocation=allocation,
-                                                          min_numel=1000))
+    summary = comera_fx.tensorize_(model, TensorizeConfig(size_target=budget, allocation=allocation, min_numel=1000))
     asked = budget if isinstance(budget, int) else round(budget * dense)
     assert summary.size_target.asked == asked and summary.size_target.dense == dense
     assert summary.size_target.reached == tt_params_in(model) <= asked

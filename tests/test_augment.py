@@ -15,12 +15,13 @@ from hypothesis import strategies as st
 from comera_fx.pretrained.augment import Augmentation, augment_batch, augment_rows, augmented
 
 NONE = dict(batch_fraction=1.0, span=0.0, mix=0.0, shuffle=0.0, drop=0.0)
-rows_strategy = st.lists(st.lists(st.integers(1000, 1100), min_size=0, max_size=12).map(lambda b: [101, *b, 102]),
-                         min_size=1, max_size=5)
+rows_strategy = st.lists(
+    st.lists(st.integers(1000, 1100), min_size=0, max_size=12).map(lambda b: [101, *b, 102]), min_size=1, max_size=5
+)
 
 
 def is_contiguous_run(part: list[int], whole: list[int]) -> bool:
-    return any(whole[i:i + len(part)] == part for i in range(len(whole) - len(part) + 1))
+    return any(whole[i : i + len(part)] == part for i in range(len(whole) - len(part) + 1))
 
 
 def is_subsequence(part: list[int], whole: list[int]) -> bool:
@@ -46,8 +47,8 @@ def test_every_edit_keeps_the_ends_and_draws_only_from_the_batch(rows, seed):
             elif edit == "drop":
                 assert new and is_subsequence(new, body)
             elif edit == "mix":  # its own body, then a run of another row's body
-                assert new[:len(body)] == body
-                tail = new[len(body):]
+                assert new[: len(body)] == body
+                tail = new[len(body) :]
                 others = [r[1:-1] for j, r in enumerate(rows) if j != i]
                 assert not others or any(is_contiguous_run(tail, o) for o in others)
 
@@ -68,8 +69,10 @@ def test_max_growth_bounds_the_width():
     rows = [[101, *range(1000, 1010), 102], [101, *range(2000, 2010), 102]]
     splice = Augmentation(**{**NONE, "mix": 1.0})
     for growth, bound in ((1.0, 12), (2.0, 22)):  # 10 body tokens + another row's run of up to 10, plus the ends
-        widths = [augment_batch(batch_of(rows), replace(splice, max_growth=growth), random.Random(seed))[
-            "input_ids"].shape[1] for seed in range(30)]
+        widths = [
+            augment_batch(batch_of(rows), replace(splice, max_growth=growth), random.Random(seed))["input_ids"].shape[1]
+            for seed in range(30)
+        ]
         assert max(widths) <= int(growth * 12) and max(widths) == min(bound, int(growth * 12))
 
 

@@ -54,8 +54,11 @@ def outputs_and_grads(model: nn.Module, x: torch.Tensor):
     x = x.detach().clone().requires_grad_(x.is_floating_point())
     y = model(x)
     y.pow(2).sum().backward()
-    grads = {name.removeprefix("_orig_mod."): p.grad.detach().clone()  # torch.compile's wrapper adds the prefix
-             for name, p in model.named_parameters() if p.grad is not None}
+    grads = {
+        name.removeprefix("_orig_mod."): p.grad.detach().clone()  # torch.compile's wrapper adds the prefix
+        for name, p in model.named_parameters()
+        if p.grad is not None
+    }
     model.zero_grad(set_to_none=True)
     return y.detach(), (x.grad.detach() if x.grad is not None else None), grads
 
@@ -139,8 +142,7 @@ def test_functional_parameters_are_contracted_without_building_the_dense_weight(
     shapes = []
 
     def record_shapes(gm, is_backward):
-        shapes.extend(tuple(n.meta["val"].shape) for n in gm.graph.nodes
-                      if isinstance(n.meta.get("val"), torch.Tensor))
+        shapes.extend(tuple(n.meta["val"].shape) for n in gm.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor))
         return gm
 
     backend = eager_backend(post_aot_passes=(record_shapes,))
@@ -162,8 +164,16 @@ def test_functional_parameters_are_contracted_without_building_the_dense_weight(
 def test_recognition_leaves_other_functions_of_the_cores_alone():
     """The weight's subgraph is identified numerically: 2·M or M with one core left out is not M."""
     torch.manual_seed(0)
-    tt = comera_fx.TTMatrix.random(96, 64, format=comera_fx.TTFormat.TT, row_modes=(8, 12), col_modes=(8, 8),
-                                   max_rank=6, std=0.1, dtype=torch.float64)
+    tt = comera_fx.TTMatrix.random(
+        96,
+        64,
+        format=comera_fx.TTFormat.TT,
+        row_modes=(8, 12),
+        col_modes=(8, 8),
+        max_rank=6,
+        std=0.1,
+        dtype=torch.float64,
+    )
 
     class Uses(nn.Module):
         def __init__(self):
@@ -238,17 +248,28 @@ def test_backend_is_registered_by_name():
 
 def test_dynamic_shapes_give_one_graph_per_planner_interval():
     torch.manual_seed(0)
-    layer = comera_fx.TTLinear(comera_fx.TTMatrix.random(
-        768, 768, format=comera_fx.TTFormat.TT, row_modes=(12, 8, 8), col_modes=(8, 8, 12), max_rank=30,
-        std=0.02, dtype=torch.float64))
+    layer = comera_fx.TTLinear(
+        comera_fx.TTMatrix.random(
+            768,
+            768,
+            format=comera_fx.TTFormat.TT,
+            row_modes=(12, 8, 8),
+            col_modes=(8, 8, 12),
+            max_rank=30,
+            std=0.02,
+            dtype=torch.float64,
+        )
+    )
     envelope = comera_fx.plan(layer)
     layer.tt.prepare_plans()
     backend = eager_backend()
     compiled = torch.compile(layer, backend=backend, dynamic=True)
     dense = layer.tt.dense().detach()
-    sizes = sorted({1, 2, 3, 4096} | {s for p in envelope.pieces for s in (p.first, p.first + 1)
-                                       if s is not None and s <= 4096}
-                   | {int(b) + d for b in envelope.breakpoints for d in (0, 1)})
+    sizes = sorted(
+        {1, 2, 3, 4096}
+        | {s for p in envelope.pieces for s in (p.first, p.first + 1) if s is not None and s <= 4096}
+        | {int(b) + d for b in envelope.breakpoints for d in (0, 1)}
+    )
     for batch in sizes:
         x = torch.randn(batch, 768, dtype=torch.float64)
         torch.testing.assert_close(compiled(x), x @ dense, rtol=1e-10, atol=1e-12)
@@ -308,7 +329,7 @@ def inductor_training(demo):
     text = torch.tensor(list(DEMO.read_bytes()[:4096]))  # learnable bytes, so the losses move
     generator = torch.Generator().manual_seed(1)
     starts = torch.randint(0, len(text) - preset.seq_len - 1, (30, 4), generator=generator)
-    batches = [torch.stack([text[s:s + preset.seq_len + 1] for s in row.tolist()]) for row in starts]
+    batches = [torch.stack([text[s : s + preset.seq_len + 1] for s in row.tolist()]) for row in starts]
     losses = {}
     for name, net in (("eager", eager), ("compiled", compiled)):
         optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2)
@@ -383,8 +404,9 @@ def test_inductor_cpu_embedding_backward_runs_aten_kernel(kernels):
         return gm
 
     fields = {} if kernels is None else {"cpu_aten_kernels": kernels}
-    compiled = torch.compile(copy.deepcopy(model), backend=comera_fx.make_backend(
-        warn_dense=False, post_aot_passes=(record,), **fields))
+    compiled = torch.compile(
+        copy.deepcopy(model), backend=comera_fx.make_backend(warn_dense=False, post_aot_passes=(record,), **fields)
+    )
     compiled(ids).pow(2).sum().backward()
     model(ids).pow(2).sum().backward()
     got = dict(compiled.named_parameters())
@@ -413,8 +435,9 @@ def check_compiled_equals_dense(case) -> None:
     outputs and gradients, on two batches (the second recompiles when its shape differs)."""
     dense, tt_model, example_inputs, more = _tensorized(case)
     backend = eager_backend(warn_dense=False)
-    assert_rewrite_equivalent(dense, lambda m: tt_model, example_inputs, graph=False, extra_inputs=more,
-                              compile_backend=backend)
+    assert_rewrite_equivalent(
+        dense, lambda m: tt_model, example_inputs, graph=False, extra_inputs=more, compile_backend=backend
+    )
     assert backend.stats.graphs >= 1
 
 
@@ -486,12 +509,19 @@ def test_backend_on_transformers_models(name):
     """GPT-2 (Conv1D weights, tied wte / lm_head) and BERT, full rank in float64: compiled = dense model."""
     torch.manual_seed(0)
     if name == "gpt2":
-        config = transformers.GPT2Config(n_layer=2, n_embd=128, n_head=4, vocab_size=1000, n_positions=64,
-                                         bos_token_id=0, eos_token_id=0)
+        config = transformers.GPT2Config(
+            n_layer=2, n_embd=128, n_head=4, vocab_size=1000, n_positions=64, bos_token_id=0, eos_token_id=0
+        )
         dense = transformers.GPT2LMHeadModel(config)
     else:
-        config = transformers.BertConfig(num_hidden_layers=2, hidden_size=128, num_attention_heads=4,
-                                         intermediate_size=512, vocab_size=1000, max_position_embeddings=64)
+        config = transformers.BertConfig(
+            num_hidden_layers=2,
+            hidden_size=128,
+            num_attention_heads=4,
+            intermediate_size=512,
+            vocab_size=1000,
+            max_position_embeddings=64,
+        )
         dense = transformers.BertModel(config)
     dense = dense.double().eval()
     ids = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(3))
@@ -506,8 +536,7 @@ def test_backend_on_transformers_models(name):
         out = net(input_ids=ids, **extra)
         y = out.logits if name == "gpt2" else out.last_hidden_state
         y.pow(2).mean().backward()
-        grads = {n.removeprefix("_orig_mod."): p.grad.clone() for n, p in net.named_parameters()
-                 if p.grad is not None}
+        grads = {n.removeprefix("_orig_mod."): p.grad.clone() for n, p in net.named_parameters() if p.grad is not None}
         net.zero_grad(set_to_none=True)
         return y.detach(), grads
 
@@ -575,8 +604,11 @@ def test_compile_regions_shares_one_graph_across_same_shaped_blocks_and_recompil
 
 def test_compile_regions_takes_classes_or_names_and_refuses_a_model_without_blocks():
     model = Stack()
-    assert comera_fx.compile_regions(copy.deepcopy(model), (Block,), backend=eager_backend()) == \
-        ["blocks.0", "blocks.1", "blocks.2"]
+    assert comera_fx.compile_regions(copy.deepcopy(model), (Block,), backend=eager_backend()) == [
+        "blocks.0",
+        "blocks.1",
+        "blocks.2",
+    ]
     assert comera_fx.compile_regions(copy.deepcopy(model), ["blocks.1"], backend=eager_backend()) == ["blocks.1"]
     with pytest.raises(AttributeError, match="nope"):
         comera_fx.compile_regions(copy.deepcopy(model), ["nope"], backend=eager_backend())
@@ -606,8 +638,13 @@ def test_compile_compiles_repeated_blocks_regionally_by_default_and_other_models
     assert compiled.comera_fx_summary.converted
     with torch.no_grad():
         torch.testing.assert_close(compiled(x), dense_mlp(x), rtol=1e-9, atol=1e-10)
-    whole = comera_fx.compile(Stack().double(), FULL, example_inputs=(torch.randn(2, 5, 64, dtype=torch.float64),),
-                              backend_config=config, regional=False)
+    whole = comera_fx.compile(
+        Stack().double(),
+        FULL,
+        example_inputs=(torch.randn(2, 5, 64, dtype=torch.float64),),
+        backend_config=config,
+        regional=False,
+    )
     assert isinstance(whole, torch._dynamo.eval_frame.OptimizedModule)
 
 
@@ -619,10 +656,18 @@ def test_a_post_aot_pass_is_keyed_by_source_and_plain_closure_values_or_not_cach
     def make(threshold):
         def prune_small(gm):
             return gm if threshold else gm
+
         return prune_small
 
     assert _pass_identity(make(0.1)) != _pass_identity(make(0.2)) and _pass_identity(make(0.1)) is not None
     assert _pass_identity(make(object())) is None
     assert _pass_identity(len) is None  # a builtin: no source
-    assert _pass_identity(functools.partial(make(1), )) is not None
+    assert (
+        _pass_identity(
+            functools.partial(
+                make(1),
+            )
+        )
+        is not None
+    )
     assert _pass_identity(functools.partial(make(1), object())) is None

@@ -51,8 +51,13 @@ def run(tmp_path, name: str, extra_pass: bool = False) -> dict:
     script.write_text(RUN)
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"))
     out = tmp_path / f"{name}.json"
-    subprocess.run([sys.executable, str(script), str(out), "1" if extra_pass else "0"], check=True, env=env,
-                   timeout=600, cwd=tmp_path)
+    subprocess.run(
+        [sys.executable, str(script), str(out), "1" if extra_pass else "0"],
+        check=True,
+        env=env,
+        timeout=600,
+        cwd=tmp_path,
+    )
     return json.loads(out.read_text())
 
 

@@ -35,9 +35,17 @@ def teacher_problem(seed: int = 0, d: int = 64):
     comera_fx.tensorize_(model, CONFIG32)
     layout = model[0].tt.layout
     gen = torch.Generator().manual_seed(seed + 1)
-    teacher = TTMatrix.random(layout.rows, layout.cols, format=layout.format, row_modes=layout.row_modes,
-                              col_modes=layout.col_modes, max_rank=4, std=1 / math.sqrt(d), dtype=torch.float64,
-                              generator=gen)
+    teacher = TTMatrix.random(
+        layout.rows,
+        layout.cols,
+        format=layout.format,
+        row_modes=layout.row_modes,
+        col_modes=layout.col_modes,
+        max_rank=4,
+        std=1 / math.sqrt(d),
+        dtype=torch.float64,
+        generator=gen,
+    )
     w = teacher.dense().detach()
     w = w if w.shape == (d, d) else w.T
     x, x_val = (torch.randn(512, d, generator=gen, dtype=torch.float64) for _ in range(2))
@@ -130,9 +138,11 @@ def test_tt_rounding_keeps_the_gauge_invariant_singular_values():
     """Singular values per bond from the fully contracted tensor; a random gauge change on a bond must not move
     them, and rounding one bond costs exactly its discarded singular values (2-bond chain, left bond cut)."""
     gen = torch.Generator().manual_seed(3)
-    cores = [torch.randn(1, 4, 5, generator=gen, dtype=torch.float64),
-             torch.randn(5, 6, 3, generator=gen, dtype=torch.float64),
-             torch.randn(3, 4, 1, generator=gen, dtype=torch.float64)]
+    cores = [
+        torch.randn(1, 4, 5, generator=gen, dtype=torch.float64),
+        torch.randn(5, 6, 3, generator=gen, dtype=torch.float64),
+        torch.randn(3, 4, 1, generator=gen, dtype=torch.float64),
+    ]
     mix = torch.randn(5, 5, generator=gen, dtype=torch.float64) + 3 * torch.eye(5, dtype=torch.float64)
     gauged = [cores[0] @ mix, torch.einsum("ab,bjc->ajc", torch.linalg.inv(mix), cores[1]), cores[2]]
 
@@ -235,8 +245,10 @@ def test_a_negligible_layer_goes_to_rank_zero_and_the_summary_says_why():
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     hook = RankAdaptive(model, optimizer, target_ratio=0.5, total_steps=100)
     gen = torch.Generator().manual_seed(1)
-    x, y = torch.randn(128, 16, generator=gen, dtype=torch.float64), torch.randn(128, 16, generator=gen,
-                                                                                  dtype=torch.float64)
+    x, y = (
+        torch.randn(128, 16, generator=gen, dtype=torch.float64),
+        torch.randn(128, 16, generator=gen, dtype=torch.float64),
+    )
     _one_gradient_step(model, hook, x, y)
     hook.prune_to(0.5 * hook.initial_tt_params)
     assert model.b.tt.is_zero and not model.a.tt.is_zero
@@ -315,8 +327,9 @@ def test_a_checkpoint_mid_schedule_resumes_identically(slack):
     fit(model, optimizer, x, y, 25, hook)  # past the first prune (step 18), before the second (step 30)
     assert hook.tt_params() < hook.initial_tt_params
     assert (hook.stored_tt_params() > hook.tt_params()) == (slack is not None)
-    checkpoint = copy.deepcopy({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                                "hook": hook.state_dict()})
+    checkpoint = copy.deepcopy(
+        {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "hook": hook.state_dict()}
+    )
     expected = fit(model, optimizer, x, y, 35, hook)
     expected_sizes = [e.tt_params for e in hook.history[25:]]
 
@@ -416,8 +429,9 @@ def compiled_budget_run(backend, slack, steps=30, prunes=5, target_ratio=0.2):
     model = nn.Sequential(nn.Linear(d, d), nn.GELU(), nn.Linear(d, d)).double()
     comera_fx.tensorize_(model, comera_fx.TensorizeConfig(max_rank=16, min_numel=1, min_dim=1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    hook = RankAdaptive(model, optimizer, target_ratio=target_ratio, total_steps=steps, prunes=prunes,
-                        shrink_slack=slack)
+    hook = RankAdaptive(
+        model, optimizer, target_ratio=target_ratio, total_steps=steps, prunes=prunes, shrink_slack=slack
+    )
     gen = torch.Generator().manual_seed(1)
     x, y = (torch.randn(128, d, generator=gen, dtype=torch.float64) for _ in range(2))
     torch._dynamo.reset()
@@ -563,8 +577,9 @@ def test_old_keywords_warn_name_the_config_and_give_the_same_run():
         old = _run(lambda m, o: RankAdaptive(m, o, target_ratio=0.3, total_steps=24, prunes=3))
     assert old[1] == new[1] and old[2] == new[2]
     wall = "elapsed_seconds"  # wall clock: differs between any two runs
-    assert {k: v for k, v in old[0].state_dict().items() if k != wall} == \
-        {k: v for k, v in new[0].state_dict().items() if k != wall}
+    assert {k: v for k, v in old[0].state_dict().items() if k != wall} == {
+        k: v for k, v in new[0].state_dict().items() if k != wall
+    }
     assert old[0].history_as_dicts()[-1]["ranks"] == new[0].history_as_dicts()[-1]["ranks"]
     assert new[0].tt_params() < new[0].initial_tt_params  # it did prune: the runs compared are not trivial
 
@@ -661,8 +676,13 @@ def regional_prune(same_shape_blocks: bool, slack: float | None = None):
     model = Stack().double()
     comera_fx.tensorize_(model, comera_fx.TensorizeConfig(max_rank=8, min_numel=1, min_dim=1))
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    hook = RankAdaptive(model, optimizer, comera_fx.RankConfig(keep_fraction=0.4, total_steps=100, shrink_slack=slack,
-                                                               same_shape_blocks=same_shape_blocks))
+    hook = RankAdaptive(
+        model,
+        optimizer,
+        comera_fx.RankConfig(
+            keep_fraction=0.4, total_steps=100, shrink_slack=slack, same_shape_blocks=same_shape_blocks
+        ),
+    )
     torch._dynamo.reset()
     counter = CompileCounter()
     comera_fx.compile_regions(model, backend=counter)
@@ -714,8 +734,11 @@ def test_the_last_prune_point_compacts_only_when_that_frees_enough(monkeypatch, 
     model = Stack().double()
     comera_fx.tensorize_(model, comera_fx.TensorizeConfig(max_rank=8, min_numel=1, min_dim=1))
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    hook = RankAdaptive(model, optimizer, comera_fx.RankConfig(keep_fraction=0.4, total_steps=20, prunes=2,
-                                                               shrink_slack=4.0, same_shape_blocks=True))
+    hook = RankAdaptive(
+        model,
+        optimizer,
+        comera_fx.RankConfig(keep_fraction=0.4, total_steps=20, prunes=2, shrink_slack=4.0, same_shape_blocks=True),
+    )
     gen = torch.Generator().manual_seed(1)
     x, y = (torch.randn(64, 32, generator=gen, dtype=torch.float64) for _ in range(2))
     fit(model, optimizer, x, y, 20, hook)
@@ -814,8 +837,9 @@ def test_a_block_whose_layer_went_to_rank_zero_keeps_the_shape_of_the_others():
     model = Stack().double()
     comera_fx.tensorize_(model, comera_fx.TensorizeConfig(max_rank=8, min_numel=1, min_dim=1))
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    hook = RankAdaptive(model, optimizer, comera_fx.RankConfig(keep_fraction=0.4, total_steps=100,
-                                                               same_shape_blocks=True))
+    hook = RankAdaptive(
+        model, optimizer, comera_fx.RankConfig(keep_fraction=0.4, total_steps=100, same_shape_blocks=True)
+    )
     downs = [block.down.tt for block in model.blocks]
     bonds = len(downs[0].gates)
     round_to_ranks_(downs[0], [0] * bonds, in_place=True)

@@ -49,8 +49,12 @@ BATCH_SHAPES = st.lists(st.tuples(st.integers(1, 3), st.integers(1, 5)), min_siz
 
 
 @settings(suppress_health_check=[HealthCheck.function_scoped_fixture])  # one thread for the test: not per example
-@given(sizes=st.tuples(*[st.integers(1, 24)] * 3), shapes=BATCH_SHAPES, masked=st.booleans(),
-       seed=st.integers(0, 2**31 - 1))
+@given(
+    sizes=st.tuples(*[st.integers(1, 24)] * 3),
+    shapes=BATCH_SHAPES,
+    masked=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
 def test_second_moments_of_drawn_batches_equal_a_float64_reference(sizes, shapes, masked, seed, one_thread):
     """Drawn widths and (batch, seq) shapes, with or without a token mask (padding rows, sometimes all of a batch's
     or all of them): each layer's C = XᵀX / n over its real input rows, X built here in float64 (the second layer's
@@ -59,10 +63,16 @@ def test_second_moments_of_drawn_batches_equal_a_float64_reference(sizes, shapes
     g = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     model = TwoLayers(d_in, hidden, d_out)
-    batches = [{"x": torch.randn(b, t, d_in, generator=g),
-                "attention_mask": (torch.rand(b, t, generator=g) < 0.6).long()} for b, t in shapes]
-    cal = comera_fx.calibrate(model, batches, config=TensorizeConfig(min_numel=1, min_dim=1),
-                              token_mask=(lambda batch: batch["attention_mask"]) if masked else None)
+    batches = [
+        {"x": torch.randn(b, t, d_in, generator=g), "attention_mask": (torch.rand(b, t, generator=g) < 0.6).long()}
+        for b, t in shapes
+    ]
+    cal = comera_fx.calibrate(
+        model,
+        batches,
+        config=TensorizeConfig(min_numel=1, min_dim=1),
+        token_mask=(lambda batch: batch["attention_mask"]) if masked else None,
+    )
     rows = torch.cat([b["x"][b["attention_mask"].bool()] if masked else b["x"].reshape(-1, d_in) for b in batches])
     with torch.no_grad():
         inputs = {"fc1.weight": rows.double(), "fc2.weight": torch.tanh(model.fc1(rows)).double()}
@@ -209,14 +219,21 @@ def test_calibration_of_another_model_is_refused():
 
 def test_small_bert_keys_match_tensorize():
     """The FQNs calibrate records are the ones tensorize_ reports: every linear weight is whitened."""
-    config = transformers.BertConfig(num_hidden_layers=1, hidden_size=128, num_attention_heads=4,
-                                     intermediate_size=512, vocab_size=500, max_position_embeddings=64)
+    config = transformers.BertConfig(
+        num_hidden_layers=1,
+        hidden_size=128,
+        num_attention_heads=4,
+        intermediate_size=512,
+        vocab_size=500,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(0)
     model = transformers.BertModel(config)
     batches = [{"input_ids": torch.randint(0, 500, (2, 16))} for _ in range(2)]
     cal = comera_fx.calibrate(model, batches, config=TensorizeConfig(min_numel=10_000))
-    summary = comera_fx.tensorize_(model, TensorizeConfig(min_numel=10_000, size_target=0.3,
-                                                          allocation="energy"), calibration=cal)
+    summary = comera_fx.tensorize_(
+        model, TensorizeConfig(min_numel=10_000, size_target=0.3, allocation="energy"), calibration=cal
+    )
     linear = [d for d in summary.converted if d.kind == "linear"]
     assert {d.fqn for d in linear} == set(cal) and len(linear) == 7  # q, k, v, o, ff in/out, pooler
     assert all(any("activation-aware" in n for n in d.notes) for d in linear)
@@ -228,8 +245,14 @@ def test_small_bert_keys_match_tensorize():
 
 def test_tokenizer_batch_encodings_are_keyword_inputs():
     """A tokenizer's output (BatchEncoding: a Mapping, not a dict) is called as keyword inputs, like a dict."""
-    config = transformers.BertConfig(num_hidden_layers=1, hidden_size=64, num_attention_heads=2,
-                                     intermediate_size=256, vocab_size=100, max_position_embeddings=32)
+    config = transformers.BertConfig(
+        num_hidden_layers=1,
+        hidden_size=64,
+        num_attention_heads=2,
+        intermediate_size=256,
+        vocab_size=100,
+        max_position_embeddings=32,
+    )
     torch.manual_seed(0)
     model = transformers.BertModel(config)
     plain = {"input_ids": torch.randint(0, 100, (2, 8)), "attention_mask": torch.ones(2, 8, dtype=torch.long)}
@@ -250,13 +273,13 @@ def test_gpt2_conv1d_inputs_are_recorded():
     model = transformers.GPT2LMHeadModel(config).eval()
     ids = torch.randint(0, 300, (2, 12))
     cal = comera_fx.calibrate(model, [ids], config=TensorizeConfig(min_numel=10_000))
-    assert set(cal) == {f"transformer.h.0.{n}.weight" for n in ("attn.c_attn", "attn.c_proj", "mlp.c_fc",
-                                                                 "mlp.c_proj")}
+    assert set(cal) == {f"transformer.h.0.{n}.weight" for n in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")}
     with torch.no_grad():
         hidden = model.transformer.h[0].ln_1(model.transformer.wte(ids) + model.transformer.wpe(torch.arange(12)))
     x = hidden.reshape(-1, 128).double()  # the input of c_attn: ln_1 of the embeddings
-    torch.testing.assert_close(cal["transformer.h.0.attn.c_attn.weight"].second_moment, x.T @ x / 24,
-                               rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(
+        cal["transformer.h.0.attn.c_attn.weight"].second_moment, x.T @ x / 24, rtol=1e-5, atol=1e-7
+    )
     summary = comera_fx.tensorize_(model, TensorizeConfig(min_numel=10_000, max_rank=8), calibration=cal)
     whitened = {d.fqn for d in summary.converted if any("activation-aware" in n for n in d.notes)}
     assert whitened == set(cal)

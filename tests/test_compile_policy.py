@@ -71,16 +71,23 @@ class Recorder:
         return self.count
 
 
-def drive(policy, monkeypatch, mode, budget, eager_s, first_compiled_s, compiled_s, recompiles=0, min_pairs=4,
-          max_pairs=16):
+def drive(
+    policy, monkeypatch, mode, budget, eager_s, first_compiled_s, compiled_s, recompiles=0, min_pairs=4, max_pairs=16
+):
     """Run a probe over a budget of step times (``eager_s`` / ``compiled_s``: seconds, or a function of the step's
     index); returns (probe, recorder, paths of the steps)."""
     recorder = Recorder()
     for name in ("compile_blocks", "uncompile_blocks", "pause_blocks", "resume_blocks"):
         monkeypatch.setattr(policy, name, getattr(recorder, name))
-    probe = policy.CompileProbe(mode=mode, budget_s=budget, expected_recompiles=recompiles,
-                                on_eager=recorder.on_eager, eager_steps=4, min_pairs=min_pairs,
-                                max_pairs=max_pairs)
+    probe = policy.CompileProbe(
+        mode=mode,
+        budget_s=budget,
+        expected_recompiles=recompiles,
+        on_eager=recorder.on_eager,
+        eager_steps=4,
+        min_pairs=min_pairs,
+        max_pairs=max_pairs,
+    )
     timed = [t if callable(t) else (lambda i, t=t: t) for t in (eager_s, compiled_s)]
     spent, paths = 0.0, []
     while spent < budget:
@@ -121,6 +128,7 @@ def test_a_speeding_machine_does_not_flatter_a_slower_compiled_step(policy, monk
     """The machine gets 1.5 % faster every step (a neighbour's job ending), the compiled step is 3 % slower than
     eager at the same moment. Compiled steps timed after the eager ones would read faster; neighbouring pairs in
     alternating order see the 3 %."""
+
     def eager(i):
         return max(2.0 * 0.985**i, 1.0)
 
@@ -149,11 +157,11 @@ def test_paired_verdict_by_hand(policy):
     assert policy.sign_test_tail(5, 6) == pytest.approx(7 / 64)
     assert policy.sign_test_tail(0, 6) == pytest.approx(1.0)
     verdict = policy.paired_verdict
-    assert verdict([1.2] * 5, 1.0, min_pairs=4, max_pairs=20) is None      # 1/32 > 0.02: not yet
+    assert verdict([1.2] * 5, 1.0, min_pairs=4, max_pairs=20) is None  # 1/32 > 0.02: not yet
     assert verdict([1.2] * 6, 1.0, min_pairs=4, max_pairs=20) is True
     assert verdict([0.9] * 6, 1.0, min_pairs=4, max_pairs=20) is False
-    assert verdict([1.2] * 6, 1.0, min_pairs=8, max_pairs=20) is None      # below the minimum
-    assert verdict([1.2] * 6, 1.3, min_pairs=4, max_pairs=20) is False     # the recompiles need 1.3x
+    assert verdict([1.2] * 6, 1.0, min_pairs=8, max_pairs=20) is None  # below the minimum
+    assert verdict([1.2] * 6, 1.3, min_pairs=4, max_pairs=20) is False  # the recompiles need 1.3x
     assert verdict([1.2, 0.9] * 4, 1.0, min_pairs=4, max_pairs=20) is None
     assert verdict([1.2, 0.9, 1.1] * 4, 1.0, min_pairs=4, max_pairs=12) is True  # at the cap: median 1.1
     assert policy.speedup_needed(100.0, 20.0) == pytest.approx(1.25)
@@ -191,8 +199,9 @@ def test_demo_compiled_path_recompiles_once_and_trains(tmp_path):
     """The tiny demo with --compile yes: both runs compile their blocks (the TT run through comera_fx's backend),
     the TT run recompiles at most once across its prunes, and both reach a finite validation loss."""
     demo = load_demo()
-    result = demo.main(["--preset", "tiny", "--budget-seconds", "40", "--compile", "yes", "--out",
-                        str(tmp_path / "run"), "--quiet"])
+    result = demo.main(
+        ["--preset", "tiny", "--budget-seconds", "40", "--compile", "yes", "--out", str(tmp_path / "run"), "--quiet"]
+    )
     runs = {r.name: r for r in result["results"]}
     for run in runs.values():
         assert run.compile["path"] == "compiled" and run.compile["graphs"] >= 1, run.compile
@@ -248,6 +257,7 @@ def test_pausing_the_blocks_runs_them_eagerly_and_resuming_recompiles_nothing(po
         def run(*args):
             ran.append(gm)
             return gm.forward(*args)
+
         return run
 
     torch.manual_seed(0)

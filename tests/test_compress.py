@@ -25,9 +25,16 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def tiny_bert(seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
-    cfg = transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                                  intermediate_size=64, max_position_embeddings=SEQ, attn_implementation="eager",
-                                  initializer_range=0.2)
+    cfg = transformers.BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=SEQ,
+        attn_implementation="eager",
+        initializer_range=0.2,
+    )
     return transformers.BertModel(cfg, add_pooling_layer=False).eval()
 
 
@@ -36,7 +43,7 @@ def batches(n: int, seed: int, vocab: int = VOCAB) -> list[dict]:
     out = []
     for _ in range(n):
         mask = torch.ones(4, SEQ, dtype=torch.long)
-        mask[1:, SEQ - 3:] = 0  # right padding
+        mask[1:, SEQ - 3 :] = 0  # right padding
         out.append({"input_ids": torch.randint(0, vocab, (4, SEQ), generator=g), "attention_mask": mask})
     return out
 
@@ -60,8 +67,9 @@ def test_one_call_builds_trains_rounds_and_packs(tmp_path):
     before = {k: v.clone() for k, v in teacher.state_dict().items()}
     student = copy.deepcopy(teacher)
     data = batches(6, 0)
-    summary = compress_(student, teacher, data, byte_budget=0.2, budget_seconds=None, steps=5,
-                        config=QUICK, tensorize_config=SMALL)
+    summary = compress_(
+        student, teacher, data, byte_budget=0.2, budget_seconds=None, steps=5, config=QUICK, tensorize_config=SMALL
+    )
     assert all(torch.equal(teacher.state_dict()[k], v) for k, v in before.items())
     assert summary.steps == 5 and len(summary.losses) == 5
     assert summary.hidden_modules == ("encoder.layer.0", "encoder.layer.1")
@@ -110,8 +118,13 @@ def test_bad_input_is_refused_before_any_weight_changes(case):
     student = copy.deepcopy(teacher)
     kwargs = dict(byte_budget=0.2, budget_seconds=None, steps=2, config=QUICK, tensorize_config=SMALL)
     data = batches(6, 0)
-    match = {"budget": "byte_budget", "foreign batches": "do not run", "not a copy": "not a copy",
-             "foreign calibration": "does not belong", "same object": "teacher itself"}[case]
+    match = {
+        "budget": "byte_budget",
+        "foreign batches": "do not run",
+        "not a copy": "not a copy",
+        "foreign calibration": "does not belong",
+        "same object": "teacher itself",
+    }[case]
     if case == "budget":
         kwargs["byte_budget"] = 0.001
     elif case == "foreign batches":

@@ -76,12 +76,27 @@ def test_override_errors_name_the_pattern():
         TensorizeConfig(overrides={"fc": {"rank_ratio": 2.0}})
 
 
-@pytest.mark.parametrize("kwargs", [
-    dict(max_rank=None), dict(max_rank=1), dict(rank_ratio=1), dict(rank_ratio=0.25), dict(rel_tol=0),
-    dict(rel_tol=1.0), dict(num_modes=1), dict(num_modes=12), dict(max_pad_fraction=0), dict(max_pad_fraction=1),
-    dict(min_numel=0), dict(min_dim=1), dict(seed=0), dict(skip=["fc", r"^head\."]), dict(row_modes=[4, 8]),
-    dict(overrides={"fc": {"skip": False, "max_rank": 4}}),
-])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(max_rank=None),
+        dict(max_rank=1),
+        dict(rank_ratio=1),
+        dict(rank_ratio=0.25),
+        dict(rel_tol=0),
+        dict(rel_tol=1.0),
+        dict(num_modes=1),
+        dict(num_modes=12),
+        dict(max_pad_fraction=0),
+        dict(max_pad_fraction=1),
+        dict(min_numel=0),
+        dict(min_dim=1),
+        dict(seed=0),
+        dict(skip=["fc", r"^head\."]),
+        dict(row_modes=[4, 8]),
+        dict(overrides={"fc": {"skip": False, "max_rank": 4}}),
+    ],
+)
 def test_valid_boundary_values_are_accepted(kwargs):
     TensorizeConfig(**kwargs)
 
@@ -113,8 +128,9 @@ def test_config_is_frozen():
 
 
 def test_settings_for_applies_matching_overrides_in_order():
-    config = TensorizeConfig(max_rank=32, rel_tol=0.1,
-                             overrides={r"fc": {"max_rank": 4, "init": "random"}, r"fc2": {"max_rank": 8}})
+    config = TensorizeConfig(
+        max_rank=32, rel_tol=0.1, overrides={r"fc": {"max_rank": 4, "init": "random"}, r"fc2": {"max_rank": 8}}
+    )
     fc1 = config.settings_for("fc1.weight")
     assert (fc1.max_rank, fc1.init, fc1.rel_tol) == (4, Init.RANDOM, 0.1)
     fc2 = config.settings_for("fc2.weight")  # both match: the later entry wins for max_rank, init stays from the first
@@ -162,10 +178,23 @@ def test_is_large():
 
 
 def test_to_dict_from_dict_round_trip_through_json():
-    config = TensorizeConfig(max_rank=12, rank_ratio=0.5, rel_tol=0.01, init="random", num_modes=3,
-                             row_modes=(4, 8), col_modes=(8, 4), linear_format="ttm", embedding_format="tt",
-                             max_pad_fraction=0.1, min_numel=100, min_dim=8, seed=7, skip=["a", "b"],
-                             overrides={"fc": {"max_rank": 4, "skip": False}, "head": {"skip": True}})
+    config = TensorizeConfig(
+        max_rank=12,
+        rank_ratio=0.5,
+        rel_tol=0.01,
+        init="random",
+        num_modes=3,
+        row_modes=(4, 8),
+        col_modes=(8, 4),
+        linear_format="ttm",
+        embedding_format="tt",
+        max_pad_fraction=0.1,
+        min_numel=100,
+        min_dim=8,
+        seed=7,
+        skip=["a", "b"],
+        overrides={"fc": {"max_rank": 4, "skip": False}, "head": {"skip": True}},
+    )
     data = config.to_dict()
     assert data["init"] == "random" and data["linear_format"] == "ttm" and data["skip"] == ["a", "b"]
     restored = TensorizeConfig.from_dict(json.loads(json.dumps(data)))
@@ -229,11 +258,14 @@ def _small_mlp():
     return torch.nn.Sequential(torch.nn.Linear(48, 64), torch.nn.ReLU(), torch.nn.Linear(64, 40))
 
 
-@pytest.mark.parametrize("config, fix", [
-    ({"max_rank": 8}, "TensorizeConfig(max_rank=8)"),
-    ({"max_rank": 8, "init": "random"}, "TensorizeConfig(max_rank=8, init='random')"),
-    (8, "TensorizeConfig(max_rank=32)"),
-])
+@pytest.mark.parametrize(
+    "config, fix",
+    [
+        ({"max_rank": 8}, "TensorizeConfig(max_rank=8)"),
+        ({"max_rank": 8, "init": "random"}, "TensorizeConfig(max_rank=8, init='random')"),
+        (8, "TensorizeConfig(max_rank=32)"),
+    ],
+)
 def test_tensorize_with_a_dict_or_a_number_says_which_config_to_write(config, fix):
     model = _small_mlp()
     with pytest.raises(TypeError, match="takes a TensorizeConfig") as info:

@@ -126,8 +126,9 @@ def test_every_format_and_product_from_the_cache_equals_the_dense_matrix(spec, k
         x = data.draw(index_tensors(tt.rows, batch_shapes=batch_shapes(max_side=5)))
         expected = dense[x]
     else:
-        x = data.draw(tt_inputs(spec.layout, side="rows" if kind == "matmul" else "cols",
-                                batch_shapes=batch_shapes(max_side=5)))
+        x = data.draw(
+            tt_inputs(spec.layout, side="rows" if kind == "matmul" else "cols", batch_shapes=batch_shapes(max_side=5))
+        )
         expected = x @ (dense if kind == "matmul" else dense.T)
     with torch.no_grad():
         got = tt.take_rows(x) if kind == "rows" else getattr(tt, kind)(x)
@@ -160,8 +161,10 @@ def test_ttm_products_equal_dense_in_either_order_of_the_halves(row_modes, col_m
     """The cheaper half goes first; these shapes make each order the cheaper one for some product."""
     ranks = (1,) + (3,) * (len(row_modes) - 1) + (1,)
     layout = TTLayout(TTFormat.TTM, math.prod(row_modes) - 1, math.prod(col_modes) - 1, row_modes, col_modes, ranks)
-    tt = TTMatrix(layout, random_tt_cores(layout.core_shapes, 1.0, dtype=torch.float64,
-                                          generator=torch.Generator().manual_seed(0)))
+    tt = TTMatrix(
+        layout,
+        random_tt_cores(layout.core_shapes, 1.0, dtype=torch.float64, generator=torch.Generator().manual_seed(0)),
+    )
     dense = ops.to_dense(list(tt.cores), layout)
     x = torch.randn(4, layout.rows if kind == "matmul" else layout.cols, dtype=torch.float64)
     with torch.no_grad():
@@ -170,8 +173,11 @@ def test_ttm_products_equal_dense_in_either_order_of_the_halves(row_modes, col_m
 
 
 def test_both_orders_of_the_halves_are_covered_above():
-    orders = {merged._left_half_first(TTLayout(TTFormat.TTM, math.prod(r), math.prod(c), r, c, (1, 3, 1)), kind)
-              for r, c in [((2, 3), (5, 2)), ((5, 2), (2, 3))] for kind in ("matmul", "matmul_t")}
+    orders = {
+        merged._left_half_first(TTLayout(TTFormat.TTM, math.prod(r), math.prod(c), r, c, (1, 3, 1)), kind)
+        for r, c in [((2, 3), (5, 2)), ((5, 2), (2, 3))]
+        for kind in ("matmul", "matmul_t")
+    }
     assert orders == {True, False}
 
 

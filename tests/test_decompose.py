@@ -111,7 +111,7 @@ def tt_svd_bound(tensor, ranks):
     total = 0.0
     for k in range(1, len(dims)):
         s = torch.linalg.svdvals(tensor.reshape(math.prod(dims[:k]), -1).to(torch.float64))
-        total += (s[ranks[k]:] ** 2).sum().item()
+        total += (s[ranks[k] :] ** 2).sum().item()
     return math.sqrt(total)
 
 
@@ -219,8 +219,9 @@ def test_truncated_matrix_decomposition_obeys_bound(fmt, data):
     ranks = (1,) + tuple(c.shape[-1] for c in cores)
     assert max(ranks) <= max_rank
     target = padded64(matrix, row_modes, col_modes)
-    tensor = target.reshape(*row_modes, *col_modes) if fmt is TTFormat.TT else paired_tensor(target, row_modes,
-                                                                                              col_modes)
+    tensor = (
+        target.reshape(*row_modes, *col_modes) if fmt is TTFormat.TT else paired_tensor(target, row_modes, col_modes)
+    )
     err = torch.linalg.norm(reconstruct(fmt, cores, row_modes, col_modes) - target).item()
     assert err <= tt_svd_bound(tensor, ranks) * (1 + 1e-9) + 1e-12
 
@@ -266,8 +267,9 @@ def test_decompose_rejects_integers_and_bad_caps():
     ],
 )
 def test_random_tt_cores_reconstructed_std(target_std, fmt, row_modes, col_modes, ranks):
-    shapes = (decompose.tt_core_shapes if fmt is TTFormat.TT else decompose.ttm_core_shapes)(row_modes, col_modes,
-                                                                                            ranks)
+    shapes = (decompose.tt_core_shapes if fmt is TTFormat.TT else decompose.ttm_core_shapes)(
+        row_modes, col_modes, ranks
+    )
     g = torch.Generator().manual_seed(1234)
     entries = []
     for _ in range(6):

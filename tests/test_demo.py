@@ -22,7 +22,7 @@ def table_rows(report: str) -> dict[str, list[str]]:
     header_at = next(i for i, line in enumerate(lines) if line.startswith("| run"))
     header = [c.strip() for c in lines[header_at].strip("|").split("|")]
     rows = {}
-    for line in lines[header_at + 2:]:
+    for line in lines[header_at + 2 :]:
         if not line.startswith("|"):
             break
         cells = [c.strip() for c in line.strip("|").split("|")]
@@ -66,8 +66,9 @@ def test_tiny_demo_writes_report_and_plots(tmp_path):
     # every prune met the budget schedule's size at its step, and the target is half the starting TT size
     prunes = [h for h in tt.history if h["shrunk"]]
     assert prunes, "rank adaptation pruned nothing (its first prunes come ~15 steps in)"
-    assert all(h["live_tt_params"] <= h["budget"] for h in prunes), [(h["step"], h["live_tt_params"], h["budget"])
-                                                                     for h in prunes]
+    assert all(h["live_tt_params"] <= h["budget"] for h in prunes), [
+        (h["step"], h["live_tt_params"], h["budget"]) for h in prunes
+    ]
     assert tt.target_params == pytest.approx(0.5 * tt.history[0]["tt_params"], rel=0.01)
 
 
@@ -128,8 +129,21 @@ def test_interleaved_runs_train_exactly_as_run_alone():
     import torch
 
     demo = load_demo()
-    args, p = demo.parse_args(["--preset", "tiny", "--budget-seconds", "100", "--max-steps", "12", "--compile", "no",
-                               "--keep-fraction", "0.5", "--quiet"])
+    args, p = demo.parse_args(
+        [
+            "--preset",
+            "tiny",
+            "--budget-seconds",
+            "100",
+            "--max-steps",
+            "12",
+            "--compile",
+            "no",
+            "--keep-fraction",
+            "0.5",
+            "--quiet",
+        ]
+    )
     device = torch.device("cpu")
     train_data, val_data, _ = demo.load_stdlib(p.data_bytes)
     val_set = [demo.get_batch(val_data, p.batch, p.seq_len, torch.Generator().manual_seed(3), device)]
@@ -139,8 +153,9 @@ def test_interleaved_runs_train_exactly_as_run_alone():
         model = demo.GPT(p)
         result = demo.RunResult("comera_fx")
         optimizer, hook, _, _ = demo.prepare_tt_run(model, p, args, train_data, device, result)
-        return result, demo.training_steps("comera_fx", model, optimizer, hook, train_data, val_set, p, args,
-                                           device, result)
+        return result, demo.training_steps(
+            "comera_fx", model, optimizer, hook, train_data, val_set, p, args, device, result
+        )
 
     alone, steps = run()
     for _ in steps:
@@ -175,8 +190,21 @@ def test_a_run_that_may_compile_ends_stored_at_its_live_ranks(monkeypatch):
 
     demo = load_demo()
     monkeypatch.setattr(demo.compile_policy, "compile_blocks", lambda model: _NoCompile())
-    args, p = demo.parse_args(["--preset", "tiny", "--budget-seconds", "100", "--max-steps", "12", "--compile", "yes",
-                               "--keep-fraction", "0.3", "--quiet"])
+    args, p = demo.parse_args(
+        [
+            "--preset",
+            "tiny",
+            "--budget-seconds",
+            "100",
+            "--max-steps",
+            "12",
+            "--compile",
+            "yes",
+            "--keep-fraction",
+            "0.3",
+            "--quiet",
+        ]
+    )
     device = torch.device("cpu")
     train_data, val_data, _ = demo.load_stdlib(p.data_bytes)
     val_set = [demo.get_batch(val_data, p.batch, p.seq_len, torch.Generator().manual_seed(3), device)]

@@ -23,9 +23,16 @@ VOCAB, SEQ = 100, 8
 
 def tiny_bert(seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
-    cfg = transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                                  intermediate_size=64, max_position_embeddings=SEQ, attn_implementation="eager",
-                                  initializer_range=0.2)  # weights large enough that the linears shape the output
+    cfg = transformers.BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=SEQ,
+        attn_implementation="eager",
+        initializer_range=0.2,
+    )  # weights large enough that the linears shape the output
     return transformers.BertModel(cfg, add_pooling_layer=False).eval()
 
 
@@ -54,8 +61,9 @@ def tt_size(student: nn.Module) -> int:
 def dense_size(teacher: nn.Module, student: nn.Module) -> int:
     """Dense parameters of the teacher's linear weights that became TT layers in the student."""
     converted = {name for name, m in student.named_modules() if isinstance(m, TTLinear)}
-    return sum(m.weight.numel() for name, m in teacher.named_modules()
-               if isinstance(m, nn.Linear) and name in converted)
+    return sum(
+        m.weight.numel() for name, m in teacher.named_modules() if isinstance(m, nn.Linear) and name in converted
+    )
 
 
 def relative_error(model: nn.Module, batches: list[dict], reference: list[torch.Tensor]) -> float:
@@ -69,8 +77,18 @@ def test_distillation_beats_tt_svd_alone_at_equal_size(teacher):
     with torch.no_grad():
         reference = [teacher(**b).last_hidden_state.clone() for b in held_out]
     student = copy.deepcopy(teacher)
-    summary = comera_fx.distill_(student, teacher, make_batches(8, seed=1), size_target=0.3, steps=40, lr=3e-3,
-                                 config=SMALL, allocation="uniform", calibration_batches=0, progress=False)
+    summary = comera_fx.distill_(
+        student,
+        teacher,
+        make_batches(8, seed=1),
+        size_target=0.3,
+        steps=40,
+        lr=3e-3,
+        config=SMALL,
+        allocation="uniform",
+        calibration_batches=0,
+        progress=False,
+    )
     svd_only = copy.deepcopy(teacher)
     rank = max(max(r) for r in summary.ranks.values())
     comera_fx.tensorize_(svd_only, SMALL.replace(max_rank=rank), filter_fn=lambda m, n: isinstance(m, nn.Linear))
@@ -81,12 +99,23 @@ def test_distillation_beats_tt_svd_alone_at_equal_size(teacher):
     assert summary.steps == 40 and len(summary.losses) == 40
 
 
-@pytest.mark.parametrize("target, start, allocation", [(0.5, None, "energy"), (0.25, None, "uniform"),
-                                                     (0.25, None, "energy"), (0.3, 0.8, "energy")])
+@pytest.mark.parametrize(
+    "target, start, allocation",
+    [(0.5, None, "energy"), (0.25, None, "uniform"), (0.25, None, "energy"), (0.3, 0.8, "energy")],
+)
 def test_size_target_is_reached(teacher, target, start, allocation):
     student = copy.deepcopy(teacher)
-    summary = comera_fx.distill_(student, teacher, make_batches(4, seed=2), size_target=target, start_ratio=start,
-                                 allocation=allocation, steps=12, config=SMALL, progress=False)
+    summary = comera_fx.distill_(
+        student,
+        teacher,
+        make_batches(4, seed=2),
+        size_target=target,
+        start_ratio=start,
+        allocation=allocation,
+        steps=12,
+        config=SMALL,
+        progress=False,
+    )
     converted = [name for name, m in student.named_modules() if isinstance(m, TTLinear)]
     assert len(converted) == len(linear_weight_names(teacher))  # every linear, no embedding
     assert not any(isinstance(m, comera_fx.TTEmbedding) for m in student.modules())
@@ -96,10 +125,12 @@ def test_size_target_is_reached(teacher, target, start, allocation):
 
 
 def snapshot(model: nn.Module):
-    return ({k: v.clone() for k, v in model.state_dict(keep_vars=False).items()},
-            {k: p.requires_grad for k, p in model.named_parameters()},
-            {k: m.training for k, m in model.named_modules()},
-            sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()))
+    return (
+        {k: v.clone() for k, v in model.state_dict(keep_vars=False).items()},
+        {k: p.requires_grad for k, p in model.named_parameters()},
+        {k: m.training for k, m in model.named_modules()},
+        sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()),
+    )
 
 
 def test_teacher_is_untouched_and_frozen_parameters_stay_frozen():
@@ -111,8 +142,17 @@ def test_teacher_is_untouched_and_frozen_parameters_stay_frozen():
     before = snapshot(teacher)
     student = copy.deepcopy(teacher)
     frozen_embedding = student.embeddings.word_embeddings.weight.detach().clone()
-    comera_fx.distill_(student, teacher, make_batches(4, seed=4), size_target=0.5, steps=6, lr=1e-2,
-                       hidden_modules=["encoder.layer.0"], config=SMALL, progress=False)
+    comera_fx.distill_(
+        student,
+        teacher,
+        make_batches(4, seed=4),
+        size_target=0.5,
+        steps=6,
+        lr=1e-2,
+        hidden_modules=["encoder.layer.0"],
+        config=SMALL,
+        progress=False,
+    )
     after = snapshot(teacher)
     assert before[0].keys() == after[0].keys()
     for key in before[0]:
@@ -137,24 +177,36 @@ def test_batches_as_callable_iterable_tuple_and_one_shot_iterator(teacher):
         calls.append(1)
         return {"input_ids": torch.randint(0, VOCAB, (4, SEQ))}
 
-    s = comera_fx.distill_(copy.deepcopy(teacher), teacher, draw, size_target=0.5, steps=5, config=SMALL,
-                           progress=False)
+    s = comera_fx.distill_(
+        copy.deepcopy(teacher), teacher, draw, size_target=0.5, steps=5, config=SMALL, progress=False
+    )
     assert len(calls) == 8 and s.steps == 5  # 8 calibration batches, which also serve as the first training batches
     calls.clear()
-    s = comera_fx.distill_(copy.deepcopy(teacher), teacher, draw, size_target=0.5, steps=5, calibration_batches=0,
-                           config=SMALL, progress=False)
+    s = comera_fx.distill_(
+        copy.deepcopy(teacher),
+        teacher,
+        draw,
+        size_target=0.5,
+        steps=5,
+        calibration_batches=0,
+        config=SMALL,
+        progress=False,
+    )
     assert len(calls) == 5 and s.steps == 5
     tuples = [(b["input_ids"],) for b in make_batches(2, seed=5)]  # positional inputs, reused across passes
-    s = comera_fx.distill_(copy.deepcopy(teacher), teacher, tuples, size_target=0.5, steps=5, config=SMALL,
-                           progress=False)
+    s = comera_fx.distill_(
+        copy.deepcopy(teacher), teacher, tuples, size_target=0.5, steps=5, config=SMALL, progress=False
+    )
     assert s.steps == 5 and all(torch.isfinite(torch.tensor(s.losses)))
     tensors = [b["input_ids"] for b in make_batches(2, seed=6)]
-    s = comera_fx.distill_(copy.deepcopy(teacher), teacher, tensors, size_target=0.5, steps=3, config=SMALL,
-                           progress=False)
+    s = comera_fx.distill_(
+        copy.deepcopy(teacher), teacher, tensors, size_target=0.5, steps=3, config=SMALL, progress=False
+    )
     assert s.steps == 3
     one_shot = iter(make_batches(3, seed=7))
-    s = comera_fx.distill_(copy.deepcopy(teacher), teacher, one_shot, size_target=0.5, steps=10, config=SMALL,
-                           progress=False)
+    s = comera_fx.distill_(
+        copy.deepcopy(teacher), teacher, one_shot, size_target=0.5, steps=10, config=SMALL, progress=False
+    )
     assert s.steps == 3 and any("ran out" in n for n in s.notes)
 
 
@@ -167,8 +219,16 @@ def test_output_fn_and_global_rng_untouched(teacher):
         return outputs.last_hidden_state.mean(dim=1)
 
     state = torch.random.get_rng_state()
-    s = comera_fx.distill_(copy.deepcopy(teacher), teacher, batches, size_target=0.5, steps=3, output_fn=pooled,
-                           config=SMALL, progress=False)
+    s = comera_fx.distill_(
+        copy.deepcopy(teacher),
+        teacher,
+        batches,
+        size_target=0.5,
+        steps=3,
+        output_fn=pooled,
+        config=SMALL,
+        progress=False,
+    )
     assert torch.equal(state, torch.random.get_rng_state())
     assert len(seen) == 6 and s.steps == 3  # teacher and student, per step
 
@@ -176,24 +236,38 @@ def test_output_fn_and_global_rng_untouched(teacher):
 def test_augment_edits_training_batches_only(teacher):
     """``augment=``: the calibration sees the batches as given; the training steps see edited copies (both models
     the same copy), drawn from augment's own generator."""
-    batches = [{"input_ids": b["input_ids"], "attention_mask": torch.ones_like(b["input_ids"])}
-               for b in make_batches(3, seed=13)]
+    batches = [
+        {"input_ids": b["input_ids"], "attention_mask": torch.ones_like(b["input_ids"])}
+        for b in make_batches(3, seed=13)
+    ]
     given = {tuple(row) for b in batches for row in b["input_ids"].tolist()}
     seen = {"teacher": [], "student": []}
 
     def record(name):
         def hook(module, args, kwargs):
             seen[name].append(kwargs["input_ids"].tolist())
+
         return hook
 
     student = copy.deepcopy(teacher)
-    handles = [teacher.register_forward_pre_hook(record("teacher"), with_kwargs=True),
-               student.register_forward_pre_hook(record("student"), with_kwargs=True)]
+    handles = [
+        teacher.register_forward_pre_hook(record("teacher"), with_kwargs=True),
+        student.register_forward_pre_hook(record("student"), with_kwargs=True),
+    ]
     state = torch.random.get_rng_state()
     try:
         edits = comera_fx.pretrained.Augmentation(batch_fraction=1.0, span=1.0, drop=1.0, drop_rate=0.5)
-        s = comera_fx.distill_(student, teacher, batches, size_target=0.5, steps=6, calibration_batches=2,
-                               config=SMALL, augment=edits, progress=False)
+        s = comera_fx.distill_(
+            student,
+            teacher,
+            batches,
+            size_target=0.5,
+            steps=6,
+            calibration_batches=2,
+            config=SMALL,
+            augment=edits,
+            progress=False,
+        )
     finally:
         for handle in handles:
             handle.remove()
@@ -207,8 +281,9 @@ def test_augment_edits_training_batches_only(teacher):
 
 def test_student_works_after_distillation(teacher):
     student = copy.deepcopy(teacher)
-    comera_fx.distill_(student, teacher, make_batches(2, seed=9), size_target=0.5, steps=2, config=SMALL,
-                       progress=False)
+    comera_fx.distill_(
+        student, teacher, make_batches(2, seed=9), size_target=0.5, steps=2, config=SMALL, progress=False
+    )
     student.eval()
     x = make_batches(1, seed=10)[0]
     with torch.no_grad():
@@ -223,8 +298,9 @@ def test_student_works_after_distillation(teacher):
 @pytest.mark.slow
 def test_compiles_with_the_backend_after_distillation(teacher):
     student = copy.deepcopy(teacher)
-    comera_fx.distill_(student, teacher, make_batches(2, seed=11), size_target=0.5, steps=2, config=SMALL,
-                       progress=False)
+    comera_fx.distill_(
+        student, teacher, make_batches(2, seed=11), size_target=0.5, steps=2, config=SMALL, progress=False
+    )
     x = make_batches(1, seed=12)[0]["input_ids"]
     with torch.no_grad():
         expected = student.eval()(x).last_hidden_state
@@ -248,9 +324,12 @@ def test_errors_name_the_fix(teacher):
         comera_fx.distill_(teacher, teacher, batches, size_target=0.5, **ok)
     with pytest.raises(ValueError, match="shares parameter"):
         comera_fx.distill_(copy.copy(teacher), teacher, batches, size_target=0.5, **ok)
-    other = transformers.BertModel(transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1,
-                                                           num_attention_heads=2, intermediate_size=64),
-                                   add_pooling_layer=False)
+    other = transformers.BertModel(
+        transformers.BertConfig(
+            vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64
+        ),
+        add_pooling_layer=False,
+    )
     with pytest.raises(ValueError, match="not a copy of teacher"):
         comera_fx.distill_(other, teacher, batches, size_target=0.5, **ok)
     wide = tiny_bert()
@@ -296,10 +375,13 @@ def test_rank_settings_it_would_not_use_are_refused(teacher):
     refused by name before anything runs, never dropped; its defaults and max_rank=None pass."""
     batches = make_batches(1, seed=13)
     ok = dict(size_target=0.5, steps=1, progress=False, calibration_batches=0)
-    for changes, named in ((dict(max_rank=8), "max_rank=8"), (dict(max_rank=None, rank_ratio=0.5), "rank_ratio=0.5"),
-                           (dict(max_rank=None, rel_tol=0.1), "rel_tol=0.1"),
-                           (dict(overrides={"query": {"max_rank": 4}}), "overrides['query']['max_rank']"),
-                           (dict(size_target=0.9), "size_target=0.9")):
+    for changes, named in (
+        (dict(max_rank=8), "max_rank=8"),
+        (dict(max_rank=None, rank_ratio=0.5), "rank_ratio=0.5"),
+        (dict(max_rank=None, rel_tol=0.1), "rel_tol=0.1"),
+        (dict(overrides={"query": {"max_rank": 4}}), "overrides['query']['max_rank']"),
+        (dict(size_target=0.9), "size_target=0.9"),
+    ):
         student = copy.deepcopy(teacher)
         with pytest.raises(ValueError, match=re.escape(named)):
             comera_fx.distill_(student, teacher, batches, config=SMALL.replace(**changes), **ok)
@@ -313,8 +395,16 @@ def test_a_size_target_below_rank_one_is_its_own_exception_type(teacher):
 
     batches = make_batches(1, seed=13)
     with pytest.raises(SizeTargetTooSmall, match="raise size_target"):
-        comera_fx.distill_(copy.deepcopy(teacher), teacher, batches, size_target=1e-4, steps=1, config=SMALL,
-                           progress=False, calibration_batches=0)
+        comera_fx.distill_(
+            copy.deepcopy(teacher),
+            teacher,
+            batches,
+            size_target=1e-4,
+            steps=1,
+            config=SMALL,
+            progress=False,
+            calibration_batches=0,
+        )
     with pytest.raises(SizeTargetTooSmall, match="rank 1"):
         comera_fx.tensorize_(copy.deepcopy(teacher), SMALL.replace(size_target=10))
     assert issubclass(SizeTargetTooSmall, ValueError)  # callers catching ValueError keep working
@@ -346,8 +436,7 @@ def test_refit_runs_on_the_calibration_batches(teacher):
         assert layer.error_after == pytest.approx(real, rel=1e-3)
     assert relative_error(refit, batches, reference) < relative_error(plain, batches, reference)
     with pytest.raises(ValueError, match="calibration_batches >= 1"):
-        comera_fx.distill_(copy.deepcopy(teacher), teacher, batches, **{**kwargs, "calibration_batches": 0},
-                           refit=True)
+        comera_fx.distill_(copy.deepcopy(teacher), teacher, batches, **{**kwargs, "calibration_batches": 0}, refit=True)
 
 
 def test_compress_pretrained_example_quick(tmp_path):
@@ -366,8 +455,21 @@ def test_compress_pretrained_example_quick(tmp_path):
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
-    out = module.main(["--quick", "--tiny", "--max-files", "30", "--threads", "1", "--no-progress",
-                       "--code-fraction", "0.3", "--out", str(tmp_path)])
+    out = module.main(
+        [
+            "--quick",
+            "--tiny",
+            "--max-files",
+            "30",
+            "--threads",
+            "1",
+            "--no-progress",
+            "--code-fraction",
+            "0.3",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     cells = {r["method"]: r for r in out["results"]}
     assert cells.keys() == set(module.METHODS)
     assert abs(out["teacher"]["cosine"] - 1) < 1e-5, out["teacher"]
@@ -375,8 +477,9 @@ def test_compress_pretrained_example_quick(tmp_path):
         assert 0.2 <= r["ratio"] <= 0.25, r  # --quick asks for 0.25
     cosine = {method: r["cosine"] for method, r in cells.items()}
     assert cosine["tt-svd calibrated+energy"] > cosine["tt-svd uniform"], cosine
-    assert cells["distill uniform"]["steps"] == 3 and cells["distill uniform"]["ratio"] == cells["tt-svd uniform"][
-        "ratio"], cells
+    assert (
+        cells["distill uniform"]["steps"] == 3 and cells["distill uniform"]["ratio"] == cells["tt-svd uniform"]["ratio"]
+    ), cells
     assert cosine["distill uniform"] > cosine["tt-svd uniform"], cosine
     assert out["saved"]["max_abs_diff"] < 1e-5
     report = (tmp_path / "report.md").read_text()

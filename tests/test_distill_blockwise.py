@@ -57,8 +57,9 @@ def make_pair(by_keyword: bool = False, seed: int = 0) -> tuple[nn.Module, nn.Mo
     return teacher, student
 
 
-def reference_grads(teacher: nn.Module, student: nn.Module, x: torch.Tensor, blockwise: bool,
-                    hidden_weight: float) -> list[torch.Tensor]:
+def reference_grads(
+    teacher: nn.Module, student: nn.Module, x: torch.Tensor, blockwise: bool, hidden_weight: float
+) -> list[torch.Tensor]:
     """d loss / d student parameters, loss = relMSE(out) + w · Σ relMSE(block outputs), written out from scratch."""
     student = copy.deepcopy(student)
     with torch.no_grad():
@@ -75,6 +76,7 @@ def reference_grads(teacher: nn.Module, student: nn.Module, x: torch.Tensor, blo
 
     def rel(a, b):
         return (a - b).pow(2).mean() / b.pow(2).mean()
+
     loss = rel(s_out[-1], t_out[-1]) + hidden_weight * sum(rel(s, t) for s, t in zip(s_out, t_out))
     return list(torch.autograd.grad(loss, list(student.parameters())))
 
@@ -85,9 +87,21 @@ def run_and_capture(teacher, student, batches, fraction, hidden_weight=0.5):
 
     def observe(loss):
         seen.append((copy.deepcopy(student), [p.grad.detach().clone() for p in student.parameters()]))
-    match_teacher(student, teacher, batches, steps=len(batches), budget_seconds=None, loss_fn=relative_mse,
-                  hidden_modules=NAMES, hidden_weight=hidden_weight, blockwise_fraction=fraction, lr=1e-2,
-                  progress=False, observe=observe)
+
+    match_teacher(
+        student,
+        teacher,
+        batches,
+        steps=len(batches),
+        budget_seconds=None,
+        loss_fn=relative_mse,
+        hidden_modules=NAMES,
+        hidden_weight=hidden_weight,
+        blockwise_fraction=fraction,
+        lr=1e-2,
+        progress=False,
+        observe=observe,
+    )
     return seen
 
 
@@ -111,7 +125,7 @@ def test_blockwise_gradients_match_the_definition_then_end_to_end(by_keyword):
 def test_blockwise_off_is_end_to_end():
     teacher, student = make_pair()
     x = torch.randn(5, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
-    (before, grads), = run_and_capture(teacher, student, [x], fraction=0.0)
+    ((before, grads),) = run_and_capture(teacher, student, [x], fraction=0.0)
     for got, want in zip(grads, reference_grads(teacher, before, x, blockwise=False, hidden_weight=0.5)):
         torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
 
@@ -134,9 +148,16 @@ def test_hooks_removed_and_teacher_untouched():
 
 def test_distill_blockwise_on_a_bert():
     torch.manual_seed(0)
-    cfg = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                                  intermediate_size=64, max_position_embeddings=8, attn_implementation="eager",
-                                  initializer_range=0.2)
+    cfg = transformers.BertConfig(
+        vocab_size=100,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=8,
+        attn_implementation="eager",
+        initializer_range=0.2,
+    )
     teacher = transformers.BertModel(cfg, add_pooling_layer=False).eval()
     g = torch.Generator().manual_seed(1)
     batches = [{"input_ids": torch.randint(0, 100, (4, 8), generator=g)} for _ in range(8)]
@@ -144,17 +165,30 @@ def test_distill_blockwise_on_a_bert():
     with torch.no_grad():
         reference = teacher(**held_out).last_hidden_state.clone()
     student = copy.deepcopy(teacher)
-    summary = comera_fx.distill_(student, teacher, batches, size_target=0.3, steps=30, lr=3e-3,
-                                 hidden_modules=["encoder.layer.0", "encoder.layer.1"], hidden_weight=0.5,
-                                 blockwise_fraction=0.5, config=comera_fx.TensorizeConfig(min_numel=1, min_dim=1),
-                                 allocation="uniform", calibration_batches=0, progress=False)
+    summary = comera_fx.distill_(
+        student,
+        teacher,
+        batches,
+        size_target=0.3,
+        steps=30,
+        lr=3e-3,
+        hidden_modules=["encoder.layer.0", "encoder.layer.1"],
+        hidden_weight=0.5,
+        blockwise_fraction=0.5,
+        config=comera_fx.TensorizeConfig(min_numel=1, min_dim=1),
+        allocation="uniform",
+        calibration_batches=0,
+        progress=False,
+    )
     assert summary.steps == 30
     with torch.no_grad():
         error = float(relative_mse(student(**held_out).last_hidden_state, reference))
     start = copy.deepcopy(teacher)
-    comera_fx.tensorize_(start, comera_fx.TensorizeConfig(min_numel=1, min_dim=1, size_target=0.3,
-                                                          allocation="uniform", max_rank=None),
-                         filter_fn=lambda m, n: isinstance(m, nn.Linear))
+    comera_fx.tensorize_(
+        start,
+        comera_fx.TensorizeConfig(min_numel=1, min_dim=1, size_target=0.3, allocation="uniform", max_rank=None),
+        filter_fn=lambda m, n: isinstance(m, nn.Linear),
+    )
     with torch.no_grad():
         untrained = float(relative_mse(start(**held_out).last_hidden_state, reference))
     assert error < 0.7 * untrained, (error, untrained)  # block-wise then end-to-end training reduces the error
@@ -166,11 +200,27 @@ def test_blockwise_errors_name_the_fix():
     with pytest.raises(ValueError, match="hidden_modules"):
         match_teacher(student, teacher, [x], steps=1, budget_seconds=None, blockwise_fraction=0.5, progress=False)
     with pytest.raises(ValueError, match=r"blockwise_fraction must be a number in \[0, 1\]"):
-        match_teacher(student, teacher, [x], steps=1, budget_seconds=None, hidden_modules=NAMES,
-                      blockwise_fraction=1.5, progress=False)
+        match_teacher(
+            student,
+            teacher,
+            [x],
+            steps=1,
+            budget_seconds=None,
+            hidden_modules=NAMES,
+            blockwise_fraction=1.5,
+            progress=False,
+        )
     with pytest.raises(ValueError, match=r"blockwise_fraction must be a number in \[0, 1\]"):
-        comera_fx.distill_(copy.deepcopy(teacher), teacher, [x], size_target=0.5, steps=1,
-                           hidden_modules=NAMES, blockwise_fraction=-0.1, progress=False)
+        comera_fx.distill_(
+            copy.deepcopy(teacher),
+            teacher,
+            [x],
+            size_target=0.5,
+            steps=1,
+            hidden_modules=NAMES,
+            blockwise_fraction=-0.1,
+            progress=False,
+        )
 
 
 class SharedStack(nn.Module):
@@ -190,6 +240,14 @@ def test_shared_block_is_refused():
     student = copy.deepcopy(teacher)
     x = torch.randn(5, 6, dtype=torch.float64)
     with pytest.raises(ValueError, match="ran more than once in one forward"):
-        match_teacher(student, teacher, [x], steps=1, budget_seconds=None, hidden_modules=["block"],
-                      blockwise_fraction=1.0, progress=False)
+        match_teacher(
+            student,
+            teacher,
+            [x],
+            steps=1,
+            budget_seconds=None,
+            hidden_modules=["block"],
+            blockwise_fraction=1.0,
+            progress=False,
+        )
     assert all(not m._forward_pre_hooks for m in list(teacher.modules()) + list(student.modules()))

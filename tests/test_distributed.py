@@ -23,8 +23,9 @@ from comera_fx.runtime import RankAdaptive
 from comera_fx.runtime.rank_adaptive import tt_matrices
 from helpers_distributed import COLLECTIVE_TIMEOUT, run_scenarios, scenario_results
 
-pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
-                                reason="torch built without gloo")
+pytestmark = pytest.mark.skipif(
+    not dist.is_available() or not dist.is_gloo_available(), reason="torch built without gloo"
+)
 
 WORLD = 2
 CONFIG = comera_fx.TensorizeConfig(max_rank=4, min_numel=1, min_dim=1)
@@ -63,15 +64,17 @@ def make_net(seed: int = 0) -> Net:
 
 def global_batch(step: int, n: int = 8):
     gen = torch.Generator().manual_seed(1000 + step)
-    return (torch.randn(n, 16, generator=gen, dtype=torch.float64),
-            torch.randn(n, 8, generator=gen, dtype=torch.float64))
+    return (
+        torch.randn(n, 16, generator=gen, dtype=torch.float64),
+        torch.randn(n, 8, generator=gen, dtype=torch.float64),
+    )
 
 
 def local_batch(step: int, rank: int, world: int = WORLD):
     """Each rank's equal share of the global batch: the ranks see different data."""
     x, y = global_batch(step)
     per = x.shape[0] // world
-    return x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+    return x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
 
 
 def loss_fn(model, batch):
@@ -84,8 +87,7 @@ def params_of(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def grads_of(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: p.grad.detach().clone() for k, p in unwrap(model).named_parameters()
-            if p.grad is not None}
+    return {k: p.grad.detach().clone() for k, p in unwrap(model).named_parameters() if p.grad is not None}
 
 
 STEPS = 3
@@ -120,6 +122,7 @@ def reference_prune(steps: int = PRUNE["total_steps"]):
     out["pruned_at"] = [e.step for e in hook.history if e.shrunk]
     return out
 
+
 # --------------------------------------------------------------------------------------- scenarios (per rank)
 
 
@@ -149,8 +152,12 @@ def scenario_ddp_prune(rank, world):
         first(local_batch(0, rank)[0])
     except RuntimeError as err:
         stale_error = str(err)
-    out.update(ranks={m.name: m.tt.ranks for m in hook.matrices}, stale_error=stale_error,
-               rewraps=hook.distributed.rewraps, pruned_at=[e.step for e in hook.history if e.shrunk])
+    out.update(
+        ranks={m.name: m.tt.ranks for m in hook.matrices},
+        stale_error=stale_error,
+        rewraps=hook.distributed.rewraps,
+        pruned_at=[e.step for e in hook.history if e.shrunk],
+    )
     return out
 
 
@@ -239,15 +246,27 @@ def scenario_rank0_decides(rank, world):
     with torch.no_grad():
         first.gates[0][rank] = 0.0  # rank 0 kills slice 0 of the first bond, rank 1 slice 1
     hook.prune()
-    out = {"comera_before": before, "comera_ranks": first.ranks, "comera_params": params_of(hook.model),
-           "comera_state": [{k: v.clone() for k, v in opt.state[p].items()} for p in first.parameters()]}
+    out = {
+        "comera_before": before,
+        "comera_ranks": first.ranks,
+        "comera_params": params_of(hook.model),
+        "comera_state": [{k: v.clone() for k, v in opt.state[p].items()} for p in first.parameters()],
+    }
     hook.remove()
 
     model = DDP(make_net())
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     now = [0.0]
-    hook = RankAdaptive(model, opt, target_ratio=0.5, budget_seconds=6.0, clock=lambda: now[0],
-                        warmup_fraction=0.0, final_fraction=0.5, prunes=2)
+    hook = RankAdaptive(
+        model,
+        opt,
+        target_ratio=0.5,
+        budget_seconds=6.0,
+        clock=lambda: now[0],
+        warmup_fraction=0.0,
+        final_fraction=0.5,
+        prunes=2,
+    )
     for step in range(6):
         loss_fn(hook.model, local_batch(step, rank)).backward()
         opt.step()
@@ -281,9 +300,18 @@ def scenario_compile_prune(rank, world):
     return {"params": params, "stale_error": stale_error}
 
 
-SCENARIOS = {f.__name__.removeprefix("scenario_"): f for f in
-             (scenario_ddp, scenario_ddp_prune, scenario_compile, scenario_fsdp2, scenario_rmm,
-              scenario_rank0_decides, scenario_compile_prune)}
+SCENARIOS = {
+    f.__name__.removeprefix("scenario_"): f
+    for f in (
+        scenario_ddp,
+        scenario_ddp_prune,
+        scenario_compile,
+        scenario_fsdp2,
+        scenario_rmm,
+        scenario_rank0_decides,
+        scenario_compile_prune,
+    )
+}
 DEFAULT = ("ddp", "ddp_prune", "compile", "fsdp2", "rmm")
 SLOW = ("rank0_decides", "compile_prune")
 
@@ -306,6 +334,7 @@ def assert_close(got: dict, want: dict, tol: float = 1e-10, what: str = ""):
     for k in want:
         assert got[k].shape == want[k].shape, f"{what} {k}: shape {tuple(got[k].shape)} vs {tuple(want[k].shape)}"
         torch.testing.assert_close(got[k], want[k], rtol=tol, atol=tol, msg=lambda m: f"{what} {k}: {m}")
+
 
 # ------------------------------------------------------------------------------------------------------ tests
 
@@ -415,8 +444,9 @@ def one_rank_group(tmp_path):
     """A gloo group of one rank in this process (cheap), destroyed afterwards."""
     if dist.is_initialized():
         pytest.skip("a process group already exists in this process")
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store1"), 1), rank=0, world_size=1,
-                            timeout=COLLECTIVE_TIMEOUT)
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(str(tmp_path / "store1"), 1), rank=0, world_size=1, timeout=COLLECTIVE_TIMEOUT
+    )
     try:
         yield
     finally:

@@ -22,9 +22,10 @@ import comera_fx
 from comera_fx.runtime.rank_adaptive import tt_matrices
 from helpers_distributed import run_scenarios, scenario_results
 
-pytestmark = [pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
-                                 reason="torch built without gloo"),
-              pytest.mark.usefixtures("one_thread")]
+pytestmark = [
+    pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="torch built without gloo"),
+    pytest.mark.usefixtures("one_thread"),
+]
 
 WORLD = 2
 SMALL = comera_fx.TensorizeConfig(min_numel=1, min_dim=1)
@@ -52,14 +53,15 @@ def make_teacher() -> Net:
 def global_batch(step: int, n: int = 48) -> torch.Tensor:
     # inputs of unequal scale per feature: the whitened TT-SVD then differs visibly from the plain one
     gen = torch.Generator().manual_seed(100 + step)
-    return torch.randn(n, WIDTH, generator=gen, dtype=torch.float64) * torch.linspace(0.1, 3.0, WIDTH,
-                                                                                       dtype=torch.float64)
+    return torch.randn(n, WIDTH, generator=gen, dtype=torch.float64) * torch.linspace(
+        0.1, 3.0, WIDTH, dtype=torch.float64
+    )
 
 
 def local_batch(step: int, rank: int) -> torch.Tensor:
     x = global_batch(step)
     per = x.shape[0] // WORLD
-    return x[rank * per:(rank + 1) * per]
+    return x[rank * per : (rank + 1) * per]
 
 
 def mse(student, teacher):
@@ -74,10 +76,19 @@ def run_distill(batches, **kwargs):
     teacher = make_teacher()
     student = copy.deepcopy(teacher)
     summary = comera_fx.distill_(student, teacher, batches, loss_fn=mse, config=SMALL, progress=False, **kwargs)
-    return {"params": {k: v.detach().clone() for k, v in student.state_dict().items()},
-            "ranks": {e.name: e.tt.ranks for e in tt_matrices(student)}, "losses": summary.losses,
-            "steps": summary.steps, "seconds": summary.seconds, "setup_seconds": summary.setup_seconds,
-            "strategy": summary.strategy, "ratio": summary.ratio, "notes": summary.notes, "bare": type(student) is Net}
+    return {
+        "params": {k: v.detach().clone() for k, v in student.state_dict().items()},
+        "ranks": {e.name: e.tt.ranks for e in tt_matrices(student)},
+        "losses": summary.losses,
+        "steps": summary.steps,
+        "seconds": summary.seconds,
+        "setup_seconds": summary.setup_seconds,
+        "strategy": summary.strategy,
+        "ratio": summary.ratio,
+        "notes": summary.notes,
+        "bare": type(student) is Net,
+    }
+
 
 def tensorized(calibration_batches, ratio):
     """The student right after distill_'s tensorization with a calibration on these batches (no training)."""
@@ -87,6 +98,7 @@ def tensorized(calibration_batches, ratio):
     cal = comera_fx.calibrate(student, calibration_batches, config=SMALL)
     _tensorize_at(student, ratio, SMALL, None, "energy", cal)
     return {"params": dict(student.state_dict()), "ranks": {e.name: e.tt.ranks for e in tt_matrices(student)}}
+
 
 # --------------------------------------------------------------------------------------- scenarios (per rank)
 
@@ -107,11 +119,20 @@ def scenario_clock(rank, world):
         now[0] += 1.0 + 2.0 * rank
         return now[0]
 
-    out = {"budget": run_distill([local_batch(s, rank) for s in range(4)], size_target=0.5, budget_seconds=4.5,
-                                 clock=clock, calibration_batches=2, lr=1e-2)}
+    out = {
+        "budget": run_distill(
+            [local_batch(s, rank) for s in range(4)],
+            size_target=0.5,
+            budget_seconds=4.5,
+            clock=clock,
+            calibration_batches=2,
+            lr=1e-2,
+        )
+    }
     batches = [local_batch(s, rank) for s in range(6 if rank == 0 else 3)]
-    out["ran_out"] = run_distill(batches if rank == 0 else iter(batches), size_target=0.5, steps=6,
-                                 calibration_batches=2, lr=1e-2)
+    out["ran_out"] = run_distill(
+        batches if rank == 0 else iter(batches), size_target=0.5, steps=6, calibration_batches=2, lr=1e-2
+    )
     return out
 
 
@@ -120,8 +141,16 @@ def scenario_own_calibration(rank, world):
     teacher = make_teacher()
     cal = comera_fx.calibrate(teacher, [local_batch(s, rank) for s in range(2)], config=SMALL)
     try:
-        comera_fx.distill_(copy.deepcopy(teacher), teacher, [local_batch(0, rank)], size_target=0.5, steps=1,
-                           calibration=cal, config=SMALL, progress=False)
+        comera_fx.distill_(
+            copy.deepcopy(teacher),
+            teacher,
+            [local_batch(0, rank)],
+            size_target=0.5,
+            steps=1,
+            calibration=cal,
+            config=SMALL,
+            progress=False,
+        )
     except ValueError as err:
         return {"refusal": str(err)}
     return {"refusal": None}
@@ -136,8 +165,13 @@ def scenario_refit(rank, world):
     return run_distill([local_batch(s, rank) for s in range(4)], **REFIT)
 
 
-SCENARIOS = {"direct": scenario_direct, "shrink": scenario_shrink, "clock": scenario_clock,
-             "own_calibration": scenario_own_calibration, "refit": scenario_refit}
+SCENARIOS = {
+    "direct": scenario_direct,
+    "shrink": scenario_shrink,
+    "clock": scenario_clock,
+    "own_calibration": scenario_own_calibration,
+    "refit": scenario_refit,
+}
 
 # --------------------------------------------------------------------------------------------------- harness
 
@@ -158,8 +192,8 @@ def assert_params(got: dict, want: dict, tol: float, what: str):
 def differs(a: dict, b: dict, by: float) -> bool:
     """Other ranks, or a parameter off by more than ``by``."""
     return a["ranks"] != b["ranks"] or any(
-        float((a["params"][k] - b["params"][k]).abs().max()) > by for k in b["params"])
-
+        float((a["params"][k] - b["params"][k]).abs().max()) > by for k in b["params"]
+    )
 
 
 # ------------------------------------------------------------------------------------------------------ tests

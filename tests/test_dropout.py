@@ -38,7 +38,7 @@ def test_rates_and_thresholds():
     assert rounded_drop_rate(0.1) == 6554 / 65536
     assert lane_threshold(0.1) == -32768 + 6554
     assert lane_threshold(0.5) == 0
-    assert abs(rounded_drop_rate(0.3) - 0.3) <= 2 ** -17
+    assert abs(rounded_drop_rate(0.3) - 0.3) <= 2**-17
 
 
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
@@ -91,8 +91,12 @@ class Sites(nn.Module):
         a = F.dropout(x, 0.2, True)
         b = F.dropout(x, p=0.3)  # training defaults to True in the functional form
         c = torch.dropout(x, 0.4, True)
-        left = (F.dropout(x, 0.2, training=False) + F.dropout(x.clone(), 0.2, True, True) + F.dropout(x, 1.0, True)
-                + torch.dropout(x, rate, True))
+        left = (
+            F.dropout(x, 0.2, training=False)
+            + F.dropout(x.clone(), 0.2, True, True)
+            + F.dropout(x, 1.0, True)
+            + torch.dropout(x, rate, True)
+        )
         return a, b, c, left
 
 

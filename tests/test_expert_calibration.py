@@ -46,8 +46,12 @@ def experts_error(model, dense, recorded) -> float:
 def record_experts_calls(dense, data):
     paths = [n for n, m in dense.named_modules() if holds_experts(m, n)]
     recorded = {p: [] for p in paths}
-    handles = [dense.get_submodule(p).register_forward_hook(
-        lambda m, a, k, o, p=p: recorded[p].append((a, k)), with_kwargs=True) for p in paths]
+    handles = [
+        dense.get_submodule(p).register_forward_hook(
+            lambda m, a, k, o, p=p: recorded[p].append((a, k)), with_kwargs=True
+        )
+        for p in paths
+    ]
     with torch.no_grad():
         for batch in data:
             dense(batch)

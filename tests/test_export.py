@@ -70,8 +70,12 @@ def prune_unevenly_(model: nn.Module) -> None:
 
 def aten_targets_only(program) -> bool:
     nodes = [n for n in program.graph.nodes if n.op == "call_function"]
-    return all(isinstance(n.target, torch._ops.OpOverload) and n.target.namespace == "aten"
-               or n.target.__module__ in ("_operator", "operator") for n in nodes)
+    return all(
+        isinstance(n.target, torch._ops.OpOverload)
+        and n.target.namespace == "aten"
+        or n.target.__module__ in ("_operator", "operator")
+        for n in nodes
+    )
 
 
 @pytest.mark.parametrize("pruned", [False, True])
@@ -83,8 +87,9 @@ def test_two_linear_model_one_program_for_the_whole_batch_range(pruned):
     if pruned:
         prune_unevenly_(model)
     reference = dense_twin(dense, model)
-    program = comera_fx.export(model, (torch.randn(3, 128, dtype=torch.float64),),
-                               dynamic_shapes=({0: Dim("b", min=1, max=1024)},))
+    program = comera_fx.export(
+        model, (torch.randn(3, 128, dtype=torch.float64),), dynamic_shapes=({0: Dim("b", min=1, max=1024)},)
+    )
     assert aten_targets_only(program)
     run = program.module()
     # The eager planner switches plans at small sizes (both layers' envelopes have several pieces): the sizes
@@ -104,14 +109,14 @@ def test_tiny_lm_exports_with_dynamic_batch_and_sequence(pruned):
     dense = TinyLM().double().eval()
     ids = torch.randint(0, 512, (2, 8))
     model = copy.deepcopy(dense)
-    summary = comera_fx.tensorize_(model, TensorizeConfig(max_rank=6, min_numel=2**12),
-                                   example_inputs=(ids,))
+    summary = comera_fx.tensorize_(model, TensorizeConfig(max_rank=6, min_numel=2**12), example_inputs=(ids,))
     assert any(d.kind == "embedding" for d in summary.converted)
     if pruned:
         prune_unevenly_(model)
     reference = dense_twin(dense, model)
-    program = comera_fx.export(model, (ids,), dynamic_shapes=({0: Dim("batch", min=1, max=16),
-                                                              1: Dim("seq", min=1, max=32)},))
+    program = comera_fx.export(
+        model, (ids,), dynamic_shapes=({0: Dim("batch", min=1, max=16), 1: Dim("seq", min=1, max=32)},)
+    )
     assert aten_targets_only(program)
     run = program.module()
     for batch, seq in [(1, 1), (1, 32), (16, 1), (3, 7), (16, 32), (5, 12)]:
@@ -134,8 +139,9 @@ def test_stock_torch_export_of_a_pruned_lm_runs_the_whole_declared_range(grad):
     prune_unevenly_(model)
     reference = dense_twin(dense, model)
     with torch.set_grad_enabled(grad):
-        program = torch.export.export(model, (ids,), dynamic_shapes=({0: Dim("batch", min=1, max=16),
-                                                                      1: Dim("seq", min=1, max=32)},))
+        program = torch.export.export(
+            model, (ids,), dynamic_shapes=({0: Dim("batch", min=1, max=16), 1: Dim("seq", min=1, max=32)},)
+        )
     run = program.module()
     # Token counts 1..512: across the eager planner's breakpoints (a guard on them failed at (1, 1) before).
     for batch, seq in [(1, 1), (1, 2), (2, 3), (1, 32), (16, 1), (3, 7), (16, 32), (5, 12)]:
@@ -151,8 +157,7 @@ def test_stock_torch_export_without_a_declared_max_runs_small_and_large_batches(
     comera_fx.tensorize_(model, TensorizeConfig(max_rank=8, min_numel=0))
     prune_unevenly_(model)
     reference = dense_twin(dense, model)
-    program = torch.export.export(model, (torch.randn(3, 128, dtype=torch.float64),),
-                                  dynamic_shapes=({0: Dim("b")},))
+    program = torch.export.export(model, (torch.randn(3, 128, dtype=torch.float64),), dynamic_shapes=({0: Dim("b")},))
     run = program.module()
     for batch in (1, 2, 5, 300, 2048):
         x = torch.randn(batch, 128, dtype=torch.float64)
@@ -166,8 +171,7 @@ def test_a_range_past_the_position_table_is_refused_naming_the_dimension():
     comera_fx.tensorize_(model, TensorizeConfig(max_rank=6, min_numel=2**12))
     ids = torch.randint(0, 512, (2, 8))
     with pytest.raises(comera_fx.ExportRangeError, match=r"ids\.size\(1\) = 48, the declared max"):
-        comera_fx.export(model, (ids,), dynamic_shapes=({0: Dim("batch", min=1, max=4),
-                                                        1: Dim("seq", min=1, max=48)},))
+        comera_fx.export(model, (ids,), dynamic_shapes=({0: Dim("batch", min=1, max=4), 1: Dim("seq", min=1, max=48)},))
 
 
 def test_a_dimension_without_a_max_is_refused():
@@ -180,8 +184,9 @@ def test_a_dimension_without_a_max_is_refused():
 def test_the_program_refuses_sizes_outside_the_declared_range_naming_the_dimension():
     model = MLP().double().eval()
     comera_fx.tensorize_(model, TensorizeConfig(max_rank=8, min_numel=0))
-    program = comera_fx.export(model, (torch.randn(3, 128, dtype=torch.float64),),
-                               dynamic_shapes=({0: Dim("b", min=2, max=64)},))
+    program = comera_fx.export(
+        model, (torch.randn(3, 128, dtype=torch.float64),), dynamic_shapes=({0: Dim("b", min=2, max=64)},)
+    )
     run = program.module()
     with pytest.raises(Exception, match=r"x\.size\(\)\[0\] <= 64"):
         run(torch.randn(65, 128, dtype=torch.float64))
@@ -195,8 +200,9 @@ def test_the_program_refuses_an_input_with_more_dimensions(extra):
     refuses (4, 128, 1), which dense ``nn.Linear`` would reject too; eager and exported agree on (4, 128)."""
     model = MLP().double().eval()
     comera_fx.tensorize_(model, TensorizeConfig(max_rank=8, min_numel=0))
-    program = comera_fx.export(model, (torch.randn(3, 128, dtype=torch.float64),),
-                               dynamic_shapes=({0: Dim("b", min=2, max=64)},))
+    program = comera_fx.export(
+        model, (torch.randn(3, 128, dtype=torch.float64),), dynamic_shapes=({0: Dim("b", min=2, max=64)},)
+    )
     run = program.module()
     x = torch.randn(4, 128, dtype=torch.float64)
     with torch.no_grad():
@@ -209,8 +215,9 @@ def test_the_program_refuses_an_input_with_more_dimensions(extra):
 def test_plan_for_range_minimises_the_worst_ratio_at_every_size(lo, hi):
     """Brute force over every integer size: no plan of the envelope has a smaller worst ratio to the per-size best,
     and the reported ratio is the chosen plan's worst."""
-    layout = comera_fx.TTMatrix.random(128, 256, format="tt", row_modes=(16, 8), col_modes=(16, 16), max_rank=8,
-                                       std=0.1).layout
+    layout = comera_fx.TTMatrix.random(
+        128, 256, format="tt", row_modes=(16, 8), col_modes=(16, 16), max_rank=8, std=0.1
+    ).layout
     chosen = comera_fx.plan_for_range(layout, "matmul", lo, hi)
     candidates = planner.plan(layout, op="matmul", bounds=(1, None), backward=False).plans
     sizes = range(lo, hi + 1)
@@ -247,8 +254,9 @@ def test_a_graph_calling_a_python_custom_op_is_refused():
 
 def test_hugging_face_gpt2_exports_with_dynamic_batch_and_sequence():
     torch.manual_seed(3)
-    config = transformers.GPT2Config(n_layer=1, n_embd=64, n_head=2, vocab_size=256, n_positions=32,
-                                     bos_token_id=0, eos_token_id=0)
+    config = transformers.GPT2Config(
+        n_layer=1, n_embd=64, n_head=2, vocab_size=256, n_positions=32, bos_token_id=0, eos_token_id=0
+    )
     model = transformers.GPT2LMHeadModel(config).double().eval()
     ids = torch.randint(0, 256, (2, 8))
     comera_fx.tensorize_(model, TensorizeConfig(max_rank=8, min_numel=2**12), example_inputs={"input_ids": ids})
@@ -262,12 +270,14 @@ def test_hugging_face_gpt2_exports_with_dynamic_batch_and_sequence():
             return self.lm(input_ids=ids, use_cache=False).logits
 
     wrapped = Logits(model)
-    program = comera_fx.export(wrapped, (ids,), dynamic_shapes=({0: Dim("batch", min=1, max=8),
-                                                                 1: Dim("seq", min=1, max=32)},))
+    program = comera_fx.export(
+        wrapped, (ids,), dynamic_shapes=({0: Dim("batch", min=1, max=8), 1: Dim("seq", min=1, max=32)},)
+    )
     for batch, seq in [(1, 1), (8, 32), (3, 17)]:
         x = torch.randint(0, 256, (batch, seq), generator=torch.Generator().manual_seed(seq))
         with torch.no_grad():
             torch.testing.assert_close(program.module()(x), wrapped(x), rtol=1e-9, atol=1e-11)
     with pytest.raises(comera_fx.ExportRangeError, match=r"ids\.size\(1\) = 64"):  # n_positions is 32
-        comera_fx.export(wrapped, (ids,), dynamic_shapes=({0: Dim("batch", min=1, max=8),
-                                                          1: Dim("seq", min=1, max=64)},))
+        comera_fx.export(
+            wrapped, (ids,), dynamic_shapes=({0: Dim("batch", min=1, max=8), 1: Dim("seq", min=1, max=64)},)
+        )

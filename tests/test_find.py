@@ -192,6 +192,7 @@ def test_wrong_example_inputs_leave_the_model_unconverted():
 
 def test_a_capture_error_on_a_model_that_runs_eagerly_falls_back_to_module_scan(monkeypatch):
     """Dynamo failing where eager code runs is Dynamo's limit: the scan still finds the common layers."""
+
     def failing_capture(model, example_inputs):
         raise RuntimeError("Dynamo could not trace this")
 

@@ -19,14 +19,18 @@ from comera_fx.tt.layers import TTLinear
 
 
 @settings(max_examples=80, deadline=None)
-@given(st.lists(st.lists(st.tuples(st.integers(1, 60), st.floats(0, 1)), min_size=1, max_size=5),
-                min_size=1, max_size=3), st.integers(0, 200), st.integers(0, 12))
+@given(
+    st.lists(st.lists(st.tuples(st.integers(1, 60), st.floats(0, 1)), min_size=1, max_size=5), min_size=1, max_size=3),
+    st.integers(0, 200),
+    st.integers(0, 12),
+)
 def test_selection_fits_and_is_optimal_at_its_own_breakpoints(layers, budget_extra, steps):
     """Against brute force over every combination of every candidate (dominated ones included): the choice always
     fits the budget, no single swap that fits improves it, and at a budget where the steps of best error per byte,
     taken in order, fill it exactly, no combination of at most that many bytes has a smaller summed error."""
-    candidates = {f"l{i}": [FormatChoice(f"l{i}", "int8", None, b, e) for b, e in cands]
-                  for i, cands in enumerate(layers)}
+    candidates = {
+        f"l{i}": [FormatChoice(f"l{i}", "int8", None, b, e) for b, e in cands] for i, cands in enumerate(layers)
+    }
     hulls = {fqn: _hull(c) for fqn, c in candidates.items()}
     smallest = sum(h[0].bytes for h in hulls.values())
 
@@ -35,8 +39,11 @@ def test_selection_fits_and_is_optimal_at_its_own_breakpoints(layers, budget_ext
         return sum(c.bytes for c in picked), sum(c.error for c in picked)
 
     def best_within(budget):
-        return min(sum(c.error for c in combo) for combo in itertools.product(*candidates.values())
-                   if sum(c.bytes for c in combo) <= budget)
+        return min(
+            sum(c.error for c in combo)
+            for combo in itertools.product(*candidates.values())
+            if sum(c.bytes for c in combo) <= budget
+        )
 
     budget = smallest + budget_extra
     spent, _ = summed(select_on_hulls(hulls, budget))
@@ -48,8 +55,11 @@ def test_selection_fits_and_is_optimal_at_its_own_breakpoints(layers, budget_ext
         for c in found:
             assert not (spent - final[fqn].bytes + c.bytes <= budget and c.error < final[fqn].error - 1e-15)
     # the breakpoints: every hull step, in order of error saved per byte (a hull's own steps come in its order)
-    moves = sorted(((h[k].error - h[k + 1].error) / (h[k + 1].bytes - h[k].bytes), h[k + 1].bytes - h[k].bytes)
-                   for h in hulls.values() for k in range(len(h) - 1))[::-1]
+    moves = sorted(
+        ((h[k].error - h[k + 1].error) / (h[k + 1].bytes - h[k].bytes), h[k + 1].bytes - h[k].bytes)
+        for h in hulls.values()
+        for k in range(len(h) - 1)
+    )[::-1]
     assume(len({gain for gain, _ in moves}) == len(moves))  # ties make the order (and the breakpoints) ambiguous
     breakpoint_budget = smallest + sum(extra for _, extra in moves[:steps])
     spent, error = summed(select_on_hulls(hulls, breakpoint_budget))
@@ -90,8 +100,9 @@ def calibrated():
 def layer_inputs(model, batches):
     """Each layer's inputs over the calibration batches, recorded by hooks (independent of the Calibration)."""
     seen = {name: [] for name in ("low", "flat", "mid")}
-    handles = [getattr(model, n).register_forward_hook(lambda m, a, o, n=n: seen[n].append(a[0].double()))
-               for n in seen]
+    handles = [
+        getattr(model, n).register_forward_hook(lambda m, a, o, n=n: seen[n].append(a[0].double())) for n in seen
+    ]
     with torch.no_grad():
         for b in batches:
             model(b)
@@ -125,13 +136,16 @@ def test_plan_fits_the_budget_and_its_errors_are_the_built_models():
         assert mine and all(spec == QuantSpec(bits, choice.group_size) for spec in mine), name
     assert len(specs) == sum(
         len(list(getattr(model, n).tt.cores)) if isinstance(getattr(model, n), TTLinear) else 1
-        for n in ("low", "flat", "mid"))
+        for n in ("low", "flat", "mid")
+    )
 
 
 def test_a_larger_budget_never_has_a_larger_error():
     model, _, cal = calibrated()
-    errors = [comera_fx.choose_formats(model, cal, b, ranks=(1, 2, 4, 8), config=CONFIG).total_error
-              for b in (0.05, 0.1, 0.2, 0.3)]
+    errors = [
+        comera_fx.choose_formats(model, cal, b, ranks=(1, 2, 4, 8), config=CONFIG).total_error
+        for b in (0.05, 0.1, 0.2, 0.3)
+    ]
     assert errors == sorted(errors, reverse=True) and errors[0] > errors[-1]
 
 
@@ -155,8 +169,9 @@ def test_bad_input_is_refused_before_any_weight_moves():
     with pytest.raises(ValueError, match="does not belong to this model"):
         comera_fx.choose_formats(other, cal, 0.2, config=CONFIG)
     narrow = comera_fx.calibrate(model, [torch.randn(8, 64)], config=CONFIG)
-    narrow = comera_fx.Calibration({k: comera_fx.InputStats(v.second_moment[:32, :32], v.tokens)
-                                    for k, v in narrow.items()})
+    narrow = comera_fx.Calibration(
+        {k: comera_fx.InputStats(v.second_moment[:32, :32], v.tokens) for k, v in narrow.items()}
+    )
     with pytest.raises(ValueError, match="input features"):
         comera_fx.choose_formats(model, narrow, 0.2, config=CONFIG)
     plan = comera_fx.choose_formats(model, cal, 0.2, ranks=(1, 2), config=CONFIG)
@@ -199,8 +214,9 @@ def test_the_output_short_list_chooses_what_scoring_every_candidate_chooses():
     """Default output scoring runs only a short-list at the output; on these layers it picks what running every
     candidate picks, with the same measured errors for the chosen ones, in fewer passes."""
     model, batches, cal = calibrated()
-    every = comera_fx.choose_formats(model, cal, 0.15, ranks=(1, 2, 4, 8), config=CONFIG, batches=batches[:2],
-                                     score_all=True)
+    every = comera_fx.choose_formats(
+        model, cal, 0.15, ranks=(1, 2, 4, 8), config=CONFIG, batches=batches[:2], score_all=True
+    )
     short = comera_fx.choose_formats(model, cal, 0.15, ranks=(1, 2, 4, 8), config=CONFIG, batches=batches[:2])
     assert (every.scoring, short.scoring) == ("output", "shortlist")
     assert {k: c.label() for k, c in short.choices.items()} == {k: c.label() for k, c in every.choices.items()}
@@ -225,10 +241,10 @@ def test_fast_estimates_are_near_the_exact_errors_and_choose_alike():
             e = w - fake_quant(layer.weight.detach(), bits, group).double()
             exact = float((e @ c @ e.T).trace()) / total
             assert est.int_error(bits, group) == pytest.approx(exact, rel=0.1), (name, bits)
-    exact = comera_fx.choose_formats(model, cal, 0.15, ranks=(1, 2, 4, 8), config=CONFIG, batches=batches[:2],
-                                     score_all=True)
-    fast = comera_fx.choose_formats(model, cal, 0.15, ranks=(1, 2, 4, 8), config=CONFIG, fast=True,
-                                    batches=batches[:2])
+    exact = comera_fx.choose_formats(
+        model, cal, 0.15, ranks=(1, 2, 4, 8), config=CONFIG, batches=batches[:2], score_all=True
+    )
+    fast = comera_fx.choose_formats(model, cal, 0.15, ranks=(1, 2, 4, 8), config=CONFIG, fast=True, batches=batches[:2])
     for fqn, c in fast.candidates.items():
         for e in exact.candidates[fqn]:
             if e.format.startswith("tt") and e.error > 1e-6:

@@ -19,24 +19,35 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 def test_compiled_greedy_generate_gives_eager_tokens():
     torch.manual_seed(0)
-    config = transformers.GPT2Config(n_layer=1, n_embd=64, n_head=2, vocab_size=256, n_positions=64,
-                                     bos_token_id=0, eos_token_id=0)
+    config = transformers.GPT2Config(
+        n_layer=1, n_embd=64, n_head=2, vocab_size=256, n_positions=64, bos_token_id=0, eos_token_id=0
+    )
     dense = transformers.GPT2LMHeadModel(config).double().eval()
     model = copy.deepcopy(dense)
-    comera_fx.tensorize_(model, TensorizeConfig(max_rank=8, min_numel=2**12),
-                         example_inputs={"input_ids": torch.zeros(1, 8, dtype=torch.long)})
+    comera_fx.tensorize_(
+        model,
+        TensorizeConfig(max_rank=8, min_numel=2**12),
+        example_inputs={"input_ids": torch.zeros(1, 8, dtype=torch.long)},
+    )
     assert isinstance(model.transformer.wte, TTEmbedding)
     reference = copy.deepcopy(dense)  # dense weights equal to the TT matrices
     for name, module in model.named_modules():
         if isinstance(module, (TTLinear, TTEmbedding)) and name != "lm_head":
             target = reference.get_submodule(name)
             weight = module.weight.detach()
-            target.weight.data = weight.t().clone() if isinstance(target, transformers.pytorch_utils.Conv1D) \
-                else weight.clone()
+            target.weight.data = (
+                weight.t().clone() if isinstance(target, transformers.pytorch_utils.Conv1D) else weight.clone()
+            )
 
     prompt = torch.randint(1, 256, (2, 5), generator=torch.Generator().manual_seed(3))
-    options = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=12, min_new_tokens=12, do_sample=False,
-                   use_cache=True, pad_token_id=0)
+    options = dict(
+        attention_mask=torch.ones_like(prompt),
+        max_new_tokens=12,
+        min_new_tokens=12,
+        do_sample=False,
+        use_cache=True,
+        pad_token_id=0,
+    )
     with torch.no_grad():
         expected = reference.generate(prompt, **options)
         eager = model.generate(prompt, **options)
@@ -51,7 +62,7 @@ def test_compiled_greedy_generate_gives_eager_tokens():
     torch._dynamo.reset()
     assert torch.equal(eager, expected)
     assert torch.equal(compiled, eager)
-    assert torch.equal(longer[:, :compiled.shape[1]], compiled)
+    assert torch.equal(longer[:, : compiled.shape[1]], compiled)
     # Dynamo makes the growing cache length dynamic after its first recompile: a longer generation (other cache
     # lengths) compiles nothing new, so the compiled path does not recompile per generated length.
     assert graphs <= 4 and graphs_after == graphs, (graphs, graphs_after)

@@ -14,27 +14,63 @@ from torch import fx
 import comera_fx
 from comera_fx import TensorizeConfig, TTMatrix
 from comera_fx.testing import assert_rewrite_equivalent
-from helpers_models import (MLP, FunctionalLinear, LinearAndMatmul, MatmulModel, Mixed, TiedLM, Tiny,
-                            large_2d_parameters, rel_err, relative_tolerance, tt_chain_dense)
+from helpers_models import (
+    MLP,
+    FunctionalLinear,
+    LinearAndMatmul,
+    MatmulModel,
+    Mixed,
+    TiedLM,
+    Tiny,
+    large_2d_parameters,
+    rel_err,
+    relative_tolerance,
+    tt_chain_dense,
+)
 
 FULL = TensorizeConfig(max_rank=10**9, min_numel=4096)
 
 MODELS = {
     "mlp": (MLP, lambda: torch.randn(5, 128, dtype=torch.float64, generator=torch.Generator().manual_seed(1))),
-    "functional": (FunctionalLinear,
-                   lambda: torch.randn(5, 128, dtype=torch.float64, generator=torch.Generator().manual_seed(1))),
-    "matmul": (MatmulModel,
-               lambda: torch.randn(5, 128, dtype=torch.float64, generator=torch.Generator().manual_seed(1))),
-    "linear_and_matmul": (LinearAndMatmul,
-                          lambda: torch.randn(5, 128, dtype=torch.float64, generator=torch.Generator().manual_seed(1))),
+    "functional": (
+        FunctionalLinear,
+        lambda: torch.randn(5, 128, dtype=torch.float64, generator=torch.Generator().manual_seed(1)),
+    ),
+    "matmul": (
+        MatmulModel,
+        lambda: torch.randn(5, 128, dtype=torch.float64, generator=torch.Generator().manual_seed(1)),
+    ),
+    "linear_and_matmul": (
+        LinearAndMatmul,
+        lambda: torch.randn(5, 128, dtype=torch.float64, generator=torch.Generator().manual_seed(1)),
+    ),
     "tied": (TiedLM, lambda: torch.randint(0, 300, (3, 7), generator=torch.Generator().manual_seed(2))),
     "mixed": (Mixed, lambda: torch.tensor([[0, 5, 299, 0], [17, 0, 3, 250]])),  # includes the padding index 0
 }
 
 # Ops the TT contraction subgraph may use: pairwise contractions (matmul / mm / bmm) and data movement only.
-ALLOWED_NEW_OPS = {"matmul", "mm", "bmm", "reshape", "view", "permute", "t", "transpose", "mul", "add", "getitem",
-                   "embedding", "pad", "div", "remainder", "floordiv", "where", "eq", "contiguous",
-                   "getattr"}  # getattr: reading x.shape for the output reshape
+ALLOWED_NEW_OPS = {
+    "matmul",
+    "mm",
+    "bmm",
+    "reshape",
+    "view",
+    "permute",
+    "t",
+    "transpose",
+    "mul",
+    "add",
+    "getitem",
+    "embedding",
+    "pad",
+    "div",
+    "remainder",
+    "floordiv",
+    "where",
+    "eq",
+    "contiguous",
+    "getattr",
+}  # getattr: reading x.shape for the output reshape
 
 
 def capture(flavor: str, model, x) -> fx.GraphModule:
@@ -48,10 +84,12 @@ def assert_pass_equivalent(flavor: str, dense, x, config=FULL, **kwargs) -> fx.G
     relative error 1e-10 unless ``kwargs`` say otherwise); returns the rewritten GraphModule."""
     kwargs = relative_tolerance(dense, (x,), 1e-10) | kwargs
     if flavor == "symbolic_trace":  # the toolkit hands the rewrite fx.symbolic_trace of its copy
-        return assert_rewrite_equivalent(dense, lambda gm: comera_fx.passes.tensorize(gm, config), x, graph=True,
-                                         **kwargs)
-    return assert_rewrite_equivalent(dense, lambda m: comera_fx.passes.tensorize(capture(flavor, m, x), config), x,
-                                     graph=False, **kwargs)
+        return assert_rewrite_equivalent(
+            dense, lambda gm: comera_fx.passes.tensorize(gm, config), x, graph=True, **kwargs
+        )
+    return assert_rewrite_equivalent(
+        dense, lambda m: comera_fx.passes.tensorize(capture(flavor, m, x), config), x, graph=False, **kwargs
+    )
 
 
 def op_name(node: fx.Node) -> str:
@@ -68,10 +106,11 @@ def call_names(gm: fx.GraphModule) -> list[str]:
     return [op_name(n) for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
 
 
-
-
-@pytest.fixture(scope="module", params=[(f, m) for f in ("symbolic_trace", "export") for m in MODELS],
-                ids=lambda p: f"{p[0]}-{p[1]}")
+@pytest.fixture(
+    scope="module",
+    params=[(f, m) for f in ("symbolic_trace", "export") for m in MODELS],
+    ids=lambda p: f"{p[0]}-{p[1]}",
+)
 def converted(request):
     flavor, name = request.param
     torch.manual_seed(0)

@@ -43,9 +43,18 @@ def test_trainer_run_shrinks_ranks_and_saves_a_loadable_model(tmp_path):
     model = tensorized_gpt2(seed=0)
     before = sum(p.numel() for m in model.modules() if isinstance(m, comera_fx.TTMatrix) for p in m.parameters())
     callback = RankAdaptiveCallback(keep_fraction=0.4, prunes=3)
-    args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=30, per_device_train_batch_size=4,
-                                          learning_rate=1e-3, logging_steps=5, save_strategy="no", report_to=[],
-                                          use_cpu=True, disable_tqdm=True, dataloader_num_workers=0)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=30,
+        per_device_train_batch_size=4,
+        learning_rate=1e-3,
+        logging_steps=5,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
     trainer = transformers.Trainer(model=model, args=args, train_dataset=RandomTokens(), callbacks=[callback])
     trainer.train()
 

@@ -29,10 +29,10 @@ def matrix(ranks, dtype, seed):
 
 @pytest.fixture
 def entries():
-    specs = [("a", (1, 3, 4, 1), torch.float32), ("b", (1, 5, 2, 3, 1), torch.float64),
-             ("c", (1, 2, 1), torch.float32)]
-    return [MatrixEntry(name, matrix(ranks, dtype, seed), True, (name,))
-            for seed, (name, ranks, dtype) in enumerate(specs)]
+    specs = [("a", (1, 3, 4, 1), torch.float32), ("b", (1, 5, 2, 3, 1), torch.float64), ("c", (1, 2, 1), torch.float32)]
+    return [
+        MatrixEntry(name, matrix(ranks, dtype, seed), True, (name,)) for seed, (name, ranks, dtype) in enumerate(specs)
+    ]
 
 
 def reference_step(state, entries, beta):
@@ -46,11 +46,11 @@ def reference_step(state, entries, beta):
             if not any(x != 0 for x in d):
                 continue  # no evidence: the averages stay
             key = (entry.name, k)
-            state["bond"][key] = beta * state["bond"].get(key, 0.0) + (1 - beta) * sum(abs(a * b) for a, b in
-                                                                                     zip(g, d))
+            state["bond"][key] = beta * state["bond"].get(key, 0.0) + (1 - beta) * sum(abs(a * b) for a, b in zip(g, d))
             if k == 0:
-                state["layer"][entry.name] = (beta * state["layer"].get(entry.name, 0.0)
-                                              + (1 - beta) * abs(sum(a * b for a, b in zip(g, d))))
+                state["layer"][entry.name] = beta * state["layer"].get(entry.name, 0.0) + (1 - beta) * abs(
+                    sum(a * b for a, b in zip(g, d))
+                )
                 state["seen"].add(entry.name)
 
 
@@ -117,8 +117,10 @@ def test_live_counts_match_a_per_gate_count(entries, threshold):
                 gate.copy_((torch.rand(gate.shape, generator=gen, dtype=torch.float64) * 2 - 1).to(gate.dtype))
                 gate[0] = 0.0
                 gate[-1] = -threshold  # on the threshold: not live (|g| > threshold)
-    expected = [tuple(sum(1 for x in gate.detach().double().tolist() if abs(x) > threshold)
-                      for gate in entry.tt.gates) for entry in entries]
+    expected = [
+        tuple(sum(1 for x in gate.detach().double().tolist() if abs(x) > threshold) for gate in entry.tt.gates)
+        for entry in entries
+    ]
     got = live_counts([entry.tt for entry in entries], threshold)
     assert got == expected
     assert math.prod(len(c) for c in got) > 0

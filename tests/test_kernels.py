@@ -24,7 +24,6 @@ from comera_fx.tt.decompose import random_tt_cores
 from comera_fx.tt.layout import TTFormat, TTLayout
 
 
-
 def _kernel_device() -> torch.device:
     """The device the kernels run on here, or skip with the reason."""
     pytest.importorskip("triton", reason="triton is not installed (pip install 'comera_fx[triton]')")
@@ -51,8 +50,9 @@ def _leaves(tensors, device):
     return [t.detach().to(device).requires_grad_() for t in tensors]
 
 
-def _check_take_rows(index, cores, gates, layout, *, pre_gated: bool, dedup: bool, tol: float = 1e-4,
-                     expect_kernel: bool = True):
+def _check_take_rows(
+    index, cores, gates, layout, *, pre_gated: bool, dedup: bool, tol: float = 1e-4, expect_kernel: bool = True
+):
     ref_cores, ref_gates = _leaves(cores, "cpu"), _leaves(gates, "cpu")
     ref_cores64 = [c.detach().double().requires_grad_() for c in ref_cores]
     ref_gates64 = [g.detach().double().requires_grad_() for g in ref_gates]
@@ -70,8 +70,9 @@ def _check_take_rows(index, cores, gates, layout, *, pre_gated: bool, dedup: boo
     grad = torch.randn(ref.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     expected = torch.autograd.grad(ref, ref_cores64 + ref_gates64, grad, allow_unused=True)
     actual = torch.autograd.grad(out, list(cores) + list(gates), grad.to(device, out.dtype), allow_unused=True)
-    for name, a, e in zip([f"core {k}" for k in range(len(cores))] + [f"gate {k}" for k in range(len(gates))],
-                          actual, expected):
+    for name, a, e in zip(
+        [f"core {k}" for k in range(len(cores))] + [f"gate {k}" for k in range(len(gates))], actual, expected
+    ):
         e = torch.zeros_like(ref_cores64[0]) if e is None else e
         a = torch.zeros_like(e) if a is None else a.double().cpu()
         try:
@@ -84,8 +85,12 @@ def _check_take_rows(index, cores, gates, layout, *, pre_gated: bool, dedup: boo
 
 
 @pytest.mark.triton
-@given(spec=tt_specs(dtype=torch.float32, formats=(TTFormat.TTM,), max_modes=3, max_rank=6), data=st.data(),
-       pre_gated=st.booleans(), dedup=st.booleans())
+@given(
+    spec=tt_specs(dtype=torch.float32, formats=(TTFormat.TTM,), max_modes=3, max_rank=6),
+    data=st.data(),
+    pre_gated=st.booleans(),
+    dedup=st.booleans(),
+)
 def test_take_rows_matches_aten(spec, data, pre_gated, dedup):
     device = _kernel_device()
     layout = spec.layout
@@ -95,8 +100,7 @@ def test_take_rows_matches_aten(spec, data, pre_gated, dedup):
 
 
 @pytest.mark.triton
-@given(spec=tt_specs(dtype=torch.float32, formats=(TTFormat.TTM,), max_modes=4, max_rank=5),
-       gate_last=st.booleans())
+@given(spec=tt_specs(dtype=torch.float32, formats=(TTFormat.TTM,), max_modes=4, max_rank=5), gate_last=st.booleans())
 def test_gated_merge_matches_aten(spec, gate_last):
     device = _kernel_device()
     layout = spec.layout
@@ -109,7 +113,7 @@ def test_gated_merge_matches_aten(spec, gate_last):
 
     ref_cores = [c.detach().double().cpu().requires_grad_() for c in cores]
     ref_gates = [g.detach().double().cpu().requires_grad_() for g in gates]
-    gated = [c * g for c, g in zip(ref_cores, ref_gates)] + ref_cores[len(ref_gates):]
+    gated = [c * g for c, g in zip(ref_cores, ref_gates)] + ref_cores[len(ref_gates) :]
     ref = ops.ttm_merge(gated, layout.row_modes, layout.col_modes, layout.ranks)
     assert out.shape == ref.shape and len(gates) in (n, n - 1)
     _close(out.detach().double().cpu(), ref.detach())
@@ -165,11 +169,15 @@ def test_take_rows_compiles_fullgraph(device, monkeypatch):
         def compiler(gm, example_inputs):
             graphs[kind] = gm.code
             return make_boxed_func(gm.forward)
+
         return compiler
 
     torch._dynamo.reset()
-    fn = torch.compile(lambda i, c, g: kernels.take_rows(i, c, layout, g), fullgraph=True,
-                       backend=aot_autograd(fw_compiler=record("forward"), bw_compiler=record("backward")))
+    fn = torch.compile(
+        lambda i, c, g: kernels.take_rows(i, c, layout, g),
+        fullgraph=True,
+        backend=aot_autograd(fw_compiler=record("forward"), bw_compiler=record("backward")),
+    )
     # Under the interpreter the kernels are not JIT functions, so AOTAutograd cannot decompose the triton_op into
     # its kernel launches (it would run them on functional tensors): keep the ops opaque there. On CUDA the ops are
     # decomposed as Inductor would see them.
@@ -201,8 +209,10 @@ def test_cpu_without_interpret_uses_aten(monkeypatch):
     assert kernels.kernel_path(*cores, *gates) == "aten"
     impl = kernels._load()
     if impl is not None:
+
         def refuse(*args, **kwargs):
             raise AssertionError("the Triton kernel ran on CPU tensors outside interpret mode")
+
         monkeypatch.setattr(impl, "ttm_lookup", refuse)
         monkeypatch.setattr(impl, "gated_merge", refuse)
     index = torch.tensor([[1, 44], [7, 7]])
@@ -247,8 +257,10 @@ def test_fallback_matches_ops(monkeypatch):
     path and TT layouts)."""
     monkeypatch.setattr(kernels, "ENABLED", False)
     generator = torch.Generator().manual_seed(6)
-    for layout in (TTLayout(TTFormat.TTM, 45, 20, (3, 4, 4), (2, 3, 4), (1, 3, 5, 1)),
-                   TTLayout(TTFormat.TT, 30, 20, (5, 6), (4, 5), (1, 3, 4, 2, 1))):
+    for layout in (
+        TTLayout(TTFormat.TTM, 45, 20, (3, 4, 4), (2, 3, 4), (1, 3, 5, 1)),
+        TTLayout(TTFormat.TT, 30, 20, (5, 6), (4, 5), (1, 3, 4, 2, 1)),
+    ):
         cores = random_tt_cores(layout.core_shapes, 1.0, generator=generator)
         gates = [torch.rand(r, generator=generator) + 0.5 for r in layout.internal_ranks]
         index = torch.randint(0, layout.rows, (3, 4), generator=generator)
@@ -263,7 +275,8 @@ def test_fallback_matches_ops(monkeypatch):
     gates = [torch.rand(r, generator=generator) + 0.5 for r in layout.internal_ranks]
     torch.testing.assert_close(
         kernels.gated_ttm_merge(cores, gates, layout.row_modes, layout.col_modes, layout.ranks),
-        ops.ttm_merge(ops.gate_cores(cores, gates, layout), layout.row_modes, layout.col_modes, layout.ranks))
+        ops.ttm_merge(ops.gate_cores(cores, gates, layout), layout.row_modes, layout.col_modes, layout.ranks),
+    )
 
 
 def test_cpu_tensors_take_aten_path_without_interpreter(monkeypatch):
@@ -274,9 +287,11 @@ def test_cpu_tensors_take_aten_path_without_interpreter(monkeypatch):
 
 def test_import_loads_no_kernels():
     """Importing comera_fx (and the kernels package) neither defines the triton ops nor fails without triton."""
-    code = ("import sys, comera_fx, comera_fx.tt.kernels as k; "
-            "print('comera_fx.tt.kernels._triton' in sys.modules, hasattr(__import__('torch').ops.comera_fx, "
-            "'ttm_lookup'))")
+    code = (
+        "import sys, comera_fx, comera_fx.tt.kernels as k; "
+        "print('comera_fx.tt.kernels._triton' in sys.modules, hasattr(__import__('torch').ops.comera_fx, "
+        "'ttm_lookup'))"
+    )
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr

@@ -24,12 +24,19 @@ def inputs(model: nn.Module) -> list[LayerInput]:
 
 
 def test_each_layer_gets_its_overrides_and_seed_once():
-    config = TensorizeConfig(max_rank=12, min_numel=1000, seed=7, init="random",
-                             overrides={r"^2\.": {"max_rank": 4}, r"^4\.": {"num_modes": 2, "rank_ratio": 0.5}})
+    config = TensorizeConfig(
+        max_rank=12,
+        min_numel=1000,
+        seed=7,
+        init="random",
+        overrides={r"^2\.": {"max_rank": 4}, r"^4\.": {"num_modes": 2, "rank_ratio": 0.5}},
+    )
     decided = plan_layers(inputs(mlp()), config)
-    want = {"0.weight": LayerSettings(max_rank=12, init="random"),
-            "2.weight": LayerSettings(max_rank=4, init="random"),
-            "4.weight": LayerSettings(max_rank=12, rank_ratio=0.5, num_modes=2, init="random")}
+    want = {
+        "0.weight": LayerSettings(max_rank=12, init="random"),
+        "2.weight": LayerSettings(max_rank=4, init="random"),
+        "4.weight": LayerSettings(max_rank=12, rank_ratio=0.5, num_modes=2, init="random"),
+    }
     assert {fqn: plan.settings for fqn, plan in decided.plans.items()} == want
     assert [plan.seed for plan in decided.plans.values()] == [7, 8, 9]
     assert all(plan.fit is None and plan.transposed for plan in decided.plans.values())

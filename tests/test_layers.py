@@ -126,8 +126,9 @@ def test_full_rank_large_padded_vocab_like_sizes():
 def test_explicit_modes_bypass_automatic_choice():
     # Explicit modes must be used as given, even when no automatic choice exists within the padding budget.
     matrix = random_matrix(13, 6, 0)
-    tt = make_tt_matrix(matrix, kind="linear", row_modes=(13, 1), col_modes=(3, 2), max_rank=10**9,
-                        max_pad_fraction=0.0)
+    tt = make_tt_matrix(
+        matrix, kind="linear", row_modes=(13, 1), col_modes=(3, 2), max_rank=10**9, max_pad_fraction=0.0
+    )
     assert tt.row_modes == (13, 1) and tt.col_modes == (3, 2)
     assert_rel_close(tt.dense(), matrix, 1e-10)
 
@@ -135,12 +136,26 @@ def test_explicit_modes_bypass_automatic_choice():
 # ------------------------------------------------------------------------------------------------ gated chains
 
 
-@given(fmt=formats, dtype=dtypes, problem=st.data(), seed=seeds, batch=shapes, index_shape=shapes,
-       max_rank=st.one_of(st.none(), st.integers(1, 6)), zero_fraction=st.sampled_from([0.0, 0.3, 1.0]))
+@given(
+    fmt=formats,
+    dtype=dtypes,
+    problem=st.data(),
+    seed=seeds,
+    batch=shapes,
+    index_shape=shapes,
+    max_rank=st.one_of(st.none(), st.integers(1, 6)),
+    zero_fraction=st.sampled_from([0.0, 0.3, 1.0]),
+)
 def test_gated_ops_equal_einsum_reference(fmt, dtype, problem, seed, batch, index_shape, max_rank, zero_fraction):
     rows, cols, row_modes, col_modes = problem.draw(layer_problems(fmt))
-    tt = make_tt_matrix(random_matrix(rows, cols, seed, dtype), kind="linear", format=fmt, max_rank=max_rank,
-                        row_modes=row_modes, col_modes=col_modes)
+    tt = make_tt_matrix(
+        random_matrix(rows, cols, seed, dtype),
+        kind="linear",
+        format=fmt,
+        max_rank=max_rank,
+        row_modes=row_modes,
+        col_modes=col_modes,
+    )
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for gate in tt.gates:
@@ -162,8 +177,14 @@ def test_gated_ops_equal_einsum_reference(fmt, dtype, problem, seed, batch, inde
 # --------------------------------------------------------------------------------------------------- gradients
 
 
-@given(fmt=formats, seed=seeds, batch=shapes, in_features=st.integers(1, 30), out_features=st.integers(1, 30),
-       bias=st.booleans())
+@given(
+    fmt=formats,
+    seed=seeds,
+    batch=shapes,
+    in_features=st.integers(1, 30),
+    out_features=st.integers(1, 30),
+    bias=st.booleans(),
+)
 def test_tt_linear_input_gradient_equals_dense(fmt, seed, batch, in_features, out_features, bias):
     g = torch.Generator().manual_seed(seed)
     linear = nn.Linear(in_features, out_features, bias=bias, dtype=torch.float64)
@@ -200,16 +221,20 @@ class _Call(nn.Module):
         return getattr(self.tt, self.method)(arg)
 
 
-@pytest.mark.parametrize("fmt,row_modes,col_modes,rows,cols", [
-    (TTFormat.TT, (3, 2), (2, 2), 5, 3),
-    (TTFormat.TTM, (3, 2), (2, 2), 5, 3),
-    (TTFormat.TTM, (2, 1, 3), (1, 2, 2), 6, 4),
-])
+@pytest.mark.parametrize(
+    "fmt,row_modes,col_modes,rows,cols",
+    [
+        (TTFormat.TT, (3, 2), (2, 2), 5, 3),
+        (TTFormat.TTM, (3, 2), (2, 2), 5, 3),
+        (TTFormat.TTM, (2, 1, 3), (1, 2, 2), 6, 4),
+    ],
+)
 @pytest.mark.parametrize("method", ["matmul", "matmul_t", "take_rows"])
 def test_gradcheck_tiny_tt_matrix(fmt, row_modes, col_modes, rows, cols, method):
     g = torch.Generator().manual_seed(3)
-    tt = make_tt_matrix(random_matrix(rows, cols, 3), kind="linear", format=fmt, row_modes=row_modes,
-                        col_modes=col_modes, max_rank=2)
+    tt = make_tt_matrix(
+        random_matrix(rows, cols, 3), kind="linear", format=fmt, row_modes=row_modes, col_modes=col_modes, max_rank=2
+    )
     with torch.no_grad():
         for gate in tt.gates:
             gate.copy_(torch.randn(gate.shape, generator=g, dtype=torch.float64))
@@ -237,9 +262,16 @@ def test_gradcheck_tiny_tt_matrix(fmt, row_modes, col_modes, rows, cols, method)
 # -------------------------------------------------------------------------------------------------- embeddings
 
 
-@given(fmt=formats, seed=seeds, index_shape=shapes, num=st.integers(1, 40), dim=st.integers(1, 20),
-       pad=st.one_of(st.none(), st.integers(-40, 39)), index_dtype=st.sampled_from([torch.int64, torch.int32]),
-       data=st.data())
+@given(
+    fmt=formats,
+    seed=seeds,
+    index_shape=shapes,
+    num=st.integers(1, 40),
+    dim=st.integers(1, 20),
+    pad=st.one_of(st.none(), st.integers(-40, 39)),
+    index_dtype=st.sampled_from([torch.int64, torch.int32]),
+    data=st.data(),
+)
 def test_tt_embedding_equals_nn_embedding(fmt, seed, index_shape, num, dim, pad, index_dtype, data):
     if pad is not None:
         pad = pad % num - (num if pad < 0 else 0)  # keep it in [-num, num)
@@ -303,8 +335,9 @@ def test_tt_embedding_all_padding_gives_zero_core_gradients(fmt, index_shape):
 
 def test_tt_embedding_default_padding_row_follows_the_cores():
     # Without an explicit row the padding row is zeros, created where the cores live (meta stands in for a GPU).
-    source = make_tt_matrix(torch.zeros(6, 4, dtype=torch.float64), kind="embedding", row_modes=(3, 2),
-                            col_modes=(2, 2), max_rank=2)
+    source = make_tt_matrix(
+        torch.zeros(6, 4, dtype=torch.float64), kind="embedding", row_modes=(3, 2), col_modes=(2, 2), max_rank=2
+    )
     tt = TTMatrix(source.layout, [c.detach().to("meta") for c in source.cores])
     layer = TTEmbedding(tt, padding_idx=-1)
     assert layer.padding_idx == 5
@@ -321,11 +354,14 @@ def test_tt_embedding_out_of_range_raises(bad, index_shape):
         layer(index)
 
 
-@pytest.mark.parametrize("option,field", [
-    ({"max_norm": 1.0}, "max_norm"),
-    ({"sparse": True}, "sparse"),
-    ({"scale_grad_by_freq": True}, "scale_grad_by_freq"),
-])
+@pytest.mark.parametrize(
+    "option,field",
+    [
+        ({"max_norm": 1.0}, "max_norm"),
+        ({"sparse": True}, "sparse"),
+        ({"scale_grad_by_freq": True}, "scale_grad_by_freq"),
+    ],
+)
 def test_tt_embedding_refuses_unsupported_options(option, field):
     embedding = nn.Embedding(12, 4, **option)
     assert field in TTEmbedding.check_supported(embedding)
@@ -353,8 +389,9 @@ def test_tied_head_uses_transpose(fmt):
 def test_random_init_linear_std_matches_nn_linear(fmt, seed):
     in_features, out_features = 256, 384
     linear = nn.Linear(in_features, out_features)
-    layer = TTLinear.from_dense(linear, init="random", max_rank=16, format=fmt,
-                                generator=torch.Generator().manual_seed(seed))
+    layer = TTLinear.from_dense(
+        linear, init="random", max_rank=16, format=fmt, generator=torch.Generator().manual_seed(seed)
+    )
     target = 1.0 / math.sqrt(3 * in_features)
     assert abs(linear.weight.std().item() / target - 1) < 0.05  # the documented target is the real nn.Linear std
     weight = reference_dense(layer.tt)
@@ -366,8 +403,9 @@ def test_random_init_linear_std_matches_nn_linear(fmt, seed):
 @pytest.mark.parametrize("fmt", [TTFormat.TT, TTFormat.TTM])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_random_init_embedding_std_is_one(fmt, seed):
-    layer = TTEmbedding.from_dense(nn.Embedding(1000, 64), init="random", max_rank=16, format=fmt,
-                                   generator=torch.Generator().manual_seed(seed))
+    layer = TTEmbedding.from_dense(
+        nn.Embedding(1000, 64), init="random", max_rank=16, format=fmt, generator=torch.Generator().manual_seed(seed)
+    )
     weight = reference_dense(layer.tt)
     assert abs(weight.std().item() - 1) < 0.15
 
@@ -400,13 +438,15 @@ def test_bf16_linear_close_to_dense_bf16(fmt):
 def test_state_dict_round_trip_with_pruned_ranks(fmt):
     g = torch.Generator().manual_seed(0)
     rows, cols, row_modes, col_modes = 30, 24, (5, 3, 2), (2, 3, 4)
-    pruned = make_tt_matrix(random_matrix(rows, cols, 1), kind="linear", format=fmt, max_rank=3,
-                            row_modes=row_modes, col_modes=col_modes)
+    pruned = make_tt_matrix(
+        random_matrix(rows, cols, 1), kind="linear", format=fmt, max_rank=3, row_modes=row_modes, col_modes=col_modes
+    )
     with torch.no_grad():
         for gate in pruned.gates:
             gate.copy_(torch.randn(gate.shape, generator=g, dtype=torch.float64))
-    fresh = make_tt_matrix(random_matrix(rows, cols, 2), kind="linear", format=fmt, max_rank=8,
-                           row_modes=row_modes, col_modes=col_modes)
+    fresh = make_tt_matrix(
+        random_matrix(rows, cols, 2), kind="linear", format=fmt, max_rank=8, row_modes=row_modes, col_modes=col_modes
+    )
     assert pruned.ranks != fresh.ranks
 
     fresh.load_state_dict(pruned.state_dict())
@@ -423,8 +463,16 @@ def test_state_dict_round_trip_with_pruned_ranks(fmt):
     assert_rel_close(fresh.dense(), reference_dense(pruned), 1e-10)
 
     # Nested in a layer the prefixes change; the same adoption must happen.
-    head = TTLinear(make_tt_matrix(random_matrix(rows, cols, 3), kind="linear", format=fmt, max_rank=8,
-                                   row_modes=row_modes, col_modes=col_modes))
+    head = TTLinear(
+        make_tt_matrix(
+            random_matrix(rows, cols, 3),
+            kind="linear",
+            format=fmt,
+            max_rank=8,
+            row_modes=row_modes,
+            col_modes=col_modes,
+        )
+    )
     head.load_state_dict(TTLinear(pruned).state_dict())
     assert torch.equal(head(x), pruned.matmul(x))
 

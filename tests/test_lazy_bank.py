@@ -34,8 +34,11 @@ def tokens(batch: int = 2, length: int = 8):
 
 def converted(family: str, config: TensorizeConfig = FULL, **changes):
     """(converted float64 model, its dense float64 twin) of a family at experts_implementation="eager"."""
-    counts = {k: 8 for k in ("num_local_experts", "num_experts", "n_routed_experts")
-              if hasattr(tiny_config(family, FAMILIES[family]), k)}
+    counts = {
+        k: 8
+        for k in ("num_local_experts", "num_experts", "n_routed_experts")
+        if hasattr(tiny_config(family, FAMILIES[family]), k)
+    }
     model = build(family, FAMILIES[family], **counts, **changes).double()
     model.config._experts_implementation = "eager"
     dense = copy.deepcopy(model)
@@ -48,8 +51,9 @@ def whole_bank_rebuild(monkeypatch):
     monkeypatch.setattr("comera_fx.moe.weight_space.plain_eager", lambda: False)
 
 
-ROUTED_LOOPS = [(f, i) for f in ("gpt_oss", "deepseek_v4", "ergo") for i in ("eager", "batched_mm")] \
-    + [("jetmoe", "eager")]  # JetMoE has no experts_implementation switch
+ROUTED_LOOPS = [(f, i) for f in ("gpt_oss", "deepseek_v4", "ergo") for i in ("eager", "batched_mm")] + [
+    ("jetmoe", "eager")
+]  # JetMoE has no experts_implementation switch
 
 
 @pytest.mark.parametrize("family,impl", ROUTED_LOOPS)
@@ -71,8 +75,9 @@ def gpt_oss_experts(form: str = "per_expert"):
 def routing(num_tokens: int, experts: tuple[int, ...]):
     """Top-2 routing of ``num_tokens`` tokens to the given experts only, and its weights."""
     index = torch.tensor([[experts[t % len(experts)], experts[(t + 1) % len(experts)]] for t in range(num_tokens)])
-    weights = torch.softmax(torch.randn(num_tokens, 2, generator=torch.Generator().manual_seed(4),
-                                        dtype=torch.float64), dim=-1)
+    weights = torch.softmax(
+        torch.randn(num_tokens, 2, generator=torch.Generator().manual_seed(4), dtype=torch.float64), dim=-1
+    )
     return index, weights
 
 
@@ -123,8 +128,7 @@ def test_the_shared_form_reads_routed_experts_too():
     assert isinstance(experts.gate_up_proj_tt, SharedTTExpertBank)
     hidden = torch.randn(10, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
     index, weights = routing(10, (2, 7))
-    torch.testing.assert_close(experts(hidden, index, weights), dense(hidden, index, weights),
-                               rtol=1e-9, atol=1e-11)
+    torch.testing.assert_close(experts(hidden, index, weights), dense(hidden, index, weights), rtol=1e-9, atol=1e-11)
 
 
 @pytest.fixture
@@ -133,9 +137,19 @@ def bank_and_weight():
     return TTExpertBank.from_dense(weight, "matmul", max_rank=10**6), weight
 
 
-@pytest.mark.parametrize("index", [3, -1, torch.tensor(2), torch.tensor([4, 0, 4, -2]), slice(1, 3),
-                                   torch.tensor([True, False, True, False, True]), (2, slice(None), 0)],
-                         ids=["int", "negative", "0-dim", "ids", "slice", "mask", "tuple"])
+@pytest.mark.parametrize(
+    "index",
+    [
+        3,
+        -1,
+        torch.tensor(2),
+        torch.tensor([4, 0, 4, -2]),
+        slice(1, 3),
+        torch.tensor([True, False, True, False, True]),
+        (2, slice(None), 0),
+    ],
+    ids=["int", "negative", "0-dim", "ids", "slice", "mask", "tuple"],
+)
 def test_an_index_reads_what_it_reads_on_the_dense_weight(bank_and_weight, index):
     bank, weight = bank_and_weight
     got = LazyBank(bank)[index]
@@ -191,8 +205,9 @@ def test_rank_adaptive_trains_and_shrinks_with_routed_reads(tmp_path):
     model.eval()
     path = tmp_path / "pruned.safetensors"
     comera_fx.save_tensorized(model, path)
-    loaded = comera_fx.load_tensorized(path, lambda: build("gpt_oss", FAMILIES["gpt_oss"], seed=9,
-                                                           num_local_experts=8)).eval()
+    loaded = comera_fx.load_tensorized(
+        path, lambda: build("gpt_oss", FAMILIES["gpt_oss"], seed=9, num_local_experts=8)
+    ).eval()
     loaded.config._experts_implementation = "eager"
     with torch.no_grad():
         torch.testing.assert_close(loaded(tokens()).logits, model(tokens()).logits, rtol=0, atol=0)

@@ -33,27 +33,53 @@ VOCAB, HIDDEN, FFN, EXPERTS = 64, 32, 48, 4
 
 def mixtral(seed: int = 0):
     torch.manual_seed(seed)
-    cfg = transformers.MixtralConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=1,
-                                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=EXPERTS,
-                                     num_experts_per_tok=2, max_position_embeddings=64)
+    cfg = transformers.MixtralConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=FFN,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=EXPERTS,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+    )
     return transformers.MixtralForCausalLM(cfg).eval()
 
 
 def qwen2_moe(seed: int = 0):
     torch.manual_seed(seed)
-    cfg = transformers.Qwen2MoeConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=1,
-                                      num_attention_heads=4, num_key_value_heads=2, moe_intermediate_size=FFN,
-                                      shared_expert_intermediate_size=64, num_experts=EXPERTS,
-                                      num_experts_per_tok=2, max_position_embeddings=64)
+    cfg = transformers.Qwen2MoeConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        moe_intermediate_size=FFN,
+        shared_expert_intermediate_size=64,
+        num_experts=EXPERTS,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+    )
     return transformers.Qwen2MoeForCausalLM(cfg).eval()
 
 
 def qwen3_moe(seed: int = 0):
     torch.manual_seed(seed)
-    cfg = transformers.Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=1,
-                                      num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                                      moe_intermediate_size=FFN, num_experts=EXPERTS, num_experts_per_tok=2,
-                                      max_position_embeddings=64)
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        moe_intermediate_size=FFN,
+        num_experts=EXPERTS,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+    )
     return transformers.Qwen3MoeForCausalLM(cfg).eval()
 
 
@@ -143,7 +169,9 @@ def test_the_bmm_parameters_are_found_only_by_running_the_model():
     assert find_experts(model).candidates == []  # a module scan cannot know how a raw 3D parameter is read
     scan = find_experts(model, (torch.randn(10, HIDDEN),))
     assert [(c.fqn, c.layout, c.slice_use) for c in scan.candidates] == [
-        ("1.w_in", "3d-parameter", "matmul"), ("1.w_out", "3d-parameter", "matmul")]
+        ("1.w_in", "3d-parameter", "matmul"),
+        ("1.w_out", "3d-parameter", "matmul"),
+    ]
     assert all(c.uses == ["bmm(x, P)"] and c.experts_seen == (0, 1, 2, 3) for c in scan.candidates)
 
 
@@ -183,16 +211,18 @@ def test_full_rank_transformers_moe_reproduces_the_dense_model_in_float64(name, 
     summary = comera_fx.tensorize_(model, FULL.replace(**EXPERTS_ONLY))
     converted = {d.fqn.rpartition(".")[2] for d in summary.converted}
     assert converted == {"gate_up_proj", "down_proj"} and all(d.kind == "experts" for d in summary.converted)
-    assert isinstance(experts_of(model), TTExperts) and type(model.model.layers[0].mlp) is \
-        type(dense.model.layers[0].mlp)  # the router and the block around the experts are untouched
+    assert isinstance(experts_of(model), TTExperts) and type(model.model.layers[0].mlp) is type(
+        dense.model.layers[0].mlp
+    )  # the router and the block around the experts are untouched
     assert not any(n.endswith(("gate_up_proj", "down_proj")) for n, _ in model.named_parameters())
 
     # the experts module alone, on the same routing: float64 to rounding
     hidden = torch.randn(24, HIDDEN, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
     _, weights, index = dense.model.layers[0].mlp.gate(hidden)
     weights = weights.to(torch.float64)
-    torch.testing.assert_close(experts_of(model)(hidden, index, weights),
-                               experts_of(dense)(hidden, index, weights), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(
+        experts_of(model)(hidden, index, weights), experts_of(dense)(hidden, index, weights), rtol=1e-10, atol=1e-12
+    )
     # the whole model (its RMSNorm computes in float32, so the logits agree to float32 rounding)
     torch.testing.assert_close(model(ids).logits, dense(ids).logits, rtol=1e-5, atol=1e-6)
 
@@ -248,8 +278,9 @@ def test_the_shared_form_of_an_expert_list_is_exact_trains_and_saves(tmp_path):
     torch.testing.assert_close(model(x), dense(x), rtol=1e-10, atol=1e-12)  # full rank: exact
 
     low = wrapped(ListMoE())
-    comera_fx.tensorize_(low, FULL.replace(max_rank=4, skip=(r"router",), expert_form="shared"),
-                         example_inputs=(x.float(),))
+    comera_fx.tensorize_(
+        low, FULL.replace(max_rank=4, skip=(r"router",), expert_form="shared"), example_inputs=(x.float(),)
+    )
     chain = low[1].experts_w_in_shared.tt
     low(x.float()).square().sum().backward()
     assert chain.cores[0].grad is not None and max(chain.ranks) <= 4
@@ -278,8 +309,7 @@ def test_the_bmm_layout_reproduces_the_dense_layer_in_float64():
     assert all(tt.cores[0].grad is not None for tt in model[1].w_in_tt)
     # indexing gives a slice whose F.linear / matmul run that expert's product
     torch.testing.assert_close(x @ model[1].w_in[2], x @ dense[1].w_in[2], rtol=1e-10, atol=1e-12)
-    torch.testing.assert_close(F.linear(x, model[1].w_out[1]), F.linear(x, dense[1].w_out[1]), rtol=1e-10,
-                               atol=1e-12)
+    torch.testing.assert_close(F.linear(x, model[1].w_out[1]), F.linear(x, dense[1].w_out[1]), rtol=1e-10, atol=1e-12)
 
 
 # ------------------------------------------------------------------------------------------- rank adaptation
@@ -288,6 +318,7 @@ def test_the_bmm_layout_reproduces_the_dense_layer_in_float64():
 def _route_away_from(model, expert: int):
     """A forward hook on the router that sends every choice of ``expert`` to the next expert: no token reaches it
     (the routing code itself is not touched)."""
+
     def hook(module, args, out):
         logits, weights, index = out
         return logits, weights, torch.where(index == expert, (index + 1) % EXPERTS, index)
@@ -303,8 +334,11 @@ def test_rank_adaptive_trains_the_experts_and_spares_an_expert_no_token_reached(
     _route_away_from(model, 3)
     model.train()
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
-    hook = RankAdaptive(model, optimizer, RankConfig(keep_fraction=0.5, total_steps=8, prunes=2,
-                                                     warmup_fraction=0.25, final_fraction=0.25))
+    hook = RankAdaptive(
+        model,
+        optimizer,
+        RankConfig(keep_fraction=0.5, total_steps=8, prunes=2, warmup_fraction=0.25, final_fraction=0.25),
+    )
     banks = [experts_of(model).gate_up_proj, experts_of(model).down_proj]
     names = {m.name for m in hook.matrices}
     assert {f"model.layers.0.mlp.experts.gate_up_proj.{e}" for e in range(EXPERTS)} <= names
@@ -335,8 +369,11 @@ def test_state_dict_and_save_tensorized_round_trip_a_pruned_moe(name, tmp_path):
     model.config._experts_implementation = "eager"
     comera_fx.tensorize_(model, TensorizeConfig(max_rank=8, min_numel=0, min_dim=1, **EXPERTS_ONLY))
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
-    _hook = RankAdaptive(model, optimizer, RankConfig(keep_fraction=0.6, total_steps=4, prunes=1,
-                                                      warmup_fraction=0.25, final_fraction=0.5))
+    _hook = RankAdaptive(
+        model,
+        optimizer,
+        RankConfig(keep_fraction=0.6, total_steps=4, prunes=1, warmup_fraction=0.25, final_fraction=0.5),
+    )
     ids = tokens()
     for _ in range(4):
         model(ids, labels=ids).loss.backward()
@@ -357,8 +394,7 @@ def test_state_dict_and_save_tensorized_round_trip_a_pruned_moe(name, tmp_path):
     comera_fx.save_tensorized(model, path)
     loaded = comera_fx.load_tensorized(path, lambda: HF_MODELS[name](seed=7)).eval()
     assert isinstance(experts_of(loaded), TTExperts)
-    assert {n: tt.ranks for n, tt in experts_of(loaded).named_modules()
-            if isinstance(tt, comera_fx.TTMatrix)} == pruned
+    assert {n: tt.ranks for n, tt in experts_of(loaded).named_modules() if isinstance(tt, comera_fx.TTMatrix)} == pruned
     loaded.config._experts_implementation = "eager"
     torch.testing.assert_close(loaded(ids).logits, expected, rtol=0, atol=0)
 
@@ -367,8 +403,9 @@ def test_save_tensorized_round_trips_the_bmm_layout(tmp_path):
     torch.manual_seed(0)
     model = wrapped(BmmMoE())
     x = torch.randn(12, HIDDEN)
-    comera_fx.tensorize_(model, TensorizeConfig(max_rank=4, min_numel=0, min_dim=1, skip=(r"router",)),
-                         example_inputs=(x,))
+    comera_fx.tensorize_(
+        model, TensorizeConfig(max_rank=4, min_numel=0, min_dim=1, skip=(r"router",)), example_inputs=(x,)
+    )
     path = tmp_path / "bmm.safetensors"
     comera_fx.save_tensorized(model, path)
     loaded = comera_fx.load_tensorized(path, lambda: wrapped(BmmMoE()))
@@ -452,8 +489,9 @@ def test_the_shared_form_at_full_rank_reproduces_the_experts_and_shares_all_but_
     assert up.tt.col_modes[0] == EXPERTS and up.tt.cores[len(up.tt.row_modes)].shape[1] == EXPERTS  # expert core
     # at one rank cap, the shared chain stores the non-expert cores once: fewer parameters than E chains
     capped = SharedTTExpertBank.from_dense(experts.gate_up_proj, "linear", max_rank=4)
-    assert capped.tt.layout.num_params < sum(tt.layout.num_params for tt in TTExpertBank.from_dense(
-        experts.gate_up_proj, "linear", max_rank=4))
+    assert capped.tt.layout.num_params < sum(
+        tt.layout.num_params for tt in TTExpertBank.from_dense(experts.gate_up_proj, "linear", max_rank=4)
+    )
     model.model.layers[0].mlp.experts = TTExperts.from_hf(experts, up, down)
     ids = tokens()
     torch.testing.assert_close(model(ids).logits, dense(ids).logits, rtol=1e-5, atol=1e-6)
@@ -504,8 +542,9 @@ def test_a_size_target_sizes_the_experts_with_the_other_layers(allocation):
     model = mixtral().double()
     model.config._experts_implementation = "eager"
     dense = copy.deepcopy(model)
-    config = TensorizeConfig(size_target=0.3, max_rank=None, allocation=allocation, min_numel=0, min_dim=1,
-                             skip=(r"embed", r"lm_head"))
+    config = TensorizeConfig(
+        size_target=0.3, max_rank=None, allocation=allocation, min_numel=0, min_dim=1, skip=(r"embed", r"lm_head")
+    )
     summary = comera_fx.tensorize_(model, config)
     assert isinstance(experts_of(model), TTExperts)
     converted = [d for d in summary.layers if d.converted]
@@ -532,11 +571,15 @@ def test_a_size_target_covers_bmm_experts():
     model = wrapped(BmmMoE()).double()
     x = torch.randn(12, HIDDEN, dtype=torch.float64)
     expected = model(x)
-    summary = comera_fx.tensorize_(model, TensorizeConfig(size_target=10**9, max_rank=None, min_numel=0, min_dim=1,
-                                                          skip=(r"router",)), example_inputs=(x,))
+    summary = comera_fx.tensorize_(
+        model,
+        TensorizeConfig(size_target=10**9, max_rank=None, min_numel=0, min_dim=1, skip=(r"router",)),
+        example_inputs=(x,),
+    )
     assert isinstance(model[1].w_in, ExpertWeight) and isinstance(model[1].w_out, ExpertWeight)
-    assert summary.size_target.reached == sum(tt.layout.num_params for bank in (model[1].w_in_tt, model[1].w_out_tt)
-                                              for tt in bank)
+    assert summary.size_target.reached == sum(
+        tt.layout.num_params for bank in (model[1].w_in_tt, model[1].w_out_tt) for tt in bank
+    )
     torch.testing.assert_close(model(x), expected, rtol=1e-8, atol=1e-10)
 
 
@@ -555,17 +598,21 @@ def test_tensorize_builds_the_shared_form_when_asked_and_leaves_bmm_experts_per_
     ids = tokens()
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, dense(ids).logits, rtol=1e-6, atol=1e-8)  # full rank: exact
-    assert {m.name for m in tt_matrices(model)} == {"model.layers.0.mlp.experts.gate_up_proj",
-                                                     "model.layers.0.mlp.experts.down_proj"}  # RankAdaptive sees both
+    assert {m.name for m in tt_matrices(model)} == {
+        "model.layers.0.mlp.experts.gate_up_proj",
+        "model.layers.0.mlp.experts.down_proj",
+    }  # RankAdaptive sees both
 
     torch.manual_seed(0)
     bmm = wrapped(BmmMoE())
     x = torch.randn(12, HIDDEN)
-    summary = comera_fx.tensorize_(bmm, TensorizeConfig(max_rank=4, min_numel=0, min_dim=1, skip=(r"router",),
-                                                        expert_form="shared"), example_inputs=(x,))
+    summary = comera_fx.tensorize_(
+        bmm,
+        TensorizeConfig(max_rank=4, min_numel=0, min_dim=1, skip=(r"router",), expert_form="shared"),
+        example_inputs=(x,),
+    )
     assert isinstance(bmm[1].w_in, ExpertWeight)
-    assert any("expert_form='shared' needs a transformers experts module" in n for d in summary.layers
-               for n in d.notes)
+    assert any("expert_form='shared' needs a transformers experts module" in n for d in summary.layers for n in d.notes)
     with pytest.raises(ValueError, match="expert_form"):
         TensorizeConfig(expert_form="shared", init="random")
 
@@ -601,8 +648,9 @@ def test_the_graph_pass_converts_expert_weights_in_a_traced_module():
 
 def test_randomize_backward_reaches_the_shared_form():
     model = mixtral().double()
-    comera_fx.tensorize_(model, TensorizeConfig(max_rank=8, min_numel=0, min_dim=1, expert_form="shared",
-                                                **EXPERTS_ONLY))
+    comera_fx.tensorize_(
+        model, TensorizeConfig(max_rank=8, min_numel=0, min_dim=1, expert_form="shared", **EXPERTS_ONLY)
+    )
     experts = experts_of(model).train()
     hidden = torch.randn(24, HIDDEN, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
     _, weights, index = model.model.layers[0].mlp.gate(hidden)
@@ -662,5 +710,6 @@ def test_an_experts_class_whose_loop_differs_is_not_swapped_but_read_in_weight_s
     hidden = torch.randn(12, HIDDEN, dtype=torch.float64)
     index = torch.stack([torch.randperm(EXPERTS)[:2] for _ in range(12)])
     weights = torch.rand(12, 2, dtype=torch.float64)
-    torch.testing.assert_close(model[1](hidden, index, weights), dense[1](hidden, index, weights),
-                               rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(
+        model[1](hidden, index, weights), dense[1](hidden, index, weights), rtol=1e-10, atol=1e-12
+    )

@@ -32,8 +32,19 @@ UNBUILT = {
 }
 BUILT = sorted(set(FAMILIES) - set(UNBUILT))
 #: The path each family's experts take, and why (the summary says so too).
-WEIGHT_SPACE = {"gpt_oss", "deepseek_v4", "inkling2", "inkling2_loop", "jetmoe", "llama4", "minimax_m3_vl",
-                "hy_v4", "bailing_hybrid", "beam", "ergo"}
+WEIGHT_SPACE = {
+    "gpt_oss",
+    "deepseek_v4",
+    "inkling2",
+    "inkling2_loop",
+    "jetmoe",
+    "llama4",
+    "minimax_m3_vl",
+    "hy_v4",
+    "bailing_hybrid",
+    "beam",
+    "ergo",
+}
 FULL = TensorizeConfig(max_rank=10**6, min_numel=0, min_dim=1, skip=(r"embed", r"lm_head"))
 
 
@@ -51,13 +62,30 @@ def holds_experts(module, path) -> bool:
 
 def expert_weights(model) -> set[str]:
     """FQNs of the dense model's routed expert weights: 3D parameters with the expert count first."""
-    return {n for n, p in model.named_parameters()
-            if p.dim() == 3 and p.shape[-1] > 4 and p.shape[0] in (4, 8) and ".cores." not in n}
+    return {
+        n
+        for n, p in model.named_parameters()
+        if p.dim() == 3 and p.shape[-1] > 4 and p.shape[0] in (4, 8) and ".cores." not in n
+    }
 
 
 def test_every_family_with_experts_is_built_or_named():
-    assert set(FAMILIES) >= {"gpt_oss", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3",
-                             "granitemoe", "jamba", "phimoe", "llama4", "glm4_moe", "ernie4_5_moe", "qwen3_next"}
+    assert set(FAMILIES) >= {
+        "gpt_oss",
+        "mixtral",
+        "qwen2_moe",
+        "qwen3_moe",
+        "olmoe",
+        "deepseek_v2",
+        "deepseek_v3",
+        "granitemoe",
+        "jamba",
+        "phimoe",
+        "llama4",
+        "glm4_moe",
+        "ernie4_5_moe",
+        "qwen3_next",
+    }
     assert set(UNBUILT) <= set(FAMILIES)
 
 
@@ -113,8 +141,12 @@ def test_gpt_oss_experts_keep_their_own_forward_exactly_in_float64():
     hidden = torch.randn(12, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
     router = dense.model.layers[0].mlp.router
     _, weights, index = router(hidden)
-    torch.testing.assert_close(experts(hidden, index, weights),
-                               dense.model.layers[0].mlp.experts(hidden, index, weights), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(
+        experts(hidden, index, weights),
+        dense.model.layers[0].mlp.experts(hidden, index, weights),
+        rtol=1e-10,
+        atol=1e-12,
+    )
     for impl in ("eager", "batched_mm"):
         model.config._experts_implementation = dense.config._experts_implementation = impl
         torch.testing.assert_close(model(tokens()).logits, dense(tokens()).logits, rtol=1e-9, atol=1e-10)

@@ -42,8 +42,9 @@ def test_aoti_package_runs_without_comera_fx_and_matches_eager(tmp_path):
     dense = MLP().double().eval()
     model = copy.deepcopy(dense)
     comera_fx.tensorize_(model, TensorizeConfig(max_rank=8, min_numel=0))
-    program = comera_fx.export(model, (torch.randn(3, 128, dtype=torch.float64),),
-                               dynamic_shapes=({0: Dim("b", min=1, max=256)},))
+    program = comera_fx.export(
+        model, (torch.randn(3, 128, dtype=torch.float64),), dynamic_shapes=({0: Dim("b", min=1, max=256)},)
+    )
     path = comera_fx.package(program, tmp_path / "mlp.pt2")
 
     sizes = [1, 2, 5, 17, 256]
@@ -53,8 +54,13 @@ def test_aoti_package_runs_without_comera_fx_and_matches_eager(tmp_path):
     script = tmp_path / "serve.py"
     script.write_text(SERVE)
     env = dict(os.environ, AOTI_RUNTIME_CHECK_INPUTS="1")  # the package then checks shapes against the ranges
-    subprocess.run([sys.executable, str(script), path, str(tmp_path / "inputs.pt"), str(tmp_path / "out.pt")],
-                   check=True, cwd=tmp_path, timeout=600, env=env)
+    subprocess.run(
+        [sys.executable, str(script), path, str(tmp_path / "inputs.pt"), str(tmp_path / "out.pt")],
+        check=True,
+        cwd=tmp_path,
+        timeout=600,
+        env=env,
+    )
     results = torch.load(tmp_path / "out.pt")
 
     def reference(x):  # the dense float64 model with the TT layers' matrices
@@ -62,11 +68,11 @@ def test_aoti_package_runs_without_comera_fx_and_matches_eager(tmp_path):
         return torch.nn.functional.linear(h, model.fc2.weight, model.fc2.bias)
 
     assert isinstance(model.fc1, TTLinear)
-    for x, y in zip(inputs[:len(sizes)], results):
+    for x, y in zip(inputs[: len(sizes)], results):
         assert isinstance(y, torch.Tensor), y
         with torch.no_grad():
             torch.testing.assert_close(y, model(x), rtol=1e-10, atol=1e-12)
             torch.testing.assert_close(y, reference(x), rtol=1e-10, atol=1e-12)
-    too_large, wrong_width = results[len(sizes):]
+    too_large, wrong_width = results[len(sizes) :]
     assert isinstance(too_large, str) and "too large at 0" in too_large and "256" in too_large, too_large
     assert isinstance(wrong_width, str) and "at 1" in wrong_width and "128" in wrong_width, wrong_width

@@ -218,8 +218,15 @@ models = st.builds(
 STEP_SIDES = [(1, 2), (2, 1), (3, 4), (4, 3), (2, 4), (6, 8)]
 
 
-@given(model=models, sides=st.sampled_from(STEP_SIDES), sa=st.integers(1, 5000), sb=st.integers(1, 5000),
-       sc=st.integers(1, 5000), n=st.integers(1, 5000), needs_grad=st.booleans())
+@given(
+    model=models,
+    sides=st.sampled_from(STEP_SIDES),
+    sa=st.integers(1, 5000),
+    sb=st.integers(1, 5000),
+    sc=st.integers(1, 5000),
+    n=st.integers(1, 5000),
+    needs_grad=st.booleans(),
+)
 def test_the_searchs_integer_costs_are_the_cost_models(model, sides, sa, sb, sc, n, needs_grad):
     """The exact search weighs steps and copies in integers (``scaled_step`` / ``scaled_copy``): scale times what
     ``CostTerms.weighted`` gives for ``_step_terms`` / ``_copy_terms``, so its envelope is the plans' costs."""
@@ -249,9 +256,17 @@ small_layouts = tt_layouts(max_modes=3).filter(lambda l: l.n_cores + 1 <= 6)
 @given(data=st.data(), layout=small_layouts, op=ops_, model=models, limits=bounds())
 def test_envelope_is_the_minimum_over_all_trees(data, layout, op, model, limits):
     lo, hi = limits
-    result = planner.plan(layout, op=op, alpha=model.alpha, beta=model.beta, itemsize=model.itemsize,
-                          backward=model.backward, x_requires_grad=model.x_requires_grad, bounds=limits,
-                          gamma=model.gamma)
+    result = planner.plan(
+        layout,
+        op=op,
+        alpha=model.alpha,
+        beta=model.beta,
+        itemsize=model.itemsize,
+        backward=model.backward,
+        x_requires_grad=model.x_requires_grad,
+        bounds=limits,
+        gamma=model.gamma,
+    )
     net = result.network
     lines = [planner.Plan.from_tree(net, t, model).weighted_cost for t in all_trees(list(range(net.n_tensors)))]
 
@@ -323,16 +338,19 @@ def test_printed_plan_and_steps():
     assert "t1 = x·G1: [b·64 × 12] @ [12 × 12]" in chosen.describe()
 
 
-@pytest.mark.parametrize("bad, match", [
-    (dict(op="linear"), "op must be one of"),
-    (dict(bounds=(0, None)), "lower batch bound"),
-    (dict(bounds=(10, 5)), "upper batch bound"),
-    (dict(alpha=-1), "alpha must be"),
-    (dict(beta=float("nan")), "beta must be"),
-    (dict(gamma=-1), "gamma must be"),
-    (dict(itemsize=0), "itemsize"),
-    (dict(batch=0), "within the bounds"),
-])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (dict(op="linear"), "op must be one of"),
+        (dict(bounds=(0, None)), "lower batch bound"),
+        (dict(bounds=(10, 5)), "upper batch bound"),
+        (dict(alpha=-1), "alpha must be"),
+        (dict(beta=float("nan")), "beta must be"),
+        (dict(gamma=-1), "gamma must be"),
+        (dict(itemsize=0), "itemsize"),
+        (dict(batch=0), "within the bounds"),
+    ],
+)
 def test_bad_arguments_are_refused(bad, match):
     with pytest.raises(ValueError, match=match):
         planner.plan(COMERA_768, **bad)

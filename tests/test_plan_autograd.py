@@ -58,8 +58,7 @@ def assert_rel_close(actual, expected, tol=1e-10):
 
 
 @settings(max_examples=60)  # each example runs up to 6 plans forward + backward: keeps the test to a few seconds
-@given(data=st.data(), spec=tt_specs(max_modes=3, max_rank=5), op=st.sampled_from(planner.OPS),
-       with_bias=st.booleans())
+@given(data=st.data(), spec=tt_specs(max_modes=3, max_rank=5), op=st.sampled_from(planner.OPS), with_bias=st.booleans())
 def test_function_gradients_match_dense_float64(data, spec, op, with_bias):
     """Every plan — a random tree, the envelope's, and for TT the two-factor tree (x·L)·R, whose bond runs padded on
     CPU with the bias in its spare slice — gives the dense float64 output and gradients of x, cores, gates, bias."""
@@ -76,14 +75,15 @@ def test_function_gradients_match_dense_float64(data, spec, op, with_bias):
     bias = [torch.randn(n_out, dtype=x.dtype, generator=torch.Generator().manual_seed(2))] if with_bias else []
 
     def reference(x, *params):
-        m = dense_reference(params[:n], params[n:n + len(spec.gates)], layout)
+        m = dense_reference(params[:n], params[n : n + len(spec.gates)], layout)
         y = x @ m if op == "matmul" else x @ m.t()
         return y + params[-1] if with_bias else y
 
     want_y, want = grads_of(reference, [x, *spec.cores, *spec.gates, *bias])
     for chosen in plans:
+
         def planned(x, *params):
-            cores = ops.gate_cores(list(params[:n]), list(params[n:n + len(spec.gates)]), layout)
+            cores = ops.gate_cores(list(params[:n]), list(params[n : n + len(spec.gates)]), layout)
             return planner.execute_function(chosen, x, cores, layout, params[-1] if with_bias else None)
 
         got_y, got = grads_of(planned, [x, *spec.cores, *spec.gates, *bias])
@@ -111,8 +111,17 @@ def _two_factor_tree(layout: TTLayout, op: str):
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_module_uses_the_function_and_matches_dense(monkeypatch, transposed, with_bias):
     monkeypatch.setattr(layers, "CUSTOM_AUTOGRAD", True)
-    tt = TTMatrix.random(30, 20, format=TTFormat.TT, row_modes=(3, 5, 2), col_modes=(4, 5), max_rank=4, std=1.0,
-                         dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    tt = TTMatrix.random(
+        30,
+        20,
+        format=TTFormat.TT,
+        row_modes=(3, 5, 2),
+        col_modes=(4, 5),
+        max_rank=4,
+        std=1.0,
+        dtype=torch.float64,
+        generator=torch.Generator().manual_seed(0),
+    )
     with torch.no_grad():
         for gate in tt.gates:
             gate.uniform_(0.5, 1.5)
@@ -128,7 +137,7 @@ def test_module_uses_the_function_and_matches_dense(monkeypatch, transposed, wit
     n = len(tt.cores)
 
     def reference(x, *p):
-        m = dense_reference(p[:n], p[n:2 * n - 1], tt.layout)
+        m = dense_reference(p[:n], p[n : 2 * n - 1], tt.layout)
         y = x @ (m.t() if transposed else m)
         return y + p[-1] if with_bias else y
 
@@ -174,8 +183,9 @@ def test_bias_rides_in_the_last_gemm_when_the_plan_writes_y(monkeypatch, grad, i
     torch.manual_seed(0)
     for out_features, writes_y in ((96, True), (97, False)):  # 97 is padded to 98 = 2·7·7 (trimmed after)
         dense = torch.nn.Linear(120, out_features, dtype=torch.float64)
-        linear = TTLinear.from_dense(dense, max_rank=4, col_modes=(4, 4, 6) if writes_y else (2, 7, 7),
-                                     row_modes=(4, 5, 6))
+        linear = TTLinear.from_dense(
+            dense, max_rank=4, col_modes=(4, 4, 6) if writes_y else (2, 7, 7), row_modes=(4, 5, 6)
+        )
         x = torch.randn(50, 120, dtype=torch.float64)
         chosen = layers.choose_plan(layers.planned_envelope(linear.tt.layout, "matmul"), 50)
         assert planner.folds_bias(chosen) is writes_y
@@ -209,7 +219,7 @@ def test_bias_gradient_comes_out_of_the_gemm_for_dr(monkeypatch, in_gemm):
     tt = linear.tt
     leaves = [t.detach().requires_grad_() for t in (x, *tt.cores, *tt.gates, linear.bias)]
     n = len(tt.cores)
-    want_y = leaves[0] @ dense_reference(leaves[1:1 + n], leaves[1 + n:-1], tt.layout) + leaves[-1]
+    want_y = leaves[0] @ dense_reference(leaves[1 : 1 + n], leaves[1 + n : -1], tt.layout) + leaves[-1]
     want = torch.autograd.grad(want_y, leaves, dy)
     for got, expected in zip((x.grad, *(p.grad for p in (*tt.cores, *tt.gates, linear.bias))), want):
         assert_rel_close(got, expected)
@@ -218,7 +228,16 @@ def test_bias_gradient_comes_out_of_the_gemm_for_dr(monkeypatch, in_gemm):
 def test_kernel_rank_pads_the_bond_on_cpu_only(monkeypatch):
     """Multiples of 8, at least 16, on CPU (where it was measured); elsewhere, or switched off, the rank itself."""
     assert [planner.autograd.kernel_rank(r, "cpu") for r in (1, 7, 13, 16, 17, 24, 30, 32, 33)] == [
-        16, 16, 16, 16, 24, 24, 32, 32, 40]
+        16,
+        16,
+        16,
+        16,
+        24,
+        24,
+        32,
+        32,
+        40,
+    ]
     assert planner.autograd.kernel_rank(30, "cuda") == 30
     monkeypatch.setattr(planner.autograd, "PAD_RANKS", False)
     assert planner.autograd.kernel_rank(7, "cpu") == 7
@@ -227,8 +246,9 @@ def test_kernel_rank_pads_the_bond_on_cpu_only(monkeypatch):
 def test_padding_saves_only_the_padded_slices_of_t(monkeypatch):
     """The padded bond costs, in saved bytes, exactly b·(padded − true rank) elements of t over what the cost model
     counts for the true rank (which is what reports show); with padding off, exactly the counted bytes."""
-    layout = TTMatrix.random(120, 96, format=TTFormat.TT, row_modes=(4, 5, 6), col_modes=(4, 4, 6), max_rank=5,
-                             std=1.0, dtype=torch.float64).layout
+    layout = TTMatrix.random(
+        120, 96, format=TTFormat.TT, row_modes=(4, 5, 6), col_modes=(4, 4, 6), max_rank=5, std=1.0, dtype=torch.float64
+    ).layout
     planned = layers.choose_plan(layers.planned_envelope(layout, "matmul"), 64)
     chosen = planner.Plan.from_tree(planned.network, planned.tree, planner.CostModel(itemsize=8))
     first, _ = planner.plan_runner(chosen).two_factor
@@ -263,8 +283,13 @@ def saved_for_backward(fn, *args):
     return saved
 
 
-@given(data=st.data(), spec=tt_specs(max_modes=3, max_rank=5, dead_gates=False), op=st.sampled_from(planner.OPS),
-       x_grad=st.booleans(), batches=st.tuples(st.integers(1, 9), st.integers(10, 20)))
+@given(
+    data=st.data(),
+    spec=tt_specs(max_modes=3, max_rank=5, dead_gates=False),
+    op=st.sampled_from(planner.OPS),
+    x_grad=st.booleans(),
+    batches=st.tuples(st.integers(1, 9), st.integers(10, 20)),
+)
 def test_saved_tensors_are_what_the_cost_model_counts(data, spec, op, x_grad, batches):
     with pytest.MonkeyPatch.context() as patch:  # the padded bond: test_padding_saves_only_the_padded_slices_of_t
         patch.setattr(planner.autograd, "PAD_RANKS", False)
@@ -290,8 +315,11 @@ def _check_saved_tensors_against_the_cost_model(data, spec, op, x_grad, batches)
     grows = [(s, l) for s, l in zip(small, large) if s != l]
     assert len(grows) == sum(step.batched for step in chosen.steps)
     for batch, saved in zip(batches, per_batch):
-        bytes_b = sum(nbytes for (numel, nbytes), other in zip(saved, small if saved is large else large)
-                      if (numel, nbytes) != other)
+        bytes_b = sum(
+            nbytes
+            for (numel, nbytes), other in zip(saved, small if saved is large else large)
+            if (numel, nbytes) != other
+        )
         assert bytes_b == counted[1] * batch, (str(chosen), batch, bytes_b, counted)
 
 
@@ -299,8 +327,17 @@ def _check_saved_tensors_against_the_cost_model(data, spec, op, x_grad, batches)
 
 
 def _small_linear():
-    tt = TTMatrix.random(24, 20, format=TTFormat.TT, row_modes=(2, 3, 4), col_modes=(4, 5), max_rank=3, std=1.0,
-                         dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    tt = TTMatrix.random(
+        24,
+        20,
+        format=TTFormat.TT,
+        row_modes=(2, 3, 4),
+        col_modes=(4, 5),
+        max_rank=3,
+        std=1.0,
+        dtype=torch.float64,
+        generator=torch.Generator().manual_seed(0),
+    )
     with torch.no_grad():
         for gate in tt.gates:
             gate.uniform_(0.5, 1.5)
@@ -327,7 +364,7 @@ def test_compiles_fullgraph_dynamic_with_planned_backward(monkeypatch, backend):
         dy = torch.randn(y.shape, dtype=torch.float64)
         got = torch.autograd.grad(y, [x, *params], dy)
         leaves = [t.detach().requires_grad_() for t in (x, *params)]
-        want_y = leaves[0] @ dense_reference(leaves[1:1 + n], leaves[1 + n:], linear.tt.layout)
+        want_y = leaves[0] @ dense_reference(leaves[1 : 1 + n], leaves[1 + n :], linear.tt.layout)
         want = torch.autograd.grad(want_y, leaves, dy)
         assert_rel_close(y, want_y)
         for g, w in zip(got, want):
@@ -344,7 +381,8 @@ def test_backward_under_cpu_autocast_matches_float32():
     import comera_fx
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(),
-                                comera_fx.TTLinear.from_dense(torch.nn.Linear(128, 64), max_rank=4))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 128), torch.nn.GELU(), comera_fx.TTLinear.from_dense(torch.nn.Linear(128, 64), max_rank=4)
+    )
     reference = copy.deepcopy(model)
     assert_bf16_autocast_grads_close(model, reference, torch.randn(32, 64))

@@ -85,8 +85,7 @@ def test_a_loaded_model_compiles_before_any_eager_call(load, tmp_path, monkeypat
     with torch.no_grad():  # float64 reference: each TT layer as the dense matrix its cores make
         expected = x
         for layer in model:
-            expected = (F.linear(expected, layer.weight, layer.bias) if isinstance(layer, TTLinear)
-                        else layer(expected))
+            expected = F.linear(expected, layer.weight, layer.bias) if isinstance(layer, TTLinear) else layer(expected)
     if load == "torch.load":
         torch.save(model, tmp_path / "model.pt")
         loaded = torch.load(tmp_path / "model.pt", weights_only=False)
@@ -95,8 +94,7 @@ def test_a_loaded_model_compiles_before_any_eager_call(load, tmp_path, monkeypat
 
         def build():
             torch.manual_seed(1)
-            return torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(),
-                                       torch.nn.Linear(128, 32)).double()
+            return torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 32)).double()
 
         loaded = comera_fx.load_tensorized(tmp_path / "model.safetensors", build)
     assert any(isinstance(layer, TTLinear) for layer in loaded)

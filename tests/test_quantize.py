@@ -13,8 +13,17 @@ from torch import nn
 
 import comera_fx
 from comera_fx import TensorizeConfig
-from comera_fx.quantize import (QuantSpec, dequantize, fake_quant, pack, quantize_groups, quantized_specs,
-                                requantize_, stored_bytes, unpack)
+from comera_fx.quantize import (
+    QuantSpec,
+    dequantize,
+    fake_quant,
+    pack,
+    quantize_groups,
+    quantized_specs,
+    requantize_,
+    stored_bytes,
+    unpack,
+)
 from comera_fx.tt.layers import TTMatrix
 
 from helpers_models import Big, Mixed, TiedLM
@@ -30,22 +39,28 @@ def reference_grid(weight: torch.Tensor, bits: int, group_size: int | None):
 
 
 @settings(max_examples=40, deadline=None)
-@given(numel=st.integers(1, 300), bits=st.sampled_from([4, 8]), group=st.sampled_from([None, 1, 7, 64]),
-       magnitude=st.floats(-6, 3), seed=st.integers(0, 2**16))
+@given(
+    numel=st.integers(1, 300),
+    bits=st.sampled_from([4, 8]),
+    group=st.sampled_from([None, 1, 7, 64]),
+    magnitude=st.floats(-6, 3),
+    seed=st.integers(0, 2**16),
+)
 def test_grid_error_bound_codes_and_exact_requantization(numel, bits, group, magnitude, seed):
     """Every value moves by at most half its group's scale (float64 reference), codes lie in [-qmax, qmax], int4
     codes survive packing, and quantizing a quantized tensor again (what a save after ``quantize_`` does) gives
     back exactly the same values."""
     gen = torch.Generator().manual_seed(seed)
-    w = torch.randn(numel, generator=gen) * 10.0 ** magnitude
+    w = torch.randn(numel, generator=gen) * 10.0**magnitude
     spec = QuantSpec(bits, group)
     codes, scales = quantize_groups(w, spec)
     assert codes.dtype == torch.int8 and int(codes.abs().max()) <= spec.qmax
     assert scales.numel() == spec.groups(numel)
     q = dequantize(codes, scales, spec, w.shape, w.dtype)
     groups, scale = reference_grid(w, bits, group)
-    err = (torch.cat([q.double(), q.new_zeros(groups.numel() - numel, dtype=torch.float64)]).reshape(groups.shape)
-           - groups).abs()
+    err = (
+        torch.cat([q.double(), q.new_zeros(groups.numel() - numel, dtype=torch.float64)]).reshape(groups.shape) - groups
+    ).abs()
     assert bool((err <= scale / 2 * (1 + 1e-5) + 1e-30).all())
     assert torch.equal(unpack(pack(codes, bits), bits, numel), codes)
     again, again_scales = quantize_groups(q, spec)
@@ -83,8 +98,9 @@ def test_quantize_rounds_cores_in_place_and_touches_nothing_else():
             assert torch.equal(p, before[name]), name
             continue
         groups, scale = reference_grid(before[name], 4, 16)
-        moved = torch.cat([p.detach().double().reshape(-1),
-                           groups.new_zeros(groups.numel() - p.numel())]).reshape(groups.shape)
+        moved = torch.cat([p.detach().double().reshape(-1), groups.new_zeros(groups.numel() - p.numel())]).reshape(
+            groups.shape
+        )
         steps = moved / torch.where(scale > 0, scale, 1)
         assert bool(((moved - groups).abs() <= scale / 2 * (1 + 1e-5)).all())
         assert torch.allclose(steps, steps.round(), atol=1e-4), name
@@ -144,8 +160,9 @@ def test_a_weight_trained_off_its_grid_is_quantized_again_when_saved(tmp_path):
     trained = {name: p.detach().clone() for name, p in model.named_parameters()}
     path = tmp_path / "m.safetensors"
     comera_fx.save_tensorized(model, path)
-    loaded = comera_fx.load_tensorized(path, lambda: nn.Sequential(nn.Linear(64, 128), nn.GELU(),
-                                                                    nn.Linear(128, 64), nn.Linear(64, 64)))
+    loaded = comera_fx.load_tensorized(
+        path, lambda: nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64), nn.Linear(64, 64))
+    )
     for name, p in model.named_parameters():
         want = fake_quant(p.detach(), 8, 64) if p.dim() >= 2 else p.detach()
         assert torch.equal(loaded.get_parameter(name).detach(), want), name
@@ -189,8 +206,9 @@ def test_on_grid_rounds_inside_and_restores_the_float_weights_after():
     x = torch.randn(5, 16)
     with comera_fx.quantize.on_grid(student) as rounded:
         assert rounded == 1
-        torch.testing.assert_close(student[0].weight.double(), rounded_reference(floats["0.weight"], 4, 16),
-                                   rtol=0, atol=1e-6)
+        torch.testing.assert_close(
+            student[0].weight.double(), rounded_reference(floats["0.weight"], 4, 16), rtol=0, atol=1e-6
+        )
         for name in ("2.weight", "2.bias"):  # not quantized: untouched
             assert torch.equal(dict(student.named_parameters())[name], floats[name])
         student(x).sum().backward()
@@ -206,6 +224,7 @@ def test_quant_aware_distillation_steps_with_the_gradient_taken_on_the_grid():
     reference), which differs in sign from the gradient at the float weight for some entries; without it, against
     the latter."""
     from comera_fx.pretrained.distill import match_teacher
+
     torch.manual_seed(1)
     teacher = nn.Sequential(nn.Linear(16, 8, bias=False), nn.Tanh(), nn.Linear(8, 4))
     x = torch.randn(64, 16)
@@ -224,8 +243,17 @@ def test_quant_aware_distillation_steps_with_the_gradient_taken_on_the_grid():
         before = student[0].weight.detach().clone()
         at_grid = reference_gradient(rounded_reference(before, 4, 16), student)
         at_float = reference_gradient(before.double(), student)
-        match_teacher(student, teacher, [x], steps=1, budget_seconds=None, lr=1e-2, progress=False,
-                      loss_fn=lambda s, t: ((s - t) ** 2).sum(), quant_aware=quant_aware)
+        match_teacher(
+            student,
+            teacher,
+            [x],
+            steps=1,
+            budget_seconds=None,
+            lr=1e-2,
+            progress=False,
+            loss_fn=lambda s, t: ((s - t) ** 2).sum(),
+            quant_aware=quant_aware,
+        )
         moved = (before - student[0].weight.detach()).double()
         expected = at_grid if quant_aware else at_float
         clear = expected.abs() > 1e-6
@@ -236,11 +264,11 @@ def test_quant_aware_distillation_steps_with_the_gradient_taken_on_the_grid():
 
 def test_quant_aware_refusals_name_the_fix():
     from comera_fx.pretrained.distill import match_teacher
+
     teacher = nn.Linear(4, 4)
     x = [torch.randn(2, 4)]
     with pytest.raises(ValueError, match="quantize_ or comera_fx.apply_formats_"):
         match_teacher(nn.Linear(4, 4), teacher, x, steps=1, budget_seconds=None, progress=False, quant_aware=0.5)
     for bad in (1.5, -0.1, True, "0.3"):
         with pytest.raises(ValueError, match="quant_aware must be a fraction"):
-            match_teacher(off_grid_student(), teacher, x, steps=1, budget_seconds=None, progress=False,
-                          quant_aware=bad)
+            match_teacher(off_grid_student(), teacher, x, steps=1, budget_seconds=None, progress=False, quant_aware=bad)

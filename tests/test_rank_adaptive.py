@@ -118,8 +118,10 @@ def hand_shrunk(tt: TTMatrix) -> TTMatrix:
     """A TTMatrix BUILT with the small ranks: every core and gate sliced with plain indexing."""
     keep = keep_lists(tt)
     n = len(tt.cores)
-    cores = [slice_core(c.detach(), keep[k - 1] if k > 0 else None, keep[k] if k < n - 1 else None)
-             for k, c in enumerate(tt.cores)]
+    cores = [
+        slice_core(c.detach(), keep[k - 1] if k > 0 else None, keep[k] if k < n - 1 else None)
+        for k, c in enumerate(tt.cores)
+    ]
     gates = [g.detach()[kp].clone() for g, kp in zip(tt.gates, keep)]
     ranks = (1, *(len(kp) for kp in keep), 1)
     return TTMatrix(tt.layout.with_ranks(ranks), cores, gates)
@@ -176,9 +178,16 @@ def test_late_stage_rescales_task_gradients_and_pushes_the_gates(target_params, 
     model = make_toy()
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     extra = {} if late_size_weight is None else {"late_size_weight": late_size_weight}
-    hook = RankAdaptive(model, optimizer, schedule="comera", target_params=target_params, late_start_step=0,
-                        prune_every=None,
-                        reduction="sum", **extra)
+    hook = RankAdaptive(
+        model,
+        optimizer,
+        schedule="comera",
+        target_params=target_params,
+        late_start_step=0,
+        prune_every=None,
+        reduction="sum",
+        **extra,
+    )
     params = list(model.parameters())
     gate_ids = {id(g) for e in tt_matrices(model) for g in e.tt.gates}
     before = [p.detach().clone() for p in params]
@@ -223,8 +232,9 @@ def test_l1_pressure_shrinks_the_gates():
 def test_late_stage_reaches_the_target_size():
     model, x, y = regression_problem()
     optimizer = torch.optim.Adam(param_groups(model, lr_cores=1e-2, lr_gates=5e-3, lr_other=1e-2))
-    hook = RankAdaptive(model, optimizer, schedule="comera", l1_weight=0.01, prune_every=25, target_ratio=0.5,
-                        late_start_step=100)
+    hook = RankAdaptive(
+        model, optimizer, schedule="comera", l1_weight=0.01, prune_every=25, target_ratio=0.5, late_start_step=100
+    )
     train(model, optimizer, hook, x, y, 400)
     assert hook.target_size == 0.5 * hook.initial_tt_params
     assert abs(hook.tt_params() / hook.target_size - 1) <= 0.15
@@ -239,8 +249,9 @@ def test_late_stage_reaches_the_target_size():
 def test_plateau_switches_to_the_late_stage():
     model = make_toy()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    hook = RankAdaptive(model, optimizer, schedule="comera", target_ratio=0.5, plateau_patience=3, plateau_tol=0.01,
-                        prune_every=None)
+    hook = RankAdaptive(
+        model, optimizer, schedule="comera", target_ratio=0.5, plateau_patience=3, plateau_tol=0.01, prune_every=None
+    )
     for loss in (5.0, 4.0, 3.0, 2.999, 2.998, 2.997, 2.996):
         _zero_grads(model)
         hook.observe(torch.tensor(loss))
@@ -314,8 +325,7 @@ GATE_FATES = st.sampled_from(["live", "zero", "below", "at"])
 
 
 @given(case=strategies.models(num_inputs=2), max_rank=st.integers(1, 5), data=st.data())
-def test_pruning_dead_slices_of_random_models_keeps_the_function_and_the_optimizer_state_aligned(
-        case, max_rank, data):
+def test_pruning_dead_slices_of_random_models_keeps_the_function_and_the_optimizer_state_aligned(case, max_rank, data):
     """Random models tensorized at random ranks, random gate entries dead (exactly 0, below or at the threshold).
 
     Reference: the same model with every dead gate set to exactly 0 (built by the test with plain indexing),
@@ -334,8 +344,9 @@ def test_pruning_dead_slices_of_random_models_keeps_the_function_and_the_optimiz
         for entry in matrices:
             counts = []
             for k, gate in enumerate(entry.tt.gates):
-                fates = data.draw(st.lists(GATE_FATES, min_size=gate.numel(), max_size=gate.numel()),
-                                  label=f"{entry.name} gate {k}")
+                fates = data.draw(
+                    st.lists(GATE_FATES, min_size=gate.numel(), max_size=gate.numel()), label=f"{entry.name} gate {k}"
+                )
                 values = 0.5 + torch.rand(gate.shape, generator=generator, dtype=gate.dtype)
                 for i, fate in enumerate(fates):
                     if fate != "live":
@@ -360,7 +371,9 @@ def test_pruning_dead_slices_of_random_models_keeps_the_function_and_the_optimiz
             for p in m.parameters():
                 optimizer.state[p]["exp_avg"].copy_(p)
                 optimizer.state[p]["exp_avg_sq"].copy_(p * p)
-        hook = RankAdaptive(m, optimizer, schedule="comera", prune_every=None, threshold=THRESHOLD)  # dead-slice pruning
+        hook = RankAdaptive(
+            m, optimizer, schedule="comera", prune_every=None, threshold=THRESHOLD
+        )  # dead-slice pruning
         hook.prune()
         hook.remove()
         optimizers.append(optimizer)
@@ -399,8 +412,9 @@ def test_a_bond_at_rank_zero_leaves_only_the_bias():
     assert hook.history[-1].zeroed == ("out",) and hook.history[-1].ranks["out"] == (1, 0, 0, 0, 1)
     with torch.no_grad():
         after = model(idx)
-        torch.testing.assert_close(model.out(torch.randn(3, 16, dtype=torch.float64)),
-                                   model.out.bias.expand(3, -1), rtol=0, atol=0)
+        torch.testing.assert_close(
+            model.out(torch.randn(3, 16, dtype=torch.float64)), model.out.bias.expand(3, -1), rtol=0, atol=0
+        )
     assert (after - before).abs().max().item() <= 1e-12
     assert "zero matrix" in repr(model.out.tt)
 
@@ -438,11 +452,15 @@ def _hand_slice_state(state: dict, keep_first, keep_last) -> dict:
     return out
 
 
-@pytest.mark.parametrize("make_optimizer", [
-    lambda params: torch.optim.Adam(params, lr=1e-2),
-    lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1),
-    lambda params: torch.optim.SGD(params, lr=1e-2, momentum=0.9),
-], ids=["adam", "adamw", "sgd-momentum"])
+@pytest.mark.parametrize(
+    "make_optimizer",
+    [
+        lambda params: torch.optim.Adam(params, lr=1e-2),
+        lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1),
+        lambda params: torch.optim.SGD(params, lr=1e-2, momentum=0.9),
+    ],
+    ids=["adam", "adamw", "sgd-momentum"],
+)
 def test_training_after_shrinking_matches_a_model_built_small(make_optimizer):
     batch = toy_batch()
     model = make_toy()
@@ -510,8 +528,9 @@ def test_checkpoint_of_a_shrunk_model_resumes_identically():
 
     for _ in range(7):
         step(model, optimizer, hook)
-    checkpoint = copy.deepcopy({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                                "hook": hook.state_dict()})
+    checkpoint = copy.deepcopy(
+        {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "hook": hook.state_dict()}
+    )
     ranks = {e.name: e.tt.ranks for e in tt_matrices(model)}
     expected = [step(model, optimizer, hook) for _ in range(6)]  # crosses the stage switch and a pruning
 
@@ -565,7 +584,8 @@ def test_history_is_recorded_and_saved(tmp_path):
     last = hook.history_as_dicts()[-1]
     assert last["shrunk"] == ["0"] and last["ranks"]["0"][2] == 7 and last["stage"] == EARLY
     assert last["tt_params"] == hook.tt_params() and last["compression"] == pytest.approx(
-        last["dense_params"] / last["tt_params"])
+        last["dense_params"] / last["tt_params"]
+    )
     assert isinstance(last["loss"], float) and last["wall_time"] >= 0
     path = tmp_path / "history.json"
     hook.save_history(path)

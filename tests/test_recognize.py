@@ -23,14 +23,17 @@ EXACT = TensorizeConfig(min_numel=1, min_dim=1, max_rank=None)  # every weight c
 def functional_linear_calls(spec) -> int:
     """F.linear calls on raw parameters per forward: the FunctionalLinear blocks, and again for each reuse."""
     kinds = [b.kind for b in spec.blocks]
-    return sum(kind == "functional_linear" or (kind == "shared" and kinds[b.source] == "functional_linear")
-               for kind, b in zip(kinds, spec.blocks))
+    return sum(
+        kind == "functional_linear" or (kind == "shared" and kinds[b.source] == "functional_linear")
+        for kind, b in zip(kinds, spec.blocks)
+    )
 
 
 # Small models with F.linear blocks: each example captures the model and compiles it (Dynamo, no AOTAutograd);
 # measured ~20 s per example on the loaded 2-core machine (396 s for 20), so 5 here and 50 in the slow suite.
-MODELS = strategies.models(block_kinds=("functional_linear", "linear", "mlp", "residual", "layernorm", "shared"),
-                           max_blocks=3, max_features=24)
+MODELS = strategies.models(
+    block_kinds=("functional_linear", "linear", "mlp", "residual", "layernorm", "shared"), max_blocks=3, max_features=24
+)
 
 
 def check_contraction(case) -> None:
@@ -45,11 +48,13 @@ def check_contraction(case) -> None:
     def tensorize(m: nn.Module) -> None:
         comera_fx.tensorize_(m, EXACT, example_inputs=example_inputs)
 
-    rewritten = assert_rewrite_equivalent(model, tensorize, example_inputs, graph=False,
-                                          extra_inputs=case.more_inputs, compile_backend=contract)
+    rewritten = assert_rewrite_equivalent(
+        model, tensorize, example_inputs, graph=False, extra_inputs=case.more_inputs, compile_backend=contract
+    )
     expected = functional_linear_calls(model.spec)
     assert len([m for m in rewritten.modules() if m in PROPERTY_MATRICES]) == (expected > 0) * len(
-        {id(b) for b in model.blocks if type(b).__name__ == "FunctionalLinear"})
+        {id(b) for b in model.blocks if type(b).__name__ == "FunctionalLinear"}
+    )
     assert rewrites and all(count == expected for count in rewrites), (rewrites, expected)
 
 

@@ -32,8 +32,9 @@ def layer_io(model, name, data):
     """(inputs, outputs) of one module over the batches, float64, from a forward hook."""
     module = model.get_submodule(name)
     seen = []
-    handle = module.register_forward_hook(lambda m, a, o: seen.append((a[0].reshape(-1, a[0].shape[-1]),
-                                                                       o.reshape(-1, o.shape[-1]))))
+    handle = module.register_forward_hook(
+        lambda m, a, o: seen.append((a[0].reshape(-1, a[0].shape[-1]), o.reshape(-1, o.shape[-1])))
+    )
     with torch.no_grad():
         for batch in data:
             model(batch)
@@ -137,8 +138,14 @@ def test_batches_callable_and_errors():
 
 
 def tiny_bert():
-    config = transformers.BertConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
-                                     intermediate_size=256, vocab_size=300, max_position_embeddings=32)
+    config = transformers.BertConfig(
+        num_hidden_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        intermediate_size=256,
+        vocab_size=300,
+        max_position_embeddings=32,
+    )
     torch.manual_seed(0)
     return transformers.BertModel(config, add_pooling_layer=False).eval()
 
@@ -156,8 +163,9 @@ def padded_batches(n=4, seed=0):
 def test_token_mask_leaves_padding_out_of_calibration():
     model = tiny_bert()
     data = padded_batches()
-    cal = comera_fx.calibrate(model, data, config=TensorizeConfig(min_numel=4000),
-                              token_mask=lambda b: b["attention_mask"])
+    cal = comera_fx.calibrate(
+        model, data, config=TensorizeConfig(min_numel=4000), token_mask=lambda b: b["attention_mask"]
+    )
     rows = []
     hook = model.encoder.layer[0].attention.self.query.register_forward_hook(lambda m, a, o: rows.append(a[0]))
     with torch.no_grad():
@@ -179,8 +187,7 @@ def test_bert_refit_groups_qkv_and_masks_padding():
     comera_fx.tensorize_(student, config, calibration=cal)
     summary = comera_fx.refit_sequential_(student, teacher, data, token_mask=lambda b: b["attention_mask"])
     names = [l.name for l in summary.layers]
-    assert len(names) == 12 and names[:3] == [f"encoder.layer.0.attention.self.{n}" for n in ("query", "key",
-                                                                                               "value")]
+    assert len(names) == 12 and names[:3] == [f"encoder.layer.0.attention.self.{n}" for n in ("query", "key", "value")]
     tokens = sum(int(b["attention_mask"].sum()) for b in data)
     assert all(l.tokens == tokens for l in summary.layers)
     assert all(l.error_after <= l.error_before for l in summary.layers)
@@ -197,8 +204,9 @@ def test_blocks_give_the_same_refit_as_whole_forwards():
     students = []
     for blocks in ((), ("encoder.layer.0", "encoder.layer.1")):
         student = copy.deepcopy(teacher)
-        comera_fx.tensorize_(student, config, calibration=comera_fx.calibrate(student, data, config=config,
-                                                                               token_mask=mask))
+        comera_fx.tensorize_(
+            student, config, calibration=comera_fx.calibrate(student, data, config=config, token_mask=mask)
+        )
         summary = comera_fx.refit_sequential_(student, teacher, data, token_mask=mask, blocks=blocks)
         assert not summary.notes and len(summary.layers) == 12
         students.append((student, summary))

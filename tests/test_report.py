@@ -35,9 +35,12 @@ class Awkward(nn.Module):
 
 
 # Padding is forced with explicit modes (the automatic choice is the mode heuristic's business, not the report's).
-CONFIG = TensorizeConfig(max_rank=6, min_numel=4096, min_dim=64,
-                         overrides={r"^fc\.": {"row_modes": (10, 10)},
-                                    r"^emb\.": {"row_modes": (32, 32), "col_modes": (8, 8)}})
+CONFIG = TensorizeConfig(
+    max_rank=6,
+    min_numel=4096,
+    min_dim=64,
+    overrides={r"^fc\.": {"row_modes": (10, 10)}, r"^emb\.": {"row_modes": (32, 32), "col_modes": (8, 8)}},
+)
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +58,14 @@ def parse_modes(text):
     rows, padded_rows, row_modes, cols, padded_cols, col_modes = match.groups()
     row_modes = tuple(int(m) for m in row_modes.split("·"))
     col_modes = tuple(int(m) for m in col_modes.split("·"))
-    return (int(rows), int(padded_rows) if padded_rows else None, row_modes,
-            int(cols), int(padded_cols) if padded_cols else None, col_modes)
+    return (
+        int(rows),
+        int(padded_rows) if padded_rows else None,
+        row_modes,
+        int(cols),
+        int(padded_cols) if padded_cols else None,
+        col_modes,
+    )
 
 
 def expected_params(fmt, row_modes, col_modes, ranks):
@@ -136,8 +145,19 @@ def test_to_dict(models):
     assert set(data["total"]) == {"tt_params", "dense_params", "compression", "model_params", "dense_model_params"}
     assert len(data["layers"]) == len(LAYERS)
     for layer in data["layers"]:
-        assert set(layer) == {"fqn", "used_by", "format", "modes", "ranks", "live_ranks", "params", "dense_params", "plan",
-                              "backward", "compression"}
+        assert set(layer) == {
+            "fqn",
+            "used_by",
+            "format",
+            "modes",
+            "ranks",
+            "live_ranks",
+            "params",
+            "dense_params",
+            "plan",
+            "backward",
+            "compression",
+        }
         assert layer["backward"] == "exact"
         assert layer["compression"] == pytest.approx(layer["dense_params"] / layer["params"])
     total = data["total"]

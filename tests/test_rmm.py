@@ -51,8 +51,6 @@ class QKV(nn.Module):
         return self.q(x) + self.k(x) + self.v(x)
 
 
-
-
 def _block(dtype=torch.float64, seed: int = 0) -> Block:
     torch.manual_seed(seed)
     return Block().to(dtype)
@@ -113,10 +111,18 @@ ONE_THREAD = settings(suppress_health_check=[HealthCheck.function_scoped_fixture
 
 
 @ONE_THREAD
-@given(d_in=st.integers(1, 20), d_out=st.integers(1, 20), bias=st.booleans(), rho=RHOS,
-       sketch=st.sampled_from(SKETCHES), seed=st.integers(0, 2**31 - 1), data=st.data())
-def test_rmm_linear_forward_input_and_bias_gradients_are_exact_on_drawn_shapes(d_in, d_out, bias, rho, sketch, seed,
-                                                                               data, one_thread):
+@given(
+    d_in=st.integers(1, 20),
+    d_out=st.integers(1, 20),
+    bias=st.booleans(),
+    rho=RHOS,
+    sketch=st.sampled_from(SKETCHES),
+    seed=st.integers(0, 2**31 - 1),
+    data=st.data(),
+)
+def test_rmm_linear_forward_input_and_bias_gradients_are_exact_on_drawn_shapes(
+    d_in, d_out, bias, rho, sketch, seed, data, one_thread
+):
     """Against dense float64 algebra: y = x Wᵀ + b, dX = dY W, db = Σ dY over tokens; dW has W's shape and is
     finite. Inputs in any memory layout (strided, transposed, expanded)."""
     g = torch.Generator().manual_seed(seed)
@@ -136,15 +142,23 @@ def test_rmm_linear_forward_input_and_bias_gradients_are_exact_on_drawn_shapes(d
 
 
 @ONE_THREAD
-@given(spec=strategies.tt_specs(max_modes=3, max_rank=4), transposed=st.booleans(), rho=RHOS,
-       sketch=st.sampled_from(SKETCHES), seed=st.integers(0, 2**31 - 1), data=st.data())
-def test_rmm_tt_product_forward_and_input_gradient_are_exact_on_drawn_matrices(spec, transposed, rho, sketch, seed,
-                                                                               data, one_thread):
+@given(
+    spec=strategies.tt_specs(max_modes=3, max_rank=4),
+    transposed=st.booleans(),
+    rho=RHOS,
+    sketch=st.sampled_from(SKETCHES),
+    seed=st.integers(0, 2**31 - 1),
+    data=st.data(),
+)
+def test_rmm_tt_product_forward_and_input_gradient_are_exact_on_drawn_matrices(
+    spec, transposed, rho, sketch, seed, data, one_thread
+):
     """x @ M (or x @ Mᵀ) of a drawn TT matrix (TT or TTM, padded sizes, dead gates) and its dX, against M built by
     opt_einsum in float64; the core and gate gradients have their parameters' shapes and are finite."""
     tt = spec.matrix()
-    x = data.draw(strategies.tt_inputs(tt.layout, side="cols" if transposed else "rows", batch_shapes=TOKEN_SHAPES),
-                  label="x").requires_grad_()
+    x = data.draw(
+        strategies.tt_inputs(tt.layout, side="cols" if transposed else "rows", batch_shapes=TOKEN_SHAPES), label="x"
+    ).requires_grad_()
     y = rmm_tt_product(x, tt, transposed=transposed, rho=rho, sketch=sketch)
     dy = _cotangent(y, seed)
     y.backward(dy)
@@ -197,7 +211,8 @@ def _linear_problem(tokens=64, n_in=6, n_out=5, noise=0.5):
     g = torch.Generator().manual_seed(1)
     x = torch.randn(tokens, n_in, dtype=torch.float64, generator=g)
     dy = x @ torch.randn(n_in, n_out, dtype=torch.float64, generator=g) + noise * torch.randn(
-        tokens, n_out, dtype=torch.float64, generator=g)
+        tokens, n_out, dtype=torch.float64, generator=g
+    )
     return x, dy
 
 
@@ -376,8 +391,7 @@ def test_eval_mode_and_no_grad_draw_nothing():
 
 def test_restore_state_dict_pickle_and_deepcopy():
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(),
-                          comera_fx.TTLinear.from_dense(nn.Linear(128, 64), max_rank=4))
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), comera_fx.TTLinear.from_dense(nn.Linear(128, 64), max_rank=4))
     params = list(model.parameters())
     keys = list(model.state_dict())
     comera_fx.randomize_backward_(model, rho=0.5, min_numel=0)
@@ -434,8 +448,10 @@ def test_bad_sketch_and_missing_token_dimension_are_refused():
 
 def test_gpt2_conv1d_and_tied_head_found_through_the_graph():
     import transformers  # a test dependency (pyproject [test]): a missing one fails, never skips
-    config = transformers.GPT2Config(n_layer=1, n_embd=64, n_head=4, vocab_size=300, n_positions=32,
-                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+
+    config = transformers.GPT2Config(
+        n_layer=1, n_embd=64, n_head=4, vocab_size=300, n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+    )
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(config)
     ids = torch.randint(0, 300, (2, 16))
@@ -501,8 +517,9 @@ def test_backend_option_randomizes_dense_linears_with_one_graph_over_token_count
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
     reference = copy.deepcopy(model)
-    backend = comera_fx.make_backend(comera_fx.BackendConfig(rmm=comera_fx.RMMConfig(rho=1.0, sketch="srht",
-                                                                                     min_numel=0), inductor=False))
+    backend = comera_fx.make_backend(
+        comera_fx.BackendConfig(rmm=comera_fx.RMMConfig(rho=1.0, sketch="srht", min_numel=0), inductor=False)
+    )
     compiled = torch.compile(model, backend=backend, dynamic=True, fullgraph=True)
     # powers of two: SRHT at rho 1 is exact, so the weight gradients are checkable
     _assert_matches_reference(compiled, reference, [torch.randn(tokens, 32) for tokens in (16, 32, 64)])
@@ -552,8 +569,14 @@ def check_compiled_rmm_below_rho_one(backend, sketch: str, seeds: int) -> None:
     tt_params = list(model.tt.tt.parameters())
     exact_tt = torch.autograd.grad(z @ model.tt.tt.dense(), tt_params, dz)  # through the reconstruction M
     matrix = model.tt.tt.dense().detach()
-    expected = {"y": x @ weight.t() + bias, "dx": dy @ weight, "db": dy.sum(0),
-                "y_tt": z @ matrix + model.tt.bias.detach(), "dz": dz @ matrix.t(), "db_tt": dz.sum(0)}
+    expected = {
+        "y": x @ weight.t() + bias,
+        "dx": dy @ weight,
+        "db": dy.sum(0),
+        "y_tt": z @ matrix + model.tt.bias.detach(),
+        "dz": dz @ matrix.t(),
+        "db_tt": dz.sum(0),
+    }
     exact = torch.cat([(dy.t() @ x).reshape(-1)] + [g.reshape(-1) for g in exact_tt])
     comera_fx.randomize_backward_(model, rho=0.5, sketch=sketch, min_numel=0)
     compiled = torch.compile(model, backend=backend, fullgraph=True)
@@ -563,8 +586,14 @@ def check_compiled_rmm_below_rho_one(backend, sketch: str, seeds: int) -> None:
         x1, z1 = x.clone().requires_grad_(), z.clone().requires_grad_()
         y, y_tt = compiled(x1, z1)
         torch.autograd.backward((y, y_tt), (dy, dz))
-        got = {"y": y, "dx": x1.grad, "db": model.dense.bias.grad, "y_tt": y_tt, "dz": z1.grad,
-               "db_tt": model.tt.bias.grad}
+        got = {
+            "y": y,
+            "dx": x1.grad,
+            "db": model.dense.bias.grad,
+            "y_tt": y_tt,
+            "dz": z1.grad,
+            "db_tt": model.tt.bias.grad,
+        }
         for name, value in expected.items():
             torch.testing.assert_close(got[name].detach(), value, rtol=1e-10, atol=1e-10, msg=name)
         samples.append(torch.cat([model.dense.weight.grad.reshape(-1)] + [p.grad.reshape(-1) for p in tt_params]))
@@ -648,8 +677,7 @@ def test_backend_activation_memory_budget_recomputes_in_backward():
         torch._dynamo.reset()
         torch.manual_seed(0)
         model = Block()
-        compiled = torch.compile(model, backend=comera_fx.make_backend(inductor=False,
-                                                                       activation_memory_budget=budget))
+        compiled = torch.compile(model, backend=comera_fx.make_backend(inductor=False, activation_memory_budget=budget))
         x = torch.randn(4, 16, 32)
         saved[budget] = _saved_activation_bytes(model, lambda: compiled(x))
     assert saved[0.0] < saved[None] / 4
@@ -659,8 +687,7 @@ def test_backend_activation_memory_budget_recomputes_in_backward():
 
 def test_cpu_autocast_bf16_matches_float32():
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 128), nn.GELU(),
-                          comera_fx.TTLinear.from_dense(nn.Linear(128, 64), max_rank=4))
+    model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), comera_fx.TTLinear.from_dense(nn.Linear(128, 64), max_rank=4))
     reference = copy.deepcopy(model)
     comera_fx.randomize_backward_(model, rho=1.0, sketch="srht", min_numel=0)  # exact at rho 1: comparable
     assert_bf16_autocast_grads_close(model, reference, torch.randn(32, 64))

@@ -68,8 +68,7 @@ def _gradients(model: nn.Module, x, dy):
 def _randomized(rho: float = 0.5, sketch: str = "gaussian"):
     reference = RawParams()
     model = copy.deepcopy(reference)
-    summary = comera_fx.randomize_backward_(model, rho=rho, sketch=sketch, example_inputs=(_inputs()[0],),
-                                            min_numel=0)
+    summary = comera_fx.randomize_backward_(model, rho=rho, sketch=sketch, example_inputs=(_inputs()[0],), min_numel=0)
     return reference, model, summary
 
 
@@ -155,8 +154,9 @@ def test_the_module_whose_forward_reads_the_parameter_is_the_one_randomized():
 def test_filter_fn_and_frozen_weights_stay_exact_with_a_reason():
     model = RawParams()
     model.u.requires_grad_(False)
-    summary = comera_fx.randomize_backward_(model, example_inputs=(_inputs()[0],), min_numel=0,
-                                            filter_fn=lambda module, fqn: fqn != "m")
+    summary = comera_fx.randomize_backward_(
+        model, example_inputs=(_inputs()[0],), min_numel=0, filter_fn=lambda module, fqn: fqn != "m"
+    )
     decisions = {d.fqn: d for d in summary.layers}
     assert decisions["w"].randomized and not decisions["u"].randomized and not decisions["m"].randomized
     assert "frozen" in decisions["u"].reason and "filter_fn" in decisions["m"].reason

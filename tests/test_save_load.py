@@ -154,8 +154,14 @@ def test_foreign_safetensors_file_is_refused(tmp_path):
 
 
 def test_bert_non_persistent_buffers_and_calibrated_model(tmp_path):
-    config = transformers.BertConfig(num_hidden_layers=1, hidden_size=128, num_attention_heads=4,
-                                     intermediate_size=512, vocab_size=500, max_position_embeddings=64)
+    config = transformers.BertConfig(
+        num_hidden_layers=1,
+        hidden_size=128,
+        num_attention_heads=4,
+        intermediate_size=512,
+        vocab_size=500,
+        max_position_embeddings=64,
+    )
 
     def build():
         torch.manual_seed(0)
@@ -164,8 +170,9 @@ def test_bert_non_persistent_buffers_and_calibrated_model(tmp_path):
     model = build()
     batches = [{"input_ids": torch.randint(0, 500, (2, 16))}]
     cal = comera_fx.calibrate(model, batches, config=TensorizeConfig(min_numel=10_000))
-    comera_fx.tensorize_(model, TensorizeConfig(min_numel=10_000, size_target=0.3, allocation="energy"),
-                         calibration=cal)
+    comera_fx.tensorize_(
+        model, TensorizeConfig(min_numel=10_000, size_target=0.3, allocation="energy"), calibration=cal
+    )
     comera_fx.save_tensorized(model, tmp_path / "bert.safetensors")
     loaded = comera_fx.load_tensorized(tmp_path / "bert.safetensors", build).eval()
     with torch.no_grad():
@@ -176,9 +183,14 @@ def test_bert_non_persistent_buffers_and_calibrated_model(tmp_path):
 # ------------------------------------------------------------- trained, then pruned by RankAdaptive, then saved
 
 TRAINING_STEPS = 12
-TRAINED_MODELS = strategies.models(block_kinds=("linear", "mlp", "residual", "tied_linear"),  # each has a linear
-                                   max_blocks=3, min_features=4, max_features=24, batch_sizes=st.integers(1, 3),
-                                   num_inputs=2)
+TRAINED_MODELS = strategies.models(
+    block_kinds=("linear", "mlp", "residual", "tied_linear"),  # each has a linear
+    max_blocks=3,
+    min_features=4,
+    max_features=24,
+    batch_sizes=st.integers(1, 3),
+    num_inputs=2,
+)
 
 
 def train_until_pruned(model: nn.Module, spec, config: TensorizeConfig) -> comera_fx.RankAdaptive:

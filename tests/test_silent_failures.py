@@ -36,10 +36,12 @@ def dense_8x8(seed):
 def test_checkpoint_with_swapped_modes_is_refused_naming_layer_and_shapes(fmt):
     """Two 8×8 TT-matrices with modes (2,4)|(4,2) and (4,2)|(2,4): same number of cores, other modes. Loading one
     into the other used to say "All keys matched successfully" and then compute another matrix (max error 13)."""
-    a = TTLinear(make_tt_matrix(dense_8x8(0), kind="linear", format=fmt, max_rank=100,
-                                row_modes=(2, 4), col_modes=(4, 2)))
-    b = TTLinear(make_tt_matrix(dense_8x8(1), kind="linear", format=fmt, max_rank=100,
-                                row_modes=(4, 2), col_modes=(2, 4)))
+    a = TTLinear(
+        make_tt_matrix(dense_8x8(0), kind="linear", format=fmt, max_rank=100, row_modes=(2, 4), col_modes=(4, 2))
+    )
+    b = TTLinear(
+        make_tt_matrix(dense_8x8(1), kind="linear", format=fmt, max_rank=100, row_modes=(4, 2), col_modes=(2, 4))
+    )
     model, saved = nn.Sequential(a), nn.Sequential(b).state_dict()
     before = copy.deepcopy(model.state_dict())
     with pytest.raises(RuntimeError) as info:
@@ -54,8 +56,9 @@ def test_checkpoint_with_swapped_modes_is_refused_naming_layer_and_shapes(fmt):
 
 def test_checkpoint_of_another_format_is_refused():
     tt = make_tt_matrix(dense_8x8(0), kind="linear", format=TTFormat.TT, max_rank=100, row_modes=(8,), col_modes=(8,))
-    ttm = make_tt_matrix(dense_8x8(0), kind="linear", format=TTFormat.TTM, max_rank=100, row_modes=(2, 4),
-                         col_modes=(4, 2))
+    ttm = make_tt_matrix(
+        dense_8x8(0), kind="linear", format=TTFormat.TTM, max_rank=100, row_modes=(2, 4), col_modes=(4, 2)
+    )
     assert len(tt.cores) == len(ttm.cores)
     with pytest.raises(RuntimeError, match=r"'<root>'.*more than the rank axes"):
         tt.load_state_dict(ttm.state_dict())
@@ -91,8 +94,10 @@ def test_envelope_cache_is_bounded_lru_and_eviction_is_safe(monkeypatch):
     monkeypatch.setattr(layers, "_ENVELOPES", OrderedDict())
     monkeypatch.setattr(layers, "ENVELOPE_CACHE_SIZE", 3)
     x = torch.randn(5, 8, dtype=torch.float64)
-    matrices = [make_tt_matrix(dense_8x8(seed), kind="linear", max_rank=rank, row_modes=(2, 4), col_modes=(4, 2))
-                for seed, rank in enumerate((1, 2, 3, 4))]  # four ranks: four layouts
+    matrices = [
+        make_tt_matrix(dense_8x8(seed), kind="linear", max_rank=rank, row_modes=(2, 4), col_modes=(4, 2))
+        for seed, rank in enumerate((1, 2, 3, 4))
+    ]  # four ranks: four layouts
     for tt in matrices[:3]:
         tt.matmul(x)
     matrices[0].matmul(x)  # a hit: the first layout becomes the most recent
@@ -118,7 +123,12 @@ class NormDropNet(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.fc1, self.bn, self.drop, self.fc2 = nn.Linear(64, 128), nn.BatchNorm1d(128), nn.Dropout(0.5), nn.Linear(128, 64)
+        self.fc1, self.bn, self.drop, self.fc2 = (
+            nn.Linear(64, 128),
+            nn.BatchNorm1d(128),
+            nn.Dropout(0.5),
+            nn.Linear(128, 64),
+        )
 
     def forward(self, x):
         h = self.drop(self.bn(self.fc1(x)))
@@ -245,9 +255,11 @@ def test_a_module_with_state_dict_hooks_is_skipped_with_a_reason():
 
 
 def snapshot(model):
-    return ([(name, id(m), type(m)) for name, m in model.named_modules(remove_duplicate=False)],
-            [(name, id(p)) for name, p in model.named_parameters(remove_duplicate=False)],
-            {k: v.clone() for k, v in model.state_dict().items()})
+    return (
+        [(name, id(m), type(m)) for name, m in model.named_modules(remove_duplicate=False)],
+        [(name, id(p)) for name, p in model.named_parameters(remove_duplicate=False)],
+        {k: v.clone() for k, v in model.state_dict().items()},
+    )
 
 
 def assert_unchanged(model, before):
@@ -340,8 +352,16 @@ def test_deepcopy_keeps_ties_and_gives_the_copy_its_own_class():
 def gpt2(tie):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    config = GPT2Config(vocab_size=320, n_positions=32, n_embd=64, n_layer=1, n_head=2, tie_word_embeddings=tie,
-                        bos_token_id=0, eos_token_id=0)
+    config = GPT2Config(
+        vocab_size=320,
+        n_positions=32,
+        n_embd=64,
+        n_layer=1,
+        n_head=2,
+        tie_word_embeddings=tie,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     torch.manual_seed(0)
     return GPT2LMHeadModel(config).double().eval()
 
@@ -400,12 +420,17 @@ def tensorized_mixed():
 def test_in_place_changes_to_a_rebuilt_weight_raise(tensorized_mixed, holder, write):
     """``torch.nn.init.normal_(module.weight)`` used to change a temporary copy and silently do nothing."""
     model = tensorized_mixed
-    owner, name = {"tt_linear": (model.fc, "weight"), "tt_embedding": (model.emb, "weight"),
-                   "property": (model, "w")}[holder]
+    owner, name = {"tt_linear": (model.fc, "weight"), "tt_embedding": (model.emb, "weight"), "property": (model, "w")}[
+        holder
+    ]
     cores = [p.detach().clone() for p in model.parameters()]
     weight = getattr(owner, name)
-    action = {"init.normal_": lambda: nn.init.normal_(weight), "copy_": lambda: weight.copy_(weight * 2),
-              "setitem": lambda: weight.__setitem__(0, 1.0), "requires_grad_": lambda: weight.requires_grad_(False)}
+    action = {
+        "init.normal_": lambda: nn.init.normal_(weight),
+        "copy_": lambda: weight.copy_(weight * 2),
+        "setitem": lambda: weight.__setitem__(0, 1.0),
+        "requires_grad_": lambda: weight.requires_grad_(False),
+    }
     with pytest.raises(RuntimeError, match="rebuilds from TT cores"):
         with torch.no_grad():
             action[write]()
@@ -450,8 +475,9 @@ def test_a_second_call_converts_what_it_selects_and_lists_the_earlier_tt_layers(
     reasons = {d.fqn: d.reason for d in same.layers}
     assert "already in TT form" in reasons["0.fc1.weight"] and reasons["1.weight"] is None
     # other settings, with the earlier layers left out: only the dense ones would be converted (none are left)
-    other = comera_fx.tensorize_(model, TensorizeConfig(max_rank=8, min_numel=4096, skip=(r"^0\.",)),
-                                 filter_fn=lambda m, name: name != "1")
+    other = comera_fx.tensorize_(
+        model, TensorizeConfig(max_rank=8, min_numel=4096, skip=(r"^0\.",)), filter_fn=lambda m, name: name != "1"
+    )
     assert not other.converted
 
 
@@ -470,6 +496,7 @@ def test_a_layer_without_balanced_modes_is_skipped_not_fatal():
     assert [type(m) for m in model] == [nn.Linear, nn.Linear, TTLinear]
     assert "skipped   0.weight" in str(summary)
 
-    gm = comera_fx.passes.tensorize(torch.fx.symbolic_trace(nn.Sequential(nn.Linear(128, 131), nn.Linear(131, 128))),
-                                    config)
+    gm = comera_fx.passes.tensorize(
+        torch.fx.symbolic_trace(nn.Sequential(nn.Linear(128, 131), nn.Linear(131, 128))), config
+    )
     assert all("no balanced factorisation" in d.reason for d in gm.meta["comera_fx"].layers)

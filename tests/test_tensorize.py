@@ -23,8 +23,19 @@ from comera_fx.passes.find import Candidate, Use, UseKind
 from comera_fx.passes.tensorize import skip_reason
 from comera_fx.testing import assert_rewrite_equivalent, strategies
 from comera_fx.testing.models import BlockSpec, ModelSpec, build_model, make_example_input
-from helpers_models import (MLP, EmbeddingModel, FunctionalLinear, LinearAndMatmul, MatmulModel, Mixed, TiedLM, large_2d_parameters,
-                            Tiny, num_params, relative_tolerance)
+from helpers_models import (
+    MLP,
+    EmbeddingModel,
+    FunctionalLinear,
+    LinearAndMatmul,
+    MatmulModel,
+    Mixed,
+    TiedLM,
+    large_2d_parameters,
+    Tiny,
+    num_params,
+    relative_tolerance,
+)
 
 tensorize_module = sys.modules["comera_fx.passes.tensorize"]  # comera_fx.passes.tensorize is the graph pass
 
@@ -43,9 +54,14 @@ def assert_tensorize_equivalent(dense, example_inputs, config=FULL, dtype=torch.
     capture = kwargs.pop("capture_inputs", example_inputs)
     summaries = []
     model = assert_rewrite_equivalent(
-        dense, lambda m: summaries.append(comera_fx.tensorize_(m, config, example_inputs=capture, **kwargs)),
-        example_inputs, dtype=dtype, graph=False, grads=dtype == torch.float64,
-        **relative_tolerance(dense, example_inputs, TOL[dtype]))
+        dense,
+        lambda m: summaries.append(comera_fx.tensorize_(m, config, example_inputs=capture, **kwargs)),
+        example_inputs,
+        dtype=dtype,
+        graph=False,
+        grads=dtype == torch.float64,
+        **relative_tolerance(dense, example_inputs, TOL[dtype]),
+    )
     return model, summaries[0]
 
 
@@ -72,8 +88,6 @@ def build(name, dtype, seed=0):
     cls, make_input = SMALL_MODELS[name]
     dense = cls().to(dtype)
     return dense, make_input(dtype)
-
-
 
 
 # ------------------------------------------------------------------------------------------- small models
@@ -206,9 +220,12 @@ def test_skip_and_overrides_take_effect():
     torch.manual_seed(0)
     dense = MatmulModel()
     model = copy.deepcopy(dense)
-    config = TensorizeConfig(max_rank=8, min_numel=4096, skip=[r"^w_mm$"],
-                             overrides={r"w_at": {"max_rank": 3}, r"w_method": {"skip": True},
-                                        r"w_matmul": {"max_rank": 5, "num_modes": 3}})
+    config = TensorizeConfig(
+        max_rank=8,
+        min_numel=4096,
+        skip=[r"^w_mm$"],
+        overrides={r"w_at": {"max_rank": 3}, r"w_method": {"skip": True}, r"w_matmul": {"max_rank": 5, "num_modes": 3}},
+    )
     summary = comera_fx.tensorize_(model, config, example_inputs=(float_input(torch.float32),))
     decisions = {d.fqn: d for d in summary.layers}
     assert not decisions["w_mm"].converted and "skip" in decisions["w_mm"].reason
@@ -375,11 +392,19 @@ EXACT = TensorizeConfig(max_rank=10**9, min_numel=1, min_dim=1)  # every weight 
 
 def test_functional_linear_called_twice_is_converted_once():
     """One module registered twice (two aliases of its weight) got the TT property attached twice: KeyError."""
-    spec = ModelSpec("features", 11, 0, (BlockSpec("functional_linear", 11, 11), BlockSpec("shared", 11, 11, source=0)),
-                     "none", 0, batch=2, seq_len=None, seed=0)
+    spec = ModelSpec(
+        "features",
+        11,
+        0,
+        (BlockSpec("functional_linear", 11, 11), BlockSpec("shared", 11, 11, source=0)),
+        "none",
+        0,
+        batch=2,
+        seq_len=None,
+        seed=0,
+    )
     model, x = build_model(spec), make_example_input(spec)
-    assert_rewrite_equivalent(model, lambda m: comera_fx.tensorize_(m, EXACT, example_inputs=(x,)), (x,),
-                              graph=False)
+    assert_rewrite_equivalent(model, lambda m: comera_fx.tensorize_(m, EXACT, example_inputs=(x,)), (x,), graph=False)
 
 
 @given(case=strategies.models(num_inputs=2), capture=st.booleans())
@@ -393,8 +418,7 @@ def test_full_rank_tensorize_of_random_models_equals_the_dense_model(case, captu
     def rewrite(m: nn.Module) -> None:
         summaries.append(comera_fx.tensorize_(m, EXACT, example_inputs=example_inputs if capture else None))
 
-    rewritten = assert_rewrite_equivalent(model, rewrite, example_inputs, graph=False,
-                                          extra_inputs=case.more_inputs)
+    rewritten = assert_rewrite_equivalent(model, rewrite, example_inputs, graph=False, extra_inputs=case.more_inputs)
     summary = summaries[0]
     assert summary.method == ("dynamo" if capture else "module-scan"), summary  # no silent fallback
     assert all(d.reason for d in summary.skipped), summary
@@ -407,18 +431,24 @@ def test_full_rank_tensorize_of_random_models_equals_the_dense_model(case, captu
 # ---------------------------------------------------------------------------------- transformers models
 
 
-
 def tiny_gpt2():
     torch.manual_seed(0)
-    config = transformers.GPT2Config(n_layer=2, n_embd=128, n_head=4, vocab_size=1000, n_positions=64,
-                                     bos_token_id=0, eos_token_id=0)
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=128, n_head=4, vocab_size=1000, n_positions=64, bos_token_id=0, eos_token_id=0
+    )
     return transformers.GPT2LMHeadModel(config).eval()
 
 
 def tiny_bert():
     torch.manual_seed(0)
-    config = transformers.BertConfig(num_hidden_layers=2, hidden_size=128, num_attention_heads=4,
-                                     intermediate_size=512, vocab_size=1000, max_position_embeddings=64)
+    config = transformers.BertConfig(
+        num_hidden_layers=2,
+        hidden_size=128,
+        num_attention_heads=4,
+        intermediate_size=512,
+        vocab_size=1000,
+        max_position_embeddings=64,
+    )
     return transformers.BertModel(config).eval()
 
 
@@ -465,17 +495,20 @@ def test_hf_full_rank_float64_outputs_match(hf_full_f64):
     other = id_input(1000, (3, 40), seed=9)  # another batch and length than the capture's
     for inputs in ({"input_ids": ids}, {"input_ids": ids, "attention_mask": mask}, {"input_ids": other}):
         inputs = hf_inputs(name, **inputs)
-        assert_rewrite_equivalent(dense, fixture_result(model), inputs, grads=False, graph=False,
-                                  **relative_tolerance(dense, inputs, 1e-10))
+        assert_rewrite_equivalent(
+            dense, fixture_result(model), inputs, grads=False, graph=False, **relative_tolerance(dense, inputs, 1e-10)
+        )
 
 
 def test_hf_full_rank_float64_gradients_match(hf_full_f64):
     """Outputs and gradients w.r.t. inputs_embeds and every parameter left dense (LayerNorms, biases, ...)."""
     name, dense, model, _ = hf_full_f64
-    inputs = hf_inputs(name, inputs_embeds=torch.randn(2, 12, 128, dtype=torch.float64,
-                                                       generator=torch.Generator().manual_seed(4)))
-    assert_rewrite_equivalent(dense, fixture_result(model), inputs, graph=False,
-                              **relative_tolerance(dense, inputs, 1e-10))
+    inputs = hf_inputs(
+        name, inputs_embeds=torch.randn(2, 12, 128, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    )
+    assert_rewrite_equivalent(
+        dense, fixture_result(model), inputs, graph=False, **relative_tolerance(dense, inputs, 1e-10)
+    )
 
 
 def test_hf_modules_were_swapped(hf_full_f64):
@@ -496,8 +529,9 @@ def test_hf_modules_were_swapped(hf_full_f64):
 def test_hf_full_rank_float32_outputs_match(name):
     dense = HF[name]()
     # module scan (no example inputs to tensorize_): no second Dynamo capture needed here
-    _, summary = assert_tensorize_equivalent(dense, hf_inputs(name, input_ids=hf_ids()), dtype=torch.float32,
-                                             capture_inputs=None)
+    _, summary = assert_tensorize_equivalent(
+        dense, hf_inputs(name, input_ids=hf_ids()), dtype=torch.float32, capture_inputs=None
+    )
     assert summary.method == "module-scan"
     assert [d.fqn for d in summary.converted] == large_2d_parameters(dense, FULL)
 

@@ -30,13 +30,19 @@ from comera_fx.tt import TTFormat
 from comera_fx.tt.shapes import feasible_ranks
 
 # Small and reproducible: these are tests of the toolkit, not of a library property (see the module docstring).
-META = settings(max_examples=25, deadline=None, derandomize=True, database=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+META = settings(
+    max_examples=25,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 # Full rank and every weight "large": the tensorized model must equal the original to float64 rounding.
 EXACT = TensorizeConfig(max_rank=10**9, min_numel=1, min_dim=1)
 # Strategy-level properties are cheap per example; a few dozen suffice to exercise their shapes.
-STRATEGY = settings(max_examples=40, deadline=None, derandomize=True, database=None,
-                    suppress_health_check=[HealthCheck.too_slow])
+STRATEGY = settings(
+    max_examples=40, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow]
+)
 
 
 # ------------------------------------------------------------------------------------------ planted bug passes
@@ -272,8 +278,9 @@ def test_lossy_tensorize_is_located_at_the_replaced_linear():
     torch.manual_seed(0)
     model = nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))
     with pytest.raises(RewriteMismatch) as info:
-        assert_rewrite_equivalent(model, functools.partial(tensorize, config=EXACT.replace(max_rank=1)),
-                                  torch.randn(5, 8))
+        assert_rewrite_equivalent(
+            model, functools.partial(tensorize, config=EXACT.replace(max_rank=1)), torch.randn(5, 8)
+        )
     assert info.value.divergence.node == "_1"  # the first linear, now a rank-1 TT contraction
     assert "First diverging node: %_1 (call_module 1), replaced in the rewrite by %" in str(info.value)
 
@@ -402,6 +409,7 @@ def test_python_floats_in_outputs_get_the_tolerance_and_other_values_equality():
 def _add_relative_noise(scale: float):
     """A rewrite whose output error is ``scale`` times the output norm, spread evenly over the elements (so
     elements near zero get an element-wise relative error far above ``scale``)."""
+
     def rewrite(model: nn.Module) -> nn.Module:
         forward = model.forward
 
@@ -409,8 +417,10 @@ def _add_relative_noise(scale: float):
             y = forward(x)
             noise = torch.ones_like(y) / math.sqrt(max(y.numel(), 1))
             return y + scale * float(torch.linalg.vector_norm(y.detach())) * noise
+
         model.forward = noisy
         return model
+
     return rewrite
 
 
@@ -431,8 +441,9 @@ def test_extra_inputs_check_the_one_rewrite_on_each():
     model = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
     assert_rewrite_equivalent(model, wrong_for_batch_one, torch.randn(3, 4), extra_inputs=[torch.randn(5, 4)])
     with pytest.raises(RewriteMismatch, match="on extra input 2") as info:
-        assert_rewrite_equivalent(model, wrong_for_batch_one, torch.randn(3, 4),
-                                  extra_inputs=[torch.randn(5, 4), torch.randn(1, 4)])
+        assert_rewrite_equivalent(
+            model, wrong_for_batch_one, torch.randn(3, 4), extra_inputs=[torch.randn(5, 4), torch.randn(1, 4)]
+        )
     assert info.value.divergence.node  # located on the input that shows it
 
 
@@ -468,6 +479,7 @@ def _counting_backend():
     def backend(gm, example_inputs):
         calls.append(gm)
         return gm.forward
+
     return backend, calls
 
 
@@ -479,8 +491,7 @@ def test_compiled_check_leaves_the_callers_compiled_code_alone():
     users_compiled(x)
     assert len(calls) == 1
     torch.manual_seed(0)
-    assert_rewrite_equivalent(nn.Sequential(nn.Linear(6, 2)), identity, torch.randn(4, 6),
-                              compile_backend="aot_eager")
+    assert_rewrite_equivalent(nn.Sequential(nn.Linear(6, 2)), identity, torch.randn(4, 6), compile_backend="aot_eager")
     users_compiled(x)
     assert len(calls) == 1, "the check wiped the caller's compiled code (a recompile happened)"
 
@@ -489,16 +500,19 @@ def test_compiled_check_compiles_every_model_of_a_shared_forward():
     """Twelve models sharing nn.Sequential.forward: past Dynamo's recompile limit (8) each is still compiled."""
     backend, calls = _counting_backend()
     for width in range(2, 14):
-        assert_rewrite_equivalent(nn.Sequential(nn.Linear(width, 3)), identity, torch.randn(2, width),
-                                  compile_backend=backend, grads=False)
+        assert_rewrite_equivalent(
+            nn.Sequential(nn.Linear(width, 3)), identity, torch.randn(2, width), compile_backend=backend, grads=False
+        )
     assert len(calls) == 12
 
 
 def test_compiled_check_compares_parameter_gradients():
     """A backend that computes the right outputs but detaches the parameters: only parameter gradients show it."""
+
     def detaching_backend(gm, example_inputs):
         def run(*inputs):
             return gm(*[x.detach() if isinstance(x, nn.Parameter) else x for x in inputs])
+
         return run
 
     torch.manual_seed(0)
@@ -511,8 +525,12 @@ def test_compiled_check_compares_parameter_gradients():
 def _fixed_spec():
     from comera_fx.testing.models import BlockSpec, ModelSpec
 
-    blocks = (BlockSpec("attention", 8, 8), BlockSpec("residual", 8, 8, inner=BlockSpec("mlp", 8, 8, hidden=12)),
-              BlockSpec("layernorm", 8, 8), BlockSpec("functional_linear", 8, 8))
+    blocks = (
+        BlockSpec("attention", 8, 8),
+        BlockSpec("residual", 8, 8, inner=BlockSpec("mlp", 8, 8, hidden=12)),
+        BlockSpec("layernorm", 8, 8),
+        BlockSpec("functional_linear", 8, 8),
+    )
     return ModelSpec("tokens", 8, 11, blocks, "tied", 0, batch=3, seq_len=4, seed=3)
 
 
@@ -537,8 +555,7 @@ def test_undeclared_graph_pass_is_retried_on_the_trace():
 
 
 def test_import_comera_fx_does_not_import_the_toolkit():
-    code = ("import sys, comera_fx\n"
-            "assert 'comera_fx.testing' not in sys.modules and 'hypothesis' not in sys.modules")
+    code = "import sys, comera_fx\nassert 'comera_fx.testing' not in sys.modules and 'hypothesis' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -566,8 +583,11 @@ else:
 @given(spec=strategies.tt_specs())
 def test_tt_specs_are_valid_layouts_within_feasible_ranks(spec):
     layout = spec.layout
-    chain = (layout.row_modes + layout.col_modes if layout.format is TTFormat.TT
-             else tuple(a * b for a, b in zip(layout.row_modes, layout.col_modes)))
+    chain = (
+        layout.row_modes + layout.col_modes
+        if layout.format is TTFormat.TT
+        else tuple(a * b for a, b in zip(layout.row_modes, layout.col_modes))
+    )
     assert all(r <= f for r, f in zip(layout.ranks, feasible_ranks(chain)))
     assert [tuple(c.shape) for c in spec.cores] == layout.core_shapes
     assert [g.numel() for g in spec.gates] == list(layout.internal_ranks)
@@ -641,8 +661,15 @@ def test_models_cover_the_grammar():
         kinds.add(f"input:{spec.input_layout}")
 
     collect()
-    expected = set(strategies.BLOCK_KINDS) | {"head:none", "head:linear", "head:tied", "input:contiguous",
-                                               "input:transposed", "input:strided", "input:expanded"}
+    expected = set(strategies.BLOCK_KINDS) | {
+        "head:none",
+        "head:linear",
+        "head:tied",
+        "input:contiguous",
+        "input:transposed",
+        "input:strided",
+        "input:expanded",
+    }
     assert expected <= kinds, expected - kinds
 
 
@@ -652,4 +679,3 @@ def test_attention_block_matches_a_reference_implementation():
     x = torch.randn(2, 3, 6, dtype=torch.float64)
     expected = attn.o(F.scaled_dot_product_attention(attn.q(x), attn.k(x), attn.v(x)))
     assert torch.allclose(attn(x), expected)
-

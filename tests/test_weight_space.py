@@ -49,8 +49,9 @@ def test_full_rank_is_exact_and_every_weight_is_converted(model_fn):
     summary = comera_fx.tensorize_(model, FULL, example_inputs=(x,))
     assert not [d for d in summary.layers if not d.converted and "earlier" not in str(d.reason)]
     notes = [n for d in summary.converted for n in d.notes if n.startswith("weight-space")]
-    assert notes and not any(isinstance(p, nn.Parameter) and p.dim() == 2 for p in model.parameters()
-                             if p.shape in ((128, 128), (96, 128)))
+    assert notes and not any(
+        isinstance(p, nn.Parameter) and p.dim() == 2 for p in model.parameters() if p.shape in ((128, 128), (96, 128))
+    )
     torch.testing.assert_close(model(x), dense(x), rtol=1e-10, atol=1e-10)
 
 

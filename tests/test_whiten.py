@@ -75,14 +75,16 @@ def test_row_refit_never_raises_the_weighted_objective(problem):
     x, m, c = problem
     g = torch.Generator().manual_seed(4)
     b = torch.randn(ROWS, 7, dtype=torch.float64, generator=g)
-    start = [torch.randn(1, 6, 5, dtype=torch.float64, generator=g),
-             torch.randn(5, 4, 9, dtype=torch.float64, generator=g),
-             torch.randn(9, 4, 7, dtype=torch.float64, generator=g)]
+    start = [
+        torch.randn(1, 6, 5, dtype=torch.float64, generator=g),
+        torch.randn(5, 4, 9, dtype=torch.float64, generator=g),
+        torch.randn(9, 4, 7, dtype=torch.float64, generator=g),
+    ]
 
     def objective(cores):
         p = cores[0].reshape(6, -1)
         for core in cores[1:]:
-            p = (p.reshape(-1, core.shape[0]) @ core.reshape(core.shape[0], -1))
+            p = p.reshape(-1, core.shape[0]) @ core.reshape(core.shape[0], -1)
         e = b - p.reshape(ROWS, 7)
         return float((x @ e).norm() ** 2)
 
@@ -113,5 +115,10 @@ def test_shape_errors():
         whitened_matrix_to_tt(m, torch.eye(COLS), ROW_MODES, COL_MODES)
     with pytest.raises(ValueError, match="max_ranks"):
         whitened_matrix_to_tt(m, torch.eye(ROWS), ROW_MODES, COL_MODES, (1, 2, 1))
-    assert math.isfinite(output_error(torch.eye(ROWS, dtype=torch.float64), m.double(),
-                                      whitened_matrix_to_tt(m.double(), torch.eye(ROWS), ROW_MODES, COL_MODES)))
+    assert math.isfinite(
+        output_error(
+            torch.eye(ROWS, dtype=torch.float64),
+            m.double(),
+            whitened_matrix_to_tt(m.double(), torch.eye(ROWS), ROW_MODES, COL_MODES),
+        )
+    )

@@ -38,8 +38,7 @@ from helpers_models import large_2d_parameters, relative_tolerance
 
 ZOO = TensorizeConfig(max_rank=10**9, min_numel=2048, min_dim=32)  # full rank: exact TT-SVD
 VOCAB = 1000
-DIMS = dict(hidden_size=64, num_attention_heads=4, intermediate_size=256, vocab_size=VOCAB,
-            max_position_embeddings=64)
+DIMS = dict(hidden_size=64, num_attention_heads=4, intermediate_size=256, vocab_size=VOCAB, max_position_embeddings=64)
 NO_DROPOUT = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)  # compiled = eager, step by step
 
 
@@ -57,8 +56,15 @@ class ConvMLP(nn.Module):
 
     def __init__(self, num_classes: int = 10):
         super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2),
-                                  nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(4))
+        self.stem = nn.Sequential(
+            nn.Conv2d(3, 16, 3, padding=1),
+            nn.BatchNorm2d(16),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(16, 32, 3, padding=1),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(4),
+        )
         self.fc1 = nn.Linear(512, 256)
         self.w2 = nn.Parameter(torch.randn(128, 256) / 16)
         self.head = nn.Linear(128, num_classes)
@@ -78,9 +84,9 @@ class Arch:
     """How to build one architecture and feed it."""
 
     build: Callable[[], nn.Module]
-    inputs: Callable[[int], dict]            # seed -> keyword inputs (no labels)
-    labels: Callable[[dict], dict]           # inputs -> {"labels": ...} for the model's own loss
-    generate: str | None = None              # "causal" / "seq2seq": greedy generate() is checked
+    inputs: Callable[[int], dict]  # seed -> keyword inputs (no labels)
+    labels: Callable[[dict], dict]  # inputs -> {"labels": ...} for the model's own loss
+    generate: str | None = None  # "causal" / "seq2seq": greedy generate() is checked
     other: dict = field(default_factory=lambda: {"batch": 3, "length": 20})  # the second input's shape
 
 
@@ -90,8 +96,11 @@ def _text(seed, batch=2, length=12, cache=None):
 
 
 def _seq2seq(seed, batch=2, length=12):
-    return {"input_ids": ids((batch, length), seed), "decoder_input_ids": ids((batch, length - 5), seed + 100),
-            "use_cache": False}
+    return {
+        "input_ids": ids((batch, length), seed),
+        "decoder_input_ids": ids((batch, length - 5), seed + 100),
+        "use_cache": False,
+    }
 
 
 def _pixels(seed, batch=2, size=32):
@@ -112,42 +121,127 @@ def _class_labels(x):
 
 ARCHS: dict[str, Arch] = {
     # masked LMs: the decoder of the MLM head is tied to the word embeddings
-    "bert": Arch(lambda: transformers.BertForMaskedLM(transformers.BertConfig(num_hidden_layers=1, **DIMS,
-                                                                              **NO_DROPOUT)),
-                 _text, _lm_labels),
-    "roberta": Arch(lambda: transformers.RobertaForMaskedLM(transformers.RobertaConfig(
-        num_hidden_layers=1, pad_token_id=1, **DIMS | {"max_position_embeddings": 66}, **NO_DROPOUT)),
-        _text, _lm_labels),
+    "bert": Arch(
+        lambda: transformers.BertForMaskedLM(transformers.BertConfig(num_hidden_layers=1, **DIMS, **NO_DROPOUT)),
+        _text,
+        _lm_labels,
+    ),
+    "roberta": Arch(
+        lambda: transformers.RobertaForMaskedLM(
+            transformers.RobertaConfig(
+                num_hidden_layers=1, pad_token_id=1, **DIMS | {"max_position_embeddings": 66}, **NO_DROPOUT
+            )
+        ),
+        _text,
+        _lm_labels,
+    ),
     # Conv1D weights (addmm, stored in × out), tied wte / lm_head
-    "gpt2": Arch(lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        n_layer=1, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=64, bos_token_id=0, eos_token_id=0,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
-        functools.partial(_text, cache=False), _lm_labels, "causal"),
+    "gpt2": Arch(
+        lambda: transformers.GPT2LMHeadModel(
+            transformers.GPT2Config(
+                n_layer=1,
+                n_embd=64,
+                n_head=4,
+                vocab_size=VOCAB,
+                n_positions=64,
+                bos_token_id=0,
+                eos_token_id=0,
+                resid_pdrop=0.0,
+                embd_pdrop=0.0,
+                attn_pdrop=0.0,
+            )
+        ),
+        functools.partial(_text, cache=False),
+        _lm_labels,
+        "causal",
+    ),
     # GQA (2 key/value heads of 16 for 4 query heads), RoPE, RMSNorm, no biases, untied head
-    "llama": Arch(lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        num_hidden_layers=1, num_key_value_heads=2, bos_token_id=0, eos_token_id=0, pad_token_id=0, **DIMS)),
-        functools.partial(_text, cache=False), _lm_labels, "causal"),
+    "llama": Arch(
+        lambda: transformers.LlamaForCausalLM(
+            transformers.LlamaConfig(
+                num_hidden_layers=1, num_key_value_heads=2, bos_token_id=0, eos_token_id=0, pad_token_id=0, **DIMS
+            )
+        ),
+        functools.partial(_text, cache=False),
+        _lm_labels,
+        "causal",
+    ),
     # GQA with biases on q/k/v only
-    "qwen2": Arch(lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
-        num_hidden_layers=1, num_key_value_heads=2, bos_token_id=0, eos_token_id=0, pad_token_id=0, **DIMS)),
-        functools.partial(_text, cache=False), _lm_labels, "causal"),
+    "qwen2": Arch(
+        lambda: transformers.Qwen2ForCausalLM(
+            transformers.Qwen2Config(
+                num_hidden_layers=1, num_key_value_heads=2, bos_token_id=0, eos_token_id=0, pad_token_id=0, **DIMS
+            )
+        ),
+        functools.partial(_text, cache=False),
+        _lm_labels,
+        "causal",
+    ),
     # one `shared` embedding for encoder, decoder and (tied) head; relative position bias (small, stays dense)
-    "t5": Arch(lambda: transformers.T5ForConditionalGeneration(transformers.T5Config(
-        vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=256, num_layers=1, num_heads=4, dropout_rate=0.0,
-        decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)),
-        _seq2seq, _seq2seq_labels, "seq2seq"),
+    "t5": Arch(
+        lambda: transformers.T5ForConditionalGeneration(
+            transformers.T5Config(
+                vocab_size=VOCAB,
+                d_model=64,
+                d_kv=16,
+                d_ff=256,
+                num_layers=1,
+                num_heads=4,
+                dropout_rate=0.0,
+                decoder_start_token_id=0,
+                pad_token_id=0,
+                eos_token_id=1,
+            )
+        ),
+        _seq2seq,
+        _seq2seq_labels,
+        "seq2seq",
+    ),
     # patch embedding is a Conv2d (4-D, stays dense); the 64 × 10 classifier is below the threshold
-    "vit": Arch(lambda: transformers.ViTForImageClassification(transformers.ViTConfig(
-        hidden_size=64, num_hidden_layers=1, num_attention_heads=4, intermediate_size=256, image_size=32,
-        patch_size=8, num_labels=10, **NO_DROPOUT)),
-        _pixels, _class_labels, other={"batch": 3}),
+    "vit": Arch(
+        lambda: transformers.ViTForImageClassification(
+            transformers.ViTConfig(
+                hidden_size=64,
+                num_hidden_layers=1,
+                num_attention_heads=4,
+                intermediate_size=256,
+                image_size=32,
+                patch_size=8,
+                num_labels=10,
+                **NO_DROPOUT,
+            )
+        ),
+        _pixels,
+        _class_labels,
+        other={"batch": 3},
+    ),
     # encoder-decoder with learned positions, shared embedding tied to the head
-    "bart": Arch(lambda: transformers.BartForConditionalGeneration(transformers.BartConfig(
-        vocab_size=VOCAB, d_model=64, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
-        decoder_attention_heads=4, encoder_ffn_dim=256, decoder_ffn_dim=256, max_position_embeddings=64,
-        dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, bos_token_id=0, pad_token_id=1,
-        eos_token_id=2, decoder_start_token_id=2, forced_eos_token_id=None)),
-        _seq2seq, _seq2seq_labels, "seq2seq"),
+    "bart": Arch(
+        lambda: transformers.BartForConditionalGeneration(
+            transformers.BartConfig(
+                vocab_size=VOCAB,
+                d_model=64,
+                encoder_layers=1,
+                decoder_layers=1,
+                encoder_attention_heads=4,
+                decoder_attention_heads=4,
+                encoder_ffn_dim=256,
+                decoder_ffn_dim=256,
+                max_position_embeddings=64,
+                dropout=0.0,
+                attention_dropout=0.0,
+                activation_dropout=0.0,
+                bos_token_id=0,
+                pad_token_id=1,
+                eos_token_id=2,
+                decoder_start_token_id=2,
+                forced_eos_token_id=None,
+            )
+        ),
+        _seq2seq,
+        _seq2seq_labels,
+        "seq2seq",
+    ),
     "conv_mlp": Arch(ConvMLP, _pixels, _class_labels, other={"batch": 3, "size": 40}),
 }
 
@@ -183,32 +277,57 @@ def _one_tt(*modules) -> bool:
 
 
 STRUCTURE: dict[str, tuple[str, Callable[[nn.Module], bool]]] = {
-    "bert": ("MLM decoder shares the word embeddings' TT matrix",
-             lambda m: _one_tt(m.bert.embeddings.word_embeddings, m.cls.predictions.decoder)),
-    "roberta": ("MLM decoder shares the word embeddings' TT matrix",
-                lambda m: _one_tt(m.roberta.embeddings.word_embeddings, m.lm_head.decoder)),
-    "gpt2": ("Conv1D became TTLinear; lm_head shares wte's TT matrix",
-             lambda m: isinstance(m.transformer.h[0].attn.c_attn, TTLinear)
-             and _one_tt(m.transformer.wte, m.lm_head)),
-    "llama": ("GQA k/v projections (64 -> 32) converted, no biases",
-              lambda m: all(isinstance(p, TTLinear) and p.bias is None for p in (
-                  m.model.layers[0].self_attn.k_proj, m.model.layers[0].self_attn.v_proj, m.lm_head))),
-    "qwen2": ("GQA k/v projections converted with their biases, o_proj without",
-              lambda m: m.model.layers[0].self_attn.k_proj.bias is not None
-              and isinstance(m.model.layers[0].self_attn.k_proj, TTLinear)
-              and m.model.layers[0].self_attn.o_proj.bias is None),
-    "t5": ("shared / encoder / decoder embeddings and lm_head: one TT matrix",
-           lambda m: _one_tt(m.shared, m.encoder.embed_tokens, m.decoder.embed_tokens, m.lm_head)),
-    "vit": ("attention and MLP linears converted, patch Conv2d left dense",
-            lambda m: isinstance(m.vit.layers[0].attention.q_proj, TTLinear)
-            and type(m.vit.embeddings.patch_embeddings.projection) is nn.Conv2d),
+    "bert": (
+        "MLM decoder shares the word embeddings' TT matrix",
+        lambda m: _one_tt(m.bert.embeddings.word_embeddings, m.cls.predictions.decoder),
+    ),
+    "roberta": (
+        "MLM decoder shares the word embeddings' TT matrix",
+        lambda m: _one_tt(m.roberta.embeddings.word_embeddings, m.lm_head.decoder),
+    ),
+    "gpt2": (
+        "Conv1D became TTLinear; lm_head shares wte's TT matrix",
+        lambda m: isinstance(m.transformer.h[0].attn.c_attn, TTLinear) and _one_tt(m.transformer.wte, m.lm_head),
+    ),
+    "llama": (
+        "GQA k/v projections (64 -> 32) converted, no biases",
+        lambda m: all(
+            isinstance(p, TTLinear) and p.bias is None
+            for p in (m.model.layers[0].self_attn.k_proj, m.model.layers[0].self_attn.v_proj, m.lm_head)
+        ),
+    ),
+    "qwen2": (
+        "GQA k/v projections converted with their biases, o_proj without",
+        lambda m: (
+            m.model.layers[0].self_attn.k_proj.bias is not None
+            and isinstance(m.model.layers[0].self_attn.k_proj, TTLinear)
+            and m.model.layers[0].self_attn.o_proj.bias is None
+        ),
+    ),
+    "t5": (
+        "shared / encoder / decoder embeddings and lm_head: one TT matrix",
+        lambda m: _one_tt(m.shared, m.encoder.embed_tokens, m.decoder.embed_tokens, m.lm_head),
+    ),
+    "vit": (
+        "attention and MLP linears converted, patch Conv2d left dense",
+        lambda m: (
+            isinstance(m.vit.layers[0].attention.q_proj, TTLinear)
+            and type(m.vit.embeddings.patch_embeddings.projection) is nn.Conv2d
+        ),
+    ),
     # BartScaledWordEmbedding overrides nn.Embedding.forward (it scales), so it is not swapped for a TTEmbedding:
     # its weight becomes a reconstructing property (exact, but eager and compiled lookups rebuild the table)
-    "bart": ("scaled embeddings behind a property; shared / encoder / decoder embeddings and lm_head: one TT",
-             lambda m: isinstance(m.model.shared.weight_tt, comera_fx.TTMatrix) and _one_tt(m.model.shared, m.model.encoder.embed_tokens, m.model.decoder.embed_tokens,
-                               m.lm_head)),
-    "conv_mlp": ("raw parameter w2 behind a reconstructing property, fc1 a TTLinear",
-                 lambda m: isinstance(m.w2_tt, comera_fx.TTMatrix) and isinstance(m.fc1, TTLinear)),
+    "bart": (
+        "scaled embeddings behind a property; shared / encoder / decoder embeddings and lm_head: one TT",
+        lambda m: (
+            isinstance(m.model.shared.weight_tt, comera_fx.TTMatrix)
+            and _one_tt(m.model.shared, m.model.encoder.embed_tokens, m.model.decoder.embed_tokens, m.lm_head)
+        ),
+    ),
+    "conv_mlp": (
+        "raw parameter w2 behind a reconstructing property, fc1 a TTLinear",
+        lambda m: isinstance(m.w2_tt, comera_fx.TTMatrix) and isinstance(m.fc1, TTLinear),
+    ),
 }
 
 
@@ -223,8 +342,15 @@ def test_full_rank_equals_the_original(name):
     what, holds = STRUCTURE[name]
     assert holds(model), what
     for inputs in (ARCHS[name].inputs(1), second_input(name)):
-        assert_rewrite_equivalent(dense, lambda _copy: model, inputs, dtype=torch.float32, grads=False,
-                                  graph=False, **relative_tolerance(dense, inputs, 1e-5))
+        assert_rewrite_equivalent(
+            dense,
+            lambda _copy: model,
+            inputs,
+            dtype=torch.float32,
+            grads=False,
+            graph=False,
+            **relative_tolerance(dense, inputs, 1e-5),
+        )
 
 
 @pytest.mark.parametrize("name", list(ARCHS))
@@ -236,8 +362,11 @@ def test_state_dict_round_trip_into_a_fresh_model(name):
     fresh = ARCHS[name].build().eval()
     # module scan (cheap) where it finds what the capture found; the hybrid's F.linear on w2 needs the capture
     capture = ARCHS[name].inputs(1) if name == "conv_mlp" else None
-    comera_fx.tensorize_(fresh, TensorizeConfig(max_rank=2, init="random", seed=0, min_numel=ZOO.min_numel,
-                                                min_dim=ZOO.min_dim), example_inputs=capture)
+    comera_fx.tensorize_(
+        fresh,
+        TensorizeConfig(max_rank=2, init="random", seed=0, min_numel=ZOO.min_numel, min_dim=ZOO.min_dim),
+        example_inputs=capture,
+    )
     inputs = second_input(name)
     with torch.no_grad():
         expected, before = logits(model, inputs), logits(fresh, inputs)
@@ -299,8 +428,10 @@ def train_compiled(name: str, inductor: bool, steps: int = 20, prunes: int = 2):
 
 # Without Inductor for every architecture; with Inductor (the default backend) for the hybrid, in the slow suite:
 # each pruning changes the cores' shapes, so its 20 steps compile forward and backward three times (minutes here).
-TRAIN_CASES = [pytest.param(n, False, marks=() if n in DEFAULT_TRAINED else pytest.mark.slow,
-                            id=f"{n}-aot_autograd") for n in ARCHS]
+TRAIN_CASES = [
+    pytest.param(n, False, marks=() if n in DEFAULT_TRAINED else pytest.mark.slow, id=f"{n}-aot_autograd")
+    for n in ARCHS
+]
 TRAIN_CASES += [pytest.param(n, True, marks=pytest.mark.slow, id=f"{n}-inductor") for n in DEFAULT_TRAINED]
 
 
@@ -329,8 +460,14 @@ def test_greedy_generate_equals_the_original(name):
     """Eager generate() with the KV cache (one-token steps: the planner's smallest batch interval)."""
     dense, model, _ = zoo(name)
     prompt = ids((2, 6), 11)
-    settings = dict(max_new_tokens=6, do_sample=False, num_beams=1, return_dict_in_generate=True,
-                    output_scores=True, attention_mask=torch.ones_like(prompt))
+    settings = dict(
+        max_new_tokens=6,
+        do_sample=False,
+        num_beams=1,
+        return_dict_in_generate=True,
+        output_scores=True,
+        attention_mask=torch.ones_like(prompt),
+    )
     with torch.no_grad():
         want = dense.generate(input_ids=prompt, **settings)
         got = model.generate(input_ids=prompt, **settings)

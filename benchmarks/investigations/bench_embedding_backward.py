@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> None:
     torch._inductor.config.force_disable_caches = True
     torch.manual_seed(0)
     ids = torch.randint(0, 30522, (8 * 128,))
-    left = torch.randn(180, 24 * 30, requires_grad=True)   # rows 180 · 170 >= 30522, cols 24 · 32 = 768
+    left = torch.randn(180, 24 * 30, requires_grad=True)  # rows 180 · 170 >= 30522, cols 24 · 32 = 768
     right = torch.randn(170, 30 * 32, requires_grad=True)
     positions = torch.randn(512, 768, requires_grad=True)
     word = torch.randn(30522, 768, requires_grad=True)

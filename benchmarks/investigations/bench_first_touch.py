@@ -61,8 +61,12 @@ def gemm_output_cost(tokens: int, n_out: int, rank: int, calls: int) -> dict:
         start = time.perf_counter()
         torch.mm(t, right, out=warm)
         warm_ms.append((time.perf_counter() - start) * 1e3)
-    return dict(fresh_ms=statistics.median(fresh_ms), warm_ms=statistics.median(warm_ms),
-                faults=statistics.median(faults), pages=tokens * n_out * 4 // 4096)
+    return dict(
+        fresh_ms=statistics.median(fresh_ms),
+        warm_ms=statistics.median(warm_ms),
+        faults=statistics.median(faults),
+        pages=tokens * n_out * 4 // 4096,
+    )
 
 
 def gemm_rates(tokens: int, n: int, rank: int, calls: int) -> dict[str, float]:
@@ -127,24 +131,31 @@ def main(argv: list[str] | None = None) -> None:
     for n, row in rates.items():
         dense = row["dense x·W"]
         print(f"| n = {n} | " + " | ".join(f"{v:.0f} ({v / dense:.0%})" for v in row.values()) + " |", flush=True)
-    print(f"\n| output ({args.tokens} × n, K = {args.rank}) | fresh ms | warm out= ms | fresh / warm "
-          "| minor faults per fresh call | 4 KiB pages in it |")
+    print(
+        f"\n| output ({args.tokens} × n, K = {args.rank}) | fresh ms | warm out= ms | fresh / warm "
+        "| minor faults per fresh call | 4 KiB pages in it |"
+    )
     print("|---|---:|---:|---:|---:|---:|")
     for n_out in widths:
         r = gemm_output_cost(args.tokens, n_out, args.rank, args.calls)
-        print(f"| {args.tokens} × {n_out} | {r['fresh_ms']:.2f} | {r['warm_ms']:.2f} | "
-              f"{r['fresh_ms'] / r['warm_ms']:.2f}× | {r['faults']:.0f} | {r['pages']} |", flush=True)
+        print(
+            f"| {args.tokens} × {n_out} | {r['fresh_ms']:.2f} | {r['warm_ms']:.2f} | "
+            f"{r['fresh_ms'] / r['warm_ms']:.2f}× | {r['faults']:.0f} | {r['pages']} |",
+            flush=True,
+        )
     if args.no_advise or not sys.platform.startswith("linux"):
         return
     torch.set_num_threads(1)
-    print("\n| first touch of 64 MiB, 1 thread | right after freeing 1 GiB, ms | "
-          f"{args.wait:g} s after, ms |")
+    print(f"\n| first touch of 64 MiB, 1 thread | right after freeing 1 GiB, ms | {args.wait:g} s after, ms |")
     print("|---|---|---|")
     for huge in (False, True):
         now = [first_touch_after_free(0.0, huge) for _ in range(args.repeats)]
         later = [first_touch_after_free(args.wait, huge) for _ in range(args.repeats)]
-        print(f"| {'MADV_HUGEPAGE' if huge else '4 KiB pages'} | {' / '.join(f'{v:.1f}' for v in now)} | "
-              f"{' / '.join(f'{v:.1f}' for v in later)} |", flush=True)
+        print(
+            f"| {'MADV_HUGEPAGE' if huge else '4 KiB pages'} | {' / '.join(f'{v:.1f}' for v in now)} | "
+            f"{' / '.join(f'{v:.1f}' for v in later)} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -59,13 +59,16 @@ def main(argv=None) -> None:
     }
     seconds = common.time_rotated(columns, repeats=args.rounds, inner=args.inner)
     gates = sum(len(m.tt.gates) for m in entries)
-    print(f"device {args.device}, width {args.width}, rank {args.rank}: {len(entries)} TT matrices, {gates} gates, "
-          f"{sum(1 for _ in hooked.parameters())} parameters; threads {args.threads}, load {common.loadavg()}")
+    print(
+        f"device {args.device}, width {args.width}, rank {args.rank}: {len(entries)} TT matrices, {gates} gates, "
+        f"{sum(1 for _ in hooked.parameters())} parameters; threads {args.threads}, load {common.loadavg()}"
+    )
     for name, s in seconds.items():
         print(f"{name:28s} {1e3 * s:7.3f} ms")
     print(f"the hook adds {1e3 * (seconds['AdamW step + hook'] - seconds['AdamW step']):.3f} ms per step")
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
+
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
         with profile(activities=activities) as prof:
             for _ in range(10):

@@ -31,8 +31,12 @@ def child(calls: int) -> None:
     a, b = torch.randn(12, 12), torch.randn(12, 240)
     x, w_tt, w = torch.randn(1024, 768), torch.randn(768, 32), torch.randn(768, 768)
     v = torch.randn(1 << 20)
-    ops = {"12x12x240 mm": lambda: a @ b, "1024x768x32 mm": lambda: x @ w_tt, "add 1M": lambda: v + 1,
-           "1024x768x768 mm": lambda: x @ w}
+    ops = {
+        "12x12x240 mm": lambda: a @ b,
+        "1024x768x32 mm": lambda: x @ w_tt,
+        "add 1M": lambda: v + 1,
+        "1024x768x768 mm": lambda: x @ w,
+    }
     for name, op in ops.items():
         for _ in range(min(50, calls)):
             op()
@@ -57,9 +61,13 @@ def main(argv: list[str] | None = None) -> None:
     results = {}
     for policy, env in POLICIES.items():
         environ = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
-        out = subprocess.run([sys.executable, __file__, "--child", "--calls", str(args.calls)],
-                             env={**environ, **env}, check=True,
-                             capture_output=True, text=True).stdout
+        out = subprocess.run(
+            [sys.executable, __file__, "--child", "--calls", str(args.calls)],
+            env={**environ, **env},
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
         results[policy] = dict(line.split("\t") for line in out.strip().splitlines())
     ops = list(next(iter(results.values())))
     print("| op | " + " | ".join(f"{p} µs" for p in POLICIES) + " |")

@@ -68,8 +68,10 @@ def main(argv=None) -> None:
         print(f"{name:16s} {str(ranks):28s} {flops:9.3g} {cost:10.3g} {1e3 * seconds[name]:7.2f}")
     for shape in args.shapes:
         top, low = f"{shape} r{args.ranks[0]}", f"{shape} r{args.ranks[-1]}"
-        print(f"{shape}: r{args.ranks[-1]} / r{args.ranks[0]}: FLOPs {cells[low][1] / cells[top][1]:.2f}, model cost "
-              f"{cells[low][2] / cells[top][2]:.2f}, time {seconds[low] / seconds[top]:.2f}")
+        print(
+            f"{shape}: r{args.ranks[-1]} / r{args.ranks[0]}: FLOPs {cells[low][1] / cells[top][1]:.2f}, model cost "
+            f"{cells[low][2] / cells[top][2]:.2f}, time {seconds[low] / seconds[top]:.2f}"
+        )
 
 
 if __name__ == "__main__":

@@ -63,9 +63,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     tokens, n_in, n_out = (int(v) for v in args.shape.split("x"))
-    print(f"torch {torch.__version__}, {args.threads} threads, {tokens} tokens, {n_in} -> {n_out}, "
-          f"{openmp_setting()}, load "
-          f"{loadavg()}")
+    print(
+        f"torch {torch.__version__}, {args.threads} threads, {tokens} tokens, {n_in} -> {n_out}, "
+        f"{openmp_setting()}, load "
+        f"{loadavg()}"
+    )
     rows = [(rank, six_gemms(tokens, n_in, n_out, int(rank), args.repeats)) for rank in args.ranks.split(",")]
     names = list(rows[0][1])
     print("| r | " + " | ".join(names) + " | per unit of r |")

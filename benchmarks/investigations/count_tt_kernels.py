@@ -58,10 +58,14 @@ def main(argv=None) -> None:
     x = torch.randn(opts.batch, opts.width, requires_grad=True)
     tt = comera_fx.TTLinear.from_dense(dense, max_rank=opts.rank)
     tt.tt.prepare_plans()
-    print(f"TTLinear {opts.width}x{opts.width}, max rank {opts.rank}, batch {opts.batch}: "
-          f"{str(comera_fx.plan(tt.tt, opts.batch)).splitlines()[-1]}")
-    for name, module, backend in (("TT, comera_fx.backend", tt, comera_fx.make_backend(warn_dense=False)),
-                                  ("dense, stock Inductor", dense, "inductor")):
+    print(
+        f"TTLinear {opts.width}x{opts.width}, max rank {opts.rank}, batch {opts.batch}: "
+        f"{str(comera_fx.plan(tt.tt, opts.batch)).splitlines()[-1]}"
+    )
+    for name, module, backend in (
+        ("TT, comera_fx.backend", tt, comera_fx.make_backend(warn_dense=False)),
+        ("dense, stock Inductor", dense, "inductor"),
+    ):
         n_gemm, n_kernels, by_op = counts(module, x, backend)
         print(f"{name}: fwd+bwd GEMM calls {n_gemm} {by_op}, generated kernels {n_kernels}")
 

@@ -47,13 +47,15 @@ def train_step(model, optimizer, batch, graphs: bool):
         optimizer.zero_grad(set_to_none=True)
         loss_fn(model, *batch).backward()
         optimizer.step()
+
     return step
 
 
 def compiled_copy(model, rank, graphs: bool, inductor: bool):
     if rank is None:
-        return torch.compile(model, backend="inductor" if inductor else "aot_eager",
-                             mode="reduce-overhead" if graphs else None)
+        return torch.compile(
+            model, backend="inductor" if inductor else "aot_eager", mode="reduce-overhead" if graphs else None
+        )
     options = {"triton.cudagraphs": True} if graphs else {}
     return torch.compile(model, backend=make_backend(inductor=inductor, inductor_options=options))
 
@@ -86,8 +88,12 @@ def main(argv=None) -> None:
             model = copy.deepcopy(base)
             start = time.perf_counter()
             try:
-                step = train_step(compiled_copy(model, rank, graphs, not args.no_inductor),
-                                  torch.optim.AdamW(model.parameters(), lr=1e-4), batch, graphs)
+                step = train_step(
+                    compiled_copy(model, rank, graphs, not args.no_inductor),
+                    torch.optim.AdamW(model.parameters(), lr=1e-4),
+                    batch,
+                    graphs,
+                )
                 step()
                 step()
                 common.synced(lambda: None, device)()
@@ -97,8 +103,9 @@ def main(argv=None) -> None:
                 row[f"{tag}: error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
                 traceback.print_exc()
         try:
-            seconds = common.time_rotated({tag: common.synced(fn, device) for tag, fn in columns.items()},
-                                          repeats=args.rounds, inner=args.inner)
+            seconds = common.time_rotated(
+                {tag: common.synced(fn, device) for tag, fn in columns.items()}, repeats=args.rounds, inner=args.inner
+            )
             row.update({f"{tag} ms": round(1e3 * s, 2) for tag, s in seconds.items()})
         except Exception as exc:  # a configuration that compiled but fails on a later replay
             row["timing error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"

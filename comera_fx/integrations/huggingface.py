@@ -28,8 +28,9 @@ def unwrap_optimizer(optimizer) -> torch.optim.Optimizer:
     while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
         optimizer = optimizer.optimizer
     if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"RankAdaptiveCallback: cannot find a torch.optim.Optimizer in the Trainer's "
-                        f"{type(optimizer).__name__}")
+        raise TypeError(
+            f"RankAdaptiveCallback: cannot find a torch.optim.Optimizer in the Trainer's {type(optimizer).__name__}"
+        )
     return optimizer
 
 
@@ -78,25 +79,35 @@ class RankAdaptiveCallback(TrainerCallback):
     def __init__(self, config: RankConfig | None = None, **options):
         renamed = [old for old in _RENAMED if old in options]
         if renamed:
-            warnings.warn(f"RankAdaptiveCallback({renamed[0]}=...) is deprecated; pass {_RENAMED[renamed[0]]}= "
-                          f"(RankConfig's name)", DeprecationWarning, stacklevel=2)
+            warnings.warn(
+                f"RankAdaptiveCallback({renamed[0]}=...) is deprecated; pass {_RENAMED[renamed[0]]}= "
+                f"(RankConfig's name)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
             options = {_RENAMED.get(name, name): value for name, value in options.items()}
         self.hook_options = {name: options.pop(name) for name in _HOOK_OPTIONS if name in options}
         unknown = sorted(set(options) - _CONFIG_FIELDS)
         if unknown:
-            raise TypeError(f"RankAdaptiveCallback got unexpected keyword arguments {unknown}: pass RankConfig's "
-                            f"fields, clock= or history_every=")
+            raise TypeError(
+                f"RankAdaptiveCallback got unexpected keyword arguments {unknown}: pass RankConfig's "
+                f"fields, clock= or history_every="
+            )
         if config is not None and options:
-            raise TypeError(f"RankAdaptiveCallback: pass the schedule's options in the RankConfig only; got a config "
-                            f"and {sorted(options)}")
+            raise TypeError(
+                f"RankAdaptiveCallback: pass the schedule's options in the RankConfig only; got a config "
+                f"and {sorted(options)}"
+            )
         self.config, self.config_fields = config, options
         self.rank_adaptive: RankAdaptive | None = None
         self._steps_seen = 0
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         if args.world_size > 1:
-            raise NotImplementedError("RankAdaptiveCallback runs in a single process; under several the pruned "
-                                      "parameters would leave the Trainer's DDP wrapper out of step")
+            raise NotImplementedError(
+                "RankAdaptiveCallback runs in a single process; under several the pruned "
+                "parameters would leave the Trainer's DDP wrapper out of step"
+            )
         if model is None or optimizer is None:
             raise RuntimeError("RankAdaptiveCallback: the Trainer gave no model or optimizer at on_train_begin")
         config = self.config
@@ -113,9 +124,11 @@ class RankAdaptiveCallback(TrainerCallback):
         # The hooks count the steps they ran in; a step they missed means the Trainer stepped another optimizer.
         hook = self.rank_adaptive
         if hook is not None and hook.step == self._steps_seen:
-            warnings.warn("RankAdaptiveCallback: the Trainer took an optimizer step that RankAdaptive's hooks did "
-                          "not see (was the optimizer replaced after training began?); ranks are not adapted",
-                          stacklevel=2)
+            warnings.warn(
+                "RankAdaptiveCallback: the Trainer took an optimizer step that RankAdaptive's hooks did "
+                "not see (was the optimizer replaced after training began?); ranks are not adapted",
+                stacklevel=2,
+            )
         if hook is not None:
             self._steps_seen = hook.step
 

@@ -45,15 +45,18 @@ class TTExpertBank(nn.ModuleList):
         self.rmm = None  # an RMMConfig once randomize_backward_ randomizes the experts' backward (moe/rmm.py)
 
     @classmethod
-    def from_dense(cls, weight: Tensor, slice_use: str, *, generators: Sequence[torch.Generator | None] | None = None,
-                   **options) -> "TTExpertBank":
+    def from_dense(
+        cls, weight: Tensor, slice_use: str, *, generators: Sequence[torch.Generator | None] | None = None, **options
+    ) -> "TTExpertBank":
         """TT-decompose (or randomly initialise) every slice of ``weight`` (E × a × b) with the same ``options``
         (those of ``make_tt_matrix``: format, init, max_rank, modes, ...), so all experts share one layout."""
         if weight.dim() != 3:
             raise ValueError(f"expert weights are 3D (experts × a × b), got shape {tuple(weight.shape)}")
         generators = generators or [None] * weight.shape[0]
-        matrices = [make_tt_matrix(stored_matrix(p, slice_use), kind="linear", generator=g, **options)
-                    for p, g in zip(weight.detach(), generators)]
+        matrices = [
+            make_tt_matrix(stored_matrix(p, slice_use), kind="linear", generator=g, **options)
+            for p, g in zip(weight.detach(), generators)
+        ]
         return cls(matrices, slice_use)
 
     # -- metadata ------------------------------------------------------------------------------------------------
@@ -77,8 +80,10 @@ class TTExpertBank(nn.ModuleList):
         return (len(self), cols, rows) if self.slice_use == "linear" else (len(self), rows, cols)
 
     def extra_repr(self) -> str:
-        return f"experts={len(self)}, in_features={self.in_features}, out_features={self.out_features}, " \
-               f"slice_use={self.slice_use!r}"
+        return (
+            f"experts={len(self)}, in_features={self.in_features}, out_features={self.out_features}, "
+            f"slice_use={self.slice_use!r}"
+        )
 
     # -- math ----------------------------------------------------------------------------------------------------
 

@@ -35,24 +35,44 @@ def expert_holders(model: nn.Module, path_of: Mapping[int, str]) -> list[dict]:
         if isinstance(module, SharedExpertLinear):
             linears.setdefault(id(module.bank), [module.bank, []])[1].append([path, module.expert])
     for bank, users in linears.values():
-        holders.append({"path": bank_paths[id(bank)], "type": "shared_linears", "linears": users,
-                        "bank": _bank_entry(bank, path_of)})
+        holders.append(
+            {
+                "path": bank_paths[id(bank)],
+                "type": "shared_linears",
+                "linears": users,
+                "bank": _bank_entry(bank, path_of),
+            }
+        )
     for path, module in model.named_modules():
         if isinstance(module, TTExperts):
-            holders.append({"path": path, "type": "experts", "up_name": module.up_name,
-                            "up": _bank_entry(module.up, path_of), "down": _bank_entry(module.down_proj, path_of)})
+            holders.append(
+                {
+                    "path": path,
+                    "type": "experts",
+                    "up_name": module.up_name,
+                    "up": _bank_entry(module.up, path_of),
+                    "down": _bank_entry(module.down_proj, path_of),
+                }
+            )
         elif is_bank_holder(module):  # the weight-space form: the module reads its banks rebuilt
-            holders.append({"path": path, "type": "bank_property",
-                            "banks": {a: _bank_entry(module._modules[f"{a}_tt"], path_of) for a in bank_attrs(module)}})
+            holders.append(
+                {
+                    "path": path,
+                    "type": "bank_property",
+                    "banks": {a: _bank_entry(module._modules[f"{a}_tt"], path_of) for a in bank_attrs(module)},
+                }
+            )
         for attr, value in vars(module).items():
             if isinstance(value, ExpertWeight):
-                holders.append({"path": path, "type": "expert_weight", "attr": attr,
-                                "bank": _bank_entry(value.bank, path_of)})
+                holders.append(
+                    {"path": path, "type": "expert_weight", "attr": attr, "bank": _bank_entry(value.bank, path_of)}
+                )
     return holders
 
 
 def install_expert_holder(model: nn.Module, holder: dict, matrices: Mapping[str, TTMatrix]) -> None:
     """Put one manifest entry's banks into ``model`` (built by ``build_fn``, dense experts still in place)."""
+
     def bank(entry: dict) -> TTExpertBank | SharedTTExpertBank:
         if "shared" in entry:
             return SharedTTExpertBank(matrices[entry["shared"]], entry["num_experts"], entry["slice_use"])

@@ -45,8 +45,13 @@ def bank_name(list_path: str, linear: str) -> str:
     return f"{leaf}_{linear.replace('.', '_')}_shared" if linear else f"{leaf}_shared"
 
 
-def install_shared_linears(model: nn.Module, bank_path: str, bank: SharedTTExpertBank,
-                           linears: list[tuple[str, int]], touch=lambda module: None) -> None:
+def install_shared_linears(
+    model: nn.Module,
+    bank_path: str,
+    bank: SharedTTExpertBank,
+    linears: list[tuple[str, int]],
+    touch=lambda module: None,
+) -> None:
     """Register ``bank`` at ``bank_path`` and swap each ``(linear path, expert)`` for a ``SharedExpertLinear``
     keeping that linear's bias (``touch(module)`` is called before each module changes: the rollback journal)."""
     parent_path, _, name = bank_path.rpartition(".")

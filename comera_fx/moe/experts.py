@@ -28,8 +28,10 @@ def is_hf_experts(module: nn.Module) -> bool:
     if not all(hasattr(module, flag) for flag in _DECORATOR_FLAGS) or not hasattr(module, "num_experts"):
         return False
     first = "gate_up_proj" if module.has_gate else "up_proj"
-    return all(isinstance(getattr(module, name, None), nn.Parameter) and getattr(module, name).dim() == 3
-               for name in (first, "down_proj"))
+    return all(
+        isinstance(getattr(module, name, None), nn.Parameter) and getattr(module, name).dim() == 3
+        for name in (first, "down_proj")
+    )
 
 
 def hf_experts_problem(module: nn.Module) -> str | None:
@@ -43,8 +45,7 @@ def hf_experts_problem(module: nn.Module) -> str | None:
     if module.has_gate and not getattr(module, "is_concatenated", True):
         return "the gate and up columns are interleaved (is_concatenated=False), which TTExperts does not split"
     if module.has_gate and getattr(type(module), "_apply_gate", _default_apply_gate) is not _default_apply_gate:
-        return (f"{type(module).__name__} has its own gating function (_apply_gate), which TTExperts does not "
-                f"reproduce")
+        return f"{type(module).__name__} has its own gating function (_apply_gate), which TTExperts does not reproduce"
     return probe_problem(module)
 
 
@@ -93,8 +94,17 @@ class TTExperts(nn.Module):
     the eager path of transformers, with TT products in place of ``F.linear`` on a slice. Biases stay dense.
     """
 
-    def __init__(self, up: TTExpertBank, down: TTExpertBank, act_fn: nn.Module, *, has_gate: bool,
-                 up_bias: Tensor | None = None, down_bias: Tensor | None = None, up_name: str = "gate_up_proj"):
+    def __init__(
+        self,
+        up: TTExpertBank,
+        down: TTExpertBank,
+        act_fn: nn.Module,
+        *,
+        has_gate: bool,
+        up_bias: Tensor | None = None,
+        down_bias: Tensor | None = None,
+        up_name: str = "gate_up_proj",
+    ):
         super().__init__()
         if len(up) != len(down):
             raise ValueError(f"up and down banks hold {len(up)} and {len(down)} experts")
@@ -116,8 +126,15 @@ class TTExperts(nn.Module):
         """Replace transformers experts ``module`` by the given banks (its biases and activation are kept)."""
         up_name, _ = hf_projection_names(module)
         bias = (lambda name: getattr(module, f"{name}_bias", None)) if module.has_bias else (lambda name: None)
-        new = cls(up, down, module.act_fn, has_gate=module.has_gate, up_bias=bias(up_name),
-                  down_bias=bias("down_proj"), up_name=up_name)
+        new = cls(
+            up,
+            down,
+            module.act_fn,
+            has_gate=module.has_gate,
+            up_bias=bias(up_name),
+            down_bias=bias("down_proj"),
+            up_name=up_name,
+        )
         new.train(module.training)
         return new
 
@@ -158,8 +175,9 @@ def _activate(h: Tensor, act_fn, has_gate: bool) -> Tensor:
     return act_fn(h)
 
 
-def route(hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor, num_experts: int, expert_forward
-          ) -> Tensor:
+def route(
+    hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor, num_experts: int, expert_forward
+) -> Tensor:
     """transformers' eager experts loop: every expert some token chose runs ``expert_forward(e, its tokens)``,
     weighted and added back."""
     out = torch.zeros_like(hidden_states)

@@ -67,8 +67,9 @@ class LazyBank:
         if isinstance(index, Tensor) and index.dim() == 1 and index.numel() and _is_integer(index):
             low, high = (int(v) for v in torch.aminmax(index))
             if low < -experts or high >= experts:
-                raise IndexError(f"index {low if low < -experts else high} is out of bounds for the {experts} "
-                                 "experts of this bank")
+                raise IndexError(
+                    f"index {low if low < -experts else high} is out of bounds for the {experts} experts of this bank"
+                )
             distinct, inverse = torch.unique(index % experts, return_inverse=True)
             rebuilt = torch.stack([self.bank.dense_expert(int(e)) for e in distinct])
             return rebuilt[inverse]
@@ -102,8 +103,20 @@ def _operator(name: str):
     return apply
 
 
-for _name in ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__", "__rtruediv__",
-              "__matmul__", "__rmatmul__", "__neg__", "__pow__"):
+for _name in (
+    "__add__",
+    "__radd__",
+    "__sub__",
+    "__rsub__",
+    "__mul__",
+    "__rmul__",
+    "__truediv__",
+    "__rtruediv__",
+    "__matmul__",
+    "__rmatmul__",
+    "__neg__",
+    "__pow__",
+):
     setattr(LazyBank, _name, _operator(_name))
 
 
@@ -122,5 +135,8 @@ def _is_scalar_index(index) -> bool:
 
 def plain_eager() -> bool:
     """True where a ``LazyBank`` may be handed out: no compile, export, dispatch-mode or functorch tracing."""
-    return not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() == 0 \
+    return (
+        not torch.compiler.is_compiling()
+        and torch._C._len_torch_dispatch_stack() == 0
         and torch._C._functorch.maybe_current_level() is None
+    )

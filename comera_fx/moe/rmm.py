@@ -14,8 +14,9 @@ from .shared import SharedTTExpertBank
 from .weight_space import bank_attrs
 
 
-def randomize_banks(model: nn.Module, config, filter_fn: Callable[[nn.Module, str], bool] | None,
-                    decision: Callable) -> list:
+def randomize_banks(
+    model: nn.Module, config, filter_fn: Callable[[nn.Module, str], bool] | None, decision: Callable
+) -> list:
     """Give every expert bank of ``model`` (each expert's matrix at least ``config.min_numel`` entries, trainable,
     accepted by ``filter_fn``) the randomized backward; returns one ``decision(fqn, kind, shape, randomized,
     reason)`` per bank."""
@@ -27,8 +28,10 @@ def randomize_banks(model: nn.Module, config, filter_fn: Callable[[nn.Module, st
         shape = bank.weight_shape
         reason = None
         if id(bank) in rebuilt:
-            reason = ("weight-space form: the module's own ops read the experts rebuilt from the cores, there is no "
-                      "TT product to randomize")
+            reason = (
+                "weight-space form: the module's own ops read the experts rebuilt from the cores, there is no "
+                "TT product to randomize"
+            )
         elif shape[1] * shape[2] < config.min_numel:
             reason = f"{shape[1] * shape[2]:,} entries per expert < min_numel={config.min_numel:,}"
         elif not any(p.requires_grad for p in bank.parameters()):

@@ -33,17 +33,26 @@ class SharedTTExpertBank(nn.Module):
         if slice_use not in SLICE_USES:
             raise ValueError(f"slice_use must be one of {SLICE_USES}, got {slice_use!r}")
         if tt.format is not TTFormat.TT or tt.col_modes[0] != num_experts or tt.cols % num_experts:
-            raise ValueError(f"a shared bank needs a TT-format matrix whose first column mode is the expert mode "
-                             f"({num_experts}); got {tt.layout.describe_modes()}")
+            raise ValueError(
+                f"a shared bank needs a TT-format matrix whose first column mode is the expert mode "
+                f"({num_experts}); got {tt.layout.describe_modes()}"
+            )
         self.tt = tt
         self.num_experts = num_experts
         self.slice_use = slice_use
         self.rmm = None
 
     @classmethod
-    def from_dense(cls, weight: Tensor, slice_use: str, *, max_rank: int | None = None,
-                   rank_ratio: float | None = None, rel_tol: float | None = None,
-                   max_pad_fraction: float = 0.25) -> "SharedTTExpertBank":
+    def from_dense(
+        cls,
+        weight: Tensor,
+        slice_use: str,
+        *,
+        max_rank: int | None = None,
+        rank_ratio: float | None = None,
+        rel_tol: float | None = None,
+        max_pad_fraction: float = 0.25,
+    ) -> "SharedTTExpertBank":
         """TT-SVD of the experts of ``weight`` (E × a × b) side by side, the expert mode first among the column
         modes (the middle of the chain). The per-expert output size must factor without padding."""
         experts = weight.shape[0]
@@ -51,10 +60,18 @@ class SharedTTExpertBank(nn.Module):
         rows, cols = stacked.shape[0], stacked.shape[1] // experts
         row_modes, col_modes = choose_layout_modes(rows, cols, TTFormat.TT, max_pad_fraction=max_pad_fraction)
         if torch.Size(col_modes).numel() != cols:
-            raise ValueError(f"the shared form needs an output size that factors without padding; {cols} -> "
-                             f"{col_modes}")
-        tt = TTMatrix.from_matrix(stacked, format=TTFormat.TT, row_modes=row_modes, col_modes=(experts, *col_modes),
-                                  max_rank=max_rank, rank_ratio=rank_ratio, rel_tol=rel_tol)
+            raise ValueError(
+                f"the shared form needs an output size that factors without padding; {cols} -> {col_modes}"
+            )
+        tt = TTMatrix.from_matrix(
+            stacked,
+            format=TTFormat.TT,
+            row_modes=row_modes,
+            col_modes=(experts, *col_modes),
+            max_rank=max_rank,
+            rank_ratio=rank_ratio,
+            rel_tol=rel_tol,
+        )
         return cls(tt, experts, slice_use)
 
     def __len__(self) -> int:
@@ -71,14 +88,14 @@ class SharedTTExpertBank(nn.Module):
     def expert_layout(self) -> TTLayout:
         """The layout of one expert's chain (the expert core folded into the next one)."""
         layout, k = self.tt.layout, len(self.tt.row_modes)
-        ranks = layout.ranks[: k + 1] + layout.ranks[k + 2:]
+        ranks = layout.ranks[: k + 1] + layout.ranks[k + 2 :]
         return TTLayout(TTFormat.TT, layout.rows, self.out_features, layout.row_modes, layout.col_modes[1:], ranks)
 
     def expert_cores(self, expert: int) -> list[Tensor]:
         """Expert ``expert``'s gated cores: X[:, e, :] folded into the core after it."""
         cores, k = self.tt.gated_cores(), len(self.tt.row_modes)
         merged = torch.einsum("ab,bnc->anc", cores[k][:, expert, :], cores[k + 1])
-        return cores[:k] + [merged] + cores[k + 2:]
+        return cores[:k] + [merged] + cores[k + 2 :]
 
     @property
     def weight_shape(self) -> tuple[int, int, int]:
@@ -92,8 +109,9 @@ class SharedTTExpertBank(nn.Module):
 
     def _product(self, expert: int, x: Tensor, *, transposed: bool, bias: Tensor | None = None) -> Tensor:
         if self.rmm is not None and self.training and x.shape[0] > 0 and torch.is_grad_enabled():
-            y = rmm_tt_product(x, self.expert_chain(expert), transposed=transposed, rho=self.rmm.ratio,
-                               sketch=self.rmm.sketch)
+            y = rmm_tt_product(
+                x, self.expert_chain(expert), transposed=transposed, rho=self.rmm.ratio, sketch=self.rmm.sketch
+            )
             return y if bias is None else y + bias
         return self._planned(expert, x, transposed=transposed, bias=bias)
 
@@ -119,7 +137,7 @@ class SharedTTExpertBank(nn.Module):
         return self._product(expert, x, transposed=self.slice_use == "linear")
 
     def dense_expert(self, expert: int) -> Tensor:
-        m = self.tt.dense()[:, expert * self.out_features:(expert + 1) * self.out_features]
+        m = self.tt.dense()[:, expert * self.out_features : (expert + 1) * self.out_features]
         return m.t() if self.slice_use == "linear" else m
 
     def dense(self) -> Tensor:
@@ -155,4 +173,3 @@ class ExpertChain:
 
     def matmul_t(self, x: Tensor) -> Tensor:
         return self.bank._planned(self.expert, x, transposed=True)
-

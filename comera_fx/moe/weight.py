@@ -67,8 +67,10 @@ class ExpertWeight:
     def bmm(self, x: Tensor) -> Tensor:
         """``torch.bmm(x, P)``: x (E × n × a) -> (E × n × b), one planned product per expert."""
         if x.dim() != 3 or x.shape[0] != len(self.bank):
-            raise ValueError(f"bmm with {len(self.bank)} experts needs x of shape ({len(self.bank)}, n, "
-                             f"{self.shape[1]}), got {tuple(x.shape)}")
+            raise ValueError(
+                f"bmm with {len(self.bank)} experts needs x of shape ({len(self.bank)}, n, "
+                f"{self.shape[1]}), got {tuple(x.shape)}"
+            )
         return torch.stack([self.bank.mm(e, x[e]) for e in range(len(self.bank))])
 
     def __repr__(self) -> str:
@@ -77,8 +79,14 @@ class ExpertWeight:
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _BMM and len(args) == 2 and not kwargs and isinstance(args[1], ExpertWeight) \
-                and isinstance(args[0], Tensor) and args[0].dim() == 3:
+        if (
+            func in _BMM
+            and len(args) == 2
+            and not kwargs
+            and isinstance(args[1], ExpertWeight)
+            and isinstance(args[0], Tensor)
+            and args[0].dim() == 3
+        ):
             return args[1].bmm(args[0])
         return func(*tree_map(_dense, args), **tree_map(_dense, kwargs))
 
@@ -124,8 +132,13 @@ class ExpertSlice:
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
             if isinstance(weight, ExpertSlice) and isinstance(x, Tensor) and not isinstance(bias, ExpertSlice):
                 return weight.bank.linear(weight.expert, x, bias)
-        if func in _MATMUL and len(args) == 2 and not kwargs and isinstance(args[1], ExpertSlice) \
-                and isinstance(args[0], Tensor):
+        if (
+            func in _MATMUL
+            and len(args) == 2
+            and not kwargs
+            and isinstance(args[1], ExpertSlice)
+            and isinstance(args[0], Tensor)
+        ):
             return args[1].bank.mm(args[1].expert, args[0])
         return func(*tree_map(_dense, args), **tree_map(_dense, kwargs))
 
@@ -138,8 +151,13 @@ def single_index(index) -> int | None:
     """The expert an index picks, when it picks one (an int or a one-element integer tensor), else None."""
     if isinstance(index, int) and not isinstance(index, bool):
         return index
-    if isinstance(index, Tensor) and index.numel() == 1 and not index.is_floating_point() \
-            and index.dtype != torch.bool and index.dim() <= 1:
+    if (
+        isinstance(index, Tensor)
+        and index.numel() == 1
+        and not index.is_floating_point()
+        and index.dtype != torch.bool
+        and index.dim() <= 1
+    ):
         return int(index)
     return None
 

@@ -58,8 +58,12 @@ def bank_holder_class(base: type, attrs: tuple[str, ...]) -> type:
     rebuilds each bank once per eager call. A new class per call: one holder's properties never leak into
     another's."""
     namespace = {
-        "_comera_fx_bank_class": True, "_comera_fx_bank_base": base, "_comera_fx_bank_attrs": attrs,
-        "__module__": base.__module__, "__reduce_ex__": _reduce_holder, "forward": _forward,
+        "_comera_fx_bank_class": True,
+        "_comera_fx_bank_base": base,
+        "_comera_fx_bank_attrs": attrs,
+        "__module__": base.__module__,
+        "__reduce_ex__": _reduce_holder,
+        "forward": _forward,
         "__setattr__": _setattr_holder,
     }
     for attr in attrs:
@@ -106,8 +110,10 @@ def _can_cache(module: nn.Module) -> bool:
 def _setattr_holder(self, name: str, value) -> None:
     cls = type(self)
     if name in cls._comera_fx_bank_attrs:
-        raise AttributeError(f"cannot assign {cls._comera_fx_bank_base.__name__}.{name}: it is rebuilt from "
-                             f"the TT bank {name}_tt (change that bank's cores, or convert the dense model again)")
+        raise AttributeError(
+            f"cannot assign {cls._comera_fx_bank_base.__name__}.{name}: it is rebuilt from "
+            f"the TT bank {name}_tt (change that bank's cores, or convert the dense model again)"
+        )
     super(cls, self).__setattr__(name, value)
 
 

@@ -7,6 +7,23 @@ from .recognize import contract_reconstructed_tt
 from .randomize import RandomizeSummary, randomize_backward, randomize_backward_, restore_backward_, share_sketches
 from .tensorize import TensorizeSummary, tensorize
 
-__all__ = ["Candidate", "ExpertCandidate", "ExpertScan", "FindResult", "RandomizeSummary", "TensorizeSummary", "Use", "UseKind", "capture_graphs",
-           "contract_reconstructed_tt", "fast_dropout", "find", "find_experts", "randomize_backward", "randomize_backward_",
-           "restore_backward_", "share_sketches", "tensorize"]
+__all__ = [
+    "Candidate",
+    "ExpertCandidate",
+    "ExpertScan",
+    "FindResult",
+    "RandomizeSummary",
+    "TensorizeSummary",
+    "Use",
+    "UseKind",
+    "capture_graphs",
+    "contract_reconstructed_tt",
+    "fast_dropout",
+    "find",
+    "find_experts",
+    "randomize_backward",
+    "randomize_backward_",
+    "restore_backward_",
+    "share_sketches",
+    "tensorize",
+]

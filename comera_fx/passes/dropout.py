@@ -47,8 +47,9 @@ def dropout_from_words(x: torch.Tensor, threshold: int, scale: float) -> torch.T
     # Uniform over [-2**63, 2**63 - 1): 2**64 - 1 of the 2**64 words, all 64 bits uniform to within 2**-64.
     # (``random_(-2**63, None)`` covers all 2**64 and is ~20 % faster, but its aten overload is ``random.from``,
     # which FX cannot print back as Python: ``from`` is a keyword.)
-    words = torch.randint(-(1 << 63), (1 << 63) - 1, ((count + _LANES - 1) // _LANES,), dtype=torch.int64,
-                          device=x.device)
+    words = torch.randint(
+        -(1 << 63), (1 << 63) - 1, ((count + _LANES - 1) // _LANES,), dtype=torch.int64, device=x.device
+    )
     lanes = words.view(torch.int16)[:count].view(x.shape)
     # The mask as uint8, not bool: it is what backward keeps, and Inductor's CPU code generator vectorizes a kernel
     # reading uint8 but not one reading bool or int16 (softmax / layer norm backward fused with the mask: 1.2-1.35x
@@ -86,12 +87,18 @@ def fast_dropout(gm: fx.GraphModule) -> fx.GraphModule:
         if args is None:
             continue
         p, training = args["p"], args.get("training", args.get("train"))
-        if (training is not True or args.get("inplace", False) is not False or isinstance(p, bool)
-                or not isinstance(p, (int, float)) or not 0 < rounded_drop_rate(p) < 1):
+        if (
+            training is not True
+            or args.get("inplace", False) is not False
+            or isinstance(p, bool)
+            or not isinstance(p, (int, float))
+            or not 0 < rounded_drop_rate(p) < 1
+        ):
             continue
         with gm.graph.inserting_before(node):
             replacement = gm.graph.call_function(
-                dropout_from_words, (args["input"], lane_threshold(p), 1.0 / (1.0 - rounded_drop_rate(p))))
+                dropout_from_words, (args["input"], lane_threshold(p), 1.0 / (1.0 - rounded_drop_rate(p)))
+            )
         replacement.meta = dict(node.meta)
         node.replace_all_uses_with(replacement)
         gm.graph.erase_node(node)

@@ -46,7 +46,7 @@ def _groups(scan: ExpertScan) -> list[ListGroup]:
     groups: dict[tuple[str, str], ListGroup] = {}
     for cand in scan.of_layout(MODULE_LIST):
         prefix = f"{cand.expert_list}.{cand.expert_index}"
-        linear = cand.holder[len(prefix) + 1:] if cand.holder != prefix else ""
+        linear = cand.holder[len(prefix) + 1 :] if cand.holder != prefix else ""
         group = groups.setdefault((cand.expert_list, linear), ListGroup(cand.expert_list, linear, [], []))
         group.fqns.append(cand.fqn)
         group.paths.append(cand.holder)
@@ -56,8 +56,14 @@ def _groups(scan: ExpertScan) -> list[ListGroup]:
 class SharedLists:
     """Decide, build and install the shared chains of expert lists, in ``tensorize_``'s order."""
 
-    def __init__(self, model: nn.Module, scan: ExpertScan, config: TensorizeConfig, filter_fn,
-                 make_decision: Callable[[ExpertCandidate], object]):
+    def __init__(
+        self,
+        model: nn.Module,
+        scan: ExpertScan,
+        config: TensorizeConfig,
+        filter_fn,
+        make_decision: Callable[[ExpertCandidate], object],
+    ):
         self.model, self.config, self.groups, self.refused = model, config, [], {}
         for group in _groups(scan):
             weight = model.get_parameter(group.fqns[0])
@@ -67,8 +73,15 @@ class SharedLists:
                     self.refused[fqn] = reason
                 continue
             shape = (len(group.fqns), *weight.shape)
-            cand = ExpertCandidate(f"{group.list_path}.*.{group.linear}.weight".replace("..", "."), group.list_path,
-                                   MODULE_LIST, shape, weight.dtype, len(group.fqns), uses=["linear"])
+            cand = ExpertCandidate(
+                f"{group.list_path}.*.{group.linear}.weight".replace("..", "."),
+                group.list_path,
+                MODULE_LIST,
+                shape,
+                weight.dtype,
+                len(group.fqns),
+                uses=["linear"],
+            )
             group.decision = make_decision(cand)
             self.groups.append(group)
 
@@ -92,21 +105,30 @@ class SharedLists:
     def annotate(self, decisions: list) -> None:
         for d in decisions:
             if d.fqn in self.refused:
-                d.notes.append(f"expert_form='shared' not built for this expert list ({self.refused[d.fqn]}): "
-                               "each expert its own TT matrix")
+                d.notes.append(
+                    f"expert_form='shared' not built for this expert list ({self.refused[d.fqn]}): "
+                    "each expert its own TT matrix"
+                )
 
     def build(self) -> None:
         for group in self.groups:
             weights = torch.stack([self.model.get_parameter(f).detach() for f in group.fqns])
             settings = self.config.settings_for(group.fqns[0])
             try:
-                bank = SharedTTExpertBank.from_dense(weights, "linear", max_rank=settings.max_rank,
-                                                     rank_ratio=settings.rank_ratio, rel_tol=settings.rel_tol,
-                                                     max_pad_fraction=settings.max_pad_fraction)
+                bank = SharedTTExpertBank.from_dense(
+                    weights,
+                    "linear",
+                    max_rank=settings.max_rank,
+                    rank_ratio=settings.rank_ratio,
+                    rel_tol=settings.rel_tol,
+                    max_pad_fraction=settings.max_pad_fraction,
+                )
             except (ValueError, TypeError) as exc:
-                raise type(exc)(f"cannot build the shared form of the expert list {group.list_path} "
-                                f"({group.linear or 'its linears'}): {exc}; TensorizeConfig(expert_form="
-                                f"'per_expert') converts each expert on its own") from exc
+                raise type(exc)(
+                    f"cannot build the shared form of the expert list {group.list_path} "
+                    f"({group.linear or 'its linears'}): {exc}; TensorizeConfig(expert_form="
+                    f"'per_expert') converts each expert on its own"
+                ) from exc
             first = self.model.get_parameter(group.fqns[0])
             bank.to(device=first.device, dtype=first.dtype).requires_grad_(first.requires_grad)
             bank.tt.made_with = ("linear", settings.tt_options("linear"))
@@ -114,8 +136,9 @@ class SharedLists:
 
     def install(self, journal) -> None:
         for group in self.groups:
-            install_shared_linears(self.model, group.bank_path, group.bank,
-                                   [(p, e) for e, p in enumerate(group.paths)], journal.touch)
+            install_shared_linears(
+                self.model, group.bank_path, group.bank, [(p, e) for e, p in enumerate(group.paths)], journal.touch
+            )
             if not group.bank.tt.is_zero:
                 group.bank.tt.prepare_plans()
 
@@ -126,7 +149,9 @@ class SharedLists:
         for group in self.groups:
             d = group.decision
             d.converted, d.ranks, d.params = True, group.bank.tt.ranks, group.bank.tt.layout.num_params
-            d.notes.append(f"shared form over the {len(group.fqns)} experts of the nn.ModuleList "
-                           f"{group.list_path!r}: one TT chain ({group.bank.tt.layout.describe_modes()}), one core "
-                           f"per expert; each expert's linear is a SharedExpertLinear")
+            d.notes.append(
+                f"shared form over the {len(group.fqns)} experts of the nn.ModuleList "
+                f"{group.list_path!r}: one TT chain ({group.bank.tt.layout.describe_modes()}), one core "
+                f"per expert; each expert's linear is a SharedExpertLinear"
+            )
         return [g.decision for g in self.groups]

@@ -54,8 +54,13 @@ def expert_notes(scan: ExpertScan) -> dict[str, str]:
     return {c.fqn: c.describe() for c in scan.of_layout(MODULE_LIST)}
 
 
-def plan_experts(model: nn.Module, scan: ExpertScan, config: TensorizeConfig, filter_fn: FilterFn | None,
-                 make_decision: Callable[[ExpertCandidate], object]) -> tuple[list, list[ExpertPlan]]:
+def plan_experts(
+    model: nn.Module,
+    scan: ExpertScan,
+    config: TensorizeConfig,
+    filter_fn: FilterFn | None,
+    make_decision: Callable[[ExpertCandidate], object],
+) -> tuple[list, list[ExpertPlan]]:
     """(a decision for every 3D expert parameter, the holders to convert). ``make_decision`` builds a
     ``LayerDecision`` (passed in so that this module does not import ``passes.tensorize``)."""
     groups: dict[str, list[ExpertCandidate]] = {}
@@ -71,16 +76,21 @@ def plan_experts(model: nn.Module, scan: ExpertScan, config: TensorizeConfig, fi
         reasons = [_skip_reason(holder, holder_path, c, config, filter_fn, problem) for c in cands]
         if cands[0].layout == HF_EXPERTS and any(reasons):
             first = next(r for r in reasons if r)
-            reasons = [r or f"its partner projection stays dense ({first}); an experts module is converted whole"
-                       for r in reasons]
+            reasons = [
+                r or f"its partner projection stays dense ({first}); an experts module is converted whole"
+                for r in reasons
+            ]
         for d, r in zip(made, reasons):
             d.reason = r
         if cands[0].layout == HF_EXPERTS:
             if not any(reasons):
                 plans.append(ExpertPlan(holder_path, HF_EXPERTS, cands, made, problem()))
         else:
-            plans.extend(ExpertPlan(holder_path, PARAMETER_3D, [c], [d], _weight_space_reason(c))
-                         for c, d in zip(cands, made) if not d.reason)
+            plans.extend(
+                ExpertPlan(holder_path, PARAMETER_3D, [c], [d], _weight_space_reason(c))
+                for c, d in zip(cands, made)
+                if not d.reason
+            )
     return decisions, plans
 
 
@@ -89,18 +99,30 @@ def _weight_space_reason(cand: ExpertCandidate) -> str | None:
     if cand.unsupported:
         return f"also read by {cand.unsupported}, which has no TT product"
     if not cand.uses:
-        return ("its reads are unknown (found by the module scan; example_inputs would show whether they are "
-                "bmm / slice products)" if cand.experts_seen is None else "no op read it on the example inputs")
+        return (
+            "its reads are unknown (found by the module scan; example_inputs would show whether they are "
+            "bmm / slice products)"
+            if cand.experts_seen is None
+            else "no op read it on the example inputs"
+        )
     return None
 
 
-def _skip_reason(holder: nn.Module, path: str, cand: ExpertCandidate, config: TensorizeConfig,
-                 filter_fn: FilterFn | None, problem: Callable[[], str | None]) -> str | None:
+def _skip_reason(
+    holder: nn.Module,
+    path: str,
+    cand: ExpertCandidate,
+    config: TensorizeConfig,
+    filter_fn: FilterFn | None,
+    problem: Callable[[], str | None],
+) -> str | None:
     if not cand.dtype.is_floating_point:
         return f"weight dtype {cand.dtype} is not floating point; only float weights can be tensorized"
     if not config.is_large(cand.slice_shape):
-        return (f"one expert's matrix {cand.slice_shape} is below the size threshold (needs >= {config.min_numel} "
-                f"elements and both dims >= {config.min_dim}; set TensorizeConfig.min_numel / min_dim)")
+        return (
+            f"one expert's matrix {cand.slice_shape} is below the size threshold (needs >= {config.min_numel} "
+            f"elements and both dims >= {config.min_dim}; set TensorizeConfig.min_numel / min_dim)"
+        )
     if config.is_skipped(cand.fqn):
         return "excluded by TensorizeConfig.skip / overrides"
     if filter_fn is not None and not filter_fn(holder, path):
@@ -117,8 +139,13 @@ def expert_name(fqn: str, expert: int) -> str:
     return f"{fqn}.{expert}"
 
 
-def build_banks(model: nn.Module, plans: list[ExpertPlan], config: TensorizeConfig, first_index: int,
-                build_tt: Callable | None = None) -> None:
+def build_banks(
+    model: nn.Module,
+    plans: list[ExpertPlan],
+    config: TensorizeConfig,
+    first_index: int,
+    build_tt: Callable | None = None,
+) -> None:
     """Build every plan's banks (TT-SVD or random init of each expert), before anything in the model changes.
     Experts a size target planned (``plan.layer_plans``) are built by ``build_tt(slice, layer_plan)``."""
     params = dict(model.named_parameters())
@@ -135,8 +162,10 @@ def build_banks(model: nn.Module, plans: list[ExpertPlan], config: TensorizeConf
                 plan.banks.append(_shared_bank(weight, cand, settings))
             else:
                 if config.expert_form == "shared":
-                    plan.decisions[i].notes.append("expert_form='shared' needs a transformers experts module or "
-                                                   "the weight-space form: each expert its own TT matrix here")
+                    plan.decisions[i].notes.append(
+                        "expert_form='shared' needs a transformers experts module or "
+                        "the weight-space form: each expert its own TT matrix here"
+                    )
                 seed = None if config.seed is None else config.seed + first
                 plan.banks.append(_per_expert_bank(weight, cand, settings, seed))
 
@@ -159,12 +188,19 @@ def _per_expert_bank(weight, cand: ExpertCandidate, settings, seed: int | None) 
 def _shared_bank(weight, cand: ExpertCandidate, settings) -> SharedTTExpertBank:
     """``TensorizeConfig(expert_form="shared")``: one TT chain over the experts of ``weight`` (TT-SVD)."""
     try:
-        bank = SharedTTExpertBank.from_dense(weight, cand.slice_use, max_rank=settings.max_rank,
-                                             rank_ratio=settings.rank_ratio, rel_tol=settings.rel_tol,
-                                             max_pad_fraction=settings.max_pad_fraction)
+        bank = SharedTTExpertBank.from_dense(
+            weight,
+            cand.slice_use,
+            max_rank=settings.max_rank,
+            rank_ratio=settings.rank_ratio,
+            rel_tol=settings.rel_tol,
+            max_pad_fraction=settings.max_pad_fraction,
+        )
     except (ValueError, TypeError) as exc:
-        raise type(exc)(f"cannot build the shared form of the experts {cand.fqn} {cand.shape}: {exc}; "
-                        f"TensorizeConfig(expert_form='per_expert') converts each expert on its own") from exc
+        raise type(exc)(
+            f"cannot build the shared form of the experts {cand.fqn} {cand.shape}: {exc}; "
+            f"TensorizeConfig(expert_form='per_expert') converts each expert on its own"
+        ) from exc
     bank.to(device=weight.device, dtype=weight.dtype).requires_grad_(weight.requires_grad)
     bank.tt.made_with = ("linear", settings.tt_options("linear"))
     return bank
@@ -219,11 +255,17 @@ def record_decisions(plans: list[ExpertPlan]) -> None:
             decision.ranks = matrices[0].ranks
             decision.params = sum(tt.layout.num_params for tt in matrices)
             decision.notes.append(cand.describe())
-            decision.notes.append(f"weight-space: {plan.weight_space}; the module's own forward reads the experts "
-                                  "rebuilt from the TT cores" if plan.weight_space else _contracted_note(plan))
+            decision.notes.append(
+                f"weight-space: {plan.weight_space}; the module's own forward reads the experts "
+                "rebuilt from the TT cores"
+                if plan.weight_space
+                else _contracted_note(plan)
+            )
             if isinstance(bank, SharedTTExpertBank):
-                decision.notes.append("shared form: one TT chain over the experts, one core per expert "
-                                      f"({bank.tt.layout.describe_modes()})")
+                decision.notes.append(
+                    "shared form: one TT chain over the experts, one core per expert "
+                    f"({bank.tt.layout.describe_modes()})"
+                )
             elif len({tt.ranks for tt in matrices}) > 1:
                 decision.notes.append(f"ranks differ between experts: {[tt.ranks for tt in matrices]}")
 
@@ -231,8 +273,9 @@ def record_decisions(plans: list[ExpertPlan]) -> None:
 def _orientation(cand: ExpertCandidate, calibration) -> str:
     """How a weight-space expert's slices are read, from the width of its calibration inputs (x P[e]ᵀ: the last
     dim of P[e]; x P[e]: the first); the candidate's own guess when that does not decide it."""
-    widths = {calibration[f"{cand.fqn}.{e}"].in_features for e in range(cand.num_experts)
-              if f"{cand.fqn}.{e}" in calibration}
+    widths = {
+        calibration[f"{cand.fqn}.{e}"].in_features for e in range(cand.num_experts) if f"{cand.fqn}.{e}" in calibration
+    }
     a, b = cand.slice_shape
     if widths == {b} and a != b:
         return "linear"
@@ -252,8 +295,15 @@ class ExpertStep:
     linears), ``build`` (before any change), ``install`` (inside the mutate phase), ``undo`` (if that fails),
     ``finish`` (the expert decisions for the summary)."""
 
-    def __init__(self, model: nn.Module, config: TensorizeConfig, filter_fn: FilterFn | None, example_inputs,
-                 make_decision: Callable[[ExpertCandidate], object], calibration=None):
+    def __init__(
+        self,
+        model: nn.Module,
+        config: TensorizeConfig,
+        filter_fn: FilterFn | None,
+        example_inputs,
+        make_decision: Callable[[ExpertCandidate], object],
+        calibration=None,
+    ):
         from .find_experts import find_experts
 
         self.model, self.config = model, config
@@ -264,8 +314,9 @@ class ExpertStep:
         self.scan = find_experts(model, example_inputs)
         self.decisions, self.plans = plan_experts(model, self.scan, config, filter_fn, make_decision)
         # expert lists in the shared form: their linears leave the graph finder's candidates (``add_missed``)
-        self.lists = SharedLists(model, self.scan, config, filter_fn, make_decision) \
-            if config.expert_form == "shared" else None
+        self.lists = (
+            SharedLists(model, self.scan, config, filter_fn, make_decision) if config.expert_form == "shared" else None
+        )
 
     def layer_inputs(self, first_index: int) -> list:
         """Under a size target, one ``LayerInput`` per expert matrix (named by ``expert_name``), so that the
@@ -282,8 +333,16 @@ class ExpertStep:
                 if plan.weight_space and self.calibration is not None:
                     cand.slice_use = _orientation(cand, self.calibration)
                 for e in range(cand.num_experts):
-                    inputs.append(LayerInput(expert_name(cand.fqn, e), "linear", cand.slice_use == "linear",
-                                             stored_matrix(weight[e], cand.slice_use), index + e, cand.fqn))
+                    inputs.append(
+                        LayerInput(
+                            expert_name(cand.fqn, e),
+                            "linear",
+                            cand.slice_use == "linear",
+                            stored_matrix(weight[e], cand.slice_use),
+                            index + e,
+                            cand.fqn,
+                        )
+                    )
                 index += cand.num_experts
         return inputs
 
@@ -309,8 +368,9 @@ class ExpertStep:
     def tt_params(self) -> int:
         """TT parameters of the banks built."""
         lists = self.lists.tt_params() if self.lists is not None else 0
-        return lists + sum(tt.layout.num_params for plan in self.plans for bank in plan.banks or ()
-                           for tt in bank_matrices(bank))
+        return lists + sum(
+            tt.layout.num_params for plan in self.plans for bank in plan.banks or () for tt in bank_matrices(bank)
+        )
 
     def add_missed(self, result) -> None:
         """Add to the graph finder's ``result`` the linears of expert lists it did not record. Dynamo records an
@@ -320,8 +380,15 @@ class ExpertStep:
         table = parameter_table(self.model)
         for cand in self.scan.of_layout(MODULE_LIST):
             if cand.fqn not in have and cand.fqn in table:
-                result.candidates.append(Candidate(cand.fqn, table[cand.fqn][1], cand.shape, cand.dtype,
-                                                   [Use(UseKind.LINEAR, cand.holder, "Linear")]))
+                result.candidates.append(
+                    Candidate(
+                        cand.fqn,
+                        table[cand.fqn][1],
+                        cand.shape,
+                        cand.dtype,
+                        [Use(UseKind.LINEAR, cand.holder, "Linear")],
+                    )
+                )
                 self.scanned.add(cand.fqn)
         if self.lists is not None:
             self.lists.take(result)

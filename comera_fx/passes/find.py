@@ -192,8 +192,9 @@ def capture_graphs(model: nn.Module, example_inputs) -> list[tuple[fx.GraphModul
 # Every capture uses a new backend, so each one compiles the model's frames afresh. Past Dynamo's recompile limit
 # (8 per frame) a frame silently runs eagerly and nothing is recorded: the 9th model of one class would appear to
 # have no candidates. Lift the limits while capturing, and make a limit that is still hit an error (-> fallback).
-_CAPTURE_DYNAMO_CONFIG = dict(recompile_limit=2**20, accumulated_recompile_limit=2**20,
-                              fail_on_recompile_limit_hit=True)
+_CAPTURE_DYNAMO_CONFIG = dict(
+    recompile_limit=2**20, accumulated_recompile_limit=2**20, fail_on_recompile_limit_hit=True
+)
 
 
 def split_example_inputs(example_inputs) -> tuple[tuple, dict]:

@@ -69,13 +69,23 @@ class ExpertCandidate:
     def describe(self) -> str:
         """One line for the summary: the expert dimension, and what was seen."""
         if self.layout == MODULE_LIST:
-            return (f"expert {self.expert_index} of {self.num_experts} in the nn.ModuleList {self.expert_list!r} "
-                    f"(expert dim = the list index)")
-        seen = "" if self.experts_seen is None else (
-            f"; ops of experts {list(self.experts_seen)} ran on the example inputs" if self.experts_seen
-            else "; no expert's op ran on the example inputs")
-        return (f"{self.layout}: expert dim 0 of {self.shape} ({self.num_experts} experts of "
-                f"{self.slice_shape[0]}×{self.slice_shape[1]}, slices read by {self.slice_use}){seen}")
+            return (
+                f"expert {self.expert_index} of {self.num_experts} in the nn.ModuleList {self.expert_list!r} "
+                f"(expert dim = the list index)"
+            )
+        seen = (
+            ""
+            if self.experts_seen is None
+            else (
+                f"; ops of experts {list(self.experts_seen)} ran on the example inputs"
+                if self.experts_seen
+                else "; no expert's op ran on the example inputs"
+            )
+        )
+        return (
+            f"{self.layout}: expert dim 0 of {self.shape} ({self.num_experts} experts of "
+            f"{self.slice_shape[0]}×{self.slice_shape[1]}, slices read by {self.slice_use}){seen}"
+        )
 
 
 @dataclass
@@ -100,8 +110,15 @@ def find_experts(model: nn.Module, example_inputs=None) -> ExpertScan:
             for name in hf_projection_names(module):
                 p = getattr(module, name)
                 fqn = fqn_of[id(p)]
-                found[fqn] = ExpertCandidate(fqn, path, HF_EXPERTS, tuple(p.shape), p.dtype, p.shape[0],
-                                             slice_use="matmul" if module.is_transposed else "linear")
+                found[fqn] = ExpertCandidate(
+                    fqn,
+                    path,
+                    HF_EXPERTS,
+                    tuple(p.shape),
+                    p.dtype,
+                    p.shape[0],
+                    slice_use="matmul" if module.is_transposed else "linear",
+                )
         elif isinstance(module, nn.ModuleList):
             for cand in _module_list_experts(module, path, fqn_of):
                 found[cand.fqn] = cand
@@ -122,14 +139,16 @@ def find_experts(model: nn.Module, example_inputs=None) -> ExpertScan:
                 if cand is None:
                     holder = fqn.rpartition(".")[0]
                     use = "linear" if any(u.startswith("linear") for u in uses) else "matmul"
-                    cand = found[fqn] = ExpertCandidate(fqn, holder, PARAMETER_3D, tuple(p.shape), p.dtype,
-                                                        p.shape[0], slice_use=use)
+                    cand = found[fqn] = ExpertCandidate(
+                        fqn, holder, PARAMETER_3D, tuple(p.shape), p.dtype, p.shape[0], slice_use=use
+                    )
                     cand.unsupported = sorted(unsupported)
                 cand.uses = sorted(uses)
                 cand.experts_seen = tuple(sorted(seen))
                 if cand.layout == HF_EXPERTS and unsupported:  # grouped_mm / batched_mm read P whole: swapped anyway
-                    impl = getattr(getattr(model.get_submodule(cand.holder), "config", None),
-                                   "_experts_implementation", None)
+                    impl = getattr(
+                        getattr(model.get_submodule(cand.holder), "config", None), "_experts_implementation", None
+                    )
                     cand.uses.append(f"{impl or 'experts'} path (all experts at once)")
                     cand.experts_seen = cand.experts_seen or None
     order = {fqn: i for i, fqn in enumerate(params)}
@@ -141,15 +160,18 @@ def _counted_experts(module: nn.Module, path: str, fqn_of: Mapping[int, str]) ->
     ``num_local_experts``, e.g. Llama 4's ``Llama4TextExperts``, JetMoE's ``JetMoeParallelExperts``) whose first
     dimension is that count: expert weights even without example inputs (their reads are then unknown, so
     they get the weight-space form unless a run shows only reads ``ExpertWeight`` serves)."""
-    count = next((getattr(module, n) for n in ("num_experts", "num_local_experts")
-                  if isinstance(getattr(module, n, None), int)), None)
+    count = next(
+        (getattr(module, n) for n in ("num_experts", "num_local_experts") if isinstance(getattr(module, n, None), int)),
+        None,
+    )
     if count is None or count < 2:
         return []
     out = []
     for name, p in module.named_parameters(recurse=False):
         if p.dim() == 3 and p.shape[0] == count and p.dtype.is_floating_point:
-            out.append(ExpertCandidate(fqn_of[id(p)], path, PARAMETER_3D, tuple(p.shape), p.dtype, count,
-                                       slice_use="linear"))
+            out.append(
+                ExpertCandidate(fqn_of[id(p)], path, PARAMETER_3D, tuple(p.shape), p.dtype, count, slice_use="linear")
+            )
     return out
 
 
@@ -169,8 +191,20 @@ def _module_list_experts(module: nn.ModuleList, path: str, fqn_of: Mapping[int, 
         for name, linear in member_linears:
             w = linear.weight
             holder = f"{path}.{index}" + (f".{name}" if name else "")
-            out.append(ExpertCandidate(fqn_of[id(w)], holder, MODULE_LIST, tuple(w.shape), w.dtype, len(members),
-                                       expert_dim=0, uses=["linear"], expert_index=index, expert_list=path))
+            out.append(
+                ExpertCandidate(
+                    fqn_of[id(w)],
+                    holder,
+                    MODULE_LIST,
+                    tuple(w.shape),
+                    w.dtype,
+                    len(members),
+                    expert_dim=0,
+                    uses=["linear"],
+                    expert_index=index,
+                    expert_list=path,
+                )
+            )
     return out
 
 
@@ -185,8 +219,23 @@ def _looks_like_experts(path: str, module: nn.ModuleList) -> bool:
 _LINEAR = {F.linear, torch._C._nn.linear}
 _MATMUL = {torch.matmul, torch.mm, Tensor.matmul, Tensor.mm, Tensor.__matmul__}
 _BMM = {torch.bmm, torch.matmul, Tensor.bmm, Tensor.matmul, Tensor.__matmul__}
-_METADATA = {"size", "dim", "__get__", "numel", "is_floating_point", "__len__", "requires_grad_", "type", "__hash__",
-             "ndimension", "is_contiguous", "element_size", "stride", "storage_offset", "data_ptr"}
+_METADATA = {
+    "size",
+    "dim",
+    "__get__",
+    "numel",
+    "is_floating_point",
+    "__len__",
+    "requires_grad_",
+    "type",
+    "__hash__",
+    "ndimension",
+    "is_contiguous",
+    "element_size",
+    "stride",
+    "storage_offset",
+    "data_ptr",
+}
 
 
 class _UseRecorder(TorchFunctionMode):
@@ -239,8 +288,9 @@ class _UseRecorder(TorchFunctionMode):
         self.seen.setdefault(fqn, set()).update(experts)
 
 
-def record_expert_uses(model: nn.Module, example_inputs, params: Mapping[int, str]
-                       ) -> dict[str, tuple[set[str], set[str], set[int]]]:
+def record_expert_uses(
+    model: nn.Module, example_inputs, params: Mapping[int, str]
+) -> dict[str, tuple[set[str], set[str], set[int]]]:
     """Run ``model`` once eagerly (no grad) and return, per 3D parameter that was read: (supported uses,
     unsupported ops, experts whose ops ran). The model's buffers and the RNG state are left as they were."""
     args, kwargs = split_example_inputs(example_inputs)
@@ -252,5 +302,7 @@ def record_expert_uses(model: nn.Module, example_inputs, params: Mapping[int, st
     finally:
         _restore_buffers(buffers)
     names = set(recorder.uses) | set(recorder.unsupported)
-    return {fqn: (recorder.uses.get(fqn, set()), recorder.unsupported.get(fqn, set()), recorder.seen.get(fqn, set()))
-            for fqn in names}
+    return {
+        fqn: (recorder.uses.get(fqn, set()), recorder.unsupported.get(fqn, set()), recorder.seen.get(fqn, set()))
+        for fqn in names
+    }

@@ -18,8 +18,13 @@ from ..config import TensorizeConfig
 from ..moe.bank import TTExpertBank
 from ..tt import ops
 
-_CONVOLUTIONS = {torch.conv1d, torch.nn.functional.conv1d, torch.conv_transpose1d, torch.ops.aten.convolution.default,
-                 torch.ops.aten.conv1d.default}
+_CONVOLUTIONS = {
+    torch.conv1d,
+    torch.nn.functional.conv1d,
+    torch.conv_transpose1d,
+    torch.ops.aten.convolution.default,
+    torch.ops.aten.conv1d.default,
+}
 
 
 def _expert_parameters(gm: fx.GraphModule) -> dict[str, list[fx.Node]]:
@@ -32,8 +37,12 @@ def _expert_parameters(gm: fx.GraphModule) -> dict[str, list[fx.Node]]:
             p = gm.get_parameter(node.target)
         except AttributeError:
             continue
-        if p.dim() == 3 and p.dtype.is_floating_point and p.shape[0] >= 2 \
-                and not any(user.target in _CONVOLUTIONS for user in node.users):
+        if (
+            p.dim() == 3
+            and p.dtype.is_floating_point
+            and p.shape[0] >= 2
+            and not any(user.target in _CONVOLUTIONS for user in node.users)
+        ):
             found.setdefault(node.target, []).append(node)
     return found
 
@@ -48,8 +57,10 @@ def tensorize_experts(gm: fx.GraphModule, config: TensorizeConfig, make_decision
         decision = make_decision(fqn, tuple(p.shape))
         decisions.append(decision)
         if not config.is_large(tuple(p.shape[1:])):
-            decision.reason = (f"one expert's matrix {tuple(p.shape[1:])} is below the size threshold (set "
-                               f"TensorizeConfig.min_numel / min_dim)")
+            decision.reason = (
+                f"one expert's matrix {tuple(p.shape[1:])} is below the size threshold (set "
+                f"TensorizeConfig.min_numel / min_dim)"
+            )
             continue
         if config.is_skipped(fqn):
             decision.reason = "excluded by TensorizeConfig.skip / overrides"
@@ -86,6 +97,9 @@ def _emit_rebuild(graph: fx.Graph, name: str, bank: TTExpertBank) -> fx.Node:
         layout = tt.layout
         cores = [graph.get_attr(f"{name}.{e}.cores.{k}") for k in range(layout.n_cores)]
         gates = [graph.get_attr(f"{name}.{e}.gates.{k}") for k in range(layout.n_cores - 1)]
-        experts.append(emit_traced(graph, lambda c, g, layout=layout: ops.to_dense(ops.gate_cores(c, g, layout),
-                                                                                   layout), cores, gates))
+        experts.append(
+            emit_traced(
+                graph, lambda c, g, layout=layout: ops.to_dense(ops.gate_cores(c, g, layout), layout), cores, gates
+            )
+        )
     return graph.call_function(torch.stack, (experts,))

@@ -45,8 +45,12 @@ def holder_class(base: type, properties: Mapping[str, bool]) -> type:
     """A subclass of ``base`` whose attributes ``properties`` ({name: transposed}) rebuild dense weights from the
     ``<name>_tt`` submodules. A new class per call: one holder's properties never leak into another's."""
     namespace = {
-        "_comera_fx_tt_class": True, "_comera_fx_base": base, "_comera_fx_properties": dict(properties),
-        "__module__": base.__module__, "__reduce_ex__": _reduce_holder, "__setstate__": _setstate_holder,
+        "_comera_fx_tt_class": True,
+        "_comera_fx_base": base,
+        "_comera_fx_properties": dict(properties),
+        "__module__": base.__module__,
+        "__reduce_ex__": _reduce_holder,
+        "__setstate__": _setstate_holder,
         "__setattr__": _setattr_holder,
     }
     for attr, transposed in properties.items():
@@ -101,22 +105,37 @@ def _setattr_holder(self, name: str, value) -> None:
 # ------------------------------------------------------------------------------------------------------- hooks
 
 # Hooks that see the module's inputs and outputs, which a TT twin computes the same: they move with the swap.
-_MOVABLE_HOOKS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
-                  "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks")
+_MOVABLE_HOOKS = (
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+)
 # Hooks that see the parameter names, which the swap changes (weight -> tt.cores.*): refused.
-_NAME_HOOKS = {"_state_dict_hooks": "state_dict", "_state_dict_pre_hooks": "state_dict pre-",
-               "_load_state_dict_pre_hooks": "load_state_dict pre-", "_load_state_dict_post_hooks": "load_state_dict post-"}
+_NAME_HOOKS = {
+    "_state_dict_hooks": "state_dict",
+    "_state_dict_pre_hooks": "state_dict pre-",
+    "_load_state_dict_pre_hooks": "load_state_dict pre-",
+    "_load_state_dict_post_hooks": "load_state_dict post-",
+}
 
 
 def hook_problem(module: nn.Module) -> str | None:
     """Why swapping ``module`` for a TT module would break one of its hooks, or None."""
     if "forward" in module.__dict__:
-        return ("its forward is replaced on the instance (e.g. by accelerate's hooks), which a TT module would "
-                "drop; remove that wrapper or skip this layer")
+        return (
+            "its forward is replaced on the instance (e.g. by accelerate's hooks), which a TT module would "
+            "drop; remove that wrapper or skip this layer"
+        )
     kinds = [kind for name, kind in _NAME_HOOKS.items() if getattr(module, name, None)]
     if kinds:
-        return (f"the module has {', '.join(kinds)} hooks, which would see the TT parameters (tt.cores.*, "
-                f"tt.gates.*) instead of its weight; remove them or skip this layer")
+        return (
+            f"the module has {', '.join(kinds)} hooks, which would see the TT parameters (tt.cores.*, "
+            f"tt.gates.*) instead of its weight; remove them or skip this layer"
+        )
     return None
 
 
@@ -143,8 +162,14 @@ class Journal:
     def touch(self, module: nn.Module) -> None:
         """Call before changing ``module``."""
         if id(module) not in self._saved:
-            self._saved[id(module)] = (module, module.__class__, dict(module._parameters), dict(module._buffers),
-                                       set(module._non_persistent_buffers_set), dict(module._modules))
+            self._saved[id(module)] = (
+                module,
+                module.__class__,
+                dict(module._parameters),
+                dict(module._buffers),
+                set(module._non_persistent_buffers_set),
+                dict(module._modules),
+            )
 
     def added_property(self, tt: TTMatrix) -> None:
         self._property_matrices.append(tt)

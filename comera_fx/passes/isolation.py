@@ -55,6 +55,7 @@ def untraced(model: nn.Module) -> Iterator[Callable[..., Callable]]:
 
 def _fresh_call(model: nn.Module) -> Callable:
     """``lambda *a, **k: model(*a, **k)`` with a code object of its own (Dynamo keys its caches on code)."""
+
     def call(*args, **kwargs):
         return model(*args, **kwargs)
 
@@ -62,8 +63,12 @@ def _fresh_call(model: nn.Module) -> Callable:
 
 
 def _snapshot_buffers(model: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor, torch.Tensor]]:
-    return [(module, name, buf, buf.detach().clone())
-            for module in model.modules() for name, buf in module._buffers.items() if buf is not None]
+    return [
+        (module, name, buf, buf.detach().clone())
+        for module in model.modules()
+        for name, buf in module._buffers.items()
+        if buf is not None
+    ]
 
 
 def _restore_buffers(saved) -> None:
@@ -113,8 +118,11 @@ def _drop_cache_entries(regions: set[int]) -> None:
         ours = [e for e in entries if e.isolate_recompiles_id in regions]
         if not ours:
             continue
-        removable = [e for e in entries
-                     if e.isolate_recompiles_id in regions or isinstance(e.guard_manager, DeletedGuardManagerWrapper)]
+        removable = [
+            e
+            for e in entries
+            if e.isolate_recompiles_id in regions or isinstance(e.guard_manager, DeletedGuardManagerWrapper)
+        ]
         if len(removable) == len(entries):
             torch._C._dynamo.eval_frame.reset_code(code)
             continue

@@ -78,6 +78,7 @@ def plan_layers(layers: Sequence[LayerInput], config: TensorizeConfig, calibrati
             continue
         index = len(plans) if layer.index is None else layer.index
         seed = None if config.seed is None else config.seed + index
-        plans[layer.fqn] = LayerPlan(layer.fqn, layer.kind, layer.transposed, settings[layer.fqn], seed,
-                                     fits.get(layer.fqn))
+        plans[layer.fqn] = LayerPlan(
+            layer.fqn, layer.kind, layer.transposed, settings[layer.fqn], seed, fits.get(layer.fqn)
+        )
     return LayerPlans(plans, no_modes, size_info, notes)

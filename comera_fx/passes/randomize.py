@@ -60,8 +60,10 @@ class RandomizeSummary:
         return [d for d in self.layers if not d.randomized]
 
     def __str__(self) -> str:
-        lines = [f"comera_fx.randomize_backward_ ({self.config.describe()}): {len(self.randomized)} of "
-                 f"{len(self.layers)} linear-like layers randomized (found by {self.method})"]
+        lines = [
+            f"comera_fx.randomize_backward_ ({self.config.describe()}): {len(self.randomized)} of "
+            f"{len(self.layers)} linear-like layers randomized (found by {self.method})"
+        ]
         for d in self.layers:
             what = "randomized" if d.randomized else f"exact     : {d.reason}"
             lines.append(f"  {d.fqn or '<root>'} [{d.kind} {d.shape}] {what}")
@@ -84,9 +86,15 @@ def _trainable(module: nn.Module, kind: str) -> bool:
     return module.weight.requires_grad
 
 
-def randomize_backward_(model: nn.Module, rho: float = 0.25, sketch: str = "gaussian", example_inputs=None,
-                        filter_fn: FilterFn | None = None, min_numel: int = 65536,
-                        checkpoint: Selector | None = None) -> RandomizeSummary:
+def randomize_backward_(
+    model: nn.Module,
+    rho: float = 0.25,
+    sketch: str = "gaussian",
+    example_inputs=None,
+    filter_fn: FilterFn | None = None,
+    min_numel: int = 65536,
+    checkpoint: Selector | None = None,
+) -> RandomizeSummary:
     """Give the large linear layers of ``model`` a randomized backward, in place.
 
     Forward outputs stay exact. In training mode with grad enabled each randomized layer keeps, for backward, a
@@ -114,8 +122,11 @@ def randomize_backward_(model: nn.Module, rho: float = 0.25, sketch: str = "gaus
     config = RMMConfig(rho=rho, sketch=sketch, min_numel=min_numel)
     summary = RandomizeSummary(config)
     seen_in_graph: set[int] | None = None
-    holders = {id(m.weight) for m in model.modules()
-               if supported_kind(m) in ("linear", "conv1d") and isinstance(getattr(m, "weight", None), nn.Parameter)}
+    holders = {
+        id(m.weight)
+        for m in model.modules()
+        if supported_kind(m) in ("linear", "conv1d") and isinstance(getattr(m, "weight", None), nn.Parameter)
+    }
     functional: dict[str, list[str]] = {}  # module path -> the parameters (paths below it) its forward reads
     if example_inputs is not None:
         found = find(model, example_inputs)
@@ -160,8 +171,9 @@ def randomize_backward_(model: nn.Module, rho: float = 0.25, sketch: str = "gaus
     return summary
 
 
-def _functional_decision(model: nn.Module, cand: Candidate, param: nn.Parameter, min_numel: int,
-                         filter_fn: FilterFn | None) -> RMMDecision:
+def _functional_decision(
+    model: nn.Module, cand: Candidate, param: nn.Parameter, min_numel: int, filter_fn: FilterFn | None
+) -> RMMDecision:
     """Whether a raw parameter read by the model's own linear-like ops gets a randomized backward, and why not."""
     shape = tuple(param.shape)
     reason = None
@@ -186,7 +198,7 @@ def _readers(cand: Candidate) -> list[tuple[str, str]]:
             continue
         path = use.module if use.module is not None else ""
         prefix = f"{path}." if path else ""
-        name = next((a[len(prefix):] for a in (cand.fqn, *cand.aliases) if a.startswith(prefix)), None)
+        name = next((a[len(prefix) :] for a in (cand.fqn, *cand.aliases) if a.startswith(prefix)), None)
         if name is None:
             path, name = "", cand.fqn
         found[(path, name)] = None
@@ -231,8 +243,7 @@ def _linear_operands(node: fx.Node, kind: UseKind):
 
 
 def _large_trainable(value, min_numel: int) -> bool:
-    return (isinstance(value, nn.Parameter) and value.dim() == 2 and value.requires_grad
-            and value.numel() >= min_numel)
+    return isinstance(value, nn.Parameter) and value.dim() == 2 and value.requires_grad and value.numel() >= min_numel
 
 
 def _linear_like(gm: fx.GraphModule, node: fx.Node, values: dict, min_numel: int):
@@ -258,8 +269,9 @@ def _linear_like(gm: fx.GraphModule, node: fx.Node, values: dict, min_numel: int
     return None
 
 
-def randomize_backward(gm: fx.GraphModule, rho: float = 0.25, sketch: str = "gaussian", *,
-                       min_numel: int = 65536, example_inputs=None) -> fx.GraphModule:
+def randomize_backward(
+    gm: fx.GraphModule, rho: float = 0.25, sketch: str = "gaussian", *, min_numel: int = 65536, example_inputs=None
+) -> fx.GraphModule:
     """Rewrite every linear-like op of ``gm`` on a large trainable 2-D parameter (get_attr, a placeholder whose
     example input is a parameter as in Dynamo's graphs, or an nn.Linear leaf module) to the randomized-backward
     op; the ops reading one input share one sketch. Forward values are unchanged."""
@@ -298,8 +310,11 @@ _SKETCH_OPS = (torch.ops.comera_fx.sketch_rows.default, torch.ops.comera_fx.sket
 def _root(node):
     """The tensor a chain of detach / reshape / view nodes starts from, and the shapes along the way."""
     chain = []
-    while isinstance(node, fx.Node) and node.op in ("call_function", "call_method") and (
-            getattr(node.target, "__name__", node.target) in ("detach", "reshape", "view")):
+    while (
+        isinstance(node, fx.Node)
+        and node.op in ("call_function", "call_method")
+        and (getattr(node.target, "__name__", node.target) in ("detach", "reshape", "view"))
+    ):
         chain.append((str(node.target), tuple(_value_key(a) for a in node.args[1:])))
         node = node.args[0]
     return node, tuple(chain)

@@ -28,6 +28,7 @@ from .tensorize import emit_traced
 
 aten = torch.ops.aten
 
+
 @dataclass(frozen=True)
 class _Owner:
     tt: TTMatrix
@@ -75,8 +76,11 @@ def _weight_operand(node: fx.Node) -> tuple[fx.Node | None, UseKind]:
     args = node.args
     if node.op == "call_function" and node.target in (torch.addmm, aten.addmm.default):
         candidate = args[2] if len(args) == 3 else None
-    elif node.op == "call_function" and node.target in (torch._C._nn.linear, torch.nn.functional.linear,
-                                                          aten.linear.default):
+    elif node.op == "call_function" and node.target in (
+        torch._C._nn.linear,
+        torch.nn.functional.linear,
+        aten.linear.default,
+    ):
         candidate = args[1] if len(args) > 1 else node.kwargs.get("weight")
     elif len(args) == 2:  # mm / matmul / @ / Tensor.matmul
         candidate = args[1]
@@ -180,8 +184,15 @@ def contract_reconstructed_tt(gm: fx.GraphModule, example_inputs=None, *, matric
     return gm
 
 
-def _replace_with_contraction(graph: fx.Graph, node: fx.Node, kind: UseKind, what: str, tt: TTMatrix,
-                              leaves: list[fx.Node], owners: dict[fx.Node, _Owner]) -> None:
+def _replace_with_contraction(
+    graph: fx.Graph,
+    node: fx.Node,
+    kind: UseKind,
+    what: str,
+    tt: TTMatrix,
+    leaves: list[fx.Node],
+    owners: dict[fx.Node, _Owner],
+) -> None:
     layout = tt.layout
     by_role = {(owners[leaf].role, owners[leaf].index): leaf for leaf in leaves}
     cores = [by_role[("core", k)] for k in range(layout.n_cores)]

@@ -59,8 +59,10 @@ class SizeTargetInfo:
 
     def __str__(self) -> str:
         how = f"one max_rank {self.max_rank}" if self.max_rank is not None else "ranks per layer and bond"
-        return (f"size_target {self.asked:,} ({self.asked / self.dense:.1%} of {self.dense:,} dense): reached "
-                f"{self.reached:,} with {self.allocation} allocation ({how})")
+        return (
+            f"size_target {self.asked:,} ({self.asked / self.dense:.1%} of {self.dense:,} dense): reached "
+            f"{self.reached:,} with {self.allocation} allocation ({how})"
+        )
 
 
 def target_params(config: TensorizeConfig, dense: int) -> int:
@@ -69,8 +71,9 @@ def target_params(config: TensorizeConfig, dense: int) -> int:
     return target if isinstance(target, int) else max(1, int(round(target * dense)))
 
 
-def plan_fits(items, config: TensorizeConfig, calibration) -> tuple[dict[str, LayerFit | str], SizeTargetInfo | None,
-                                                                     dict[str, list[str]]]:
+def plan_fits(
+    items, config: TensorizeConfig, calibration
+) -> tuple[dict[str, LayerFit | str], SizeTargetInfo | None, dict[str, list[str]]]:
     """One ``LayerFit`` per candidate (or the reason it has no balanced modes), the size target's info, and notes.
 
     ``items`` are (fqn, kind, M, settings) for every layer this call converts: M the TT matrix to be (rows × cols;
@@ -110,8 +113,9 @@ def plan_fits(items, config: TensorizeConfig, calibration) -> tuple[dict[str, La
             energies = [_relative_energies(matrices[n], planned[n]) for n in names]
             ranks = allocate.allocate_ranks(dims_list, energies, info.asked)
     except allocate.BudgetTooSmall as exc:
-        raise SizeTargetTooSmall(f"TensorizeConfig.size_target: {exc}; raise the size target or convert fewer "
-                                 f"layers") from None
+        raise SizeTargetTooSmall(
+            f"TensorizeConfig.size_target: {exc}; raise the size target or convert fewer layers"
+        ) from None
     for name, r in zip(names, ranks):
         fits[name] = dataclasses.replace(planned[name], ranks=tuple(r))
     return fits, info, notes
@@ -122,15 +126,19 @@ def _gram_for(fqn, kind, format, rows, settings, calibration, notes) -> Tensor |
         return None
     stats = calibration.get(fqn)
     if stats is None:
-        notes.append("no calibration statistics for this weight (only nn.Linear / Conv1D inputs are recorded): "
-                     "plain TT-SVD")
+        notes.append(
+            "no calibration statistics for this weight (only nn.Linear / Conv1D inputs are recorded): plain TT-SVD"
+        )
         return None
     if stats.in_features != rows:
-        raise ValueError(f"the calibration of {fqn} has {stats.in_features} input features but the weight has "
-                         f"{rows}: calibrate this model (the same architecture) before tensorize_")
+        raise ValueError(
+            f"the calibration of {fqn} has {stats.in_features} input features but the weight has "
+            f"{rows}: calibrate this model (the same architecture) before tensorize_"
+        )
     if format is not TTFormat.TT or settings.init is not Init.SVD:
-        notes.append(f"calibration not used ({format.value} format, init {settings.init.value}): only TT-SVD "
-                     f"layers are whitened")
+        notes.append(
+            f"calibration not used ({format.value} format, init {settings.init.value}): only TT-SVD layers are whitened"
+        )
         return None
     notes.append(f"activation-aware TT-SVD ({stats.tokens:,} calibration tokens)")
     return stats.second_moment
@@ -158,8 +166,13 @@ def build_fitted(matrix: Tensor, kind: str, fit: LayerFit, generator: torch.Gene
     if fit.init is Init.RANDOM:
         layout = TTLayout(fit.format, rows, cols, fit.row_modes, fit.col_modes, fit.ranks)
         fan_in = cols if kind == "embedding" else rows
-        cores = random_tt_cores(layout.core_shapes, default_init_std(kind, fan_in), dtype=matrix.dtype,
-                                device=matrix.device, generator=generator)
+        cores = random_tt_cores(
+            layout.core_shapes,
+            default_init_std(kind, fan_in),
+            dtype=matrix.dtype,
+            device=matrix.device,
+            generator=generator,
+        )
     elif fit.gram is not None:
         cores = whitened_matrix_to_tt(matrix, fit.gram.to(matrix.device), fit.row_modes, fit.col_modes, fit.ranks)
     else:

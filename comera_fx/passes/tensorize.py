@@ -86,15 +86,19 @@ class TensorizeSummary:
         return [d for d in self.layers if not d.converted]
 
     def __str__(self) -> str:
-        lines = [f"comera_fx.tensorize_: {len(self.converted)} of {len(self.layers)} candidate parameters converted "
-                 f"(found by {self.method}{'; ' + self.fallback_reason if self.fallback_reason else ''})"]
+        lines = [
+            f"comera_fx.tensorize_: {len(self.converted)} of {len(self.layers)} candidate parameters converted "
+            f"(found by {self.method}{'; ' + self.fallback_reason if self.fallback_reason else ''})"
+        ]
         if self.size_target is not None:
             lines.append(f"  {self.size_target}")
         for d in self.layers:
             uses = ", ".join(d.uses)
             if d.converted:
-                lines.append(f"  converted {d.fqn} {d.shape} [{uses}]: ranks {d.ranks}, "
-                             f"{d.dense_params:,} -> {d.params:,} params ({d.dense_params / d.params:.1f}x)")
+                lines.append(
+                    f"  converted {d.fqn} {d.shape} [{uses}]: ranks {d.ranks}, "
+                    f"{d.dense_params:,} -> {d.params:,} params ({d.dense_params / d.params:.1f}x)"
+                )
             else:
                 lines.append(f"  skipped   {d.fqn} {d.shape} [{uses}]: {d.reason}")
             lines.extend(f"            note: {n}" for n in d.notes)
@@ -112,11 +116,15 @@ def skip_reason(cand: Candidate, config: TensorizeConfig) -> str | None:
         return f"weight dtype {cand.dtype} is not floating point; only float weights can be tensorized"
     if cand.unsupported_uses and not config.weight_space:
         ops_used = sorted({u.target for u in cand.unsupported_uses})
-        return (f"also used by {ops_used}, which comera_fx cannot contract in TT form "
-                f"(TensorizeConfig(weight_space=True) holds it in TT form and rebuilds it for those reads)")
+        return (
+            f"also used by {ops_used}, which comera_fx cannot contract in TT form "
+            f"(TensorizeConfig(weight_space=True) holds it in TT form and rebuilds it for those reads)"
+        )
     if not config.is_large(cand.shape):
-        return (f"below the size threshold (needs >= {config.min_numel} elements and both dims >= "
-                f"{config.min_dim}; set TensorizeConfig.min_numel / min_dim to include it)")
+        return (
+            f"below the size threshold (needs >= {config.min_numel} elements and both dims >= "
+            f"{config.min_dim}; set TensorizeConfig.min_numel / min_dim to include it)"
+        )
     if any(config.is_skipped(name) for name in cand.aliases):
         return "excluded by TensorizeConfig.skip / overrides"
     return None
@@ -139,8 +147,10 @@ def build_tt(param: Tensor, plan: LayerPlan) -> tuple[TTMatrix, list[str]]:
     matrix = param.detach().t() if plan.transposed else param.detach()
     if settings.init is Init.SVD and not bool(torch.isfinite(matrix).all()):
         bad = int((~torch.isfinite(matrix)).sum())
-        raise ValueError(f"the weight holds {bad} NaN/Inf entries and TT-SVD needs finite values; fix the weights, "
-                         f"or leave the layer dense (TensorizeConfig.skip)")
+        raise ValueError(
+            f"the weight holds {bad} NaN/Inf entries and TT-SVD needs finite values; fix the weights, "
+            f"or leave the layer dense (TensorizeConfig.skip)"
+        )
     generator = None
     if plan.seed is not None:
         generator = torch.Generator(device=param.device).manual_seed(plan.seed)
@@ -153,8 +163,10 @@ def build_tt(param: Tensor, plan: LayerPlan) -> tuple[TTMatrix, list[str]]:
     notes = []
     full = max(tt.full_ranks)
     if plan.fit is None and settings.max_rank is not None and settings.max_rank > full:
-        notes.append(f"max_rank {settings.max_rank} exceeds this layer's largest feasible rank {full}; "
-                     f"clamped to the full ranks {tt.full_ranks}")
+        notes.append(
+            f"max_rank {settings.max_rank} exceeds this layer's largest feasible rank {full}; "
+            f"clamped to the full ranks {tt.full_ranks}"
+        )
     layout = tt.layout
     if layout.padded_rows != layout.rows or layout.padded_cols != layout.cols:
         notes.append(f"padded: {layout.describe_modes()} (padding is sliced away)")
@@ -162,8 +174,10 @@ def build_tt(param: Tensor, plan: LayerPlan) -> tuple[TTMatrix, list[str]]:
 
 
 def no_modes_reason(exc) -> str:
-    return (f"no balanced factorisation ({exc}); raise TensorizeConfig.max_pad_fraction, or give "
-            f"this layer row_modes / col_modes or num_modes through overrides")
+    return (
+        f"no balanced factorisation ({exc}); raise TensorizeConfig.max_pad_fraction, or give "
+        f"this layer row_modes / col_modes or num_modes through overrides"
+    )
 
 
 def build_or_skip(param: Tensor, cand: Candidate, decision: LayerDecision, plan: LayerPlan):
@@ -256,8 +270,9 @@ def tensorize_(
     experts.add_missed(result)  # and expert-list linears the captured graphs did not record
     decisions, plans = [], []
     for cand in result.candidates:
-        decision = LayerDecision(cand.fqn, cand.aliases, cand.kind, cand.shape,
-                                 tuple(sorted({u.kind.value for u in cand.uses})))
+        decision = LayerDecision(
+            cand.fqn, cand.aliases, cand.kind, cand.shape, tuple(sorted({u.kind.value for u in cand.uses}))
+        )
         decisions.append(decision)
         decision.reason = skip_reason(cand, config)
         holders = [_owner(model, alias) for alias in cand.aliases]
@@ -269,18 +284,24 @@ def tensorize_(
             problems = [p for module, _, attr in holders if (p := _holder_problem(module, attr, cand))]
             decision.reason = problems[0] if problems else None
         if decision.reason is None:
-            if any(not path and _swap_kind(module, attr, cand.kind, stores_transpose(cand))
-                   for module, path, attr in holders):
+            if any(
+                not path and _swap_kind(module, attr, cand.kind, stores_transpose(cand))
+                for module, path, attr in holders
+            ):
                 raise ValueError("tensorize_ cannot replace the root module itself; wrap it in a parent module")
             plans.append((cand, decision, holders))
 
     # Every layer's settings, modes and ranks decided once, together (a size target is global).
     params = dict(model.named_parameters())
     if calibration is not None and config.rel_tol is not None:
-        raise ValueError("tensorize_ with a calibration needs TensorizeConfig.rel_tol=None (the whitened "
-                         "TT-SVD truncates to ranks, not to a tolerance)")
-    layers = [LayerInput(cand.fqn, cand.kind, stores_transpose(cand), _tt_matrix_of(params[cand.fqn], cand))
-              for cand, _, _ in plans]
+        raise ValueError(
+            "tensorize_ with a calibration needs TensorizeConfig.rel_tol=None (the whitened "
+            "TT-SVD truncates to ranks, not to a tolerance)"
+        )
+    layers = [
+        LayerInput(cand.fqn, cand.kind, stores_transpose(cand), _tt_matrix_of(params[cand.fqn], cand))
+        for cand, _, _ in plans
+    ]
     layers += experts.layer_inputs(len(plans))  # a size target sizes each expert's matrix with the other layers
     decided = plan_layers(layers, config, calibration)
     experts.take_plans(decided, no_modes_reason)
@@ -317,13 +338,17 @@ def tensorize_(
         decision.converted = True
         decision.notes.extend(notes)
         if cand.unsupported_uses:  # TensorizeConfig.weight_space
-            decision.notes.append(f"weight-space: {sorted({u.target for u in cand.unsupported_uses})} read the "
-                                  f"weight rebuilt from the TT cores (the other uses are contracted)")
+            decision.notes.append(
+                f"weight-space: {sorted({u.target for u in cand.unsupported_uses})} read the "
+                f"weight rebuilt from the TT cores (the other uses are contracted)"
+            )
         decision.ranks = tt.ranks
         decision.params = tt.layout.num_params
     if size_info is not None:
         size_info.reached = sum(tt.layout.num_params for *_, tt, _ in built) + experts.tt_params()
     return TensorizeSummary(decisions + experts.finish() + earlier, result.method, result.fallback_reason, size_info)
+
+
 def _expert_decision(cand) -> LayerDecision:
     """The decision for one 3D expert parameter (``comera_fx.moe``); its kind is "experts"."""
     return LayerDecision(cand.fqn, (cand.fqn,), "experts", cand.shape, tuple(cand.uses) or (cand.layout,))
@@ -334,8 +359,16 @@ def _tt_matrix_of(param: Tensor, cand: Candidate) -> Tensor:
     return param.detach().t() if stores_transpose(cand) else param.detach()
 
 
-def _replace_holder(model: nn.Module, module: nn.Module, path: str, attr: str, tt: TTMatrix, kind: str,
-                    transposed_m: bool, journal: Journal) -> None:
+def _replace_holder(
+    model: nn.Module,
+    module: nn.Module,
+    path: str,
+    attr: str,
+    tt: TTMatrix,
+    kind: str,
+    transposed_m: bool,
+    journal: Journal,
+) -> None:
     """Swap a known module for its TT twin, or give any other module a reconstructing property."""
     swap = _swap_kind(module, attr, kind, transposed_m)
     if swap is None:
@@ -381,13 +414,17 @@ def _earlier_tt_layers(model: nn.Module, config: TensorizeConfig, filter_fn: Fil
         names = tuple(fqn for fqn, _, _ in holders)
         kind, made_with = getattr(tt, "made_with", (None, None))
         shape = _dense_shape(tt, holders[0][1], names[0].rpartition(".")[2])
-        decision = LayerDecision(names[0], names, kind or "linear", shape, ("tt",), ranks=tt.ranks,
-                                 params=tt.layout.num_params)
+        decision = LayerDecision(
+            names[0], names, kind or "linear", shape, ("tt",), ranks=tt.ranks, params=tt.layout.num_params
+        )
         decision.reason = f"already in TT form ({tt.format.value}, ranks {tt.ranks}); tensorize_ converts dense weights"
         decisions.append(decision)
-        selected = (made_with is not None and config.is_large(shape)
-                    and not any(config.is_skipped(n) for n in names)
-                    and (filter_fn is None or all(filter_fn(m, p) for _, m, p in holders)))
+        selected = (
+            made_with is not None
+            and config.is_large(shape)
+            and not any(config.is_skipped(n) for n in names)
+            and (filter_fn is None or all(filter_fn(m, p) for _, m, p in holders))
+        )
         if selected:
             wanted = config.settings_for(names[0]).tt_options(kind)
             changed = [f"{k} {made_with.get(k)!r} -> {v!r}" for k, v in wanted.items() if v != made_with.get(k)]
@@ -398,7 +435,8 @@ def _earlier_tt_layers(model: nn.Module, config: TensorizeConfig, filter_fn: Fil
             f"this model was already tensorized and the config asks for other settings for {len(conflicts)} of its "
             f"TT layers: {'; '.join(conflicts)}. A TT layer's dense weight is gone, so tensorize_ cannot convert it "
             f"again: tensorize the dense model with the new config, or leave these layers out "
-            f"(TensorizeConfig.skip, filter_fn) to convert only the dense ones")
+            f"(TensorizeConfig.skip, filter_fn) to convert only the dense ones"
+        )
     return decisions
 
 
@@ -478,20 +516,25 @@ def tensorize(gm: fx.GraphModule, config: TensorizeConfig | None = None) -> fx.G
     check_config_type("passes.tensorize(gm, config)", config, TensorizeConfig, "TensorizeConfig(max_rank=32)")
     config = config or TensorizeConfig()
     if config.size_target is not None:
-        raise ValueError("TensorizeConfig.size_target is supported by tensorize_ (in place), not yet by the graph "
-                         "pass tensorize(gm, ...); use tensorize_, or max_rank / rank_ratio here")
+        raise ValueError(
+            "TensorizeConfig.size_target is supported by tensorize_ (in place), not yet by the graph "
+            "pass tensorize(gm, ...); use tensorize_, or max_rank / rank_ratio here"
+        )
     _normalize_modules(gm)
     result = find_in_graph(gm)
     decisions, selected = [], []
     for index, cand in enumerate(result.candidates):
-        decision = LayerDecision(cand.fqn, cand.aliases, cand.kind, cand.shape,
-                                 tuple(sorted({u.kind.value for u in cand.uses})))
+        decision = LayerDecision(
+            cand.fqn, cand.aliases, cand.kind, cand.shape, tuple(sorted({u.kind.value for u in cand.uses}))
+        )
         decisions.append(decision)
         decision.reason = skip_reason(cand, config)
         if decision.reason is None:
             selected.append((cand, decision, index))
-    layers = [LayerInput(cand.fqn, cand.kind, stores_transpose(cand), _tt_matrix_of(gm.get_parameter(cand.fqn), cand),
-                         index) for cand, _, index in selected]
+    layers = [
+        LayerInput(cand.fqn, cand.kind, stores_transpose(cand), _tt_matrix_of(gm.get_parameter(cand.fqn), cand), index)
+        for cand, _, index in selected
+    ]
     plans = plan_layers(layers, config).plans
     built = []
     for cand, decision, _ in selected:
@@ -556,8 +599,11 @@ def _emit_use(gm, graph, node, kind, cores, layout, module_name, cand):
             row = graph.get_attr(row_name)
             out = emit_traced(graph, lambda i, o, r: torch.where((i == pad)[..., None], r, o), index, out, row)
         return out
-    x = node.args[1] if kind is UseKind.MATMUL and node.target in (torch.addmm, torch.ops.aten.addmm.default) \
+    x = (
+        node.args[1]
+        if kind is UseKind.MATMUL and node.target in (torch.addmm, torch.ops.aten.addmm.default)
         else node.args[0]
+    )
     # LINEAR computes x Pᵀ and MATMUL x P; M is Pᵀ or P (stores_transpose). When they differ, contract with Mᵀ:
     # a tied head on an embedding's M = P, or a square P read both by linear and by matmul.
     op = "matmul_t" if (kind is UseKind.LINEAR) != stores_transpose(cand) else "matmul"

@@ -23,6 +23,22 @@ from .distill import DistillSummary, distill_
 from .formats import FormatChoice, FormatPlan, FormatSummary, apply_formats_, choose_formats
 from .refit import RefitSummary, refit_sequential_
 
-__all__ = ["Augmentation", "Calibration", "CompressSummary", "DistillConfig", "DistillSummary", "FormatChoice",
-           "FormatPlan", "FormatSummary", "InputStats", "RefitSummary", "apply_formats_", "augmented", "calibrate",
-           "choose_formats", "compress_", "distill_", "refit_sequential_"]
+__all__ = [
+    "Augmentation",
+    "Calibration",
+    "CompressSummary",
+    "DistillConfig",
+    "DistillSummary",
+    "FormatChoice",
+    "FormatPlan",
+    "FormatSummary",
+    "InputStats",
+    "RefitSummary",
+    "apply_formats_",
+    "augmented",
+    "calibrate",
+    "choose_formats",
+    "compress_",
+    "distill_",
+    "refit_sequential_",
+]

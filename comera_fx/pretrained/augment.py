@@ -55,8 +55,9 @@ class Augmentation:
         if not 0.0 < self.min_span <= 1.0:
             raise ValueError(f"Augmentation.min_span must be in (0, 1]; got {self.min_span}")
         if not self.max_growth >= 1.0:
-            raise ValueError(f"Augmentation.max_growth must be >= 1 (a multiple of the batch's width); got "
-                             f"{self.max_growth}")
+            raise ValueError(
+                f"Augmentation.max_growth must be >= 1 (a multiple of the batch's width); got {self.max_growth}"
+            )
 
 
 def _random_span(body: list[int], rng: random.Random, min_fraction: float) -> list[int]:
@@ -64,7 +65,7 @@ def _random_span(body: list[int], rng: random.Random, min_fraction: float) -> li
         return body
     length = rng.randint(max(1, round(min_fraction * len(body))), len(body))
     start = rng.randrange(len(body) - length + 1)
-    return body[start:start + length]
+    return body[start : start + length]
 
 
 def _shuffled_chunks(body: list[int], rng: random.Random) -> list[int]:
@@ -82,8 +83,9 @@ def _dropped(body: list[int], rng: random.Random, rate: float) -> list[int]:
     return kept or body[:1]
 
 
-def augment_rows(rows: list[list[int]], spec: Augmentation, rng: random.Random,
-                 max_length: int | None = None) -> list[list[int]]:
+def augment_rows(
+    rows: list[list[int]], spec: Augmentation, rng: random.Random, max_length: int | None = None
+) -> list[list[int]]:
     """Each row (its real tokens, ends included) edited as ``spec`` says; rows of fewer than three tokens pass.
     ``max_length``: a spliced row longer than this loses body tokens from its end (the model's position table, or
     the tokenizer's truncation, is not exceeded)."""
@@ -104,28 +106,35 @@ def augment_rows(rows: list[list[int]], spec: Augmentation, rng: random.Random,
         if rng.random() < spec.drop:
             body = _dropped(body, rng, spec.drop_rate)
         if max_length is not None:
-            body = body[:max(max_length - 2, 0)]
+            body = body[: max(max_length - 2, 0)]
         out.append([row[0], *body, row[-1]])
     return out
 
 
 def _check_batch(batch: Any) -> None:
     if not isinstance(batch, Mapping) or "input_ids" not in batch or "attention_mask" not in batch:
-        raise ValueError("augmentation needs batches that are dicts with 'input_ids' and 'attention_mask' "
-                         f"(a tokenizer's output); got {type(batch).__name__}"
-                         + (f" with keys {sorted(batch)}" if isinstance(batch, Mapping) else ""))
+        raise ValueError(
+            "augmentation needs batches that are dicts with 'input_ids' and 'attention_mask' "
+            f"(a tokenizer's output); got {type(batch).__name__}"
+            + (f" with keys {sorted(batch)}" if isinstance(batch, Mapping) else "")
+        )
     mask = batch["attention_mask"]
     if mask.dim() != 2 or batch["input_ids"].shape != mask.shape:
-        raise ValueError(f"input_ids and attention_mask must be 2-D and of one shape; got "
-                         f"{tuple(batch['input_ids'].shape)} and {tuple(mask.shape)}")
+        raise ValueError(
+            f"input_ids and attention_mask must be 2-D and of one shape; got "
+            f"{tuple(batch['input_ids'].shape)} and {tuple(mask.shape)}"
+        )
     lengths = mask.sum(1)
     if not bool((mask == (torch.arange(mask.shape[1], device=mask.device) < lengths[:, None]).to(mask.dtype)).all()):
-        raise ValueError("augmentation needs right-padded rows (the attention mask a run of ones, then zeros); "
-                         "tokenize with padding_side='right'")
+        raise ValueError(
+            "augmentation needs right-padded rows (the attention mask a run of ones, then zeros); "
+            "tokenize with padding_side='right'"
+        )
 
 
-def augment_batch(batch: Mapping[str, Tensor], spec: Augmentation, rng: random.Random,
-                  pad_id: int = 0) -> dict[str, Tensor]:
+def augment_batch(
+    batch: Mapping[str, Tensor], spec: Augmentation, rng: random.Random, pad_id: int = 0
+) -> dict[str, Tensor]:
     """One right-padded token batch, augmented: new ``input_ids`` / ``attention_mask`` (trimmed to the longest
     row, at most ``spec.max_growth`` times the batch's width); ``token_type_ids``, if present, become zeros of the
     new shape. Other keys are refused, since the edits would leave them out of step with the tokens."""
@@ -134,14 +143,14 @@ def augment_batch(batch: Mapping[str, Tensor], spec: Augmentation, rng: random.R
     if extra:
         raise ValueError(f"augmentation cannot edit batch keys {sorted(extra)} along with the tokens")
     ids, mask = batch["input_ids"], batch["attention_mask"]
-    rows = [ids[r, :int(n)].tolist() for r, n in enumerate(mask.sum(1))]
+    rows = [ids[r, : int(n)].tolist() for r, n in enumerate(mask.sum(1))]
     rows = augment_rows(rows, spec, rng, max_length=int(spec.max_growth * ids.shape[1]))
     width = max(len(row) for row in rows)
     new_ids = torch.full((len(rows), width), pad_id, dtype=ids.dtype)
     new_mask = torch.zeros((len(rows), width), dtype=mask.dtype)
     for r, row in enumerate(rows):
-        new_ids[r, :len(row)] = torch.tensor(row, dtype=ids.dtype)
-        new_mask[r, :len(row)] = 1
+        new_ids[r, : len(row)] = torch.tensor(row, dtype=ids.dtype)
+        new_mask[r, : len(row)] = 1
     out = {"input_ids": new_ids.to(ids.device), "attention_mask": new_mask.to(mask.device)}
     if "token_type_ids" in batch:
         out["token_type_ids"] = torch.zeros_like(out["input_ids"])
@@ -154,8 +163,10 @@ class Augmenter:
 
     def __init__(self, spec: Augmentation | None = None, *, seed: int = 0, pad_id: int = 0):
         if spec is not None and not isinstance(spec, Augmentation):
-            raise ValueError(f"augment must be a comera_fx.pretrained.Augmentation (e.g. augment=Augmentation()) "
-                             f"or None; got {spec!r}")
+            raise ValueError(
+                f"augment must be a comera_fx.pretrained.Augmentation (e.g. augment=Augmentation()) "
+                f"or None; got {spec!r}"
+            )
         self.spec = spec or Augmentation()
         self.rng = random.Random(seed)
         self.pad_id = pad_id
@@ -167,8 +178,9 @@ class Augmenter:
         return augment_batch(batch, self.spec, self.rng, self.pad_id)
 
 
-def augmented(batches: Iterable[Any] | Callable[[], Any], spec: Augmentation | None = None, *, seed: int = 0,
-              pad_id: int = 0) -> Callable[[], dict[str, Tensor]]:
+def augmented(
+    batches: Iterable[Any] | Callable[[], Any], spec: Augmentation | None = None, *, seed: int = 0, pad_id: int = 0
+) -> Callable[[], dict[str, Tensor]]:
     """A batch source for ``distill_`` / ``match_teacher``: draws from ``batches`` (a callable, or an iterable
     cycled over) through an ``Augmenter(spec, seed=seed, pad_id=pad_id)``. (``distill_(..., augment=spec)`` does
     the same to its training batches only, leaving the calibration batches as the user's text.)"""
@@ -180,7 +192,10 @@ def augmented(batches: Iterable[Any] | Callable[[], Any], spec: Augmentation | N
     def next_batch() -> dict[str, Tensor]:
         batch = stream.next()
         if batch is None:
-            raise ValueError("augmented(...) was given an empty or used-up iterable of batches; pass a list or a "
-                             "callable that draws a batch")
+            raise ValueError(
+                "augmented(...) was given an empty or used-up iterable of batches; pass a list or a "
+                "callable that draws a batch"
+            )
         return augmenter(batch)
+
     return next_batch

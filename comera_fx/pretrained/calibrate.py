@@ -59,13 +59,17 @@ class Calibration(Mapping):
         return f"Calibration({len(self)} layers, {self.batches} batches, tokens per layer {tokens})"
 
     def to_dict(self) -> dict:
-        return {"batches": self.batches,
-                "stats": {k: {"second_moment": s.second_moment, "tokens": s.tokens} for k, s in self._stats.items()}}
+        return {
+            "batches": self.batches,
+            "stats": {k: {"second_moment": s.second_moment, "tokens": s.tokens} for k, s in self._stats.items()},
+        }
 
     @classmethod
     def from_dict(cls, data: Mapping) -> "Calibration":
-        return cls({k: InputStats(v["second_moment"], int(v["tokens"])) for k, v in data["stats"].items()},
-                   int(data.get("batches", 0)))
+        return cls(
+            {k: InputStats(v["second_moment"], int(v["tokens"])) for k, v in data["stats"].items()},
+            int(data.get("batches", 0)),
+        )
 
     def all_reduce_(self, group=None) -> "Calibration":
         """Make this calibration the one of all ranks' batches together (a collective: call it on every rank).
@@ -86,11 +90,14 @@ class Calibration(Mapping):
         dist.all_gather_object(gathered, shapes, group=group)
         if any(g != shapes for g in gathered):
             differ = next(r for r, g in enumerate(gathered) if g != shapes)
-            raise ValueError(f"Calibration.all_reduce_: rank {differ} calibrated other layers than this rank "
-                             f"({len(gathered[differ])} vs {len(shapes)}); calibrate the same model with the same "
-                             f"filter_fn / config on every rank")
-        counts = agreed_sum(torch.tensor([self._stats[k].tokens for k in keys] + [self.batches],
-                                         dtype=torch.int64), group).tolist()
+            raise ValueError(
+                f"Calibration.all_reduce_: rank {differ} calibrated other layers than this rank "
+                f"({len(gathered[differ])} vs {len(shapes)}); calibrate the same model with the same "
+                f"filter_fn / config on every rank"
+            )
+        counts = agreed_sum(
+            torch.tensor([self._stats[k].tokens for k in keys] + [self.batches], dtype=torch.int64), group
+        ).tolist()
         for key, total in zip(keys, counts):
             s = self._stats[key]
             summed = agreed_sum((s.second_moment.to(torch.float64) * s.tokens).contiguous(), group)
@@ -175,10 +182,10 @@ def calibrate(
                 seen_inputs[ident] = (weakref.ref(x), gram, rows)
             sums[fqn] = sums[fqn] + gram if fqn in sums else gram.clone()
             counts[fqn] = counts.get(fqn, 0) + rows
+
         return hook
 
-    handles = [module.register_forward_hook(make_hook(fqn, d_in), with_kwargs=True)
-               for _, module, fqn, d_in in holders]
+    handles = [module.register_forward_hook(make_hook(fqn, d_in), with_kwargs=True) for _, module, fqn, d_in in holders]
     n_batches = 0
     try:
         with eval_modes(model), preserved_rng(), torch.no_grad():
@@ -198,8 +205,9 @@ def calibrate(
 
 
 def _check_max_batches(max_batches) -> None:
-    if max_batches is not None and (isinstance(max_batches, bool) or not isinstance(max_batches, int)
-                                    or max_batches < 1):
+    if max_batches is not None and (
+        isinstance(max_batches, bool) or not isinstance(max_batches, int) or max_batches < 1
+    ):
         raise ValueError(f"max_batches must be an int >= 1 or None; got {max_batches!r}")
 
 

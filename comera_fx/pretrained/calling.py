@@ -26,8 +26,10 @@ def default_output(outputs: Any) -> Tensor:
     for value in values:
         if isinstance(value, Tensor):
             return value
-    raise ValueError(f"cannot find a tensor to match in the model's output of type {type(outputs).__name__}; "
-                     f"pass output_fn=lambda outputs: <the tensor to match>")
+    raise ValueError(
+        f"cannot find a tensor to match in the model's output of type {type(outputs).__name__}; "
+        f"pass output_fn=lambda outputs: <the tensor to match>"
+    )
 
 
 def input_slot(args: tuple, kwargs: dict) -> int | str | None:

@@ -59,18 +59,30 @@ class DistillConfig:
     clock: Callable[[], float] | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.calibration_batches, bool) or not isinstance(self.calibration_batches, int) \
-                or self.calibration_batches < 1:
-            raise ValueError(f"calibration_batches must be an int >= 1 (the format choice needs statistics), got "
-                             f"{self.calibration_batches!r}")
-        if isinstance(self.output_batches, bool) or not isinstance(self.output_batches, int) \
-                or not 0 <= self.output_batches <= self.calibration_batches:
+        if (
+            isinstance(self.calibration_batches, bool)
+            or not isinstance(self.calibration_batches, int)
+            or self.calibration_batches < 1
+        ):
+            raise ValueError(
+                f"calibration_batches must be an int >= 1 (the format choice needs statistics), got "
+                f"{self.calibration_batches!r}"
+            )
+        if (
+            isinstance(self.output_batches, bool)
+            or not isinstance(self.output_batches, int)
+            or not 0 <= self.output_batches <= self.calibration_batches
+        ):
             raise ValueError(f"output_batches must be an int in [0, calibration_batches], got {self.output_batches!r}")
-        if isinstance(self.quant_aware, bool) or not isinstance(self.quant_aware, (int, float)) \
-                or not 0 <= self.quant_aware <= 1:
+        if (
+            isinstance(self.quant_aware, bool)
+            or not isinstance(self.quant_aware, (int, float))
+            or not 0 <= self.quant_aware <= 1
+        ):
             raise ValueError(f"quant_aware must be a fraction of the budget in [0, 1], got {self.quant_aware!r}")
-        if self.hidden_weight is not None and not (isinstance(self.hidden_weight, (int, float))
-                                                   and self.hidden_weight >= 0):
+        if self.hidden_weight is not None and not (
+            isinstance(self.hidden_weight, (int, float)) and self.hidden_weight >= 0
+        ):
             raise ValueError(f"hidden_weight must be a number >= 0 or None, got {self.hidden_weight!r}")
         if self.hidden_modules is not None and isinstance(self.hidden_modules, str):
             raise ValueError("hidden_modules must be a tuple of module names, not one string")
@@ -78,10 +90,19 @@ class DistillConfig:
     def match_kwargs(self, hidden_modules: tuple[str, ...]) -> dict:
         """The keyword arguments of ``match_teacher`` these settings stand for (``hidden_modules`` resolved)."""
         weight = self.hidden_weight if self.hidden_weight is not None else 1 / max(1, len(hidden_modules))
-        return dict(output_fn=self.output_fn, loss_fn=self.loss_fn, hidden_modules=hidden_modules,
-                    hidden_weight=weight, blockwise_fraction=self.blockwise_fraction, lr=self.lr,
-                    weight_decay=self.weight_decay, progress=self.progress, clock=self.clock, augment=self.augment,
-                    quant_aware=self.quant_aware)
+        return dict(
+            output_fn=self.output_fn,
+            loss_fn=self.loss_fn,
+            hidden_modules=hidden_modules,
+            hidden_weight=weight,
+            blockwise_fraction=self.blockwise_fraction,
+            lr=self.lr,
+            weight_decay=self.weight_decay,
+            progress=self.progress,
+            clock=self.clock,
+            augment=self.augment,
+            quant_aware=self.quant_aware,
+        )
 
 
 @dataclass
@@ -109,11 +130,14 @@ class CompressSummary:
         last = f"{sum(tail) / len(tail):.4g}" if tail else "-"
         counts = ", ".join(f"{n} x {label}" for label, n in sorted(self.plan.counts().items()))
         time_line = ", ".join(f"{k} {v:.1f} s" for k, v in self.seconds.items())
-        lines = [f"comera_fx.compress_: {len(self.formats)} layers, {self.dense_bytes:,} fp32 bytes -> "
-                 f"{self.stored_bytes:,} stored ({self.stored_bytes / self.dense_bytes:.4f}, "
-                 f"{self.dense_bytes / self.stored_bytes:.1f}x smaller), {self.resident_bytes:,} in memory",
-                 f"  formats: {counts}", f"  time: {time_line}",
-                 f"  {self.steps} steps; loss {first} -> {last} (mean of the last 10)"]
+        lines = [
+            f"comera_fx.compress_: {len(self.formats)} layers, {self.dense_bytes:,} fp32 bytes -> "
+            f"{self.stored_bytes:,} stored ({self.stored_bytes / self.dense_bytes:.4f}, "
+            f"{self.dense_bytes / self.stored_bytes:.1f}x smaller), {self.resident_bytes:,} in memory",
+            f"  formats: {counts}",
+            f"  time: {time_line}",
+            f"  {self.steps} steps; loss {first} -> {last} (mean of the last 10)",
+        ]
         lines += [f"  {fqn}: {label}" for fqn, label in self.formats.items()]
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
@@ -124,8 +148,12 @@ def repeated_blocks(model: nn.Module) -> tuple[str, ...]:
     layers); () if there is none of two or more."""
     best: tuple[str, ...] = ()
     for path, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and len(module) >= 2 and len(module) > len(best) \
-                and len({type(m) for m in module}) == 1:
+        if (
+            isinstance(module, nn.ModuleList)
+            and len(module) >= 2
+            and len(module) > len(best)
+            and len({type(m) for m in module}) == 1
+        ):
             best = tuple(f"{path}.{i}" if path else str(i) for i in range(len(module)))
     return best
 
@@ -142,8 +170,9 @@ def _check_copy(student: nn.Module, teacher: nn.Module) -> None:
     teacher_params = dict(teacher.named_parameters())
     for name, p in student.named_parameters():
         if not torch.equal(p.detach(), teacher_params[name].detach()):
-            raise ValueError(f"student is not a copy of teacher: its {name} differs from the teacher's; pass "
-                             f"copy.deepcopy(teacher)")
+            raise ValueError(
+                f"student is not a copy of teacher: its {name} differs from the teacher's; pass copy.deepcopy(teacher)"
+            )
 
 
 def _check_batches_run(student: nn.Module, teacher: nn.Module, batch: Any, output_fn) -> None:
@@ -156,18 +185,31 @@ def _check_batches_run(student: nn.Module, teacher: nn.Module, batch: Any, outpu
             out_t = (output_fn or default_output)(_call(teacher, batch))
             out_s = (output_fn or default_output)(_call(student, batch))
     except (IndexError, RuntimeError, TypeError, ValueError, KeyError) as exc:
-        raise ValueError(f"the batches do not run on this model ({type(exc).__name__}: {str(exc)[:200]}); pass "
-                         f"inputs of the teacher (e.g. its own tokenizer's output: a dict of input_ids / "
-                         f"attention_mask)") from exc
+        raise ValueError(
+            f"the batches do not run on this model ({type(exc).__name__}: {str(exc)[:200]}); pass "
+            f"inputs of the teacher (e.g. its own tokenizer's output: a dict of input_ids / "
+            f"attention_mask)"
+        ) from exc
     if out_t.shape != out_s.shape:
-        raise ValueError(f"student and teacher give outputs of shapes {tuple(out_s.shape)} and "
-                         f"{tuple(out_t.shape)} on the same batch: the student is not a copy of the teacher")
+        raise ValueError(
+            f"student and teacher give outputs of shapes {tuple(out_s.shape)} and "
+            f"{tuple(out_t.shape)} on the same batch: the student is not a copy of the teacher"
+        )
 
 
-def compress_(student: nn.Module, teacher: nn.Module, batches: Batches, byte_budget: int | float = 0.125,
-              budget_seconds: float | None = 600.0, *, steps: int | None = None, config: DistillConfig | None = None,
-              tensorize_config: TensorizeConfig | None = None, calibration: Calibration | None = None,
-              plan: FormatPlan | None = None) -> CompressSummary:
+def compress_(
+    student: nn.Module,
+    teacher: nn.Module,
+    batches: Batches,
+    byte_budget: int | float = 0.125,
+    budget_seconds: float | None = 600.0,
+    *,
+    steps: int | None = None,
+    config: DistillConfig | None = None,
+    tensorize_config: TensorizeConfig | None = None,
+    calibration: Calibration | None = None,
+    plan: FormatPlan | None = None,
+) -> CompressSummary:
     """Compress ``student`` (``copy.deepcopy(teacher)``) in place so that its large linear weights fit
     ``byte_budget`` (bytes, or a float fraction of their fp32 bytes), trained to reproduce ``teacher``.
 
@@ -183,8 +225,18 @@ def compress_(student: nn.Module, teacher: nn.Module, batches: Batches, byte_bud
     if not isinstance(config, DistillConfig):
         raise TypeError(f"config must be a comera_fx.DistillConfig, got {type(config).__name__}")
     hidden = repeated_blocks(teacher) if config.hidden_modules is None else tuple(config.hidden_modules)
-    _check_args(student, teacher, 0.5, None, budget_seconds, steps, config.lr, config.hidden_weight or 0.0,
-                config.calibration_batches, hidden)
+    _check_args(
+        student,
+        teacher,
+        0.5,
+        None,
+        budget_seconds,
+        steps,
+        config.lr,
+        config.hidden_weight or 0.0,
+        config.calibration_batches,
+        hidden,
+    )
     _check_copy(student, teacher)
     tensorize_config = tensorize_config or TensorizeConfig()
     stream = _BatchStream(batches)
@@ -200,23 +252,40 @@ def compress_(student: nn.Module, teacher: nn.Module, batches: Batches, byte_bud
     seconds["calibrate"] = time.perf_counter() - start
     if plan is None:
         start = time.perf_counter()
-        plan = choose_formats(student, calibration, byte_budget, config=tensorize_config,
-                              batches=drawn[: config.output_batches] or None, output_fn=config.output_fn, fast=True)
+        plan = choose_formats(
+            student,
+            calibration,
+            byte_budget,
+            config=tensorize_config,
+            batches=drawn[: config.output_batches] or None,
+            output_fn=config.output_fn,
+            fast=True,
+        )
         seconds["choose_formats"] = time.perf_counter() - start
     start = time.perf_counter()
     built = apply_formats_(student, plan, calibration)  # the first change to the student
     seconds["build"] = time.perf_counter() - start
     stream.push_back(drawn)
-    losses, seconds["distill"], notes = match_teacher(student, teacher, stream, steps=steps,
-                                                      budget_seconds=budget_seconds, **config.match_kwargs(hidden))
+    losses, seconds["distill"], notes = match_teacher(
+        student, teacher, stream, steps=steps, budget_seconds=budget_seconds, **config.match_kwargs(hidden)
+    )
     requantize_(student)
     if config.pack:
         left = pack_linears_(student)
         notes += [f"{path} stays fake-quantized fp32: {why}" for path, why in left.items()]
     if any(c.format.startswith("tt") for c in plan.choices.values()):
         notes.append("TT cores are held in fp32 in memory (on their int grid); only the saved file stores codes")
-    return CompressSummary(plan, built.stored_bytes, plan.dense_bytes, resident_bytes(student, plan),
-                           {fqn: c.label() for fqn, c in plan.choices.items()}, losses, seconds, hidden, notes)
+    return CompressSummary(
+        plan,
+        built.stored_bytes,
+        plan.dense_bytes,
+        resident_bytes(student, plan),
+        {fqn: c.label() for fqn, c in plan.choices.items()},
+        losses,
+        seconds,
+        hidden,
+        notes,
+    )
 
 
 def resident_bytes(model: nn.Module, plan: FormatPlan) -> int:

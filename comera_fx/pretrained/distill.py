@@ -79,11 +79,13 @@ class DistillSummary:
     def __str__(self) -> str:
         first = f"{self.losses[0]:.4g}" if self.losses else "-"
         last = f"{sum(self.losses[-10:]) / len(self.losses[-10:]):.4g}" if self.losses else "-"
-        lines = [f"comera_fx.distill_: {len(self.ranks)} linear weights in TT form, {self.dense_params:,} -> "
-                 f"{self.tt_params:,} params (ratio {self.ratio:.3f}, target {self.size_target:.3f}, "
-                 f"{self.compression:.1f}x smaller); {self.strategy} from ratio {self.start_ratio:.3f}",
-                 f"  {self.steps} steps in {self.seconds:.1f} s (+ {self.setup_seconds:.1f} s tensorize); "
-                 f"loss {first} -> {last} (mean of the last 10 steps)"]
+        lines = [
+            f"comera_fx.distill_: {len(self.ranks)} linear weights in TT form, {self.dense_params:,} -> "
+            f"{self.tt_params:,} params (ratio {self.ratio:.3f}, target {self.size_target:.3f}, "
+            f"{self.compression:.1f}x smaller); {self.strategy} from ratio {self.start_ratio:.3f}",
+            f"  {self.steps} steps in {self.seconds:.1f} s (+ {self.setup_seconds:.1f} s tensorize); "
+            f"loss {first} -> {last} (mean of the last 10 steps)",
+        ]
         lines += [f"  {name}: ranks {ranks}" for name, ranks in self.ranks.items()]
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
@@ -96,31 +98,50 @@ def _size_target_of(size_target: float | None, target_ratio: float | None) -> fl
     """``size_target``, or its deprecated spelling ``target_ratio`` (the same fraction of the dense size)."""
     if target_ratio is None:
         if size_target is None:
-            raise TypeError("distill_() needs size_target= (TT size / dense size of the linear weights, e.g. 0.25 "
-                            "for 4x smaller)")
+            raise TypeError(
+                "distill_() needs size_target= (TT size / dense size of the linear weights, e.g. 0.25 for 4x smaller)"
+            )
         return size_target
     if size_target is not None:
         raise TypeError("distill_: pass size_target= only (target_ratio= is its deprecated spelling); got both")
-    warn_renamed("distill_(target_ratio=...)", "distill_(size_target=...), the same fraction of the dense size",
-                 stacklevel=4)
+    warn_renamed(
+        "distill_(target_ratio=...)", "distill_(size_target=...), the same fraction of the dense size", stacklevel=4
+    )
     return target_ratio
 
 
-def _check_args(student, teacher, size_target, start_ratio, budget_seconds, steps, lr, hidden_weight,
-                calibration_batches, hidden_modules) -> None:
+def _check_args(
+    student,
+    teacher,
+    size_target,
+    start_ratio,
+    budget_seconds,
+    steps,
+    lr,
+    hidden_weight,
+    calibration_batches,
+    hidden_modules,
+) -> None:
     number = (int, float)
     if isinstance(size_target, bool) or not isinstance(size_target, number) or not 0 < size_target <= 1:
-        raise ValueError(f"size_target must be a float in (0, 1] (TT size / dense size of the linear weights, "
-                         f"e.g. 0.25 for 4x smaller); got {size_target!r}")
-    if start_ratio is not None and (isinstance(start_ratio, bool) or not isinstance(start_ratio, number)
-                                    or not size_target < start_ratio <= 1):
-        raise ValueError(f"start_ratio must be a float in (size_target, 1] = ({size_target}, 1] or None; "
-                         f"got {start_ratio!r}")
+        raise ValueError(
+            f"size_target must be a float in (0, 1] (TT size / dense size of the linear weights, "
+            f"e.g. 0.25 for 4x smaller); got {size_target!r}"
+        )
+    if start_ratio is not None and (
+        isinstance(start_ratio, bool) or not isinstance(start_ratio, number) or not size_target < start_ratio <= 1
+    ):
+        raise ValueError(
+            f"start_ratio must be a float in (size_target, 1] = ({size_target}, 1] or None; got {start_ratio!r}"
+        )
     if budget_seconds is None and steps is None:
-        raise ValueError("distill_ needs a budget: pass steps= (optimizer steps) and/or budget_seconds= "
-                         "(wall clock of the training loop)")
-    if budget_seconds is not None and (isinstance(budget_seconds, bool) or not isinstance(budget_seconds, number)
-                                       or not budget_seconds > 0):
+        raise ValueError(
+            "distill_ needs a budget: pass steps= (optimizer steps) and/or budget_seconds= "
+            "(wall clock of the training loop)"
+        )
+    if budget_seconds is not None and (
+        isinstance(budget_seconds, bool) or not isinstance(budget_seconds, number) or not budget_seconds > 0
+    ):
         raise ValueError(f"budget_seconds must be a number > 0 or None; got {budget_seconds!r}")
     if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
         raise ValueError(f"steps must be an int >= 1 or None; got {steps!r}")
@@ -131,31 +152,43 @@ def _check_args(student, teacher, size_target, start_ratio, budget_seconds, step
     if not (isinstance(hidden_weight, number) and hidden_weight >= 0):
         raise ValueError(f"hidden_weight must be a number >= 0; got {hidden_weight!r}")
     if isinstance(student, DistributedDataParallel):
-        raise ValueError("pass the bare student, not a DistributedDataParallel wrapper: distill_ tensorizes it first "
-                         "and wraps it itself when torch.distributed is initialized (docs/distributed.md)")
+        raise ValueError(
+            "pass the bare student, not a DistributedDataParallel wrapper: distill_ tensorizes it first "
+            "and wraps it itself when torch.distributed is initialized (docs/distributed.md)"
+        )
     if student is teacher:
         raise ValueError("student is the teacher itself; pass a copy: distill_(copy.deepcopy(teacher), teacher, ...)")
     if any(isinstance(m, TTLinear) for m in student.modules()) or tt_matrices(student):
-        raise ValueError("student already holds TT layers; distill_ tensorizes a dense copy of the teacher: "
-                         "pass copy.deepcopy(teacher)")
+        raise ValueError(
+            "student already holds TT layers; distill_ tensorizes a dense copy of the teacher: "
+            "pass copy.deepcopy(teacher)"
+        )
     modules = dict(teacher.named_modules())
     unknown = [n for n in hidden_modules if n not in modules]
     if unknown:
-        raise ValueError(f"hidden_modules {unknown} are not modules of the teacher; names are those of "
-                         f"teacher.named_modules(), e.g. {list(modules)[1:4]}")
+        raise ValueError(
+            f"hidden_modules {unknown} are not modules of the teacher; names are those of "
+            f"teacher.named_modules(), e.g. {list(modules)[1:4]}"
+        )
     s_params, t_params = dict(student.named_parameters()), dict(teacher.named_parameters())
     if s_params.keys() != t_params.keys():
         missing, extra = sorted(t_params.keys() - s_params.keys()), sorted(s_params.keys() - t_params.keys())
-        raise ValueError(f"student is not a copy of teacher: parameters missing {missing[:3]}, extra {extra[:3]}; "
-                         f"pass copy.deepcopy(teacher)")
+        raise ValueError(
+            f"student is not a copy of teacher: parameters missing {missing[:3]}, extra {extra[:3]}; "
+            f"pass copy.deepcopy(teacher)"
+        )
     for name, p in s_params.items():
         t = t_params[name]
         if p.shape != t.shape:
-            raise ValueError(f"student is not a copy of teacher: {name} has shape {tuple(p.shape)}, the teacher's "
-                             f"{tuple(t.shape)}; pass copy.deepcopy(teacher)")
+            raise ValueError(
+                f"student is not a copy of teacher: {name} has shape {tuple(p.shape)}, the teacher's "
+                f"{tuple(t.shape)}; pass copy.deepcopy(teacher)"
+            )
         if p.data_ptr() == t.data_ptr() and p.numel():
-            raise ValueError(f"student shares parameter {name} with teacher (training would change the teacher); "
-                             f"pass copy.deepcopy(teacher)")
+            raise ValueError(
+                f"student shares parameter {name} with teacher (training would change the teacher); "
+                f"pass copy.deepcopy(teacher)"
+            )
 
 
 # ------------------------------------------------------------------------------------------------ batches
@@ -170,8 +203,9 @@ class _BatchStream:
         elif isinstance(batches, Iterable):
             self._call, self._iterable = None, batches
         else:
-            raise ValueError(f"batches must be an iterable of model inputs or a callable returning one; "
-                             f"got {type(batches).__name__}")
+            raise ValueError(
+                f"batches must be an iterable of model inputs or a callable returning one; got {type(batches).__name__}"
+            )
         self._it = None
         self._replay: list[Any] = []
         self.exhausted = False
@@ -184,8 +218,10 @@ class _BatchStream:
         """The next batch, or None when a one-shot iterator is used up."""
         batch = self._replay.pop(0) if self._replay else self._draw()
         if batch is not None and not isinstance(batch, (Mapping, tuple, list, Tensor)):
-            raise ValueError(f"a batch must be a dict of keyword inputs, a tuple of positional inputs or a tensor; "
-                             f"got {type(batch).__name__}")
+            raise ValueError(
+                f"a batch must be a dict of keyword inputs, a tuple of positional inputs or a tensor; "
+                f"got {type(batch).__name__}"
+            )
         return batch
 
     def _draw(self) -> Any | None:
@@ -211,8 +247,10 @@ def _call(model: nn.Module, batch: Any) -> Any:
         return model(*batch)
     if isinstance(batch, Tensor):
         return model(batch)
-    raise ValueError(f"a batch must be a dict of keyword inputs, a tuple of positional inputs or a tensor; "
-                     f"got {type(batch).__name__}")
+    raise ValueError(
+        f"a batch must be a dict of keyword inputs, a tuple of positional inputs or a tensor; "
+        f"got {type(batch).__name__}"
+    )
 
 
 class _Capture:
@@ -222,14 +260,17 @@ class _Capture:
         modules = dict(model.named_modules())
         unknown = [n for n in names if n not in modules]
         if unknown:
-            raise ValueError(f"hidden_modules {unknown} are not modules of the model; names are those of "
-                             f"model.named_modules(), e.g. {list(modules)[1:4]}")
+            raise ValueError(
+                f"hidden_modules {unknown} are not modules of the model; names are those of "
+                f"model.named_modules(), e.g. {list(modules)[1:4]}"
+            )
         self.outputs: dict[str, Tensor] = {}
         self._handles = [modules[n].register_forward_hook(self._hook(n)) for n in names]
 
     def _hook(self, name: str):
         def keep(module, args, output):
             self.outputs[name] = default_output(output)
+
         return keep
 
     def remove(self) -> None:
@@ -255,14 +296,19 @@ class _TeacherInputs:
         def keep(module, args, kwargs):
             slot = input_slot(args, kwargs)
             if slot is None:
-                raise ValueError(f"blockwise distillation: module {name!r} was called without a tensor input; "
-                                 f"name blocks whose first argument (or hidden_states=) is the hidden state, "
-                                 f"or pass blockwise_fraction=0")
+                raise ValueError(
+                    f"blockwise distillation: module {name!r} was called without a tensor input; "
+                    f"name blocks whose first argument (or hidden_states=) is the hidden state, "
+                    f"or pass blockwise_fraction=0"
+                )
             if name in self.inputs:  # a shared block (one module called several times) has no single input
-                raise ValueError(f"blockwise distillation: module {name!r} ran more than once in one forward "
-                                 f"(shared weights); name blocks that run once per forward, or pass "
-                                 f"blockwise_fraction=0")
+                raise ValueError(
+                    f"blockwise distillation: module {name!r} ran more than once in one forward "
+                    f"(shared weights); name blocks that run once per forward, or pass "
+                    f"blockwise_fraction=0"
+                )
             self.inputs[name] = (args[slot] if isinstance(slot, int) else kwargs[slot]).detach()
+
         return keep
 
     def _feed(self, name: str):
@@ -271,10 +317,11 @@ class _TeacherInputs:
                 return None
             slot = input_slot(args, kwargs)
             if isinstance(slot, int):
-                args = args[:slot] + (self.inputs[name],) + args[slot + 1:]
+                args = args[:slot] + (self.inputs[name],) + args[slot + 1 :]
             else:
                 kwargs = {**kwargs, slot: self.inputs[name]}
             return args, kwargs
+
         return feed
 
     def new_step(self) -> None:
@@ -303,19 +350,30 @@ _DEFAULT_MAX_RANK = next(f.default for f in dataclasses.fields(TensorizeConfig) 
 def _check_config(config: TensorizeConfig) -> None:
     """Refuse rank settings ``distill_`` would not use: it sizes the layers by ``size_target`` (and ``allocation``),
     so a ``max_rank``, ``rank_ratio`` or ``rel_tol`` of the caller's would otherwise be dropped without a word."""
-    given = [f"{name}={getattr(config, name)!r}" for name in _RANK_FIELDS
-             if getattr(config, name) not in (None, _DEFAULT_MAX_RANK if name == "max_rank" else None)]
-    given += [f"overrides[{pattern!r}][{name!r}]" for pattern, values in config.overrides.items()
-              for name in _RANK_FIELDS if name in values]
+    given = [
+        f"{name}={getattr(config, name)!r}"
+        for name in _RANK_FIELDS
+        if getattr(config, name) not in (None, _DEFAULT_MAX_RANK if name == "max_rank" else None)
+    ]
+    given += [
+        f"overrides[{pattern!r}][{name!r}]"
+        for pattern, values in config.overrides.items()
+        for name in _RANK_FIELDS
+        if name in values
+    ]
     if config.size_target is not None:
-        raise ValueError(f"distill_ takes the size target as distill_(size_target=...); the config's "
-                         f"size_target={config.size_target!r} would be ignored: leave it unset in the config")
+        raise ValueError(
+            f"distill_ takes the size target as distill_(size_target=...); the config's "
+            f"size_target={config.size_target!r} would be ignored: leave it unset in the config"
+        )
     if given:
-        raise ValueError(f"distill_ decides the ranks from size_target= and allocation=, so the config's "
-                         f"{', '.join(given)} would be ignored; leave max_rank / rank_ratio / rel_tol unset in the "
-                         f"config (and its overrides; skip= still excludes layers), or, to train at ranks of your "
-                         f"own, tensorize_(student, config) and then train with "
-                         f"comera_fx.pretrained.distill.match_teacher(student, teacher, batches, ...)")
+        raise ValueError(
+            f"distill_ decides the ranks from size_target= and allocation=, so the config's "
+            f"{', '.join(given)} would be ignored; leave max_rank / rank_ratio / rel_tol unset in the "
+            f"config (and its overrides; skip= still excludes layers), or, to train at ranks of your "
+            f"own, tensorize_(student, config) and then train with "
+            f"comera_fx.pretrained.distill.match_teacher(student, teacher, batches, ...)"
+        )
 
 
 def _tensorize_at(student, ratio, config, filter_fn, allocation, calibration) -> TensorizeSummary:
@@ -323,13 +381,15 @@ def _tensorize_at(student, ratio, config, filter_fn, allocation, calibration) ->
     try:
         return tensorize_(student, config, filter_fn=_linear_only(filter_fn), calibration=calibration)
     except SizeTargetTooSmall as exc:
-        raise SizeTargetTooSmall(f"distill_ at {ratio} of the dense size: {exc} (raise size_target, or "
-                                 f"start_ratio)") from None
+        raise SizeTargetTooSmall(
+            f"distill_ at {ratio} of the dense size: {exc} (raise size_target, or start_ratio)"
+        ) from None
 
 
 def _linear_only(filter_fn):
     def accept(module: nn.Module, fqn: str) -> bool:
         return not isinstance(module, nn.Embedding) and (filter_fn is None or filter_fn(module, fqn))
+
     return accept
 
 
@@ -398,8 +458,8 @@ def distill_(
             tensorize at that size and shrink to the target during training with ``RankAdaptive``'s budget
             schedule (same horizon as the training budget). Direct is the default: it spends the whole budget at
             the final size, and each step is cheaper (a larger start costs more per step). Measured so far only on a
-            2-layer random BERT (d 64, 2x smaller, uniform ranks, 60 steps, busy machine): shrinking from 0.9 ended at a lower
-            loss (2.3e-5 against 3.2e-5) but took 1.5x the wall clock for the same steps; on all-MiniLM-L6-v2
+            2-layer random BERT (d 64, 2x smaller, uniform ranks, 60 steps, busy machine): shrinking from 0.9 ended at a
+            lower loss (2.3e-5 against 3.2e-5) but took 1.5x the wall clock for the same steps; on all-MiniLM-L6-v2
             the comparison was not run (benchmarks/RESULTS.md).
         config: base ``TensorizeConfig`` (size threshold, skip, overrides, format); ``size_target`` and
             ``allocation`` are set from ``size_target`` / ``start_ratio`` and ``allocation``. The ranks come from
@@ -449,12 +509,21 @@ def distill_(
     Returns a ``DistillSummary`` (ranks per layer, size, loss per step, time).
     """
     size_target = _size_target_of(size_target, target_ratio)
-    _check_args(student, teacher, size_target, start_ratio, budget_seconds, steps, lr, hidden_weight,
-                calibration_batches, hidden_modules)
+    _check_args(
+        student,
+        teacher,
+        size_target,
+        start_ratio,
+        budget_seconds,
+        steps,
+        lr,
+        hidden_weight,
+        calibration_batches,
+        hidden_modules,
+    )
     _check_blockwise(blockwise_fraction, hidden_modules)
     if refit and not calibration_batches:
-        raise ValueError("refit=True refits on the calibration batches: set calibration_batches >= 1 "
-                         "(e.g. 32)")
+        raise ValueError("refit=True refits on the calibration batches: set calibration_batches >= 1 (e.g. 32)")
     distributed = world_size() > 1
     config = config or TensorizeConfig()
     _check_config(config)
@@ -470,14 +539,14 @@ def distill_(
             raise ValueError("batches yielded no batch; pass an iterable of model inputs or a callable returning one")
         stream.push_back(drawn)
     if calibration is None and drawn:
-        calibration = calibrate(student, drawn, config=config, filter_fn=_linear_only(filter_fn),
-                                token_mask=token_mask)
+        calibration = calibrate(student, drawn, config=config, filter_fn=_linear_only(filter_fn), token_mask=token_mask)
         if distributed:
             calibration.all_reduce_()  # every rank decomposes from the statistics of all ranks' batches
     first_ratio = start_ratio or size_target
     tensorized = _tensorize_at(student, first_ratio, config, filter_fn, allocation, calibration)
-    refit_summary = (refit_sequential_(student, teacher, drawn, token_mask=token_mask, blocks=hidden_modules)
-                     if refit else None)
+    refit_summary = (
+        refit_sequential_(student, teacher, drawn, token_mask=token_mask, blocks=hidden_modules) if refit else None
+    )
     if refit_summary is not None:
         notes.append(str(refit_summary))
     _, dense = linear_sizes(student)
@@ -493,16 +562,32 @@ def distill_(
         if start_ratio is not None:
             horizon = dict(total_steps=steps) if steps is not None else dict(budget_seconds=budget_seconds)
             schedule = RankConfig(size_target=int(size_target * dense), **horizon)
-            hook_box.append(RankAdaptive(model, optimizer, schedule, history_every=None,
-                                         clock=None if steps is not None else clock))
+            hook_box.append(
+                RankAdaptive(model, optimizer, schedule, history_every=None, clock=None if steps is not None else clock)
+            )
             return lambda: hook_box[0].model  # rebuilt after every prune under DDP
         return None
 
     losses, seconds, loop_notes = match_teacher(
-        student, teacher, stream, steps=steps, budget_seconds=budget_seconds, output_fn=output_fn, loss_fn=loss_fn,
-        hidden_modules=hidden_modules, hidden_weight=hidden_weight, blockwise_fraction=blockwise_fraction, lr=lr,
-        weight_decay=weight_decay, progress=progress, on_optimizer=attach, augment=augment,
-        observe=lambda loss: hook_box and hook_box[0].observe(loss), postfix=lambda: {"ratio": f"{linear_sizes(student)[0] / dense:.3f}"}, clock=clock)
+        student,
+        teacher,
+        stream,
+        steps=steps,
+        budget_seconds=budget_seconds,
+        output_fn=output_fn,
+        loss_fn=loss_fn,
+        hidden_modules=hidden_modules,
+        hidden_weight=hidden_weight,
+        blockwise_fraction=blockwise_fraction,
+        lr=lr,
+        weight_decay=weight_decay,
+        progress=progress,
+        on_optimizer=attach,
+        augment=augment,
+        observe=lambda loss: hook_box and hook_box[0].observe(loss),
+        postfix=lambda: {"ratio": f"{linear_sizes(student)[0] / dense:.3f}"},
+        clock=clock,
+    )
     notes += loop_notes
     hook = hook_box[0] if hook_box else None
 
@@ -510,8 +595,10 @@ def distill_(
     if hook is not None:
         if linear_sizes(student)[0] > size_target * dense:
             hook.prune_to(size_target * dense)
-            notes.append("the budget ended before the rank schedule reached the target; pruned to it at the end "
-                         "(without training after that cut)")
+            notes.append(
+                "the budget ended before the rank schedule reached the target; pruned to it at the end "
+                "(without training after that cut)"
+            )
         rank_summary = hook.summary()
         hook.remove()
     for entry in tt_matrices(student):
@@ -519,9 +606,23 @@ def distill_(
             entry.tt.prepare_plans()
     tt, dense = linear_sizes(student)
     ranks = {e.name: e.tt.ranks for e in tt_matrices(student)}
-    return DistillSummary(size_target, tt / dense, tt, dense, ranks, len(losses), losses, seconds, setup_seconds,
-                          "shrink" if hook is not None else "direct", first_ratio, tensorized, rank_summary, notes,
-                          refit_summary)
+    return DistillSummary(
+        size_target,
+        tt / dense,
+        tt,
+        dense,
+        ranks,
+        len(losses),
+        losses,
+        seconds,
+        setup_seconds,
+        "shrink" if hook is not None else "direct",
+        first_ratio,
+        tensorized,
+        rank_summary,
+        notes,
+        refit_summary,
+    )
 
 
 def match_teacher(
@@ -653,16 +754,20 @@ def _check_blockwise(blockwise_fraction: float, hidden_modules: Sequence[str]) -
     if not (isinstance(blockwise_fraction, (int, float)) and 0 <= blockwise_fraction <= 1):
         raise ValueError(f"blockwise_fraction must be a number in [0, 1]; got {blockwise_fraction!r}")
     if blockwise_fraction and not hidden_modules:
-        raise ValueError("blockwise_fraction > 0 feeds the teacher's inputs to the hidden_modules blocks; pass "
-                         "hidden_modules=[...] (e.g. the encoder layers)")
+        raise ValueError(
+            "blockwise_fraction > 0 feeds the teacher's inputs to the hidden_modules blocks; pass "
+            "hidden_modules=[...] (e.g. the encoder layers)"
+        )
 
 
 def _check_quant_aware(quant_aware: float, student: nn.Module) -> None:
     if isinstance(quant_aware, bool) or not (isinstance(quant_aware, (int, float)) and 0 <= quant_aware <= 1):
         raise ValueError(f"quant_aware must be a fraction of the run in [0, 1]; got {quant_aware!r}")
     if quant_aware and not quantized_specs(student):
-        raise ValueError("quant_aware > 0 trains at the quantized weights, and the student has none; round it onto "
-                         "a grid first (comera_fx.quantize_ or comera_fx.apply_formats_)")
+        raise ValueError(
+            "quant_aware > 0 trains at the quantized weights, and the student has none; round it onto "
+            "a grid first (comera_fx.quantize_ or comera_fx.apply_formats_)"
+        )
 
 
 def _device(model: nn.Module) -> torch.device:
@@ -678,10 +783,12 @@ def _check_same_ranks(student: nn.Module) -> None:
     dist.all_gather_object(gathered, ranks)
     differ = [r for r, g in enumerate(gathered) if g != gathered[0]]
     if differ:
-        raise ValueError(f"distill_ under torch.distributed: rank {differ[0]} tensorized to other TT ranks than rank "
-                         f"0 ({gathered[differ[0]][:2]} vs {gathered[0][:2]}); give every rank the same model, "
-                         f"config and calibration (distill_ all-reduces the calibration it computes itself; a "
-                         f"calibration= passed in must be the same on every rank: Calibration.all_reduce_())")
+        raise ValueError(
+            f"distill_ under torch.distributed: rank {differ[0]} tensorized to other TT ranks than rank "
+            f"0 ({gathered[differ[0]][:2]} vs {gathered[0][:2]}); give every rank the same model, "
+            f"config and calibration (distill_ all-reduces the calibration it computes itself; a "
+            f"calibration= passed in must be the same on every rank: Calibration.all_reduce_())"
+        )
 
 
 def _progress_bar(progress: bool, steps: int | None, budget_seconds: float | None):

@@ -66,8 +66,11 @@ class _InputRecorder(TorchFunctionMode):
 @contextmanager
 def _eager_experts(model: nn.Module):
     """transformers experts modules run their eager loop (per-expert slices) inside the block."""
-    configs = {id(c): (c, c._experts_implementation) for m in model.modules()
-               if (c := getattr(m, "config", None)) is not None and hasattr(c, "_experts_implementation")}
+    configs = {
+        id(c): (c, c._experts_implementation)
+        for m in model.modules()
+        if (c := getattr(m, "config", None)) is not None and hasattr(c, "_experts_implementation")
+    }
     for config, _ in configs.values():
         config._experts_implementation = "eager"
     try:

@@ -88,11 +88,13 @@ class FormatPlan:
         return found
 
     def __str__(self) -> str:
-        lines = [f"FormatPlan: {len(self.choices)} layers, {self.total_bytes:,} bytes = "
-                 f"{self.total_bytes / self.dense_bytes:.4f} of fp32 dense (budget {self.budget_bytes:,}), "
-                 f"summed relative error {self.total_error:.4g} ({self.scoring} scoring, {self.output_passes} "
-                 f"output passes)",
-                 "  " + ", ".join(f"{n} x {label}" for label, n in sorted(self.counts().items()))]
+        lines = [
+            f"FormatPlan: {len(self.choices)} layers, {self.total_bytes:,} bytes = "
+            f"{self.total_bytes / self.dense_bytes:.4f} of fp32 dense (budget {self.budget_bytes:,}), "
+            f"summed relative error {self.total_error:.4g} ({self.scoring} scoring, {self.output_passes} "
+            f"output passes)",
+            "  " + ", ".join(f"{n} x {label}" for label, n in sorted(self.counts().items())),
+        ]
         for fqn, c in self.choices.items():
             lines.append(f"  {fqn:60s} {c.label():12s} {c.bytes:>10,} B  error {c.error:.3e}")
         return "\n".join(lines)
@@ -110,34 +112,50 @@ def check_calibration(model: nn.Module, calibration: Calibration, config: Tensor
     """The (module path, module, weight FQN, in features) of the layers to plan; refuses a calibration that was
     not made on this model (another model's layer names or widths) before anything is computed."""
     if not isinstance(calibration, Calibration):
-        raise TypeError(f"calibration must be a comera_fx.Calibration (comera_fx.calibrate(model, batches)), got "
-                        f"{type(calibration).__name__}")
+        raise TypeError(
+            f"calibration must be a comera_fx.Calibration (comera_fx.calibrate(model, batches)), got "
+            f"{type(calibration).__name__}"
+        )
     holders = [h for h in _linear_holders(model, config, None) if isinstance(h[1], nn.Linear)]
     if not holders:
-        raise ValueError("choose_formats found no large nn.Linear layers in the model (TensorizeConfig.min_numel / "
-                         "min_dim decide what is large); is it already tensorized?")
+        raise ValueError(
+            "choose_formats found no large nn.Linear layers in the model (TensorizeConfig.min_numel / "
+            "min_dim decide what is large); is it already tensorized?"
+        )
     names = {fqn for _, _, fqn, _ in holders}
     foreign = sorted(set(calibration) - names)
     missing = sorted(names - set(calibration))
     if foreign or missing:
-        raise ValueError(f"the calibration does not belong to this model: {len(missing)} of its large linears have "
-                         f"no statistics (e.g. {missing[:2]}) and {len(foreign)} statistics name no large linear of it "
-                         f"(e.g. {foreign[:2]}); run comera_fx.calibrate(model, batches) on this model, with the "
-                         f"same TensorizeConfig")
+        raise ValueError(
+            f"the calibration does not belong to this model: {len(missing)} of its large linears have "
+            f"no statistics (e.g. {missing[:2]}) and {len(foreign)} statistics name no large linear of it "
+            f"(e.g. {foreign[:2]}); run comera_fx.calibrate(model, batches) on this model, with the "
+            f"same TensorizeConfig"
+        )
     for _, _, fqn, d_in in holders:
         if calibration[fqn].in_features != d_in:
-            raise ValueError(f"the calibration of {fqn} has {calibration[fqn].in_features} input features but the "
-                             f"layer has {d_in}: run comera_fx.calibrate(model, batches) on this model")
+            raise ValueError(
+                f"the calibration of {fqn} has {calibration[fqn].in_features} input features but the "
+                f"layer has {d_in}: run comera_fx.calibrate(model, batches) on this model"
+            )
     return holders
 
 
-def _tt_candidates(linear: nn.Linear, stats: InputStats, rank: int, group_size: int, num_modes: int | None,
-                   fqn: str, formats: Sequence[str]) -> list[tuple[FormatChoice, Tensor]]:
+def _tt_candidates(
+    linear: nn.Linear,
+    stats: InputStats,
+    rank: int,
+    group_size: int,
+    num_modes: int | None,
+    fqn: str,
+    formats: Sequence[str],
+) -> list[tuple[FormatChoice, Tensor]]:
     """The TT of ``linear`` at ``rank`` as ``tensorize_`` builds it with this calibration, its cores on each grid
     of ``formats`` (``"tt"``: int8, ``"tt4"``: int4): (choice without its error, the dense M̂ it stands for)."""
     holder = nn.Module()
-    holder.lin = nn.Linear(linear.in_features, linear.out_features, bias=False, device=linear.weight.device,
-                           dtype=linear.weight.dtype)
+    holder.lin = nn.Linear(
+        linear.in_features, linear.out_features, bias=False, device=linear.weight.device, dtype=linear.weight.dtype
+    )
     holder.lin.weight.copy_(linear.weight)
     config = TensorizeConfig(max_rank=rank, num_modes=num_modes, min_numel=1, min_dim=1)
     tensorize_(holder, config, calibration=Calibration({"lin.weight": stats}))
@@ -204,8 +222,12 @@ def select(candidates: dict[str, list[FormatChoice]], budget: int) -> dict[str, 
     chosen = {fqn: hulls[fqn][at] for fqn, at in select_on_hulls(hulls, budget).items()}
     left = budget - sum(c.bytes for c in chosen.values())
     while True:
-        swaps = [(chosen[fqn].error - c.error, fqn, c) for fqn, found in candidates.items() for c in found
-                 if c.bytes - chosen[fqn].bytes <= left and c.error < chosen[fqn].error]
+        swaps = [
+            (chosen[fqn].error - c.error, fqn, c)
+            for fqn, found in candidates.items()
+            for c in found
+            if c.bytes - chosen[fqn].bytes <= left and c.error < chosen[fqn].error
+        ]
         if not swaps:
             return chosen
         _, fqn, c = max(swaps, key=lambda s: s[0])
@@ -215,12 +237,13 @@ def select(candidates: dict[str, list[FormatChoice]], budget: int) -> dict[str, 
 
 def _budget_bytes(byte_budget, dense: int) -> int:
     if isinstance(byte_budget, bool) or not isinstance(byte_budget, (int, float)) or byte_budget <= 0:
-        raise ValueError(f"byte_budget must be a positive int (bytes) or a float in (0, 1] (a fraction of the fp32 "
-                         f"dense bytes), got {byte_budget!r}")
+        raise ValueError(
+            f"byte_budget must be a positive int (bytes) or a float in (0, 1] (a fraction of the fp32 "
+            f"dense bytes), got {byte_budget!r}"
+        )
     if isinstance(byte_budget, float):
         if byte_budget > 1:
-            raise ValueError(f"a float byte_budget is a fraction of the fp32 dense bytes, in (0, 1]; got "
-                             f"{byte_budget}")
+            raise ValueError(f"a float byte_budget is a fraction of the fp32 dense bytes, in (0, 1]; got {byte_budget}")
         return int(byte_budget * dense)
     return byte_budget
 
@@ -238,11 +261,18 @@ def _smallest_bytes(holders, formats, ranks, group_sizes, core_group_size, num_m
     """Per layer the fewest bytes any candidate could take, summed (an upper bound on the true minimum)."""
     total = 0
     for _, module, _, _ in holders:
-        sizes = [QuantSpec(bits, g).nbytes(module.weight.numel())
-                 for bits in (8, 4) if f"int{bits}" in formats for g in group_sizes]
+        sizes = [
+            QuantSpec(bits, g).nbytes(module.weight.numel())
+            for bits in (8, 4)
+            if f"int{bits}" in formats
+            for g in group_sizes
+        ]
         for name in (f for f in CORE_BITS if f in formats):
-            sizes.append(_tt_bytes_at_most(module.in_features, module.out_features, min(ranks), num_modes,
-                                            CORE_BITS[name], core_group_size))
+            sizes.append(
+                _tt_bytes_at_most(
+                    module.in_features, module.out_features, min(ranks), num_modes, CORE_BITS[name], core_group_size
+                )
+            )
         total += min(sizes)
     return total
 
@@ -276,12 +306,22 @@ class _OutputError:
 
 
 @torch.no_grad()
-def choose_formats(model: nn.Module, calibration: Calibration, byte_budget: int | float, *,
-                   formats: Sequence[str] = FORMATS, ranks: Sequence[int] = DEFAULT_RANKS,
-                   group_sizes: Sequence[int] = DEFAULT_GROUPS, core_group_size: int = 64,
-                   num_modes: int | None = None, config: TensorizeConfig | None = None,
-                   batches: Sequence | None = None, output_fn=None, score_all: bool = False,
-                   fast: bool = False) -> FormatPlan:
+def choose_formats(
+    model: nn.Module,
+    calibration: Calibration,
+    byte_budget: int | float,
+    *,
+    formats: Sequence[str] = FORMATS,
+    ranks: Sequence[int] = DEFAULT_RANKS,
+    group_sizes: Sequence[int] = DEFAULT_GROUPS,
+    core_group_size: int = 64,
+    num_modes: int | None = None,
+    config: TensorizeConfig | None = None,
+    batches: Sequence | None = None,
+    output_fn=None,
+    score_all: bool = False,
+    fast: bool = False,
+) -> FormatPlan:
     """Choose a storage format per large ``nn.Linear`` of the dense ``model`` so that their weights fit
     ``byte_budget`` (bytes, or a float fraction of their fp32 bytes) with the least summed relative output error on
     ``calibration`` (``comera_fx.calibrate(model, batches)``). Reads the model only; ``apply_formats_`` builds it.
@@ -317,27 +357,48 @@ def choose_formats(model: nn.Module, calibration: Calibration, byte_budget: int 
     budget = _budget_bytes(byte_budget, dense)
     smallest = _smallest_bytes(holders, formats, ranks, group_sizes, core_group_size, num_modes)
     if smallest > budget:
-        raise ValueError(f"byte_budget {budget:,} bytes ({budget / dense:.4f} of the fp32 dense {dense:,}) is below "
-                         f"the smallest formats' total, {smallest:,} bytes ({smallest / dense:.4f}); raise the budget "
-                         f"or allow smaller formats (ranks={tuple(ranks)}, formats={tuple(formats)})")
+        raise ValueError(
+            f"byte_budget {budget:,} bytes ({budget / dense:.4f} of the fp32 dense {dense:,}) is below "
+            f"the smallest formats' total, {smallest:,} bytes ({smallest / dense:.4f}); raise the budget "
+            f"or allow smaller formats (ranks={tuple(ranks)}, formats={tuple(formats)})"
+        )
     with eval_modes(model), preserved_rng():
         output_error = _OutputError(model, batches, output_fn) if batches else None
         if fast and not score_all:
-            candidates, paths, approx = _estimate(holders, calibration, formats, ranks, group_sizes,
-                                                  core_group_size, num_modes)
+            candidates, paths, approx = _estimate(
+                holders, calibration, formats, ranks, group_sizes, core_group_size, num_modes
+            )
         else:
-            candidates, paths = _measure(model, holders, calibration, formats, ranks, group_sizes, core_group_size,
-                                         num_modes, output_error if score_all else None)
+            candidates, paths = _measure(
+                model,
+                holders,
+                calibration,
+                formats,
+                ranks,
+                group_sizes,
+                core_group_size,
+                num_modes,
+                output_error if score_all else None,
+            )
             approx = None
         if output_error is None or score_all:
             scoring = "output" if score_all and output_error is not None else "calibration"
-            return FormatPlan(select(candidates, budget), candidates, budget, dense, num_modes, paths, scoring,
-                              output_error.passes if output_error is not None else 0)
+            return FormatPlan(
+                select(candidates, budget),
+                candidates,
+                budget,
+                dense,
+                num_modes,
+                paths,
+                scoring,
+                output_error.passes if output_error is not None else 0,
+            )
         if approx is None:
             modules = {fqn: (module, calibration[fqn]) for _, module, fqn, _ in holders}
 
             def approx(c: FormatChoice) -> Tensor:
                 return _approx(*modules[c.fqn], c, num_modes)
+
         linears = {fqn: module for _, module, fqn, _ in holders}
         candidates, chosen = _shortlist(candidates, budget, linears, approx, output_error)
     return FormatPlan(chosen, candidates, budget, dense, num_modes, paths, "shortlist", output_error.passes)
@@ -366,8 +427,9 @@ def _estimate(holders, calibration, formats, ranks, group_sizes, core_group_size
             seen.add(caps)
             for name in (f for f in CORE_BITS if f in formats):
                 error = est.tt_error(est.tt_approx(rank, CORE_BITS[name], core_group_size))
-                nbytes = _tt_bytes_at_most(module.in_features, module.out_features, rank, num_modes,
-                                           CORE_BITS[name], core_group_size)
+                nbytes = _tt_bytes_at_most(
+                    module.in_features, module.out_features, rank, num_modes, CORE_BITS[name], core_group_size
+                )
                 found.append(FormatChoice(fqn, name, rank, nbytes, error, core_group_size))
         candidates[fqn] = found
 
@@ -383,8 +445,9 @@ def _estimate(holders, calibration, formats, ranks, group_sizes, core_group_size
 def _approx(module: nn.Linear, stats: InputStats, choice: FormatChoice, num_modes: int | None) -> Tensor:
     """M̂ (in × out) of one candidate, rebuilt (a TT candidate's TT-SVD is run again)."""
     if choice.format in CORE_BITS:
-        return _tt_candidates(module, stats, choice.max_rank, choice.group_size, num_modes, choice.fqn,
-                              (choice.format,))[0][1]
+        return _tt_candidates(
+            module, stats, choice.max_rank, choice.group_size, num_modes, choice.fqn, (choice.format,)
+        )[0][1]
     return fake_quant(module.weight.detach(), int(choice.format[3:]), choice.group_size).t()
 
 
@@ -405,8 +468,11 @@ def _shortlist(candidates, budget, linears, approx, output_error, max_rounds: in
         return (c.fqn, c.format, c.max_rank, c.group_size)
 
     def log_ratios(found, family=None):
-        return [math.log(measured[key(c)] / c.error) for c in found if key(c) in measured and c.error > 0
-                and measured[key(c)] > 0 and (family is None or _family(c) == family)]
+        return [
+            math.log(measured[key(c)] / c.error)
+            for c in found
+            if key(c) in measured and c.error > 0 and measured[key(c)] > 0 and (family is None or _family(c) == family)
+        ]
 
     def estimates() -> dict[str, list[FormatChoice]]:
         fallback = {}
@@ -452,8 +518,11 @@ def _measure(model, holders, calibration, formats, ranks, group_sizes, core_grou
         for bits in (8, 4):
             for group in group_sizes if f"int{bits}" in formats else ():
                 approx = fake_quant(weight, bits, group)
-                found.append(FormatChoice(fqn, f"int{bits}", None, QuantSpec(bits, group).nbytes(weight.numel()),
-                                          score(approx.t()), group))
+                found.append(
+                    FormatChoice(
+                        fqn, f"int{bits}", None, QuantSpec(bits, group).nbytes(weight.numel()), score(approx.t()), group
+                    )
+                )
         seen = set()
         for rank in sorted(ranks) if any(f in formats for f in CORE_BITS) else ():
             for choice, approx in _tt_candidates(module, stats, rank, core_group_size, num_modes, fqn, formats):
@@ -483,13 +552,13 @@ def apply_formats_(model: nn.Module, plan: FormatPlan, calibration: Calibration)
     summary = None
     if tt:
         overrides = {rf"^{re.escape(fqn)}$": {"max_rank": c.max_rank} for fqn, c in tt.items()}
-        config = TensorizeConfig(num_modes=plan.num_modes, min_numel=1, min_dim=1, skip=[_only(tt)],
-                                 overrides=overrides)
+        config = TensorizeConfig(
+            num_modes=plan.num_modes, min_numel=1, min_dim=1, skip=[_only(tt)], overrides=overrides
+        )
         summary = tensorize_(model, config, calibration=Calibration({f: calibration[f] for f in tt}))
     for fqn, c in plan.choices.items():  # TT cores and dense int grids, each layer on its own grid
         bits = CORE_BITS[c.format] if c.format in CORE_BITS else int(c.format[3:])
-        quantize_(model, bits, c.group_size, dense_linears=c.format not in CORE_BITS,
-                  include=_paths_regex(plan, [fqn]))
+        quantize_(model, bits, c.group_size, dense_linears=c.format not in CORE_BITS, include=_paths_regex(plan, [fqn]))
     return FormatSummary(plan, summary, stored_bytes(model, only=_planned_params(model, plan)))
 
 
@@ -501,12 +570,16 @@ def _check_plan_fits(model: nn.Module, plan: FormatPlan, calibration: Calibratio
         except AttributeError:
             module = None
         if not isinstance(module, nn.Linear) or f"{path}.weight".lstrip(".") != fqn:
-            raise ValueError(f"the plan does not belong to this model: it has no nn.Linear {path!r} (or it was "
-                             f"converted already); run choose_formats on this model")
+            raise ValueError(
+                f"the plan does not belong to this model: it has no nn.Linear {path!r} (or it was "
+                f"converted already); run choose_formats on this model"
+            )
         stats = calibration.get(fqn) if isinstance(calibration, Calibration) else None
         if stats is None or stats.in_features != module.in_features:
-            raise ValueError(f"the calibration does not belong to this model: no statistics of {module.in_features} "
-                             f"input features for {fqn}; pass the calibration choose_formats was given")
+            raise ValueError(
+                f"the calibration does not belong to this model: no statistics of {module.in_features} "
+                f"input features for {fqn}; pass the calibration choose_formats was given"
+            )
 
 
 def _only(fqns) -> str:

@@ -25,8 +25,9 @@ def encoder_weights(model: nn.Module, prefix: str = ENCODER_PREFIX) -> dict[str,
     return {name: p for name, p in model.named_parameters() if name.startswith(prefix) and p.dim() >= 2}
 
 
-def weight_bytes(model: nn.Module, bits: int = 32, group_size: int | None = None, prefix: str = ENCODER_PREFIX,
-                 per_row: bool = False) -> int:
+def weight_bytes(
+    model: nn.Module, bits: int = 32, group_size: int | None = None, prefix: str = ENCODER_PREFIX, per_row: bool = False
+) -> int:
     """Bytes of the weights of ``encoder_weights(model, prefix)`` stored at ``bits`` bits with a scale per group
     of ``group_size`` (``per_row``: one scale per row of the tensor viewed as (shape[0], -1), i.e. per output
     channel of a linear weight)."""
@@ -38,8 +39,9 @@ def weight_bytes(model: nn.Module, bits: int = 32, group_size: int | None = None
 
 
 @torch.no_grad()
-def fake_quant_(model: nn.Module, bits: int, group_size: int | None = None, prefix: str = ENCODER_PREFIX,
-                per_row: bool = False) -> nn.Module:
+def fake_quant_(
+    model: nn.Module, bits: int, group_size: int | None = None, prefix: str = ENCODER_PREFIX, per_row: bool = False
+) -> nn.Module:
     """``fake_quant`` every tensor of ``encoder_weights(model, prefix)`` in place (grouping as in
     ``weight_bytes``); returns ``model``."""
     for p in encoder_weights(model, prefix).values():

@@ -70,9 +70,12 @@ class RefitSummary:
         before = sum(l.error_before for l in self.layers) / len(self.layers)
         after = sum(l.error_after for l in self.layers) / len(self.layers)
         kept = sum(not l.refit for l in self.layers)
-        return (f"refit_sequential_: {len(self.layers)} layers on {self.batches} batches in {self.seconds:.1f} s; "
-                f"mean local error {before:.3f} -> {after:.3f}" + (f" ({kept} kept their cores)" if kept else "")
-                + "".join(f"; {note}" for note in self.notes))
+        return (
+            f"refit_sequential_: {len(self.layers)} layers on {self.batches} batches in {self.seconds:.1f} s; "
+            f"mean local error {before:.3f} -> {after:.3f}"
+            + (f" ({kept} kept their cores)" if kept else "")
+            + "".join(f"; {note}" for note in self.notes)
+        )
 
 
 class _Stop(Exception):
@@ -198,7 +201,7 @@ def local_error(m: Tensor, b: Tensor | None, m_hat: Tensor, b_hat: Tensor | None
     n = mom.n
     d_out = m.shape[1]
     zero = m.new_zeros(d_out)
-    mt = torch.cat([m, (b if b is not None else zero)[None]])          # target map of [x_t, 1]
+    mt = torch.cat([m, (b if b is not None else zero)[None]])  # target map of [x_t, 1]
     ms = torch.cat([m_hat, (b_hat if b_hat is not None else zero)[None]])  # student map of [x_s, 1]
 
     def aug(second, first_a, first_b):
@@ -279,9 +282,11 @@ def _paired_layers(student: nn.Module, teacher: nn.Module) -> dict[str, tuple[TT
         if other is None or not (isinstance(other, nn.Linear) or is_hf_conv1d(other)):
             continue
         if tuple(_dense_matrix(other).shape) != (module.tt.rows, module.tt.cols):
-            raise ValueError(f"refit_sequential_: {name} is {module.tt.rows} x {module.tt.cols} in the student but "
-                             f"{tuple(_dense_matrix(other).shape)} in the teacher; pass the teacher this student was "
-                             f"tensorized from")
+            raise ValueError(
+                f"refit_sequential_: {name} is {module.tt.rows} x {module.tt.cols} in the student but "
+                f"{tuple(_dense_matrix(other).shape)} in the teacher; pass the teacher this student was "
+                f"tensorized from"
+            )
         pairs[name] = (module, other)
     return pairs
 
@@ -294,6 +299,7 @@ def _groups(student: nn.Module, pairs: dict, batch) -> list[list[str]]:
         def record(module, args, kwargs, output):
             if all(seen != name for seen, _ in order):
                 order.append((name, first_input(args, kwargs)))
+
         return record
 
     handles = [module.register_forward_hook(hook(name), with_kwargs=True) for name, (module, _) in pairs.items()]
@@ -329,6 +335,7 @@ def _capture(run: Callable[[], object], modules: dict[str, nn.Module], mask: Ten
             rows[name].append(real_rows(x, mask, x.shape[-1]))
             if all(rows.values()):
                 raise _Stop
+
         return record
 
     handles = [module.register_forward_hook(hook(name), with_kwargs=True) for name, module in modules.items()]
@@ -362,8 +369,10 @@ class _BlockChain:
         s_modules, t_modules = dict(student.named_modules()), dict(teacher.named_modules())
         unknown = [n for n in names if n not in s_modules or n not in t_modules]
         if unknown:
-            raise ValueError(f"refit_sequential_: blocks {unknown} are not modules of both models; names are those "
-                             f"of named_modules(), e.g. the layers of a transformer")
+            raise ValueError(
+                f"refit_sequential_: blocks {unknown} are not modules of both models; names are those "
+                f"of named_modules(), e.g. the layers of a transformer"
+            )
         s_blocks, t_blocks = [s_modules[n] for n in names], [t_modules[n] for n in names]
         teacher_calls = [_block_calls(teacher, t_blocks, batch) for batch in batches]
         first = _block_calls(student, s_blocks, batches[0])
@@ -385,8 +394,10 @@ class _BlockChain:
     def advance_to(self, index: int) -> None:
         while self.position < index:
             block = self.student_blocks[self.position]
-            self.student_inputs = [_next_call(call, block(*call[0], **call[1]), slot)
-                                   for call, slot in zip(self.student_inputs, self.slots)]
+            self.student_inputs = [
+                _next_call(call, block(*call[0], **call[1]), slot)
+                for call, slot in zip(self.student_inputs, self.slots)
+            ]
             self.position += 1
 
     def teacher_call(self, index: int, b: int) -> Callable[[], object]:
@@ -407,6 +418,7 @@ def _block_calls(model: nn.Module, blocks: list[nn.Module], batch) -> list:
             calls[i].append((args, dict(kwargs)))
             if i == len(blocks) - 1:
                 raise _Stop
+
         return record
 
     handles = [block.register_forward_pre_hook(hook(i), with_kwargs=True) for i, block in enumerate(blocks)]
@@ -435,7 +447,7 @@ def _next_call(call: tuple, output, slot: int | str) -> tuple:
     args, kwargs = call
     hidden = default_output(output)
     if isinstance(slot, int):
-        return args[:slot] + (hidden,) + args[slot + 1:], kwargs
+        return args[:slot] + (hidden,) + args[slot + 1 :], kwargs
     return args, {**kwargs, slot: hidden}
 
 
@@ -453,8 +465,12 @@ def _chain_problem(blocks: list[nn.Module], real: list, names: list[str]) -> str
             return f"{names[i]} is called with other arguments than {names[0]}"
         for got, want in list(zip(args, want_args)) + [(kwargs[k], want_kwargs[k]) for k in kwargs]:
             if isinstance(got, Tensor) or isinstance(want, Tensor):
-                same = (isinstance(got, Tensor) and isinstance(want, Tensor) and got.shape == want.shape
-                        and torch.allclose(got, want, rtol=1e-4, atol=1e-5))
+                same = (
+                    isinstance(got, Tensor)
+                    and isinstance(want, Tensor)
+                    and got.shape == want.shape
+                    and torch.allclose(got, want, rtol=1e-4, atol=1e-5)
+                )
             else:
                 same = got is want or got == want
             if not same:

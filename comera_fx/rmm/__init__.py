@@ -12,5 +12,17 @@ from .modules import RandomizedBackward, RMMConfig, randomized_class, supported_
 from .sketch import SKETCHES, projected_rows, sketch_matrix, sketch_rows
 from .uses import RandomizedUses
 
-__all__ = ["RMMConfig", "RandomizedBackward", "RandomizedUses", "SKETCHES", "projected_rows", "randomized_class", "rmm_linear",
-           "rmm_tt_product", "shared_sketch", "sketch_matrix", "sketch_rows", "supported_kind"]
+__all__ = [
+    "RMMConfig",
+    "RandomizedBackward",
+    "RandomizedUses",
+    "SKETCHES",
+    "projected_rows",
+    "randomized_class",
+    "rmm_linear",
+    "rmm_tt_product",
+    "shared_sketch",
+    "sketch_matrix",
+    "sketch_rows",
+    "supported_kind",
+]

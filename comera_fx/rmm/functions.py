@@ -25,9 +25,11 @@ from .sketch import check_sketch, draw_seed, projected_rows, rho_ratio, sketch_r
 
 def _needs_token_dim(x: Tensor, what: str) -> None:
     if x.dim() < 2:
-        raise ValueError(f"{what}: the input has shape {tuple(x.shape)}, with no token dimension to sketch; "
-                         f"call it with a batch dimension (x[None]) or leave this layer exact "
-                         f"(comera_fx.restore_backward_, or filter_fn in randomize_backward_)")
+        raise ValueError(
+            f"{what}: the input has shape {tuple(x.shape)}, with no token dimension to sketch; "
+            f"call it with a batch dimension (x[None]) or leave this layer exact "
+            f"(comera_fx.restore_backward_, or filter_fn in randomize_backward_)"
+        )
 
 
 # -- sharing one sketch between the linears that read the same tensor ---------------------------------------------
@@ -48,6 +50,7 @@ class _Entry:
 def _forget(key):
     def callback(_ref):
         _SHARED.pop(key, None)
+
     return callback
 
 
@@ -101,8 +104,15 @@ class RandomizedLinearFunction(torch.autograd.Function):
         return dx, dw, db, None, None, None
 
 
-def rmm_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, rho: float | tuple[int, int] = 0.25,
-               sketch: str = "gaussian", share_key: object | None = None) -> Tensor:
+def rmm_linear(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None = None,
+    *,
+    rho: float | tuple[int, int] = 0.25,
+    sketch: str = "gaussian",
+    share_key: object | None = None,
+) -> Tensor:
     """``F.linear(x, weight, bias)`` whose backward keeps a sketch of x (ρ of its tokens) instead of x.
 
     Without grad (``torch.no_grad``, a frozen weight) it is plain ``F.linear`` and draws nothing. ``share_key``:
@@ -155,8 +165,10 @@ def _envelope(layout, op: str):
     if torch.compiler.is_compiling():
         envelope = layers.cached_envelope(layout, op)
         if envelope is None:
-            raise RuntimeError(f"no contraction plan for {layout} ({op}) inside torch.compile: call "
-                               f"tt.prepare_plans() on every TT matrix before compiling (tensorize_ does)")
+            raise RuntimeError(
+                f"no contraction plan for {layout} ({op}) inside torch.compile: call "
+                f"tt.prepare_plans() on every TT matrix before compiling (tensorize_ does)"
+            )
         return envelope
     return layers.planned_envelope(layout, op)
 
@@ -178,9 +190,15 @@ def prepare_rmm_plans(tt) -> None:
         _envelope(tt.layout, op)
 
 
-def rmm_tt_product(x: Tensor, tt, *, transposed: bool = False, rho: float | tuple[int, int] = 0.25,
-                   sketch: str = "gaussian",
-                   share_key: object | None = None) -> Tensor:
+def rmm_tt_product(
+    x: Tensor,
+    tt,
+    *,
+    transposed: bool = False,
+    rho: float | tuple[int, int] = 0.25,
+    sketch: str = "gaussian",
+    share_key: object | None = None,
+) -> Tensor:
     """x @ M (or x @ Mᵀ) of a ``TTMatrix`` with an exact forward and dX, and core gradients estimated from the
     sketched pair (S·x, S·dY) — the gate gradients follow through the gated cores. Plain planned product without
     grad. The planner's costs account for ρ: the forward and dX save nothing, so they run the orders planned for
@@ -196,8 +214,10 @@ def rmm_tt_product(x: Tensor, tt, *, transposed: bool = False, rho: float | tupl
     x2d = x.reshape(-1, n_in)
     tokens = x2d.shape[0]
     rows = projected_rows(tokens, ratio)
-    runners = (planner.plan_runner(layers.choose_plan(_inference_envelope(layout, op), tokens)),
-               planner.plan_runner(layers.choose_plan(_inference_envelope(layout, other), tokens)),
-               planner.plan_runner(layers.choose_plan(_envelope(layout, op), rows)))
+    runners = (
+        planner.plan_runner(layers.choose_plan(_inference_envelope(layout, op), tokens)),
+        planner.plan_runner(layers.choose_plan(_inference_envelope(layout, other), tokens)),
+        planner.plan_runner(layers.choose_plan(_envelope(layout, op), rows)),
+    )
     x_sketch, seed = shared_sketch(x2d, rows, sketch, share_key)
     return RandomizedTTProduct.apply(x, x_sketch, seed, runners, sketch, *tt.gated_cores())

@@ -76,10 +76,10 @@ class RandomizedBackward(SwappedClass):
         if kind == "linear":
             return rmm_linear(x, self.weight, self.bias, rho=config.ratio, sketch=config.sketch, share_key=self)
         if kind == "conv1d":  # transformers' Conv1D: y = x·W + b with W stored (in × out)
-            return rmm_linear(x, self.weight.t(), self.bias, rho=config.ratio, sketch=config.sketch,
-                              share_key=self)
-        y = rmm_tt_product(x, self.tt, transposed=self.transposed, rho=config.ratio, sketch=config.sketch,
-                           share_key=self)
+            return rmm_linear(x, self.weight.t(), self.bias, rho=config.ratio, sketch=config.sketch, share_key=self)
+        y = rmm_tt_product(
+            x, self.tt, transposed=self.transposed, rho=config.ratio, sketch=config.sketch, share_key=self
+        )
         return y + self.bias if self.bias is not None else y
 
     def extra_repr(self) -> str:

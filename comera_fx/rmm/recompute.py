@@ -47,8 +47,9 @@ def _selects(select: Selector) -> Callable[[nn.Module, str], bool]:
         return lambda module, fqn: isinstance(module, select)
     if callable(select):
         return select
-    raise ValueError(f"checkpoint must be a module class, a tuple of classes or a function (module, fqn) -> bool, "
-                     f"got {select!r}")
+    raise ValueError(
+        f"checkpoint must be a module class, a tuple of classes or a function (module, fqn) -> bool, got {select!r}"
+    )
 
 
 def checkpoint_modules(model: nn.Module, select: Selector) -> list[str]:

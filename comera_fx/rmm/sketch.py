@@ -38,8 +38,7 @@ def check_rho(rho) -> Fraction:
     if isinstance(rho, bool) or not isinstance(rho, (int, float, Fraction)) or not math.isfinite(float(rho)):
         raise ValueError(f"rho must be a number in (0, 1] (the fraction of tokens the sketch keeps), got {rho!r}")
     if not 0 < rho <= 1:
-        raise ValueError(f"rho must be in (0, 1] (the fraction of tokens the sketch keeps, e.g. rho=0.25), "
-                         f"got {rho!r}")
+        raise ValueError(f"rho must be in (0, 1] (the fraction of tokens the sketch keeps, e.g. rho=0.25), got {rho!r}")
     return Fraction(rho).limit_denominator(1 << 20)
 
 
@@ -109,8 +108,8 @@ def _blocked_dense_sketch(x: Tensor, generator: torch.Generator, rows: int, kind
             s = torch.randn(rows, width, generator=generator, dtype=dtype, device=x.device)
         else:
             s = torch.randint(0, 2, (rows, width), generator=generator, device=x.device).to(dtype).mul_(2).sub_(1)
-        out.addmm_(s, x[start:start + width].to(dtype))
-    return out.mul_(rows ** -0.5)
+        out.addmm_(s, x[start : start + width].to(dtype))
+    return out.mul_(rows**-0.5)
 
 
 def _sylvester(size: int, dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -155,9 +154,9 @@ def _hadamard_selected(y: Tensor, chosen: Tensor, signs: Tensor) -> Tensor:
     bits = n.bit_length() - 1
     a = 1 << ((bits + 1) // 2)
     b = n // a
-    signed_inner = _sylvester(b, y.dtype, y.device)[None] * signs.reshape(a, 1, b)        # H_b·D per block
-    inner = torch.matmul(signed_inner, y.reshape(a, b, features))                          # [i1, i2', :]
-    outer = torch.matmul(_sylvester(a, y.dtype, y.device), inner.transpose(0, 1))          # [i2', i1', :]
+    signed_inner = _sylvester(b, y.dtype, y.device)[None] * signs.reshape(a, 1, b)  # H_b·D per block
+    inner = torch.matmul(signed_inner, y.reshape(a, b, features))  # [i1, i2', :]
+    outer = torch.matmul(_sylvester(a, y.dtype, y.device), inner.transpose(0, 1))  # [i2', i1', :]
     return outer[chosen % b, chosen // b]
 
 
@@ -170,7 +169,7 @@ def _srht_sketch(x: Tensor, generator: torch.Generator, rows: int) -> Tensor:
     y = x.to(dtype)
     if n != tokens:  # zero rows up to the power of two: they add nothing to S·x
         y = torch.cat([y, y.new_zeros(n - tokens, x.shape[1])])
-    return _hadamard_selected(y, chosen, signs).mul_(rows ** -0.5)
+    return _hadamard_selected(y, chosen, signs).mul_(rows**-0.5)
 
 
 @torch.library.custom_op("comera_fx::sketch_rows", mutates_args=())

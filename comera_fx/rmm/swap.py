@@ -26,8 +26,11 @@ def mixed_class(mixin: type, base: type) -> type:
     key = (mixin, base)
     cls = _CLASSES.get(key)
     if cls is None:
-        cls = type(f"{mixin.prefix}{base.__name__}", (mixin, base),
-                   {mixin.base_attr: base, "_mixed_from": (mixin, base), "__module__": mixin.__module__})
+        cls = type(
+            f"{mixin.prefix}{base.__name__}",
+            (mixin, base),
+            {mixin.base_attr: base, "_mixed_from": (mixin, base), "__module__": mixin.__module__},
+        )
         _CLASSES[key] = cls
     return cls
 

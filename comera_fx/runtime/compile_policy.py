@@ -40,8 +40,12 @@ SIGN_TEST_LEVEL = 0.02
 PROBE_BUDGET_SHARE = 0.1
 
 
-def could_pay(remaining_s: float, recompiles: int = 0, min_compile_s: float = MIN_COMPILE_SECONDS,
-              best_speedup: float = BEST_SPEEDUP) -> bool:
+def could_pay(
+    remaining_s: float,
+    recompiles: int = 0,
+    min_compile_s: float = MIN_COMPILE_SECONDS,
+    best_speedup: float = BEST_SPEEDUP,
+) -> bool:
     """Whether ``remaining_s`` of training could repay a compile and ``recompiles`` recompiles of ``min_compile_s``
     each at the best speed-up."""
     return remaining_s * (1 - 1 / best_speedup) > (1 + recompiles) * min_compile_s
@@ -70,7 +74,7 @@ def steps_gained_at_ratio(compiled_times: list[float], eager_step_s: float, rati
     gained = 1 - compiled_times[0] / eager_step_s
     rest, half = compiled_times[1:], window // 2
     for i, seconds in enumerate(rest):
-        local = statistics.median(rest[max(0, i - half): i + half + 1])
+        local = statistics.median(rest[max(0, i - half) : i + half + 1])
         gained += 1 - seconds / (ratio * local)
     return gained
 
@@ -80,8 +84,9 @@ def sign_test_tail(successes: int, trials: int) -> float:
     return sum(math.comb(trials, k) for k in range(successes, trials + 1)) / 2**trials
 
 
-def paired_verdict(ratios: list[float], needed: float, min_pairs: int, max_pairs: int,
-                   level: float = SIGN_TEST_LEVEL) -> bool | None:
+def paired_verdict(
+    ratios: list[float], needed: float, min_pairs: int, max_pairs: int, level: float = SIGN_TEST_LEVEL
+) -> bool | None:
     """From eager/compiled time ratios of neighbouring step pairs: True when the compiled path pays (the ratios
     exceed ``needed`` more often than a fair coin would, at ``level``), False when it does not, None while the pairs
     cannot tell yet. At ``max_pairs`` the median decides."""
@@ -114,13 +119,13 @@ class CompileProbe:
     mode: str = "auto"
     budget_s: float = 0.0
     expected_recompiles: int = 0
-    eager_steps: int = 8             # medians of 7 steps each: single CPU steps vary by 10-20 % on a shared machine
+    eager_steps: int = 8  # medians of 7 steps each: single CPU steps vary by 10-20 % on a shared machine
     min_pairs: int = 8
     max_pairs: int = 48
     eager_times: list = field(default_factory=list)
     compiled_times: list = field(default_factory=list)
     pair_ratios: list = field(default_factory=list)  # eager / compiled seconds of each probe pair
-    state: str = "eager"            # eager -> compiled -> (kept | reverted); or "declined"
+    state: str = "eager"  # eager -> compiled -> (kept | reverted); or "declined"
     reason: str = ""
     compile_s: float = 0.0
     graphs_at_first_step: int = 0
@@ -148,10 +153,15 @@ class CompileProbe:
             if self.mode == "auto" and not could_pay(remaining, self.expected_recompiles):
                 self._settle_eager()
                 self.state = "declined"
-                compiles = ("a compile per prune" if self.expected_recompiles >= UNBOUNDED else
-                            f"{1 + self.expected_recompiles} compile(s)")
-                self.reason = (f"{remaining:.0f} s of budget left could not repay even {compiles} of "
-                               f"{MIN_COMPILE_SECONDS:g} s at {BEST_SPEEDUP:g}x the eager speed")
+                compiles = (
+                    "a compile per prune"
+                    if self.expected_recompiles >= UNBOUNDED
+                    else f"{1 + self.expected_recompiles} compile(s)"
+                )
+                self.reason = (
+                    f"{remaining:.0f} s of budget left could not repay even {compiles} of "
+                    f"{MIN_COMPILE_SECONDS:g} s at {BEST_SPEEDUP:g}x the eager speed"
+                )
                 return
             self._stats = compile_blocks(model)
             self.state = "compiled"
@@ -188,8 +198,12 @@ class CompileProbe:
             remaining = self.budget_s - self._spent
             probe_cap = PROBE_BUDGET_SHARE * (self.budget_s - self._probe_start)
             max_pairs = self.max_pairs if self._spent - self._probe_start < probe_cap else len(self.pair_ratios)
-            verdict = paired_verdict(self.pair_ratios, speedup_needed(remaining, self._recompile_s()),
-                                     self.min_pairs, max(max_pairs, self.min_pairs))
+            verdict = paired_verdict(
+                self.pair_ratios,
+                speedup_needed(remaining, self._recompile_s()),
+                self.min_pairs,
+                max(max_pairs, self.min_pairs),
+            )
             if verdict is not None:
                 self._decide(model, verdict)
 
@@ -239,10 +253,12 @@ class CompileProbe:
         ratio, needed = statistics.median(self.pair_ratios), speedup_needed(remaining, recompile_s)
         above = sum(r > needed for r in self.pair_ratios)
         gained = steps_gained(remaining, self.eager_step, self.eager_step / ratio, recompile_s)
-        figures = (f"compile {self.compile_s:.1f} s, compiled step {ratio:.2f}x faster than eager (median of "
-                   f"{len(self.pair_ratios)} neighbouring pairs; {above} of them above the {needed:.3f}x needed), "
-                   f"{remaining:.0f} s left, {self.expected_recompiles} recompile(s) expected (~{recompile_s:.0f} "
-                   f"s): {gained:+.0f} steps compiled")
+        figures = (
+            f"compile {self.compile_s:.1f} s, compiled step {ratio:.2f}x faster than eager (median of "
+            f"{len(self.pair_ratios)} neighbouring pairs; {above} of them above the {needed:.3f}x needed), "
+            f"{remaining:.0f} s left, {self.expected_recompiles} recompile(s) expected (~{recompile_s:.0f} "
+            f"s): {gained:+.0f} steps compiled"
+        )
         self._use_path(model, "compiled")
         if pays or self.mode == "yes":
             self.state, self.reason = "kept", figures + (" (--compile yes)" if self.mode == "yes" else "")
@@ -253,21 +269,28 @@ class CompileProbe:
 
     def summary(self) -> dict:
         """JSON-ready: the path that ran, why, and the compile figures."""
-        path = {"kept": "compiled", "compiled": "compiled", "reverted": "compiled, then eager"}.get(self.state,
-                                                                                                     "eager")
+        path = {"kept": "compiled", "compiled": "compiled", "reverted": "compiled, then eager"}.get(self.state, "eager")
         out = {"path": path, "reason": self.reason or "the run ended before the probe chose", "mode": self.mode}
         if self.eager_times:
             out["eager_step_s"] = self.eager_step
         if self.compiled_times:
-            out.update(compile_s=self.compile_s, compiled_step_s=self.compiled_step, graphs=self.graphs(),
-                       recompiles=self.recompiles(), compiled_steps=len(self.compiled_times))
+            out.update(
+                compile_s=self.compile_s,
+                compiled_step_s=self.compiled_step,
+                graphs=self.graphs(),
+                recompiles=self.recompiles(),
+                compiled_steps=len(self.compiled_times),
+            )
             # The compiled steps' own times against eager ones measured before the compile would carry the machine's
             # drift over the whole run (a 600 s run read -347 steps where its interleaved eager partner took 228
             # fewer): after a probe, measured at its paired ratio instead.
             if self.pair_ratios:
                 ratio = statistics.median(self.pair_ratios)
-                out.update(probe_pairs=len(self.pair_ratios), probe_speedup=ratio,
-                           steps_gained=steps_gained_at_ratio(self.compiled_times, self._eager_at_compile, ratio))
+                out.update(
+                    probe_pairs=len(self.pair_ratios),
+                    probe_speedup=ratio,
+                    steps_gained=steps_gained_at_ratio(self.compiled_times, self._eager_at_compile, ratio),
+                )
             else:
                 out["steps_gained"] = len(self.compiled_times) - sum(self.compiled_times) / self.eager_step
         return out

@@ -102,10 +102,15 @@ class ShapePolicy:
         if self._physical < 2 and not per_block:
             return
         self._warned = True
-        why = ("same_shape_blocks=False stores each block's matrices at their own widths (a recompiled graph per "
-               "block)" if per_block else
-               f"shrink_slack={slack} shrinks the cores physically again ({self._physical} physical shrinks so far, "
-               f"a recompile each)")
-        warnings.warn(f"RankAdaptive: the model runs compiled ({compiled}) and {why}; leave RankConfig.shrink_slack "
-                      f"and same_shape_blocks unset (None): the hook then holds the shapes until the last prune "
-                      f"point and recompiles once", stacklevel=5)
+        why = (
+            "same_shape_blocks=False stores each block's matrices at their own widths (a recompiled graph per block)"
+            if per_block
+            else f"shrink_slack={slack} shrinks the cores physically again ({self._physical} physical shrinks so far, "
+            f"a recompile each)"
+        )
+        warnings.warn(
+            f"RankAdaptive: the model runs compiled ({compiled}) and {why}; leave RankConfig.shrink_slack "
+            f"and same_shape_blocks unset (None): the hook then holds the shapes until the last prune "
+            f"point and recompiles once",
+            stacklevel=5,
+        )

@@ -55,7 +55,8 @@ FSDP2_REFUSAL = (
     "a checkpoint boundary: gather torch.distributed.checkpoint.state_dict.get_model_state_dict(model, "
     "options=StateDictOptions(full_state_dict=True)), load it into a single-process model, prune there "
     "(RankAdaptive.prune_to / runtime.shrink_), save it, and fully_shard the smaller model again "
-    "(docs/distributed.md)")
+    "(docs/distributed.md)"
+)
 
 
 class _StaleDDP:
@@ -65,9 +66,11 @@ class _StaleDDP:
         self.where = where
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError("this DistributedDataParallel wrapper was replaced after the TT ranks were pruned: its "
-                           "reducer still holds the old parameters and would not all-reduce the new ones' gradients "
-                           f"(pytorch#12603). Use the new wrapper: {self.where}")
+        raise RuntimeError(
+            "this DistributedDataParallel wrapper was replaced after the TT ranks were pruned: its "
+            "reducer still holds the old parameters and would not all-reduce the new ones' gradients "
+            f"(pytorch#12603). Use the new wrapper: {self.where}"
+        )
 
 
 def _settings(old: DistributedDataParallel) -> dict[str, Any]:
@@ -82,15 +85,23 @@ def _settings(old: DistributedDataParallel) -> dict[str, Any]:
     if getattr(old, "device_mesh", None) is not None:
         problems.append("device_mesh")
     if problems:
-        raise NotImplementedError(f"rewrap_ddp: cannot rebuild a DistributedDataParallel with {', '.join(problems)} "
-                                  f"from its attributes; build it yourself: hook.distributed.wrap = lambda module: "
-                                  f"DistributedDataParallel(module, ...) for RankAdaptive, or rewrap_ddp(old, "
-                                  f"wrap=...)")
+        raise NotImplementedError(
+            f"rewrap_ddp: cannot rebuild a DistributedDataParallel with {', '.join(problems)} "
+            f"from its attributes; build it yourself: hook.distributed.wrap = lambda module: "
+            f"DistributedDataParallel(module, ...) for RankAdaptive, or rewrap_ddp(old, "
+            f"wrap=...)"
+        )
     caps = list(old.bucket_bytes_cap_list)
-    kwargs = dict(device_ids=old.device_ids, output_device=old.output_device, dim=old.dim,
-                  process_group=old.process_group, find_unused_parameters=old.find_unused_parameters,
-                  gradient_as_bucket_view=old.gradient_as_bucket_view, static_graph=old.static_graph,
-                  forward_sync_buffers=old.forward_sync_buffers)
+    kwargs = dict(
+        device_ids=old.device_ids,
+        output_device=old.output_device,
+        dim=old.dim,
+        process_group=old.process_group,
+        find_unused_parameters=old.find_unused_parameters,
+        gradient_as_bucket_view=old.gradient_as_bucket_view,
+        static_graph=old.static_graph,
+        forward_sync_buffers=old.forward_sync_buffers,
+    )
     if caps:
         kwargs["bucket_cap_mb_list"] = [c / _MB for c in caps]
     elif not old.bucket_bytes_cap_default:  # the default keeps its smaller first bucket only if left unset
@@ -98,8 +109,12 @@ def _settings(old: DistributedDataParallel) -> dict[str, Any]:
     return kwargs
 
 
-def rewrap_ddp(old: DistributedDataParallel, *, wrap: Callable[[nn.Module], DistributedDataParallel] | None = None,
-               where: str = "the wrapper rewrap_ddp returned") -> DistributedDataParallel:
+def rewrap_ddp(
+    old: DistributedDataParallel,
+    *,
+    wrap: Callable[[nn.Module], DistributedDataParallel] | None = None,
+    where: str = "the wrapper rewrap_ddp returned",
+) -> DistributedDataParallel:
     """A new ``DistributedDataParallel`` around ``old.module``, built with ``old``'s settings (or by ``wrap``), for
     after the module's parameters were replaced. A collective: call it on every rank at the same point. ``old``'s
     forward then raises, so a loop that kept it fails instead of training without gradient averaging."""
@@ -144,8 +159,14 @@ class RankSync:
     and ``on_prune`` callbacks are how the caller rebuilds its wrapper). ``wrap``: how to build the new wrapper
     (default: ``rewrap_ddp`` from the old one's settings)."""
 
-    def __init__(self, wrapper: DistributedDataParallel | None = None, *, group: Any = None, src: int = 0,
-                 wrap: Callable[[nn.Module], DistributedDataParallel] | None = None):
+    def __init__(
+        self,
+        wrapper: DistributedDataParallel | None = None,
+        *,
+        group: Any = None,
+        src: int = 0,
+        wrap: Callable[[nn.Module], DistributedDataParallel] | None = None,
+    ):
         self.wrapper = wrapper
         self.group = wrapper.process_group if group is None and wrapper is not None else group
         self.src, self.wrap = src, wrap
@@ -184,8 +205,11 @@ class RankSync:
 
     def _broadcast(self, values: Tensor) -> Tensor:
         if self.size > 1:
-            dist.broadcast(values, src=dist.get_global_rank(self.group, self.src) if self.group is not None
-                           else self.src, group=self.group)
+            dist.broadcast(
+                values,
+                src=dist.get_global_rank(self.group, self.src) if self.group is not None else self.src,
+                group=self.group,
+            )
         return values
 
     def ints(self, values: Sequence[int], device: torch.device) -> list[int]:
@@ -222,10 +246,13 @@ class RankSync:
             self.rewraps += 1
         current = self.wrapper if self.wrapper is not None else module
         if self.wrapper is None and not self.callbacks and self.size > 1:
-            warnings.warn("RankAdaptive pruned a model trained by several processes, but was given the bare module: "
-                          "if it is inside DistributedDataParallel, that wrapper no longer averages the pruned "
-                          "matrices' gradients. Pass the DDP model to RankAdaptive (it then rebuilds it, see "
-                          "hook.model) or rebuild it in hook.distributed.on_prune(fn)", stacklevel=3)
+            warnings.warn(
+                "RankAdaptive pruned a model trained by several processes, but was given the bare module: "
+                "if it is inside DistributedDataParallel, that wrapper no longer averages the pruned "
+                "matrices' gradients. Pass the DDP model to RankAdaptive (it then rebuilds it, see "
+                "hook.model) or rebuild it in hook.distributed.on_prune(fn)",
+                stacklevel=3,
+            )
         for fn in self.callbacks:
             fn(current)
         return current

@@ -68,8 +68,10 @@ class RankSummary:
     def __str__(self) -> str:
         target = "none" if self.target_tt_params is None else f"{self.target_tt_params:,.0f}"
         done = "" if self.progress is None else f", {min(self.progress, 1.0):.0%} of the horizon"
-        lines = [f"RankAdaptive ({self.schedule}), step {self.step}, {self.stage}{done}: TT params "
-                 f"{self.tt_params:,} (start {self.initial_tt_params:,}, target {target})"]
+        lines = [
+            f"RankAdaptive ({self.schedule}), step {self.step}, {self.stage}{done}: TT params "
+            f"{self.tt_params:,} (start {self.initial_tt_params:,}, target {target})"
+        ]
         lines += [f"  {name}: ranks {ranks}" for name, ranks in self.ranks.items() if name not in self.zeroed]
         lines += [f"  {name}: rank 0 (bias only) — {why}" for name, why in self.zeroed.items()]
         return "\n".join(lines)

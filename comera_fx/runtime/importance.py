@@ -91,7 +91,7 @@ class BondSensitivity:
         for name in names:
             layer = self.layer.get(name)
             if layer is None or layer.device != flat.device or layer.dtype != flat.dtype:
-                layer = self.layer[name] = (flat.new_zeros(()) if layer is None else layer.to(flat.device, flat.dtype))
+                layer = self.layer[name] = flat.new_zeros(()) if layer is None else layer.to(flat.device, flat.dtype)
             layers.append(layer)
         first_hit = torch.stack([grad_norms[i] for i in first]) != 0  # not hit[first]: a list index is a blocking copy
         _masked_ema_list_(layers, layer_value, self.beta, first_hit)
@@ -124,13 +124,15 @@ class BondSensitivity:
             if entry.tt.is_zero:
                 continue
             layer = self.layer.get(entry.name)
-            flat.append(torch.zeros((), dtype=torch.float64) if layer is None
-                        else layer.detach().to("cpu", torch.float64))
+            flat.append(
+                torch.zeros((), dtype=torch.float64) if layer is None else layer.detach().to("cpu", torch.float64)
+            )
             keys.append(("layer", entry.name))
             ema = self.ema.get(entry.name, [])
             for k, gate in enumerate(entry.tt.gates):
-                flat.append(ema[k].detach().to("cpu", torch.float64) if k < len(ema)
-                            else torch.zeros((), dtype=torch.float64))
+                flat.append(
+                    ema[k].detach().to("cpu", torch.float64) if k < len(ema) else torch.zeros((), dtype=torch.float64)
+                )
                 keys.append(("bond", entry.name))
         numbers = torch.stack(flat).tolist() if flat else []
         bonds: dict[str, list[float]] = {}
@@ -143,10 +145,13 @@ class BondSensitivity:
         return {name: tuple(v) for name, v in bonds.items()}, layers
 
     def state_dict(self) -> dict[str, Any]:
-        return {"beta": self.beta, "updates": self.updates,
-                "ema": {name: [t.detach().clone() for t in ema] for name, ema in self.ema.items()},
-                "layer": {name: t.detach().clone() for name, t in self.layer.items()},
-                "seen": {name: t.detach().clone() for name, t in self.seen.items()}}
+        return {
+            "beta": self.beta,
+            "updates": self.updates,
+            "ema": {name: [t.detach().clone() for t in ema] for name, ema in self.ema.items()},
+            "layer": {name: t.detach().clone() for name, t in self.layer.items()},
+            "seen": {name: t.detach().clone() for name, t in self.seen.items()},
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.updates = state["updates"]

@@ -42,12 +42,37 @@ from .history import HistoryEntry, RankSummary, materialized
 from .importance import BondSensitivity, slice_importance
 from .rank_config import BUDGET, COMERA, RankConfig
 from .schedule import BudgetSchedule, LayerSlices, allocate
-from .shrink import (ShrinkRecord, bond_singular_values, compact_, live_params, params_at_ranks, remove_slices_,
-                     resize_bonds_, round_to_ranks_, same_shape_widths, shrink_)
+from .shrink import (
+    ShrinkRecord,
+    bond_singular_values,
+    compact_,
+    live_params,
+    params_at_ranks,
+    remove_slices_,
+    resize_bonds_,
+    round_to_ranks_,
+    same_shape_widths,
+    shrink_,
+)
 
-__all__ = ["RankAdaptive", "RankConfig", "param_groups", "tt_matrices", "MatrixEntry", "HistoryEntry", "RankSummary",
-           "EARLY", "LATE", "achievement_lambda", "add_gate_penalty_", "shrink_", "remove_slices_", "ShrinkRecord",
-           "params_at_ranks", "physical_params"]
+__all__ = [
+    "RankAdaptive",
+    "RankConfig",
+    "param_groups",
+    "tt_matrices",
+    "MatrixEntry",
+    "HistoryEntry",
+    "RankSummary",
+    "EARLY",
+    "LATE",
+    "achievement_lambda",
+    "add_gate_penalty_",
+    "shrink_",
+    "remove_slices_",
+    "ShrinkRecord",
+    "params_at_ranks",
+    "physical_params",
+]
 
 # --------------------------------------------------------------------------------------------- finding matrices
 
@@ -98,21 +123,28 @@ def config_from_keywords(config: RankConfig | None, keywords: dict[str, Any]) ->
     it before, with ``target_ratio`` -> ``keep_fraction`` and ``target_params`` -> ``size_target``."""
     unknown = sorted(set(keywords) - _CONFIG_FIELDS - set(_RENAMED))
     if unknown:
-        raise TypeError(f"RankAdaptive() got unexpected keyword arguments {unknown}; the schedule's options are "
-                        f"the fields of RankConfig")
+        raise TypeError(
+            f"RankAdaptive() got unexpected keyword arguments {unknown}; the schedule's options are "
+            f"the fields of RankConfig"
+        )
     if not keywords:
         return config if config is not None else RankConfig()
     if config is not None:
-        raise TypeError(f"RankAdaptive: pass the schedule's options in the RankConfig only; got a config and "
-                        f"{sorted(keywords)}")
+        raise TypeError(
+            f"RankAdaptive: pass the schedule's options in the RankConfig only; got a config and {sorted(keywords)}"
+        )
     both = [(old, new) for old, new in _RENAMED.items() if old in keywords and new in keywords]
     if both:
         raise TypeError(f"RankAdaptive: pass {both[0][1]}= only ({both[0][0]}= is its deprecated spelling)")
     values = {_RENAMED.get(name, name): value for name, value in keywords.items()}
     spelled = ", ".join(f"{name}={value!r}" for name, value in values.items())
-    warnings.warn(f"RankAdaptive({', '.join(f'{k}=...' for k in keywords)}) is deprecated and will be removed in the "
-                  f"next release; use RankAdaptive(model, optimizer, RankConfig({spelled})) (target_ratio is now "
-                  f"keep_fraction, target_params size_target)", DeprecationWarning, stacklevel=3)
+    warnings.warn(
+        f"RankAdaptive({', '.join(f'{k}=...' for k in keywords)}) is deprecated and will be removed in the "
+        f"next release; use RankAdaptive(model, optimizer, RankConfig({spelled})) (target_ratio is now "
+        f"keep_fraction, target_params size_target)",
+        DeprecationWarning,
+        stacklevel=3,
+    )
     return RankConfig(**values)
 
 
@@ -186,11 +218,15 @@ class RankAdaptive:
         check_config_type("RankAdaptive(model, optimizer, config)", config, RankConfig, "RankConfig(keep_fraction=0.5)")
         self.settings = s = config_from_keywords(config, keywords).resolved()  # defaults filled in
         if clock is not None and (s.schedule != BUDGET or not callable(clock)):
-            raise ValueError(f"RankAdaptive: clock= times the budget schedule's budget_seconds: a callable "
-                             f"returning seconds, with schedule='budget'; got {clock!r} with "
-                             f"schedule={s.schedule!r}")
-        if not (history_every is None or (isinstance(history_every, int) and not isinstance(history_every, bool)
-                                          and history_every >= 1)):
+            raise ValueError(
+                f"RankAdaptive: clock= times the budget schedule's budget_seconds: a callable "
+                f"returning seconds, with schedule='budget'; got {clock!r} with "
+                f"schedule={s.schedule!r}"
+            )
+        if not (
+            history_every is None
+            or (isinstance(history_every, int) and not isinstance(history_every, bool) and history_every >= 1)
+        ):
             raise ValueError(f"RankAdaptive: history_every must be an int >= 1 or None; got {history_every!r}")
         self.history_every = history_every
         self.shrink_slack = s.shrink_slack  # None: chosen by how the model runs (compiled_as)
@@ -222,15 +258,19 @@ class RankAdaptive:
             self.schedule, self.importance = None, None
             self.stage = EARLY
         self.switch_step: int | None = None
-        self._plateau = (PlateauDetector(s.plateau_patience, s.plateau_tol)
-                         if s.schedule == COMERA and s.plateau_patience is not None else None)
-        self._handles = [optimizer.register_step_pre_hook(self._pre_step),
-                         optimizer.register_step_post_hook(self._post_step)]
+        self._plateau = (
+            PlateauDetector(s.plateau_patience, s.plateau_tol)
+            if s.schedule == COMERA and s.plateau_patience is not None
+            else None
+        )
+        self._handles = [
+            optimizer.register_step_pre_hook(self._pre_step),
+            optimizer.register_step_post_hook(self._post_step),
+        ]
 
     def _make_schedule(self) -> BudgetSchedule:
         s = self.settings
-        return BudgetSchedule(self.initial_tt_params, self.target_size, s.warmup_fraction, s.final_fraction,
-                              s.prunes)
+        return BudgetSchedule(self.initial_tt_params, self.target_size, s.warmup_fraction, s.final_fraction, s.prunes)
 
     def _check_model(self) -> None:
         if not self.matrices:
@@ -238,16 +278,23 @@ class RankAdaptive:
         optimized = {id(p) for group in self.optimizer.param_groups for p in group["params"]}
         missing = [m.name for m in self.matrices if any(id(g) not in optimized for g in m.tt.gates)]
         if missing:
-            raise ValueError(f"RankAdaptive: the optimizer does not hold the gates of {missing}; build it after "
-                             f"tensorize_ (e.g. from comera_fx.runtime.param_groups(model))")
+            raise ValueError(
+                f"RankAdaptive: the optimizer does not hold the gates of {missing}; build it after "
+                f"tensorize_ (e.g. from comera_fx.runtime.param_groups(model))"
+            )
         frozen = [m.name for m in self.matrices if not m.shrinkable]
         if frozen and self.settings.schedule == BUDGET:
-            warnings.warn(f"RankAdaptive: {frozen} come from the graph pass, whose ranks are constants of the graph; "
-                          f"their slices are never removed, so the other TT matrices carry the whole size cut",
-                          stacklevel=3)
+            warnings.warn(
+                f"RankAdaptive: {frozen} come from the graph pass, whose ranks are constants of the graph; "
+                f"their slices are never removed, so the other TT matrices carry the whole size cut",
+                stacklevel=3,
+            )
         elif frozen and self.settings.prune_every is not None:
-            warnings.warn(f"RankAdaptive: {frozen} come from the graph pass, whose ranks are constants of the graph; "
-                          f"their gates are penalised but their slices are never removed", stacklevel=3)
+            warnings.warn(
+                f"RankAdaptive: {frozen} come from the graph pass, whose ranks are constants of the graph; "
+                f"their gates are penalised but their slices are never removed",
+                stacklevel=3,
+            )
 
     # -- public API ----------------------------------------------------------------------------------------------
 
@@ -333,8 +380,10 @@ class RankAdaptive:
         """``prune_to``; ``final``: the schedule's last prune point, where matrices held wider are compacted if
         that frees at least ``MIN_FINAL_COMPACTION`` of the stored size."""
         if self.importance is None:
-            raise RuntimeError("RankAdaptive: prune_to() ranks slices by importance, which only the budget "
-                               "schedule measures; with schedule='comera' use prune()")
+            raise RuntimeError(
+                "RankAdaptive: prune_to() ranks slices by importance, which only the budget "
+                "schedule measures; with schedule='comera' use prune()"
+            )
         if self.distributed is not None:
             self.distributed.check()
         _ = self.shapes.compiled_as  # looked up before any parameter is replaced (the backend knows the old ones)
@@ -353,14 +402,21 @@ class RankAdaptive:
             if s.min_rank == 0:
                 floor, reasons[m.name] = 0, f"min_rank=0 (importance {imp:.3g}, mean layer importance {mean:.3g})"
             elif s.rank0_below > 0 and imp < s.rank0_below * mean:
-                floor, reasons[m.name] = 0, (f"importance {imp:.3g} < rank0_below {s.rank0_below:g} × mean layer "
-                                             f"importance {mean:.3g}")
+                floor, reasons[m.name] = (
+                    0,
+                    (f"importance {imp:.3g} < rank0_below {s.rank0_below:g} × mean layer importance {mean:.3g}"),
+                )
             else:
                 floor = s.min_rank
             sigmas = [sig.tolist() for sig in bond_singular_values(m.tt)]
             ranks = m.tt.live_layout.internal_ranks
-            layers.append(LayerSlices(_mids(m.tt), tuple(slice_importance(sens, sig, r) for sens, sig, r in
-                                                         zip(sensitivity[m.name], sigmas, ranks)), floor))
+            layers.append(
+                LayerSlices(
+                    _mids(m.tt),
+                    tuple(slice_importance(sens, sig, r) for sens, sig, r in zip(sensitivity[m.name], sigmas, ranks)),
+                    floor,
+                )
+            )
         records, decided = [], [[len(kept) for kept in keep] for keep in allocate(layers, size, fixed)]
         if self.distributed is not None:  # rank 0's ranks on every rank
             flat = iter(self.distributed.ints([r for ranks in decided for r in ranks], self._device()))
@@ -372,16 +428,20 @@ class RankAdaptive:
             if record is not None:
                 self._after_shrink(record, reasons.get(m.name, ""))
                 records.append(record)
-        compact_now = not in_place or (final and self._compaction_frees()
-                                       >= MIN_FINAL_COMPACTION * self.stored_tt_params())
+        compact_now = not in_place or (
+            final and self._compaction_frees() >= MIN_FINAL_COMPACTION * self.stored_tt_params()
+        )
         compacted = self._compact_all() if compact_now else []
         if compact_now and (records or compacted):
             self.shapes.shrunk_physically(self.shrink_slack, self.settings.same_shape_blocks)
         if self.tt_params() > size + 0.5 and not self._warned_floor:
             self._warned_floor = True
-            warnings.warn(f"RankAdaptive: the scheduled size {size:,.0f} is below what the rank floors allow "
-                          f"(min_rank={s.min_rank}); the TT size stays at {self.tt_params():,}. Lower min_rank or "
-                          f"raise the target", stacklevel=2)
+            warnings.warn(
+                f"RankAdaptive: the scheduled size {size:,.0f} is below what the rank floors allow "
+                f"(min_rank={s.min_rank}); the TT size stays at {self.tt_params():,}. Lower min_rank or "
+                f"raise the target",
+                stacklevel=2,
+            )
         self._after_prune(records + compacted)
         return records
 
@@ -426,9 +486,11 @@ class RankAdaptive:
     def _compaction_frees(self) -> int:
         """Stored TT parameters that ``compact()`` would free now (to the group widths with ``same_shape_blocks``)."""
         shrinkable, widths = self._compaction_widths()
-        return sum(physical_params(m.tt) - params_at_ranks(m.tt, widths.get(m.name) or m.tt.live_internal_ranks or
-                                                            m.tt.layout.internal_ranks)
-                   for m in shrinkable)
+        return sum(
+            physical_params(m.tt)
+            - params_at_ranks(m.tt, widths.get(m.name) or m.tt.live_internal_ranks or m.tt.layout.internal_ranks)
+            for m in shrinkable
+        )
 
     def _compacts(self, compact: bool | None, live_after: int) -> bool:
         """Does this prune shrink physically? When asked, else as ``ShapePolicy.compacts`` decides."""
@@ -452,9 +514,17 @@ class RankAdaptive:
 
     def summary(self) -> RankSummary:
         """Sizes, ranks, and which layers went to rank 0 and why (``str()`` formats it)."""
-        return RankSummary(self.settings.schedule, self.step, self.stage, self.progress(), self.initial_tt_params,
-                           self.target_size, self.tt_params(), {m.name: m.tt.ranks for m in self.matrices},
-                           dict(self.zeroed))
+        return RankSummary(
+            self.settings.schedule,
+            self.step,
+            self.stage,
+            self.progress(),
+            self.initial_tt_params,
+            self.target_size,
+            self.tt_params(),
+            {m.name: m.tt.ranks for m in self.matrices},
+            dict(self.zeroed),
+        )
 
     def remove(self) -> None:
         """Detach from the optimizer; later steps are plain optimizer steps. Safe to call twice."""
@@ -481,24 +551,36 @@ class RankAdaptive:
 
     def state_dict(self) -> dict[str, Any]:
         """The schedule's state (not the history), so a resumed run prunes the same slices at the same steps."""
-        state = {"schedule": self.settings.schedule, "step": self.step, "stage": self.stage,
-                 "switch_step": self.switch_step, "initial_tt_params": self.initial_tt_params,
-                 "zeroed": dict(self.zeroed),
-                 "live_ranks": {m.name: m.tt.live_internal_ranks for m in self.matrices
-                                if m.tt.live_internal_ranks is not None}}
+        state = {
+            "schedule": self.settings.schedule,
+            "step": self.step,
+            "stage": self.stage,
+            "switch_step": self.switch_step,
+            "initial_tt_params": self.initial_tt_params,
+            "zeroed": dict(self.zeroed),
+            "live_ranks": {
+                m.name: m.tt.live_internal_ranks for m in self.matrices if m.tt.live_internal_ranks is not None
+            },
+        }
         if self.settings.schedule == BUDGET:
-            state.update(elapsed_seconds=self.elapsed_seconds(), next_prune=self._next_prune,
-                         importance=self.importance.state_dict())
+            state.update(
+                elapsed_seconds=self.elapsed_seconds(),
+                next_prune=self._next_prune,
+                importance=self.importance.state_dict(),
+            )
         else:
-            state["plateau"] = (None if self._plateau is None
-                                else {"best": self._plateau.best, "since": self._plateau.since})
+            state["plateau"] = (
+                None if self._plateau is None else {"best": self._plateau.best, "since": self._plateau.since}
+            )
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         saved = state.get("schedule", COMERA)  # checkpoints from before the budget schedule are CoMERA's
         if saved != self.settings.schedule:
-            raise ValueError(f"RankAdaptive: the checkpoint is of schedule={saved!r}, this hook runs "
-                             f"schedule={self.settings.schedule!r}; build it with the checkpoint's settings")
+            raise ValueError(
+                f"RankAdaptive: the checkpoint is of schedule={saved!r}, this hook runs "
+                f"schedule={self.settings.schedule!r}; build it with the checkpoint's settings"
+            )
         self.step, self.stage, self.switch_step = state["step"], state["stage"], state["switch_step"]
         self.initial_tt_params = state["initial_tt_params"]
         self.zeroed = dict(state.get("zeroed", {}))
@@ -532,15 +614,19 @@ class RankAdaptive:
 
     def _late_lambda(self, loss: float | None) -> float:
         if self.settings.target_loss is not None and loss is None:
-            raise RuntimeError("RankAdaptive: target_loss is set, so call hook.observe(loss) before every "
-                               "optimizer.step() in the late stage")
+            raise RuntimeError(
+                "RankAdaptive: target_loss is set, so call hook.observe(loss) before every "
+                "optimizer.step() in the late stage"
+            )
         return achievement_lambda(loss, self.settings.target_loss, self.live_tt_params(), self.target_size)
 
     def _pre_step(self, optimizer, args, kwargs) -> None:
         closure = args[1] if len(args) > 1 else kwargs.get("closure")  # args[0] is the optimizer itself
         if closure is not None:
-            raise RuntimeError("RankAdaptive: optimizer.step(closure) is not supported; the gradients must exist "
-                               "before step() (call backward first)")
+            raise RuntimeError(
+                "RankAdaptive: optimizer.step(closure) is not supported; the gradients must exist "
+                "before step() (call backward first)"
+            )
         loss, self._pending_loss = self._pending_loss, None
         self._step_loss, self._step_lam = loss, None
         s = self.settings
@@ -584,15 +670,26 @@ class RankAdaptive:
         when it is called."""
         counts = live_counts_later([m.tt for m in self.matrices], self.settings.threshold)
         names, tts = [m.name for m in self.matrices], [m.tt for m in self.matrices]
-        fixed = dict(step=self.step, stage=self.stage, loss=self._step_loss, lam=self._step_lam,
-                     ranks={n: tt.ranks for n, tt in zip(names, tts)}, tt_params=self.tt_params(),
-                     dense_params=sum(tt.layout.dense_params for tt in tts), shrunk=tuple(r.name for r in records),
-                     zeroed=tuple(r.name for r in records if r.zeroed), wall_time=time.perf_counter() - self._start,
-                     budget=budget)
+        fixed = dict(
+            step=self.step,
+            stage=self.stage,
+            loss=self._step_loss,
+            lam=self._step_lam,
+            ranks={n: tt.ranks for n, tt in zip(names, tts)},
+            tt_params=self.tt_params(),
+            dense_params=sum(tt.layout.dense_params for tt in tts),
+            shrunk=tuple(r.name for r in records),
+            zeroed=tuple(r.name for r in records if r.zeroed),
+            wall_time=time.perf_counter() - self._start,
+            budget=budget,
+        )
 
         def entry() -> HistoryEntry:
             live = counts()
-            return HistoryEntry(live_ranks={n: (1, *c, 1) for n, c in zip(names, live)},
-                                live_tt_params=sum(params_at_ranks(tt, c) for tt, c in zip(tts, live)), **fixed)
+            return HistoryEntry(
+                live_ranks={n: (1, *c, 1) for n, c in zip(names, live)},
+                live_tt_params=sum(params_at_ranks(tt, c) for tt, c in zip(tts, live)),
+                **fixed,
+            )
 
         return entry

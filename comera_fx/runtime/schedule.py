@@ -38,8 +38,10 @@ class BudgetSchedule:
             if not (isinstance(value, (int, float)) and 0 <= value < 1):
                 raise ValueError(f"RankAdaptive: {name}_fraction must be a float in [0, 1); got {value!r}")
         if self.warmup + self.final >= 1:
-            raise ValueError(f"RankAdaptive: warmup_fraction + final_fraction must be < 1 (the decay needs a "
-                             f"window); got {self.warmup} + {self.final}")
+            raise ValueError(
+                f"RankAdaptive: warmup_fraction + final_fraction must be < 1 (the decay needs a "
+                f"window); got {self.warmup} + {self.final}"
+            )
         if not (isinstance(self.prunes, int) and not isinstance(self.prunes, bool) and self.prunes >= 1):
             raise ValueError(f"RankAdaptive: prunes must be an int >= 1; got {self.prunes!r}")
 
@@ -69,8 +71,9 @@ class BudgetSchedule:
     def prune_points(self) -> tuple[float, ...]:
         """p_1 < … < p_prunes = p_e."""
         p_i, p_e = self.decay_start, self.decay_end
-        return tuple(p_e if k == self.prunes else p_i + (p_e - p_i) * k / self.prunes
-                     for k in range(1, self.prunes + 1))
+        return tuple(
+            p_e if k == self.prunes else p_i + (p_e - p_i) * k / self.prunes for k in range(1, self.prunes + 1)
+        )
 
     def prune_steps(self, total_steps: int) -> tuple[int, ...]:
         """With a horizon in steps: the steps (counted from 1) at which the prune points are first reached
@@ -114,8 +117,9 @@ def allocate(layers: Sequence[LayerSlices], budget: float, fixed: int = 0) -> li
     Stops early when every bond is at its floor (the result is then above the budget). Ties go to the first
     layer and bond in order, so the result is deterministic.
     """
-    order = [[sorted(range(len(imp)), key=lambda i, imp=imp: (imp[i], i)) for imp in layer.importance]
-             for layer in layers]
+    order = [
+        [sorted(range(len(imp)), key=lambda i, imp=imp: (imp[i], i)) for imp in layer.importance] for layer in layers
+    ]
     removed = [[0] * len(layer.importance) for layer in layers]
     ranks = [list(layer.ranks) for layer in layers]
     sizes = [tt_size(layer.mids, r) for layer, r in zip(layers, ranks)]
@@ -128,7 +132,7 @@ def allocate(layers: Sequence[LayerSlices], budget: float, fixed: int = 0) -> li
             for k, r in enumerate(ranks[j]):
                 if r <= layer.floor:
                     continue
-                smaller = ranks[j][:k] + [r - 1] + ranks[j][k + 1:]
+                smaller = ranks[j][:k] + [r - 1] + ranks[j][k + 1 :]
                 new_size = tt_size(layer.mids, smaller)
                 score = layer.importance[k][order[j][k][removed[j][k]]] / (sizes[j] - new_size)
                 if best is None or score < best[0]:
@@ -143,5 +147,7 @@ def allocate(layers: Sequence[LayerSlices], budget: float, fixed: int = 0) -> li
             removed[j] = [len(imp) for imp in layers[j].importance]
         total += new_size - sizes[j]
         sizes[j] = new_size
-    return [tuple(tuple(sorted(order[j][k][removed[j][k]:])) for k in range(len(layer.importance)))
-            for j, layer in enumerate(layers)]
+    return [
+        tuple(tuple(sorted(order[j][k][removed[j][k] :])) for k in range(len(layer.importance)))
+        for j, layer in enumerate(layers)
+    ]

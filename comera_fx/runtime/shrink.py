@@ -71,16 +71,19 @@ def _slice_state(state: dict[str, Any], old: Tensor, fn: Callable[[Tensor], Tens
     for key, value in state.items():
         if torch.is_tensor(value) and value.dim() > 0:
             if value.shape != old.shape:
-                raise NotImplementedError(f"optimizer state {key!r} has shape {tuple(value.shape)}, not the "
-                                          f"parameter's {tuple(old.shape)}; RankAdaptive can only slice "
-                                          f"elementwise optimizer states (Adam, AdamW, SGD, RMSprop, ...)")
+                raise NotImplementedError(
+                    f"optimizer state {key!r} has shape {tuple(value.shape)}, not the "
+                    f"parameter's {tuple(old.shape)}; RankAdaptive can only slice "
+                    f"elementwise optimizer states (Adam, AdamW, SGD, RMSprop, ...)"
+                )
             value = fn(value)
         out[key] = value
     return out
 
 
-def swap_parameter_(optimizer: torch.optim.Optimizer | None, old: nn.Parameter, new: nn.Parameter,
-                    fn: Callable[[Tensor], Tensor]) -> None:
+def swap_parameter_(
+    optimizer: torch.optim.Optimizer | None, old: nn.Parameter, new: nn.Parameter, fn: Callable[[Tensor], Tensor]
+) -> None:
     """Put ``new`` at ``old``'s position in every param group and move ``old``'s state over, sliced by ``fn``."""
     if optimizer is None:
         return
@@ -93,8 +96,9 @@ def swap_parameter_(optimizer: torch.optim.Optimizer | None, old: nn.Parameter, 
         optimizer.state[new] = _slice_state(optimizer.state.pop(old), old, fn)
 
 
-def _replace_(plist: nn.ParameterList, k: int, fn: Callable[[Tensor], Tensor],
-              optimizer: torch.optim.Optimizer | None) -> None:
+def _replace_(
+    plist: nn.ParameterList, k: int, fn: Callable[[Tensor], Tensor], optimizer: torch.optim.Optimizer | None
+) -> None:
     old = plist[k]
     new = nn.Parameter(fn(old.detach()), requires_grad=old.requires_grad)
     if old.grad is not None:  # keep accumulated gradients of a loop that does not zero them right after step
@@ -103,8 +107,9 @@ def _replace_(plist: nn.ParameterList, k: int, fn: Callable[[Tensor], Tensor],
     swap_parameter_(optimizer, old, new, fn)
 
 
-def remove_slices_(tt: TTMatrix, masks: Sequence[Tensor], *, optimizer: torch.optim.Optimizer | None = None,
-                   name: str = "") -> ShrinkRecord | None:
+def remove_slices_(
+    tt: TTMatrix, masks: Sequence[Tensor], *, optimizer: torch.optim.Optimizer | None = None, name: str = ""
+) -> ShrinkRecord | None:
     """Keep, on every bond k, the slices where ``masks[k]`` (bool, one entry per slice) is True; remove the others.
 
     Gate k sits between core k (last axis) and core k+1 (first axis): its removed entries are dropped from all
@@ -115,8 +120,10 @@ def remove_slices_(tt: TTMatrix, masks: Sequence[Tensor], *, optimizer: torch.op
     if not tt.gates or tt.stored_empty:
         return None
     if [tuple(m.shape) for m in masks] != [tuple(g.shape) for g in tt.gates]:
-        raise ValueError(f"{name or 'TTMatrix'}: masks of shapes {[tuple(m.shape) for m in masks]} do not match "
-                         f"the gates' {[tuple(g.shape) for g in tt.gates]}")
+        raise ValueError(
+            f"{name or 'TTMatrix'}: masks of shapes {[tuple(m.shape) for m in masks]} do not match "
+            f"the gates' {[tuple(g.shape) for g in tt.gates]}"
+        )
     masks = [m.to(torch.bool) for m in masks]
     counts = torch.stack([m.sum().to(masks[0].device) for m in masks]).tolist()
     sizes = [m.numel() for m in masks]
@@ -147,8 +154,13 @@ def remove_slices_(tt: TTMatrix, masks: Sequence[Tensor], *, optimizer: torch.op
     return ShrinkRecord(name, old_ranks, tt.ranks, before, physical_params(tt), zeroed and not was_zero, kept)
 
 
-def shrink_(tt: TTMatrix, *, threshold: float = DEFAULT_GATE_THRESHOLD, optimizer: torch.optim.Optimizer | None = None,
-            name: str = "") -> ShrinkRecord | None:
+def shrink_(
+    tt: TTMatrix,
+    *,
+    threshold: float = DEFAULT_GATE_THRESHOLD,
+    optimizer: torch.optim.Optimizer | None = None,
+    name: str = "",
+) -> ShrinkRecord | None:
     """Remove the slices of ``tt`` whose gate entry is dead (|g| <= threshold), physically (``remove_slices_``).
 
     Exact when the dead entries are exactly 0; otherwise it drops terms of size <= threshold, as CoMERA's masking
@@ -182,8 +194,9 @@ def _fit(t: Tensor, axis: int, size: int) -> Tensor:
     return torch.cat([t, t.new_zeros(pad)], dim=axis)
 
 
-def resize_bonds_(tt: TTMatrix, widths: Sequence[int], *, optimizer: torch.optim.Optimizer | None = None,
-                  name: str = "") -> ShrinkRecord | None:
+def resize_bonds_(
+    tt: TTMatrix, widths: Sequence[int], *, optimizer: torch.optim.Optimizer | None = None, name: str = ""
+) -> ShrinkRecord | None:
     """Store every bond k of ``tt`` at ``widths[k]`` slices (>= its live rank), physically: the live slices
     first, zeros (cores and gates) past them, cut or padded as needed; optimizer state and gradients follow, new
     parameters in the old ones' places. The matrix is then held wider wherever a width exceeds the live rank.
@@ -205,9 +218,11 @@ def resize_bonds_(tt: TTMatrix, widths: Sequence[int], *, optimizer: torch.optim
         first = widths[k - 1] if k > 0 and widths[k - 1] != stored[k - 1] else None
         last = widths[k] if k < n - 1 and widths[k] != stored[k] else None
         if first is not None or last is not None:
+
             def fit(t, f=first, l=last):
                 t = _fit(t, 0, f) if f is not None else t
                 return _fit(t, t.dim() - 1, l) if l is not None else t
+
             _replace_(tt.cores, k, fit, optimizer)
     for k in range(n - 1):
         if widths[k] != stored[k]:
@@ -248,8 +263,11 @@ def same_shape_widths(named: Sequence[tuple[str, TTMatrix]]) -> dict[str, tuple[
 def _fold_gates(tt: TTMatrix) -> list[Tensor]:
     """The live cores with their gates folded in (detached)."""
     cores, gates = [c.detach() for c in tt.live_cores()], tt.live_gates()
-    return [c * g.detach() if k < len(gates) else c
-            for k, (c, g) in enumerate(zip(cores, [*gates, None]))] if gates else cores
+    return (
+        [c * g.detach() if k < len(gates) else c for k, (c, g) in enumerate(zip(cores, [*gates, None]))]
+        if gates
+        else cores
+    )
 
 
 def tt_round(cores: Sequence[Tensor], ranks: Sequence[int] | None = None) -> tuple[list[Tensor], list[Tensor]]:
@@ -289,8 +307,14 @@ def bond_singular_values(tt: TTMatrix) -> list[Tensor]:
         return tt_round(_fold_gates(tt))[1]
 
 
-def round_to_ranks_(tt: TTMatrix, internal_ranks: Sequence[int], *, optimizer: torch.optim.Optimizer | None = None,
-                    name: str = "", in_place: bool = False) -> ShrinkRecord | None:
+def round_to_ranks_(
+    tt: TTMatrix,
+    internal_ranks: Sequence[int],
+    *,
+    optimizer: torch.optim.Optimizer | None = None,
+    name: str = "",
+    in_place: bool = False,
+) -> ShrinkRecord | None:
     """Reduce ``tt`` to ``internal_ranks`` by TT rounding: the best directions of every bond are kept (not the
     stored slices), gates reset to 1. A rank of 0 anywhere zeroes the matrix. The new cores are new parameters in
     the old ones' places in ``optimizer``; their optimizer state is dropped (the moments refer to a basis that no
@@ -308,8 +332,9 @@ def round_to_ranks_(tt: TTMatrix, internal_ranks: Sequence[int], *, optimizer: t
         _write_in_place_(tt, internal_ranks, optimizer)
         return ShrinkRecord(name, old_ranks, tt.ranks, before, live_params(tt), tt.is_zero, ())
     if any(r == 0 for r in internal_ranks):
-        return remove_slices_(tt, [torch.zeros_like(g, dtype=torch.bool) for g in tt.gates], optimizer=optimizer,
-                              name=name)
+        return remove_slices_(
+            tt, [torch.zeros_like(g, dtype=torch.bool) for g in tt.gates], optimizer=optimizer, name=name
+        )
     was_planned = planned_ops(tt.layout)
     with torch.no_grad():
         cores, _ = tt_round(_fold_gates(tt), internal_ranks)
@@ -343,7 +368,7 @@ def _write_in_place_(tt: TTMatrix, internal_ranks: Sequence[int], optimizer: tor
                 param = plist[k]
                 param.zero_()
                 if plist is tt.gates:
-                    param[:internal_ranks[k]] = 1
+                    param[: internal_ranks[k]] = 1
                 elif value is not None:
                     param[tuple(slice(0, n) for n in value.shape)] = value
                 param.grad = None

@@ -35,7 +35,8 @@ def __getattr__(name: str):
             return importlib.import_module(".strategies", __name__)
         except ModuleNotFoundError as exc:
             if exc.name == "hypothesis":
-                raise ModuleNotFoundError("comera_fx.testing.strategies needs Hypothesis: "
-                                          "pip install comera_fx[test]", name="hypothesis") from exc
+                raise ModuleNotFoundError(
+                    "comera_fx.testing.strategies needs Hypothesis: pip install comera_fx[test]", name="hypothesis"
+                ) from exc
             raise
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

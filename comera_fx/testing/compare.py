@@ -58,8 +58,10 @@ class Tolerance:
         if torch.isnan(a).ne(torch.isnan(b)).any():
             return False
         a, b = torch.nan_to_num(a, nan=0.0), torch.nan_to_num(b, nan=0.0)
-        return float(torch.linalg.vector_norm((b - a).double())) <= \
-            self.norm_rtol * float(torch.linalg.vector_norm(a.double())) + self.atol
+        return (
+            float(torch.linalg.vector_norm((b - a).double()))
+            <= self.norm_rtol * float(torch.linalg.vector_norm(a.double())) + self.atol
+        )
 
     def allows_float(self, a: float, b: float) -> bool:
         if math.isnan(a) or math.isnan(b):
@@ -95,11 +97,13 @@ def _is_unregistered_dataclass(x: Any) -> bool:
 def open_dataclasses(value):
     """``value`` with every unregistered dataclass instance replaced by (type name, dict of its fields), so that
     pytree sees the tensors inside it (recursively)."""
+
     def opened(x):
         if _is_unregistered_dataclass(x):
             fields = {f.name: open_dataclasses(getattr(x, f.name)) for f in dataclasses.fields(x)}
             return (type(x).__qualname__, fields)
         return x
+
     return pytree.tree_map(opened, value)
 
 
@@ -119,8 +123,13 @@ def _leaf_difference(a, b, strict: bool, tol: Tolerance) -> Difference | None:
     except Exception:
         if not strict:  # an intermediate value the locator cannot compare: not evidence either way
             return None
-        return Difference(None, None, None, f"values of type {type(a).__qualname__} cannot be compared (their == "
-                                            f"gives no bool): register the type with torch.utils._pytree")
+        return Difference(
+            None,
+            None,
+            None,
+            f"values of type {type(a).__qualname__} cannot be compared (their == "
+            f"gives no bool): register the type with torch.utils._pytree",
+        )
     return None if same else Difference(None, None, None, f"{a!r} vs {b!r}")
 
 
@@ -154,8 +163,11 @@ def compare(original, rewritten, tol: Tolerance, *, strict: bool = True) -> Diff
             continue
         error = float(torch.nan_to_num((a - b).abs(), nan=float("inf")).max())
         norm = float(torch.linalg.vector_norm(a.double()))
-        relative = float(torch.linalg.vector_norm(torch.nan_to_num((a - b).double(), nan=float("inf")))) / norm \
-            if norm > 0 else None
+        relative = (
+            float(torch.linalg.vector_norm(torch.nan_to_num((a - b).double(), nan=float("inf")))) / norm
+            if norm > 0
+            else None
+        )
         if worst is None or error > worst.max_abs_error:
             worst = Difference(error, tuple(a.shape), tuple(b.shape), "values differ", relative)
     return worst
@@ -165,8 +177,12 @@ def summary(difference: Difference) -> str:
     """'max abs error 0.1 (shape (2, 3))' — with the relative norm error when known."""
     if difference.max_abs_error is None:
         return f"{difference.reason} (original {difference.original_shape}, rewritten {difference.rewritten_shape})"
-    relative = (f", relative norm error {difference.relative_norm_error:.3g}"
-                if difference.relative_norm_error is not None else "")
-    shape = f" (shape {difference.original_shape})" if difference.original_shape is not None else \
-        f" ({difference.reason})"
+    relative = (
+        f", relative norm error {difference.relative_norm_error:.3g}"
+        if difference.relative_norm_error is not None
+        else ""
+    )
+    shape = (
+        f" (shape {difference.original_shape})" if difference.original_shape is not None else f" ({difference.reason})"
+    )
     return f"max abs error {difference.max_abs_error:.3g}{relative}{shape}"

@@ -39,8 +39,11 @@ def takes_graph_module(rewrite: Rewrite) -> bool | None:
             signature = inspect.signature(rewrite)
         except (TypeError, ValueError):
             return None
-    positional = [p for p in signature.parameters.values()
-                  if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    positional = [
+        p
+        for p in signature.parameters.values()
+        if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    ]
     if not positional or positional[0].annotation is inspect.Parameter.empty:
         return None
     annotation = positional[0].annotation
@@ -79,7 +82,6 @@ def apply_rewrite(reference: nn.Module, rewrite: Rewrite, graph: bool | None) ->
             raise module_error from None
 
 
-
 # ------------------------------------------------------------------------------------------------- running
 
 
@@ -93,10 +95,12 @@ class _Run:
 
 def _cast_inputs(args: tuple, kwargs: dict, dtype: torch.dtype) -> tuple[tuple, dict]:
     """Float tensors to ``dtype``; a tensor already in ``dtype`` is kept as is (strides included)."""
+
     def cast(x):
         if isinstance(x, Tensor) and x.is_floating_point() and x.dtype != dtype:
             return x.detach().to(dtype)
         return x.detach() if isinstance(x, Tensor) else x
+
     return pytree.tree_map(cast, (args, kwargs))
 
 
@@ -108,8 +112,7 @@ def _input_name(path) -> str:
 def _cotangents(outputs: list[Tensor]) -> list[Tensor]:
     """A fixed random output gradient: a plain sum would hide errors (LayerNorm's output sums to a constant)."""
     generator = torch.Generator().manual_seed(0)
-    return [torch.randn(o.shape, generator=generator, dtype=torch.float64).to(o.dtype).to(o.device)
-            for o in outputs]
+    return [torch.randn(o.shape, generator=generator, dtype=torch.float64).to(o.dtype).to(o.device) for o in outputs]
 
 
 def _run(model: nn.Module, args: tuple, kwargs: dict, grads: bool, call: Callable | None = None) -> _Run:
@@ -140,7 +143,7 @@ def _run(model: nn.Module, args: tuple, kwargs: dict, grads: bool, call: Callabl
         got = [None] * len(wrt)
     got = [torch.zeros_like(t) if g is None else g for t, g in zip(wrt, got)]
     run.input_grads = dict(zip(grad_inputs, got[: len(grad_inputs)]))
-    by_id = {id(p): g for p, g in zip(unique, got[len(grad_inputs):])}
+    by_id = {id(p): g for p, g in zip(unique, got[len(grad_inputs) :])}
     run.param_grads = {n: by_id.get(id(p), torch.zeros_like(p)) for n, p in named}
     return run
 
@@ -202,12 +205,31 @@ def assert_rewrite_equivalent(
         try:
             actual = _run(rewritten, args, kwargs, grads)
         except Exception as exc:
-            fail(reference, rewritten, as_graph, args, kwargs, tol, locate,
-                 f"The rewritten model raised{where} {type(exc).__name__}: {exc}", "error", cause=exc)
+            fail(
+                reference,
+                rewritten,
+                as_graph,
+                args,
+                kwargs,
+                tol,
+                locate,
+                f"The rewritten model raised{where} {type(exc).__name__}: {exc}",
+                "error",
+                cause=exc,
+            )
         difference = compare(expected.outputs, actual.outputs, tol)
         if difference is not None:
-            fail(reference, rewritten, as_graph, args, kwargs, tol, locate,
-                 f"The rewrite changed the model's output{where}: {summary(difference)}.", "forward")
+            fail(
+                reference,
+                rewritten,
+                as_graph,
+                args,
+                kwargs,
+                tol,
+                locate,
+                f"The rewrite changed the model's output{where}: {summary(difference)}.",
+                "forward",
+            )
         if grads:
             _check_gradients(reference, rewritten, as_graph, args, kwargs, tol, locate, expected, actual, where)
     if compile_backend is not None:
@@ -215,25 +237,50 @@ def assert_rewrite_equivalent(
     return rewritten
 
 
-def _check_gradients(reference, rewritten, as_graph, args, kwargs, tol: Tolerance, locate, expected: _Run,
-                     actual: _Run, where: str = ""):
+def _check_gradients(
+    reference, rewritten, as_graph, args, kwargs, tol: Tolerance, locate, expected: _Run, actual: _Run, where: str = ""
+):
     for name, grad in expected.input_grads.items():
         difference = compare(grad, actual.input_grads.get(name), tol)
         if difference is not None:
-            fail(reference, rewritten, as_graph, args, kwargs, tol, locate,
-                 f"The gradient w.r.t. {name} differs{where}: {summary(difference)}.", "input gradient",
-                 input_name=name, difference=difference)
-    shared = [n for n, g in expected.param_grads.items()
-              if n in actual.param_grads and actual.param_grads[n].shape == g.shape]
+            fail(
+                reference,
+                rewritten,
+                as_graph,
+                args,
+                kwargs,
+                tol,
+                locate,
+                f"The gradient w.r.t. {name} differs{where}: {summary(difference)}.",
+                "input gradient",
+                input_name=name,
+                difference=difference,
+            )
+    shared = [
+        n for n, g in expected.param_grads.items() if n in actual.param_grads and actual.param_grads[n].shape == g.shape
+    ]
     for name in shared:
         difference = compare(expected.param_grads[name], actual.param_grads[name], tol)
         if difference is not None:
-            others = [n for n in shared if n != name and
-                      compare(expected.param_grads[n], actual.param_grads[n], tol) is not None]
+            others = [
+                n
+                for n in shared
+                if n != name and compare(expected.param_grads[n], actual.param_grads[n], tol) is not None
+            ]
             also = f" (also: {', '.join(others[:6])})" if others else ""
-            fail(reference, rewritten, as_graph, args, kwargs, tol, locate,
-                 f"The gradient w.r.t. parameter {name} differs{where}: {summary(difference)}{also}.",
-                 "parameter gradient", parameter=name, difference=difference)
+            fail(
+                reference,
+                rewritten,
+                as_graph,
+                args,
+                kwargs,
+                tol,
+                locate,
+                f"The gradient w.r.t. parameter {name} differs{where}: {summary(difference)}{also}.",
+                "parameter gradient",
+                parameter=name,
+                difference=difference,
+            )
 
 
 def _compiled_call(module: nn.Module, backend) -> tuple[Callable, list[int]]:
@@ -266,18 +313,37 @@ def _check_compiled(reference, rewritten, inputs, tol: Tolerance, grads, backend
         expected = _run(reference, args, kwargs, grads)
         actual = _run(rewritten, args, kwargs, grads, call=compiled)
         if not graphs:
-            raise RewriteMismatch(f"torch.compile(backend={backend!r}) compiled no graph of the rewritten model "
-                                  f"(Dynamo ran it eagerly), so the compiled check checked nothing",
-                                  Divergence("compiled"))
+            raise RewriteMismatch(
+                f"torch.compile(backend={backend!r}) compiled no graph of the rewritten model "
+                f"(Dynamo ran it eagerly), so the compiled check checked nothing",
+                Divergence("compiled"),
+            )
         where = f" on extra input {number}" if number else ""
-        for label, want, got in [("output", expected.outputs, actual.outputs)] + [
-            (f"gradient w.r.t. {n}", g, actual.input_grads.get(n)) for n, g in expected.input_grads.items()
-        ] + [(f"gradient w.r.t. parameter {n}", g, actual.param_grads[n]) for n, g in expected.param_grads.items()
-             if n in actual.param_grads and actual.param_grads[n].shape == g.shape]:
+        for label, want, got in (
+            [("output", expected.outputs, actual.outputs)]
+            + [(f"gradient w.r.t. {n}", g, actual.input_grads.get(n)) for n, g in expected.input_grads.items()]
+            + [
+                (f"gradient w.r.t. parameter {n}", g, actual.param_grads[n])
+                for n, g in expected.param_grads.items()
+                if n in actual.param_grads and actual.param_grads[n].shape == g.shape
+            ]
+        ):
             difference = compare(want, got, tol)
             if difference is not None:
-                report = (f"The rewritten model compiled with torch.compile(backend={backend!r}) differs from the "
-                          f"original{where}: {label}: {summary(difference)}. The eager rewritten model agrees, "
-                          f"so the difference comes from compiling it.")
-                raise RewriteMismatch(report, Divergence("compiled", None, None, None, difference.max_abs_error,
-                                                         difference.original_shape, difference.rewritten_shape))
+                report = (
+                    f"The rewritten model compiled with torch.compile(backend={backend!r}) differs from the "
+                    f"original{where}: {label}: {summary(difference)}. The eager rewritten model agrees, "
+                    f"so the difference comes from compiling it."
+                )
+                raise RewriteMismatch(
+                    report,
+                    Divergence(
+                        "compiled",
+                        None,
+                        None,
+                        None,
+                        difference.max_abs_error,
+                        difference.original_shape,
+                        difference.rewritten_shape,
+                    ),
+                )

@@ -105,6 +105,7 @@ def _record_modules(model: nn.Module, args: tuple, kwargs: dict) -> tuple[dict, 
         def hook(module, inputs, output):
             order.append((name, len(by_module[name])))
             by_module[name].append(detach(output))
+
         return hook
 
     for name, module in model.named_modules():
@@ -118,8 +119,9 @@ def _record_modules(model: nn.Module, args: tuple, kwargs: dict) -> tuple[dict, 
     return by_module, order
 
 
-def _first_divergence_in_graphs(reference: nn.Module, rewritten: fx.GraphModule, args, kwargs, tol,
-                                lines: list[str]) -> Divergence | None:
+def _first_divergence_in_graphs(
+    reference: nn.Module, rewritten: fx.GraphModule, args, kwargs, tol, lines: list[str]
+) -> Divergence | None:
     """Walk the original's graph in topological order; compare each node with the rewritten node of the same name
     (or, for call_module, the same module FQN and call index). Returns the first that differs."""
     original_gm = trace(reference)
@@ -134,8 +136,12 @@ def _first_divergence_in_graphs(reference: nn.Module, rewritten: fx.GraphModule,
         n = candidate.failed_node
         where = f"node %{n.name} ({n.op} {_target_str(n)})" if n is not None else "an unknown node"
         lines.append(f"The rewritten graph raised at {where}: {type(exc).__name__}: {exc}")
-        return Divergence("error", n.name if n is not None else None, n.op if n is not None else None,
-                          _target_str(n) if n is not None else None)
+        return Divergence(
+            "error",
+            n.name if n is not None else None,
+            n.op if n is not None else None,
+            _target_str(n) if n is not None else None,
+        )
     rewritten_nodes = {n.name: n for n in rewritten.graph.nodes}
     original_names = {n.name for n in original_gm.graph.nodes}
     replacements = _replacements(original_gm, rewritten_nodes, original_names)
@@ -153,8 +159,15 @@ def _first_divergence_in_graphs(reference: nn.Module, rewritten: fx.GraphModule,
         if difference is None:
             agreeing, last_agreeing = agreeing + 1, node
             continue
-        divergence = Divergence("forward", node.name, node.op, _target_str(node), difference.max_abs_error,
-                                difference.original_shape, difference.rewritten_shape)
+        divergence = Divergence(
+            "forward",
+            node.name,
+            node.op,
+            _target_str(node),
+            difference.max_abs_error,
+            difference.original_shape,
+            difference.rewritten_shape,
+        )
         lines.append(_describe_node_difference(node, twin, difference, tol, original_names, set(unmatched)))
         if node.op == "call_module" and twin is not None and twin.name == node.name:
             before_module, after_module = repr(original_gm.get_submodule(node.target)), _module_repr(rewritten, node)
@@ -164,15 +177,19 @@ def _first_divergence_in_graphs(reference: nn.Module, rewritten: fx.GraphModule,
             if changed:
                 lines.append(f"  its parameters/buffers changed: {changed}")
         before = f" (last: %{last_agreeing.name})" if last_agreeing is not None else ""
-        replaced = (f"; {len(unmatched)} original node(s) have no counterpart in the rewrite{_list(unmatched)}"
-                    if unmatched else "")
+        replaced = (
+            f"; {len(unmatched)} original node(s) have no counterpart in the rewrite{_list(unmatched)}"
+            if unmatched
+            else ""
+        )
         lines.append(f"  {agreeing} matched node(s) before it agree{before}{replaced}.")
         return divergence
     return None
 
 
-def _replacements(original_gm: fx.GraphModule, rewritten_nodes: dict[str, fx.Node],
-                  original_names: set[str]) -> dict[str, str]:
+def _replacements(
+    original_gm: fx.GraphModule, rewritten_nodes: dict[str, fx.Node], original_names: set[str]
+) -> dict[str, str]:
     """Original node -> the rewritten node that took its place, read off the nodes both graphs kept.
 
     If a kept node (same name and op in both) read original input %a where the rewrite reads a new node %b at the
@@ -190,8 +207,14 @@ def _replacements(original_gm: fx.GraphModule, rewritten_nodes: dict[str, fx.Nod
     return mapping
 
 
-def _counterpart(node: fx.Node, value: Any, rewritten_nodes: dict[str, fx.Node], candidate: _RecordingInterpreter,
-                 module_calls: dict[str, int], replacements: dict[str, str]) -> tuple[fx.Node | None, Any, bool]:
+def _counterpart(
+    node: fx.Node,
+    value: Any,
+    rewritten_nodes: dict[str, fx.Node],
+    candidate: _RecordingInterpreter,
+    module_calls: dict[str, int],
+    replacements: dict[str, str],
+) -> tuple[fx.Node | None, Any, bool]:
     """(rewritten node or None, its value, found?): same name and op, else same module call, else replacement."""
     twin = rewritten_nodes.get(node.name)
     if twin is not None and twin.op == node.op and node.name in candidate.by_name:
@@ -210,12 +233,16 @@ def _same_layout(a: Any, b: Any) -> bool:
     a_leaves, a_spec = pytree.tree_flatten(a)
     b_leaves, b_spec = pytree.tree_flatten(b)
     return a_spec == b_spec and all(
-        (x.shape, x.dtype) == (y.shape, y.dtype) if isinstance(x, Tensor) and isinstance(y, Tensor)
-        else type(x) is type(y) for x, y in zip(a_leaves, b_leaves))
+        (x.shape, x.dtype) == (y.shape, y.dtype)
+        if isinstance(x, Tensor) and isinstance(y, Tensor)
+        else type(x) is type(y)
+        for x, y in zip(a_leaves, b_leaves)
+    )
 
 
-def _first_divergence_in_modules(reference: nn.Module, rewritten: nn.Module, args, kwargs, tol,
-                                 lines: list[str]) -> Divergence | None:
+def _first_divergence_in_modules(
+    reference: nn.Module, rewritten: nn.Module, args, kwargs, tol, lines: list[str]
+) -> Divergence | None:
     """Module-level comparison (for rewrites of the module tree): forward hooks on both, matched by FQN."""
     original, order = _record_modules(reference, args, kwargs)
     try:
@@ -239,11 +266,19 @@ def _first_divergence_in_modules(reference: nn.Module, rewritten: nn.Module, arg
         lines.append(f"First diverging module: {label}{call} ({kind} -> {new_kind} in the rewrite)")
         lines.append(_shapes_line(difference, tol))
         before = f" (last: {last_agreeing or '<root>'})" if last_agreeing is not None else ""
-        replaced = (f"; {len(unmatched)} original module call(s) have no counterpart{_list(unmatched)}"
-                    if unmatched else "")
+        replaced = (
+            f"; {len(unmatched)} original module call(s) have no counterpart{_list(unmatched)}" if unmatched else ""
+        )
         lines.append(f"  {agreeing} module call(s) before it agree{before}{replaced}.")
-        return Divergence("forward", label, "call_module", kind, difference.max_abs_error,
-                          difference.original_shape, difference.rewritten_shape)
+        return Divergence(
+            "forward",
+            label,
+            "call_module",
+            kind,
+            difference.max_abs_error,
+            difference.original_shape,
+            difference.rewritten_shape,
+        )
     return None
 
 
@@ -278,8 +313,11 @@ def _broken_ties(reference: nn.Module, rewritten: nn.Module) -> list[tuple[str, 
     for name, p in reference.named_parameters(remove_duplicate=False):
         names[id(p)].append(name)
     after = dict(rewritten.named_parameters(remove_duplicate=False))
-    return [tuple(group) for group in names.values()
-            if len(group) > 1 and all(n in after for n in group) and len({id(after[n]) for n in group}) > 1]
+    return [
+        tuple(group)
+        for group in names.values()
+        if len(group) > 1 and all(n in after for n in group) and len({id(after[n]) for n in group}) > 1
+    ]
 
 
 def _module_repr(gm: fx.GraphModule, node: fx.Node) -> str | None:
@@ -304,10 +342,13 @@ def _target_str(node: fx.Node) -> str:
 
 
 def _shapes_line(difference: Difference, tol: Tolerance) -> str:
-    error = f"max abs error {difference.max_abs_error:.3g}" if difference.max_abs_error is not None else \
-        difference.reason
-    return (f"  original shape {difference.original_shape}, rewritten shape {difference.rewritten_shape}: {error} "
-            f"(allowed: {tol.describe()})")
+    error = (
+        f"max abs error {difference.max_abs_error:.3g}" if difference.max_abs_error is not None else difference.reason
+    )
+    return (
+        f"  original shape {difference.original_shape}, rewritten shape {difference.rewritten_shape}: {error} "
+        f"(allowed: {tol.describe()})"
+    )
 
 
 def _node_kind(node: fx.Node) -> str:
@@ -318,10 +359,19 @@ def _node_kind(node: fx.Node) -> str:
     return f"{node.op} {_target_str(node)}"
 
 
-def _describe_node_difference(node: fx.Node, twin: fx.Node | None, difference: Difference, tol: Tolerance,
-                              original_names: set[str], replaced: set[str]) -> str:
-    lines = [f"First diverging node: %{node.name} ({_node_kind(node)})", _shapes_line(difference, tol),
-             f"  original : {node.format_node()}"]
+def _describe_node_difference(
+    node: fx.Node,
+    twin: fx.Node | None,
+    difference: Difference,
+    tol: Tolerance,
+    original_names: set[str],
+    replaced: set[str],
+) -> str:
+    lines = [
+        f"First diverging node: %{node.name} ({_node_kind(node)})",
+        _shapes_line(difference, tol),
+        f"  original : {node.format_node()}",
+    ]
     if twin is not None and twin.name != node.name:
         lines[0] += f", replaced in the rewrite by %{twin.name} ({_node_kind(twin)})"
     if twin is not None:
@@ -333,8 +383,10 @@ def _describe_node_difference(node: fx.Node, twin: fx.Node | None, difference: D
         lines.append("  (matched to the rewritten graph by module FQN)")
     replaced_inputs = [n.name for n in node.all_input_nodes if n.name in replaced]
     if replaced_inputs:
-        lines.append(f"  its original input(s) {', '.join('%' + n for n in replaced_inputs)} have no counterpart in "
-                     f"the rewrite: the difference arises in what replaced them")
+        lines.append(
+            f"  its original input(s) {', '.join('%' + n for n in replaced_inputs)} have no counterpart in "
+            f"the rewrite: the difference arises in what replaced them"
+        )
     return "\n".join(lines)
 
 
@@ -345,15 +397,30 @@ def _readers_of(reference: nn.Module, fqn: str) -> list[str]:
         gm = trace(reference)
     except Exception:
         return [owner or "<root>"]
-    readers = [n.name for n in gm.graph.nodes
-               if (n.op == "get_attr" and n.target == fqn) or (n.op == "call_module" and n.target == owner)]
+    readers = [
+        n.name
+        for n in gm.graph.nodes
+        if (n.op == "get_attr" and n.target == fqn) or (n.op == "call_module" and n.target == owner)
+    ]
     return readers or [owner or "<root>"]
 
 
-
-def fail(reference, rewritten, as_graph, args, kwargs, tol, locate, headline: str, what: str, *,
-          parameter: str | None = None, input_name: str | None = None, difference: Difference | None = None,
-          cause: BaseException | None = None):
+def fail(
+    reference,
+    rewritten,
+    as_graph,
+    args,
+    kwargs,
+    tol,
+    locate,
+    headline: str,
+    what: str,
+    *,
+    parameter: str | None = None,
+    input_name: str | None = None,
+    difference: Difference | None = None,
+    cause: BaseException | None = None,
+):
     """Locate the first divergence and raise the report."""
     lines = [headline]
     if not locate:
@@ -367,29 +434,50 @@ def fail(reference, rewritten, as_graph, args, kwargs, tol, locate, headline: st
     except Exception as exc:  # locating is a diagnosis: it must never hide the mismatch itself
         lines.append(f"(could not locate the divergence: {type(exc).__name__}: {exc})")
     if divergence is None and what in ("forward", "error"):
-        lines.append("No matched intermediate value differs; the difference arises in nodes the rewrite replaced "
-                     "or added.")
+        lines.append(
+            "No matched intermediate value differs; the difference arises in nodes the rewrite replaced or added."
+        )
         divergence = Divergence(what)
     elif divergence is None and what == "parameter gradient":
         readers = _readers_of(reference, parameter)
-        lines.append(f"Every matched forward value agrees; the parameter is read by "
-                     f"{', '.join('%' + r for r in readers)}. A broken tie, a frozen weight or a detached use "
-                     f"changes gradients but not outputs.")
+        lines.append(
+            f"Every matched forward value agrees; the parameter is read by "
+            f"{', '.join('%' + r for r in readers)}. A broken tie, a frozen weight or a detached use "
+            f"changes gradients but not outputs."
+        )
         was = dict(reference.named_parameters(remove_duplicate=False))[parameter].requires_grad
         now = dict(rewritten.named_parameters(remove_duplicate=False))[parameter].requires_grad
         if was != now:
             lines.append(f"{parameter}.requires_grad is {was} in the original and {now} in the rewrite.")
-        divergence = Divergence(what, readers[0], None, parameter, difference.max_abs_error,
-                                difference.original_shape, difference.rewritten_shape)
+        divergence = Divergence(
+            what,
+            readers[0],
+            None,
+            parameter,
+            difference.max_abs_error,
+            difference.original_shape,
+            difference.rewritten_shape,
+        )
     elif divergence is None:
         node = _placeholder_for(reference, input_name)
-        lines.append("Every matched forward value agrees; the rewrite changes how gradients flow (e.g. a detach) "
-                     "rather than the values.")
-        divergence = Divergence(what, node, "placeholder" if node else None, input_name, difference.max_abs_error,
-                                difference.original_shape, difference.rewritten_shape)
+        lines.append(
+            "Every matched forward value agrees; the rewrite changes how gradients flow (e.g. a detach) "
+            "rather than the values."
+        )
+        divergence = Divergence(
+            what,
+            node,
+            "placeholder" if node else None,
+            input_name,
+            difference.max_abs_error,
+            difference.original_shape,
+            difference.rewritten_shape,
+        )
     for group in _broken_ties(reference, rewritten):
-        lines.append(f"Note: the original holds one parameter as {', '.join(group)}; the rewrite holds separate "
-                     f"ones (the tie is broken).")
+        lines.append(
+            f"Note: the original holds one parameter as {', '.join(group)}; the rewrite holds separate "
+            f"ones (the tie is broken)."
+        )
     raise RewriteMismatch("\n".join(lines), divergence) from cause
 
 
@@ -406,4 +494,3 @@ def _placeholder_for(reference: nn.Module, input_name: str | None) -> str | None
         key = input_name[8:].split("'")[0]
         return key if key in placeholders else None
     return None
-

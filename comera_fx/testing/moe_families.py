@@ -18,17 +18,42 @@ from torch import nn
 
 #: Size fields set on every family's config when it has them.
 SIZES: Mapping[str, object] = dict(
-    vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=32, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=4, head_dim=8, num_local_experts=4, num_experts=4,
-    n_routed_experts=4, num_experts_per_tok=2, moe_topk=2, top_k=2, n_group=1, topk_group=1,
-    first_k_dense_replace=1, max_position_embeddings=64, shared_expert_intermediate_size=32, n_shared_experts=1,
-    kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, moe_layer_freq=1,
-    decoder_sparse_step=1, mlp_only_layers=[], pad_token_id=0)
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=48,
+    moe_intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    head_dim=8,
+    num_local_experts=4,
+    num_experts=4,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    moe_topk=2,
+    top_k=2,
+    n_group=1,
+    topk_group=1,
+    first_k_dense_replace=1,
+    max_position_embeddings=64,
+    shared_expert_intermediate_size=32,
+    n_shared_experts=1,
+    kv_lora_rank=16,
+    q_lora_rank=16,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=8,
+    v_head_dim=8,
+    moe_layer_freq=1,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    pad_token_id=0,
+)
 
 #: Per-family fixes on top of ``SIZES`` (head sizes that must agree, layer-type lists, nested configs).
 OVERRIDES: Mapping[str, Mapping[str, object]] = {
-    "jamba": dict(attn_layer_period=1, attn_layer_offset=0, expert_layer_period=1, expert_layer_offset=0,
-                  use_mamba_kernels=False),
+    "jamba": dict(
+        attn_layer_period=1, attn_layer_offset=0, expert_layer_period=1, expert_layer_offset=0, use_mamba_kernels=False
+    ),
     "qwen3_next": dict(layer_types=["full_attention", "full_attention"]),
     "granitemoehybrid": dict(layer_types=["full_attention", "full_attention"]),
     "lfm2_moe": dict(num_dense_layers=1, layer_types=["conv", "full_attention"]),
@@ -69,7 +94,7 @@ def tiny_config(family: str, class_name: str):
     types = getattr(config, "layer_types", None)
     if isinstance(types, list) and len(types) > layers:  # keep a full-attention layer (hybrids need one)
         attention = [t for t in types if "attention" in t and "linear" not in t]
-        fitted["layer_types"] = types[:layers - 1] + (attention[:1] or types[layers - 1:layers])
+        fitted["layer_types"] = types[: layers - 1] + (attention[:1] or types[layers - 1 : layers])
     for key, value in {**SIZES, **fitted, **OVERRIDES.get(family, {})}.items():
         if hasattr(config, key):
             try:

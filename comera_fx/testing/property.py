@@ -58,8 +58,9 @@ def check_pass(
     """Property: ``pass_fn`` preserves the function of random models. Runs now; raises on the first failure.
 
     Each example is a model from ``strategies.models()`` (or the ``models`` strategy given, which must draw
-    ``(model, example_inputs)``, or a ``ModelCase``) checked with ``assert_rewrite_equivalent``. ``graph=True`` (default): ``pass_fn``
-    is a ``GraphModule -> GraphModule`` FX pass and receives the traced model; ``False``: an ``nn.Module``
+    ``(model, example_inputs)``, or a ``ModelCase``) checked with ``assert_rewrite_equivalent``.
+    ``graph=True`` (default): ``pass_fn`` is a ``GraphModule -> GraphModule`` FX pass and receives the traced model;
+    ``False``: an ``nn.Module``
     rewrite; ``None``: decided from its annotation. ``batch_sizes`` (a strategy, e.g.
     ``strategies.batch_sizes((8, 16))``) replaces the default batch sizes 0..3.
 
@@ -76,15 +77,27 @@ def check_pass(
         raise ValueError("give batch_sizes to your models strategy instead: models(batch_sizes=...)")
     if models is not None and num_inputs != 1:
         raise ValueError("give num_inputs to your models strategy instead: models(num_inputs=...)")
-    cases = models if models is not None else strategies.models(dtype=dtype, batch_sizes=batch_sizes,
-                                                                num_inputs=num_inputs)
+    cases = (
+        models if models is not None else strategies.models(dtype=dtype, batch_sizes=batch_sizes, num_inputs=num_inputs)
+    )
 
     def rewrite_preserves_function(case) -> None:
         model, example_inputs = case
         try:
-            assert_rewrite_equivalent(model, pass_fn, example_inputs, rtol=rtol, atol=atol, norm_rtol=norm_rtol,
-                                      grads=grads, dtype=dtype, compile_backend=compile_backend, graph=graph,
-                                      locate=_is_final_run(), extra_inputs=getattr(case, "more_inputs", ()))
+            assert_rewrite_equivalent(
+                model,
+                pass_fn,
+                example_inputs,
+                rtol=rtol,
+                atol=atol,
+                norm_rtol=norm_rtol,
+                grads=grads,
+                dtype=dtype,
+                compile_backend=compile_backend,
+                graph=graph,
+                locate=_is_final_run(),
+                extra_inputs=getattr(case, "more_inputs", ()),
+            )
         except RewriteMismatch as exc:
             raise exc.with_case(case)
 

@@ -87,8 +87,9 @@ def _prime_factors(n: int) -> list[int]:
 
 
 @st.composite
-def mode_factorizations(draw, n: int, num_modes: int | None = None, *, max_modes: int = 3,
-                        max_pad_fraction: float = 0.25) -> tuple[int, ...]:
+def mode_factorizations(
+    draw, n: int, num_modes: int | None = None, *, max_modes: int = 3, max_pad_fraction: float = 0.25
+) -> tuple[int, ...]:
     """Modes (tuple of ints >= 1) whose product is ``n`` or a padded size up to ``n * (1 + max_pad_fraction)``.
 
     Any split of the prime factors into ``num_modes`` slots may come out, including 1s and lopsided modes that
@@ -103,8 +104,15 @@ def mode_factorizations(draw, n: int, num_modes: int | None = None, *, max_modes
 
 
 @st.composite
-def tt_layouts(draw, *, formats: Sequence[TTFormat | str] = (TTFormat.TT, TTFormat.TTM), rows=None, cols=None,
-               max_modes: int = 3, max_rank: int | None = None) -> TTLayout:
+def tt_layouts(
+    draw,
+    *,
+    formats: Sequence[TTFormat | str] = (TTFormat.TT, TTFormat.TTM),
+    rows=None,
+    cols=None,
+    max_modes: int = 3,
+    max_rank: int | None = None,
+) -> TTLayout:
     """A valid ``TTLayout``: format, sizes (ints or strategies), modes (maybe padded), ranks within feasible ranks.
 
     Each internal rank is drawn in [1, min(feasible rank, max_rank)] — the shapes a pruned or truncated TT has.
@@ -136,8 +144,10 @@ class TTSpec(NamedTuple):
 
     def __repr__(self) -> str:
         gates = [[round(v, 3) for v in g.tolist()] for g in self.gates]
-        return (f"TTSpec({self.layout.format.value}, {self.layout.describe_modes()}, ranks={self.layout.ranks}, "
-                f"gates={gates}, dtype={self.cores[0].dtype})")
+        return (
+            f"TTSpec({self.layout.format.value}, {self.layout.describe_modes()}, ranks={self.layout.ranks}, "
+            f"gates={gates}, dtype={self.cores[0].dtype})"
+        )
 
     def _repr_pretty_(self, printer, cycle) -> None:  # Hypothesis prints falsifying examples with this
         printer.text(repr(self))
@@ -150,8 +160,17 @@ def _gate_values(dead_gates: bool) -> st.SearchStrategy[float]:
 
 
 @st.composite
-def tt_specs(draw, *, dtype: torch.dtype = torch.float64, formats=(TTFormat.TT, TTFormat.TTM), rows=None,
-             cols=None, max_modes: int = 3, max_rank: int | None = None, dead_gates: bool = True) -> TTSpec:
+def tt_specs(
+    draw,
+    *,
+    dtype: torch.dtype = torch.float64,
+    formats=(TTFormat.TT, TTFormat.TTM),
+    rows=None,
+    cols=None,
+    max_modes: int = 3,
+    max_rank: int | None = None,
+    dead_gates: bool = True,
+) -> TTSpec:
     """A layout from ``tt_layouts`` plus random cores (entries of M about N(0, 1) with gates at 1) and gates.
 
     Gate entries are 1, 0 (a dead rank, as after pruning) or any float in [-2, 2].
@@ -160,13 +179,13 @@ def tt_specs(draw, *, dtype: torch.dtype = torch.float64, formats=(TTFormat.TT, 
     generator = torch.Generator().manual_seed(draw(_SEEDS))
     cores = random_tt_cores(layout.core_shapes, 1.0, dtype=dtype, generator=generator)
     values = _gate_values(dead_gates)
-    gates = [torch.tensor(draw(st.lists(values, min_size=r, max_size=r)), dtype=dtype)
-             for r in layout.internal_ranks]
+    gates = [torch.tensor(draw(st.lists(values, min_size=r, max_size=r)), dtype=dtype) for r in layout.internal_ranks]
     return TTSpec(layout, cores, gates)
 
 
-def tt_matrices(*, dtype: torch.dtype = torch.float64, formats=(TTFormat.TT, TTFormat.TTM),
-                **spec_options) -> st.SearchStrategy[TTMatrix]:
+def tt_matrices(
+    *, dtype: torch.dtype = torch.float64, formats=(TTFormat.TT, TTFormat.TTM), **spec_options
+) -> st.SearchStrategy[TTMatrix]:
     """``TTMatrix`` modules built from ``tt_specs`` (same options)."""
     return tt_specs(dtype=dtype, formats=formats, **spec_options).map(TTSpec.matrix)
 
@@ -184,8 +203,14 @@ def _any_batch_shape() -> st.SearchStrategy[tuple]:
 
 
 @st.composite
-def float_tensors(draw, last_dim: int, *, dtype: torch.dtype = torch.float64, batch_shapes=None,
-                  memory_layouts: Sequence[str] = MEMORY_LAYOUTS) -> Tensor:
+def float_tensors(
+    draw,
+    last_dim: int,
+    *,
+    dtype: torch.dtype = torch.float64,
+    batch_shapes=None,
+    memory_layouts: Sequence[str] = MEMORY_LAYOUTS,
+) -> Tensor:
     """Float tensors of shape (*batch, last_dim) in any memory layout: contiguous, transposed, strided views or
     expanded (stride-0) batches — the inputs a kernel that assumes contiguity gets wrong."""
     shape = draw(_as_strategy(batch_shapes, _any_batch_shape())) + (last_dim,)
@@ -195,8 +220,7 @@ def float_tensors(draw, last_dim: int, *, dtype: torch.dtype = torch.float64, ba
 
 
 @st.composite
-def index_tensors(draw, num_rows: int, *, batch_shapes=None,
-                  memory_layouts: Sequence[str] = MEMORY_LAYOUTS) -> Tensor:
+def index_tensors(draw, num_rows: int, *, batch_shapes=None, memory_layouts: Sequence[str] = MEMORY_LAYOUTS) -> Tensor:
     """int64 indices in [0, num_rows) of a drawn batch shape (0-sized included), in any memory layout.
 
     With a 1-D or empty batch shape "strided" and "expanded" still apply; "transposed" needs 2 axes.
@@ -209,8 +233,14 @@ def index_tensors(draw, num_rows: int, *, batch_shapes=None,
     return lay_out(lambda s: torch.randint(0, num_rows, s, generator=generator), shape, layout)
 
 
-def tt_inputs(layout: TTLayout, *, side: str = "rows", dtype: torch.dtype = torch.float64, batch_shapes=None,
-              memory_layouts: Sequence[str] = MEMORY_LAYOUTS) -> st.SearchStrategy[Tensor]:
+def tt_inputs(
+    layout: TTLayout,
+    *,
+    side: str = "rows",
+    dtype: torch.dtype = torch.float64,
+    batch_shapes=None,
+    memory_layouts: Sequence[str] = MEMORY_LAYOUTS,
+) -> st.SearchStrategy[Tensor]:
     """Activations for a TT matrix: (*batch, rows) for ``matmul`` (side="rows") or (*batch, cols) for
     ``matmul_t`` (side="cols")."""
     if side not in ("rows", "cols"):
@@ -263,8 +293,9 @@ class ModelCase:
     def __repr__(self) -> str:
         spec = getattr(self.model, "spec", None)
         what = spec.describe() if spec is not None else type(self.model).__name__
-        shapes = "; ".join(", ".join(_describe_tensor(x) for x in inputs)
-                           for inputs in (self.example_inputs, *self.more_inputs))
+        shapes = "; ".join(
+            ", ".join(_describe_tensor(x) for x in inputs) for inputs in (self.example_inputs, *self.more_inputs)
+        )
         return f"ModelCase({what}; inputs: {shapes})"
 
     def _repr_pretty_(self, printer, cycle) -> None:  # Hypothesis prints falsifying examples with this
@@ -282,8 +313,9 @@ _WIDTH_KEEPING_INNER = ("linear", "mlp", "attention")
 
 
 @st.composite
-def _block(draw, kind: str, width: int, sizes, *, has_seq: bool, blocks: list[BlockSpec],
-           linears: list[tuple[int, int]]) -> BlockSpec:
+def _block(
+    draw, kind: str, width: int, sizes, *, has_seq: bool, blocks: list[BlockSpec], linears: list[tuple[int, int]]
+) -> BlockSpec:
     bias = draw(st.booleans())
     # Keeping the width is drawn often: it is what makes later blocks shareable and weights tieable.
     out_sizes = st.one_of(st.just(width), sizes)
@@ -291,8 +323,9 @@ def _block(draw, kind: str, width: int, sizes, *, has_seq: bool, blocks: list[Bl
         return BlockSpec(kind, width, draw(out_sizes), bias=bias)
     if kind == "mlp":
         hidden, d_out = draw(sizes), draw(out_sizes)
-        return BlockSpec(kind, width, d_out, hidden=hidden, bias=bias,
-                         activation=draw(st.sampled_from(["relu", "gelu", "tanh"])))
+        return BlockSpec(
+            kind, width, d_out, hidden=hidden, bias=bias, activation=draw(st.sampled_from(["relu", "gelu", "tanh"]))
+        )
     if kind == "attention":
         return BlockSpec(kind, width, width, bias=bias)
     if kind == "layernorm":
@@ -303,8 +336,14 @@ def _block(draw, kind: str, width: int, sizes, *, has_seq: bool, blocks: list[Bl
         if inner_kind == "linear":
             inner = BlockSpec("linear", width, width, bias=bias)
         elif inner_kind == "mlp":
-            inner = BlockSpec("mlp", width, width, hidden=draw(sizes), bias=bias,
-                              activation=draw(st.sampled_from(["relu", "gelu", "tanh"])))
+            inner = BlockSpec(
+                "mlp",
+                width,
+                width,
+                hidden=draw(sizes),
+                bias=bias,
+                activation=draw(st.sampled_from(["relu", "gelu", "tanh"])),
+            )
         else:
             inner = BlockSpec("attention", width, width, bias=bias)
         return BlockSpec(kind, width, width, inner=inner)
@@ -319,18 +358,27 @@ def _block(draw, kind: str, width: int, sizes, *, has_seq: bool, blocks: list[Bl
 
 def _reusable_blocks(blocks: list[BlockSpec], width: int) -> list[int]:
     """Blocks that may be called again here: width-keeping, of this width, with parameters, not themselves reuses."""
-    return [i for i, b in enumerate(blocks)
-            if b.d_in == b.d_out == width and b.kind not in ("shared", "layernorm")]
+    return [i for i, b in enumerate(blocks) if b.d_in == b.d_out == width and b.kind not in ("shared", "layernorm")]
 
 
 def _tie_sources(linears: list[tuple[int, int]], width: int) -> list[int]:
     return [i for i, (d_in, _) in enumerate(linears) if d_in == width]
 
 
-def models(*, dtype: torch.dtype = torch.float64, batch_sizes=None, block_kinds: Sequence[str] = BLOCK_KINDS,
-           min_blocks: int = 1, max_blocks: int = 4, min_features: int = 4, max_features: int = 48,
-           ties: bool | None = None, seq_lens: Sequence[int | None] = (None, 1, 2, 3, 4),
-           memory_layouts: Sequence[str] = MEMORY_LAYOUTS, num_inputs: int = 1) -> st.SearchStrategy[ModelCase]:
+def models(
+    *,
+    dtype: torch.dtype = torch.float64,
+    batch_sizes=None,
+    block_kinds: Sequence[str] = BLOCK_KINDS,
+    min_blocks: int = 1,
+    max_blocks: int = 4,
+    min_features: int = 4,
+    max_features: int = 48,
+    ties: bool | None = None,
+    seq_lens: Sequence[int | None] = (None, 1, 2, 3, 4),
+    memory_layouts: Sequence[str] = MEMORY_LAYOUTS,
+    num_inputs: int = 1,
+) -> st.SearchStrategy[ModelCase]:
     """Small random models and an example input: ``model, example_inputs = draw(models())``.
 
     The model is a ``RandomModel``: an optional embedding stem, ``min_blocks`` to ``max_blocks`` blocks of
@@ -348,14 +396,37 @@ def models(*, dtype: torch.dtype = torch.float64, batch_sizes=None, block_kinds:
     unknown = set(block_kinds) - set(BLOCK_KINDS)
     if unknown:
         raise ValueError(f"unknown block kinds {sorted(unknown)}; known: {BLOCK_KINDS}")
-    return _models(dtype=dtype, batch_sizes=batch_sizes, block_kinds=tuple(block_kinds), min_blocks=min_blocks,
-                   max_blocks=max_blocks, min_features=min_features, max_features=max_features, ties=ties,
-                   seq_lens=tuple(seq_lens), memory_layouts=tuple(memory_layouts), num_inputs=num_inputs)
+    return _models(
+        dtype=dtype,
+        batch_sizes=batch_sizes,
+        block_kinds=tuple(block_kinds),
+        min_blocks=min_blocks,
+        max_blocks=max_blocks,
+        min_features=min_features,
+        max_features=max_features,
+        ties=ties,
+        seq_lens=tuple(seq_lens),
+        memory_layouts=tuple(memory_layouts),
+        num_inputs=num_inputs,
+    )
 
 
 @st.composite
-def _models(draw, *, dtype, batch_sizes, block_kinds, min_blocks, max_blocks, min_features, max_features, ties,
-            seq_lens, memory_layouts, num_inputs) -> ModelCase:
+def _models(
+    draw,
+    *,
+    dtype,
+    batch_sizes,
+    block_kinds,
+    min_blocks,
+    max_blocks,
+    min_features,
+    max_features,
+    ties,
+    seq_lens,
+    memory_layouts,
+    num_inputs,
+) -> ModelCase:
     sizes = feature_sizes(min_features, max_features)
     seed = draw(_SEEDS)
     stem = "tokens" if ties else draw(st.sampled_from(["features", "tokens"]))
@@ -368,10 +439,13 @@ def _models(draw, *, dtype, batch_sizes, block_kinds, min_blocks, max_blocks, mi
     linears: list[tuple[int, int]] = []
     width = d_model
     for _ in range(draw(st.integers(min_blocks, max_blocks))):
-        allowed = [k for k in block_kinds
-                   if (k != "attention" or seq_len is not None)
-                   and (k != "shared" or _reusable_blocks(blocks, width))
-                   and (k != "tied_linear" or (ties is not False and _tie_sources(linears, width)))]
+        allowed = [
+            k
+            for k in block_kinds
+            if (k != "attention" or seq_len is not None)
+            and (k != "shared" or _reusable_blocks(blocks, width))
+            and (k != "tied_linear" or (ties is not False and _tie_sources(linears, width)))
+        ]
         if not allowed:
             break
         kind = draw(st.sampled_from(allowed))
@@ -395,8 +469,12 @@ def _models(draw, *, dtype, batch_sizes, block_kinds, min_blocks, max_blocks, mi
     more = []
     for _ in range(num_inputs - 1):
         other_seq = seq_len if seq_len is None else draw(st.sampled_from([s for s in seq_lens if s is not None]))
-        other = dataclasses.replace(spec, batch=draw(_as_strategy(batch_sizes, _default_batch_sizes())),
-                                    seq_len=other_seq, input_layout=draw(st.sampled_from(list(memory_layouts))),
-                                    seed=draw(_SEEDS))
+        other = dataclasses.replace(
+            spec,
+            batch=draw(_as_strategy(batch_sizes, _default_batch_sizes())),
+            seq_len=other_seq,
+            input_layout=draw(st.sampled_from(list(memory_layouts))),
+            seed=draw(_SEEDS),
+        )
         more.append((make_example_input(other, dtype),))
     return ModelCase(build_model(spec, dtype), (make_example_input(spec, dtype),), tuple(more))

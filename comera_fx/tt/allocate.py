@@ -56,8 +56,10 @@ def uniform_ranks(layer_dims: Sequence[Sequence[int]], budget: int) -> tuple[int
         return sum(chain_params(d, capped_ranks(d, r)) for d in dims_list)
 
     if total(1) > budget:
-        raise BudgetTooSmall(f"a size target of {budget:,} parameters is below the smallest TT of these layers "
-                             f"(rank 1 everywhere: {total(1):,} parameters)")
+        raise BudgetTooSmall(
+            f"a size target of {budget:,} parameters is below the smallest TT of these layers "
+            f"(rank 1 everywhere: {total(1):,} parameters)"
+        )
     top = max((max(feasible_ranks(d)) for d in dims_list), default=1)
     low, high = 1, top  # total(low) <= budget; find the largest such r by bisection
     while low < high:
@@ -90,14 +92,17 @@ def allocate_ranks(
     gains: list[list[list[float]]] = []
     for dims, layer in zip(dims_list, energies):
         if len(layer) != len(dims) - 1:
-            raise ValueError(f"a chain over {len(dims)} dims has {len(dims) - 1} internal bonds, got energies "
-                             f"for {len(layer)}")
+            raise ValueError(
+                f"a chain over {len(dims)} dims has {len(dims) - 1} internal bonds, got energies for {len(layer)}"
+            )
         gains.append([[float(x) for x in bond] for bond in layer])
     ranks = [[1] * (len(d) + 1) for d in dims_list]
     left = budget - sum(chain_params(d, r) for d, r in zip(dims_list, ranks))
     if left < 0:
-        raise BudgetTooSmall(f"a size target of {budget:,} parameters is below the smallest TT of these layers "
-                             f"(rank 1 everywhere: {budget - left:,} parameters)")
+        raise BudgetTooSmall(
+            f"a size target of {budget:,} parameters is below the smallest TT of these layers "
+            f"(rank 1 everywhere: {budget - left:,} parameters)"
+        )
     caps = [feasible_ranks(d) for d in dims_list]
 
     def raise_cost(l: int, k: int) -> int:
@@ -107,8 +112,9 @@ def allocate_ranks(
     def can_raise(l: int, k: int) -> bool:
         d, r = dims_list[l], ranks[l]
         new = r[k] + 1
-        return (new <= caps[l][k] and r[k] < len(gains[l][k - 1]) and new <= r[k - 1] * d[k - 1]
-                and new <= d[k] * r[k + 1])
+        return (
+            new <= caps[l][k] and r[k] < len(gains[l][k - 1]) and new <= r[k - 1] * d[k - 1] and new <= d[k] * r[k + 1]
+        )
 
     heap: list[tuple[float, int, int, int, int]] = []
 

@@ -131,9 +131,7 @@ def random_tt_cores(
     n_cores = len(core_shapes)
     bond_product = math.prod(shape[-1] for shape in core_shapes[:-1])
     core_std = (target_std**2 / bond_product) ** (1.0 / (2 * n_cores))
-    return [
-        torch.randn(shape, dtype=dtype, device=device, generator=generator) * core_std for shape in core_shapes
-    ]
+    return [torch.randn(shape, dtype=dtype, device=device, generator=generator) * core_std for shape in core_shapes]
 
 
 def tt_core_shapes(row_modes: Sequence[int], col_modes: Sequence[int], ranks: Sequence[int]) -> list[tuple[int, ...]]:
@@ -143,4 +141,3 @@ def tt_core_shapes(row_modes: Sequence[int], col_modes: Sequence[int], ranks: Se
 
 def ttm_core_shapes(row_modes: Sequence[int], col_modes: Sequence[int], ranks: Sequence[int]) -> list[tuple[int, ...]]:
     return [(ranks[k], row_modes[k], col_modes[k], ranks[k + 1]) for k in range(len(row_modes))]
-

@@ -19,10 +19,25 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-_IN_PLACE_DUNDERS = frozenset({
-    "__setitem__", "__set__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__",
-    "__ipow__", "__imatmul__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__",
-})
+_IN_PLACE_DUNDERS = frozenset(
+    {
+        "__setitem__",
+        "__set__",
+        "__iadd__",
+        "__isub__",
+        "__imul__",
+        "__itruediv__",
+        "__ifloordiv__",
+        "__imod__",
+        "__ipow__",
+        "__imatmul__",
+        "__iand__",
+        "__ior__",
+        "__ixor__",
+        "__ilshift__",
+        "__irshift__",
+    }
+)
 _TARGET_KWARGS = ("tensor", "self", "input", "out")  # torch.nn.init.* pass the tensor as ``tensor=``
 
 
@@ -45,15 +60,20 @@ class TTDenseView(torch.Tensor):
                 raise RuntimeError(
                     f"{name} would change a dense weight that comera_fx rebuilds from TT cores on every read, so the "
                     "change would be lost. Change the TT cores instead (module.tt.cores / <name>_tt.cores), "
-                    "initialise the dense model before tensorize_, or use TensorizeConfig(init='random')")
+                    "initialise the dense model before tensorize_, or use TensorizeConfig(init='random')"
+                )
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
 
 def dense_view(dense: Tensor, tt, *, transposed: bool) -> Tensor:
     """``dense`` (M, or Mᵀ when ``transposed``) as a ``TTDenseView`` in plain eager code; unchanged elsewhere."""
-    if (type(dense) is not torch.Tensor or torch.compiler.is_compiling()
-            or torch._C._len_torch_dispatch_stack() > 0 or torch._C._functorch.is_functorch_wrapped_tensor(dense)):
+    if (
+        type(dense) is not torch.Tensor
+        or torch.compiler.is_compiling()
+        or torch._C._len_torch_dispatch_stack() > 0
+        or torch._C._functorch.is_functorch_wrapped_tensor(dense)
+    ):
         return dense
     view = dense.as_subclass(TTDenseView)
     view.tt_source = (tt, transposed)
@@ -68,7 +88,8 @@ def source_of(value, owner: str):
     raise TypeError(
         f"cannot assign {what} to {owner}: that weight is stored as TT cores. To tie it to another TT module's "
         "weight, assign that module's .weight (e.g. head.weight = embedding.weight, as transformers' tie_weights "
-        "does); to tie dense weights, tie them before tensorize_, which keeps a tie as one TTMatrix")
+        "does); to tie dense weights, tie them before tensorize_, which keeps a tie as one TTMatrix"
+    )
 
 
 def check_same_size(owner: str, name: str, current, value) -> None:

@@ -24,7 +24,7 @@ def layer_name(tt_path: str) -> str:
     module's matrix); 'attn.weight_tt' -> 'attn.weight' (a functional parameter); 'comera_tt_w' -> 'w' (registered
     by ``passes.tensorize`` on a GraphModule)."""
     if tt_path.startswith("comera_tt_"):
-        return tt_path[len("comera_tt_"):]
+        return tt_path[len("comera_tt_") :]
     if tt_path.endswith(".tt") or tt_path == "tt":
         return tt_path[:-3] or "<root>"
     return tt_path[:-3] if tt_path.endswith("_tt") else tt_path
@@ -65,8 +65,7 @@ def segment_sums(flat: torch.Tensor, lengths: Sequence[int], dtype: torch.dtype)
     if flat.device.type == "cuda":
         counts = counts.pin_memory()
     counts = counts.to(flat.device, non_blocking=True)
-    segment = torch.repeat_interleave(torch.arange(len(lengths), device=flat.device), counts,
-                                      output_size=sum(lengths))
+    segment = torch.repeat_interleave(torch.arange(len(lengths), device=flat.device), counts, output_size=sum(lengths))
     return torch.zeros(len(lengths), dtype=dtype, device=flat.device).index_add_(0, segment, flat.to(dtype))
 
 
@@ -76,8 +75,9 @@ def live_counts(matrices: Sequence[TTMatrix], threshold: float = DEFAULT_GATE_TH
     return live_counts_later(matrices, threshold)()
 
 
-def live_counts_later(matrices: Sequence[TTMatrix],
-                      threshold: float = DEFAULT_GATE_THRESHOLD) -> Callable[[], list[tuple[int, ...]]]:
+def live_counts_later(
+    matrices: Sequence[TTMatrix], threshold: float = DEFAULT_GATE_THRESHOLD
+) -> Callable[[], list[tuple[int, ...]]]:
     """``live_counts`` of the gates as they are now, counted on their device now (one segmented sum per device and
     dtype: a few kernels per gate would cost a GPU step more than its optimizer) and read back to the host when the
     returned function is called: a history entry taken every step then costs no synchronisation until it is read."""
@@ -86,9 +86,17 @@ def live_counts_later(matrices: Sequence[TTMatrix],
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, gate in enumerate(gates):  # the comparison in each gate's own dtype, as |g| > threshold reads it
         groups.setdefault((gate.device, gate.dtype), []).append(i)
-    pending = [(members, segment_sums(torch.cat([gates[i].reshape(-1) for i in members]).abs() > threshold,
-                                      [gates[i].numel() for i in members], torch.long))
-               for members in groups.values()]
+    pending = [
+        (
+            members,
+            segment_sums(
+                torch.cat([gates[i].reshape(-1) for i in members]).abs() > threshold,
+                [gates[i].numel() for i in members],
+                torch.long,
+            ),
+        )
+        for members in groups.values()
+    ]
     shape = [len(tt_gates) for tt_gates in stored]
 
     def read() -> list[tuple[int, ...]]:

@@ -154,7 +154,7 @@ class TTMatrix(nn.Module):
         if live is None:
             return list(self.cores)
         ranks = (1, *live, 1)
-        return [core[:ranks[k], ..., :ranks[k + 1]] for k, core in enumerate(self.cores)]
+        return [core[: ranks[k], ..., : ranks[k + 1]] for k, core in enumerate(self.cores)]
 
     def live_gates(self) -> list[Tensor]:
         """The gates cut to the live ranks (views)."""
@@ -169,8 +169,10 @@ class TTMatrix(nn.Module):
         layout = self.live_layout
         stored = "" if self.live_internal_ranks is None else f", stored ranks={self.layout.ranks}"
         params = 0 if self.is_zero else layout.num_params
-        return (f"format={layout.format.value}, modes={layout.describe_modes()}, ranks={layout.ranks}{stored}, "
-                f"params={params}, compression={f'{layout.compression:.1f}x' if params else 'zero matrix'}")
+        return (
+            f"format={layout.format.value}, modes={layout.describe_modes()}, ranks={layout.ranks}{stored}, "
+            f"params={params}, compression={f'{layout.compression:.1f}x' if params else 'zero matrix'}"
+        )
 
     # -- math ----------------------------------------------------------------------------------------------------
 
@@ -269,8 +271,9 @@ class TTMatrix(nn.Module):
 
     # -- checkpoints ---------------------------------------------------------------------------------------------
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs):
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ):
         # A pruned checkpoint has smaller ranks: adopt its shapes before the children copy the values in. Only the
         # rank axes may differ; other modes, another format or a broken rank chain would load "successfully" and
         # compute another matrix, so they are refused (load_state_dict raises with every message).
@@ -283,10 +286,13 @@ class TTMatrix(nn.Module):
                     saved = state_dict.get(f"{prefix}{group_name}.{k}")
                     if saved is not None and saved.shape != param.shape:
                         self.live_internal_ranks = None  # the checkpoint's shapes are its ranks
-                        group[k] = nn.Parameter(torch.empty(saved.shape, dtype=param.dtype, device=param.device),
-                                                requires_grad=param.requires_grad)
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                                      error_msgs)
+                        group[k] = nn.Parameter(
+                            torch.empty(saved.shape, dtype=param.dtype, device=param.device),
+                            requires_grad=param.requires_grad,
+                        )
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
 
     def _checkpoint_problem(self, state_dict, prefix: str) -> str | None:
         """Why the cores/gates in ``state_dict`` (under ``prefix``) are not this matrix with other ranks, or None."""
@@ -299,16 +305,20 @@ class TTMatrix(nn.Module):
         name = prefix[:-1] if prefix else "<root>"
         layer = f"TT matrix {name!r} ({self.format.value}, modes {self.layout.describe_modes()})"
         if any(len(s) != len(m) or s[1:-1] != m[1:-1] for s, m in zip(saved, mine)):
-            return (f"{layer}: the checkpoint's cores {saved} differ from the model's {mine} in more than the rank "
-                    f"axes (other modes or another format); tensorize the model with the checkpoint's modes and "
-                    f"format before loading")
+            return (
+                f"{layer}: the checkpoint's cores {saved} differ from the model's {mine} in more than the rank "
+                f"axes (other modes or another format); tensorize the model with the checkpoint's modes and "
+                f"format before loading"
+            )
         ranks = [s[0] for s in saved] + [saved[-1][-1]]
         chained = all(a[-1] == b[0] for a, b in zip(saved, saved[1:])) and ranks[0] == ranks[-1] == 1
         gate_sizes = [tuple(g.shape) for g in gates]
         if not chained or gate_sizes != [(r,) for r in ranks[1:-1]]:
-            return (f"{layer}: the checkpoint's cores {saved} and gates {gate_sizes} do not form a TT chain "
-                    f"(neighbouring cores and gates must agree on each rank, the end ranks must be 1); the model's "
-                    f"cores are {mine}")
+            return (
+                f"{layer}: the checkpoint's cores {saved} and gates {gate_sizes} do not form a TT chain "
+                f"(neighbouring cores and gates must agree on each rank, the end ranks must be 1); the model's "
+                f"cores are {mine}"
+            )
         return None
 
 
@@ -372,8 +382,9 @@ def planned_envelope(layout: TTLayout, op: str, *, backward: bool = True) -> "pl
     """The planner's envelope for ``x @ M`` / ``x @ Mᵀ`` of this layout, made once and cached (LRU, at most
     ``ENVELOPE_CACHE_SIZE`` entries; ``INFERENCE_ENVELOPE_CACHE_SIZE`` for the forward-only plans of
     ``backward=False``). Each plan's program, runner and autograd.Function are made with it."""
-    cache, size = (_ENVELOPES, ENVELOPE_CACHE_SIZE) if backward else (_INFERENCE_ENVELOPES,
-                                                                      INFERENCE_ENVELOPE_CACHE_SIZE)
+    cache, size = (
+        (_ENVELOPES, ENVELOPE_CACHE_SIZE) if backward else (_INFERENCE_ENVELOPES, INFERENCE_ENVELOPE_CACHE_SIZE)
+    )
     key = (layout, op)
     envelope = cache.get(key)
     if envelope is not None:
@@ -454,8 +465,10 @@ class TTLinear(nn.Module):
         if name == "weight":
             tt, transposed = source_of(value, "TTLinear.weight")
             if tuple(value.shape) != (self.out_features, self.in_features):
-                raise ValueError(f"cannot assign a {tuple(value.shape)} weight to TTLinear.weight of shape "
-                                 f"{(self.out_features, self.in_features)}")
+                raise ValueError(
+                    f"cannot assign a {tuple(value.shape)} weight to TTLinear.weight of shape "
+                    f"{(self.out_features, self.in_features)}"
+                )
             super().__setattr__("tt", tt)
             super().__setattr__("transposed", not transposed)  # W = M when the value is M
         elif name in ("in_features", "out_features"):
@@ -510,8 +523,9 @@ class TTEmbedding(nn.Module):
         """The dense table, rebuilt on each access — for code that insists on reading it."""
         dense = self.tt.dense()
         if self.padding_idx is not None:
-            dense = dense.index_copy(0, torch.tensor([self.padding_idx], device=dense.device),
-                                     self.padding_row.to(dense.dtype)[None])
+            dense = dense.index_copy(
+                0, torch.tensor([self.padding_idx], device=dense.device), self.padding_row.to(dense.dtype)[None]
+            )
         return dense_view(dense, self.tt, transposed=False)
 
     def __setattr__(self, name: str, value) -> None:
@@ -519,12 +533,16 @@ class TTEmbedding(nn.Module):
         if name == "weight":
             tt, transposed = source_of(value, "TTEmbedding.weight")
             if transposed:
-                raise TypeError("cannot assign a TTLinear's weight (Mᵀ of its TT matrix) to TTEmbedding.weight: "
-                                "TT lookups gather rows of M; tie the other way round (linear.weight = "
-                                "embedding.weight)")
+                raise TypeError(
+                    "cannot assign a TTLinear's weight (Mᵀ of its TT matrix) to TTEmbedding.weight: "
+                    "TT lookups gather rows of M; tie the other way round (linear.weight = "
+                    "embedding.weight)"
+                )
             if tuple(value.shape) != (self.num_embeddings, self.embedding_dim):
-                raise ValueError(f"cannot assign a {tuple(value.shape)} weight to TTEmbedding.weight of shape "
-                                 f"{(self.num_embeddings, self.embedding_dim)}")
+                raise ValueError(
+                    f"cannot assign a {tuple(value.shape)} weight to TTEmbedding.weight of shape "
+                    f"{(self.num_embeddings, self.embedding_dim)}"
+                )
             super().__setattr__("tt", tt)
         elif name in ("num_embeddings", "embedding_dim"):
             check_same_size("TTEmbedding", name, getattr(self, name), value)
@@ -557,8 +575,10 @@ class TTEmbedding(nn.Module):
         if not torch.compiler.is_compiling() and index.numel() > 0:
             low, high = int(index.min()), int(index.max())
             if low < 0 or high >= self.num_embeddings:
-                raise IndexError(f"index out of range in TTEmbedding: indices span [{low}, {high}], "
-                                 f"table has {self.num_embeddings} rows")
+                raise IndexError(
+                    f"index out of range in TTEmbedding: indices span [{low}, {high}], "
+                    f"table has {self.num_embeddings} rows"
+                )
         out = self.tt.take_rows(index)
         if self.padding_idx is not None:
             out = torch.where((index == self.padding_idx)[..., None], self.padding_row.to(out.dtype), out)
@@ -591,8 +611,10 @@ def choose_layout_modes(
         col_modes = order_for_chain(choose_modes(cols, d_cols, max_pad_fraction=max_pad_fraction), largest_first=False)
         return row_modes, col_modes
     d = num_modes or auto_num_modes(math.isqrt(rows * cols))
-    return (choose_modes(rows, d, max_pad_fraction=max_pad_fraction),
-            choose_modes(cols, d, max_pad_fraction=max_pad_fraction))
+    return (
+        choose_modes(rows, d, max_pad_fraction=max_pad_fraction),
+        choose_modes(cols, d, max_pad_fraction=max_pad_fraction),
+    )
 
 
 def make_tt_matrix(
@@ -621,11 +643,28 @@ def make_tt_matrix(
     row_modes = tuple(row_modes) if row_modes is not None else auto_rows
     col_modes = tuple(col_modes) if col_modes is not None else auto_cols
     if init == "svd":
-        return TTMatrix.from_matrix(matrix, format=format, row_modes=row_modes, col_modes=col_modes,
-                                    max_rank=max_rank, rank_ratio=rank_ratio, rel_tol=rel_tol)
+        return TTMatrix.from_matrix(
+            matrix,
+            format=format,
+            row_modes=row_modes,
+            col_modes=col_modes,
+            max_rank=max_rank,
+            rank_ratio=rank_ratio,
+            rel_tol=rel_tol,
+        )
     if init == "random":
         fan_in = cols if kind == "embedding" else rows
-        return TTMatrix.random(rows, cols, format=format, row_modes=row_modes, col_modes=col_modes,
-                               max_rank=max_rank, rank_ratio=rank_ratio, std=default_init_std(kind, fan_in),
-                               dtype=matrix.dtype, device=matrix.device, generator=generator)
+        return TTMatrix.random(
+            rows,
+            cols,
+            format=format,
+            row_modes=row_modes,
+            col_modes=col_modes,
+            max_rank=max_rank,
+            rank_ratio=rank_ratio,
+            std=default_init_std(kind, fan_in),
+            dtype=matrix.dtype,
+            device=matrix.device,
+            generator=generator,
+        )
     raise ValueError(f"init must be 'svd' or 'random', got {init!r}")

@@ -52,8 +52,10 @@ class TTLayout:
         if self.format is TTFormat.TTM and len(self.row_modes) != len(self.col_modes):
             raise ValueError(f"TTM needs as many row as column modes, got {self.row_modes} and {self.col_modes}")
         if len(self.ranks) != n_cores + 1 or self.ranks[0] != 1 or self.ranks[-1] != 1:
-            raise ValueError(f"{self.format.value} layout with {n_cores} cores needs ranks (1, ..., 1) of length "
-                             f"{n_cores + 1}, got {self.ranks}")
+            raise ValueError(
+                f"{self.format.value} layout with {n_cores} cores needs ranks (1, ..., 1) of length "
+                f"{n_cores + 1}, got {self.ranks}"
+            )
 
     @property
     def padded_rows(self) -> int:

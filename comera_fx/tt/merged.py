@@ -62,8 +62,13 @@ def may_serve(x: Tensor, features: int) -> bool:
     """Whether a product or lookup of ``x`` (``features`` values per token; 1 for an index) may come from cached
     forms: eager, no grad, a plain tensor, at most ``MERGED_MAX_TOKENS`` tokens. Cheap (a decode step asks it for
     every matrix), and the token count is read last: under a compiler it would be a size guard."""
-    return (USE_MERGED_FORMS and not torch.compiler.is_compiling() and not torch.is_grad_enabled()
-            and type(x) is torch.Tensor and x.numel() <= MERGED_MAX_TOKENS * features)
+    return (
+        USE_MERGED_FORMS
+        and not torch.compiler.is_compiling()
+        and not torch.is_grad_enabled()
+        and type(x) is torch.Tensor
+        and x.numel() <= MERGED_MAX_TOKENS * features
+    )
 
 
 def storage_key(params: Sequence[Tensor]) -> tuple:
@@ -228,5 +233,17 @@ def rows(index: Tensor, layout: TTLayout, form: Form) -> Tensor:
     return ops.ttm_gather_rows(index, form.first, form.second, layout)
 
 
-__all__ = ["MERGED_MAX_TOKENS", "USE_MERGED_FORMS", "Cached", "Form", "as_words", "cached_bytes", "cached_form",
-           "cores_unchanged", "may_serve", "product", "rows", "storage_key"]
+__all__ = [
+    "MERGED_MAX_TOKENS",
+    "USE_MERGED_FORMS",
+    "Cached",
+    "Form",
+    "as_words",
+    "cached_bytes",
+    "cached_form",
+    "cores_unchanged",
+    "may_serve",
+    "product",
+    "rows",
+    "storage_key",
+]

@@ -73,22 +73,29 @@ def tt_factors(cores: Sequence[Tensor], layout: TTLayout) -> tuple[Tensor, Tenso
 # --------------------------------------------------------------------------------------------- TTM (4-way cores)
 
 
-def ttm_merge(cores: Sequence[Tensor], row_modes: Sequence[int], col_modes: Sequence[int],
-              ranks: Sequence[int]) -> Tensor:
+def ttm_merge(
+    cores: Sequence[Tensor], row_modes: Sequence[int], col_modes: Sequence[int], ranks: Sequence[int]
+) -> Tensor:
     """Contract consecutive TTM cores into one (r_first, A, B, r_last) block, A/B row-major over the modes."""
     acc = cores[0]
     big_a, big_b = row_modes[0], col_modes[0]
     for k in range(1, len(cores)):
         a, b, r_next = row_modes[k], col_modes[k], ranks[k + 1]
-        acc = (acc.reshape(-1, ranks[k]) @ cores[k].reshape(ranks[k], -1))
+        acc = acc.reshape(-1, ranks[k]) @ cores[k].reshape(ranks[k], -1)
         acc = acc.reshape(ranks[0], big_a, big_b, a, b, r_next).permute(0, 1, 3, 2, 4, 5)
         big_a, big_b = big_a * a, big_b * b
         acc = acc.reshape(ranks[0], big_a, big_b, r_next)
     return acc
 
 
-def _ttm_apply(x2: Tensor, cores: Sequence[Tensor], in_modes: Sequence[int], out_modes: Sequence[int],
-               ranks: Sequence[int], transpose: bool) -> Tensor:
+def _ttm_apply(
+    x2: Tensor,
+    cores: Sequence[Tensor],
+    in_modes: Sequence[int],
+    out_modes: Sequence[int],
+    ranks: Sequence[int],
+    transpose: bool,
+) -> Tensor:
     """Contract x2 (N × prod in_modes) with the chain one core at a time -> (N × prod out_modes)."""
     rest = math.prod(in_modes)
     state = x2.reshape(-1, rest, 1, 1)  # (N, remaining input modes, output modes so far, bond)
@@ -110,8 +117,9 @@ def _ttm_apply(x2: Tensor, cores: Sequence[Tensor], in_modes: Sequence[int], out
 # ----------------------------------------------------------------------------------------------- public entries
 
 
-def ttm_chain_cost_per_token(in_modes: Sequence[int], out_modes: Sequence[int],
-                             ranks: Sequence[int]) -> tuple[int, int]:
+def ttm_chain_cost_per_token(
+    in_modes: Sequence[int], out_modes: Sequence[int], ranks: Sequence[int]
+) -> tuple[int, int]:
     """(FLOPs, largest intermediate in elements) per token of the core-by-core TTM contraction."""
     rest, done, flops, peak = math.prod(in_modes), 1, 0, 0
     for a, b, r, r_next in zip(in_modes, out_modes, ranks[:-1], ranks[1:]):
@@ -190,8 +198,7 @@ def ttm_half_sizes(layout: TTLayout) -> tuple[int, int, int, int, int]:
     """(A_L, B_L, r, A_R, B_R): row- and column-mode products of each half and the rank of the cut bond."""
     h = ttm_split(layout)
     rows_m, cols_m = layout.row_modes, layout.col_modes
-    return (math.prod(rows_m[:h]), math.prod(cols_m[:h]), layout.ranks[h], math.prod(rows_m[h:]),
-            math.prod(cols_m[h:]))
+    return (math.prod(rows_m[:h]), math.prod(cols_m[:h]), layout.ranks[h], math.prod(rows_m[h:]), math.prod(cols_m[h:]))
 
 
 def ttm_halves(cores: Sequence[Tensor], layout: TTLayout) -> tuple[Tensor, Tensor]:

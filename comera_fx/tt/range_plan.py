@@ -38,8 +38,10 @@ class RangePlan:
     worst_at: int
 
     def __str__(self) -> str:
-        return (f"{self.plan} for {self.lo} <= b <= {self.hi}: at most {self.worst_ratio:.3g}x the best plan's "
-                f"modelled cost (at b = {self.worst_at})")
+        return (
+            f"{self.plan} for {self.lo} <= b <= {self.hi}: at most {self.worst_ratio:.3g}x the best plan's "
+            f"modelled cost (at b = {self.worst_at})"
+        )
 
 
 def plan_for_range(layout: TTLayout, op: str, lo: int, hi: int) -> RangePlan:
@@ -57,8 +59,10 @@ def plan_for_range(layout: TTLayout, op: str, lo: int, hi: int) -> RangePlan:
 @functools.lru_cache(maxsize=1024)
 def _plan_for_range(layout: TTLayout, op: str, lo: int, hi: int) -> RangePlan:
     envelope = planner.plan(layout, op=op, bounds=(lo, hi), backward=False)
-    ends = sorted({end for piece in envelope.pieces for end in (piece.first, piece.last)
-                   if end is not None and lo <= end <= hi} | {lo, hi})
+    ends = sorted(
+        {end for piece in envelope.pieces for end in (piece.first, piece.last) if end is not None and lo <= end <= hi}
+        | {lo, hi}
+    )
     best = [min(_cost(piece.plan, b) for piece in envelope.pieces) for b in ends]
     choices = []
     for piece in envelope.pieces:

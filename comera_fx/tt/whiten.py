@@ -70,13 +70,14 @@ def sqrt_factor(c: Tensor) -> Tensor:
 
 def weighted_error(matrix: Tensor, approx: Tensor, gram: Tensor) -> float:
     """sqrt(tr((M - M̂)ᵀ C (M - M̂))) = ||X(M - M̂)||_F / sqrt(n) for C = XᵀX / n (float64)."""
-    e = (matrix.to(torch.float64) - approx.to(torch.float64))
+    e = matrix.to(torch.float64) - approx.to(torch.float64)
     c = gram.to(torch.float64)
     return float(torch.einsum("ij,ik,kj->", e, c, e).clamp_min(0).sqrt())
 
 
-def tt_chain_to_matrix(cores: Sequence[Tensor], row_modes: Sequence[int], col_modes: Sequence[int],
-                       rows: int, cols: int) -> Tensor:
+def tt_chain_to_matrix(
+    cores: Sequence[Tensor], row_modes: Sequence[int], col_modes: Sequence[int], rows: int, cols: int
+) -> Tensor:
     """Dense M (rows × cols, float64) of 3-way TT cores over row_modes + col_modes, padding sliced away."""
     acc = cores[0].to(torch.float64).reshape(-1, cores[0].shape[-1])
     for core in cores[1:]:
@@ -161,8 +162,9 @@ def _row_side_tt(b: Tensor, row_modes: tuple[int, ...], caps: Sequence[int]) -> 
 # ------------------------------------------------------------------------------------------ weighted ALS refit
 
 
-def refit_row_cores(cores: list[Tensor], b: Tensor, c: Tensor, *, sweeps: int = ALS_SWEEPS,
-                    cg_iters: int = CG_ITERS) -> list[Tensor]:
+def refit_row_cores(
+    cores: list[Tensor], b: Tensor, c: Tensor, *, sweeps: int = ALS_SWEEPS, cg_iters: int = CG_ITERS
+) -> list[Tensor]:
     """ALS on f(P) = tr((B - P)ᵀ C (B - P)) over the cores of P (a TT over the row modes with open last index).
 
     Each core is solved with the others orthonormal (left of it left-orthogonal, right of it right-orthogonal),
@@ -206,7 +208,7 @@ def _solve_core(cores: list[Tensor], k: int, b: Tensor, c: Tensor, iters: int) -
         left = (left @ core.reshape(core.shape[0], -1)).reshape(-1, core.shape[-1])
     # (r_k, N_>k, open index): the identity on the open index, then the cores right of k merged in.
     right = torch.eye(b.shape[1], dtype=torch.float64, device=b.device)[:, None, :]
-    for core in reversed(cores[k + 1:]):
+    for core in reversed(cores[k + 1 :]):
         right = torch.einsum("ajb,bnz->ajnz", core, right).reshape(core.shape[0], -1, right.shape[-1])
     shape = cores[k].shape
     n_left, n_right, r_open = left.shape[0], right.shape[1], b.shape[1]

@@ -95,8 +95,15 @@ def kernel_path(*tensors: Tensor) -> str:
 # ------------------------------------------------------------------------------------------- gated core merge
 
 
-def gated_ttm_merge(cores: Sequence[Tensor], gates: Sequence[Tensor], row_modes: Sequence[int],
-                    col_modes: Sequence[int], ranks: Sequence[int], *, fused: bool | None = None) -> Tensor:
+def gated_ttm_merge(
+    cores: Sequence[Tensor],
+    gates: Sequence[Tensor],
+    row_modes: Sequence[int],
+    col_modes: Sequence[int],
+    ranks: Sequence[int],
+    *,
+    fused: bool | None = None,
+) -> Tensor:
     """``ops.ttm_merge`` of the gated cores: core k is scaled by ``gates[k]`` on its right bond; ``gates`` has one
     entry per core, or one fewer (the last core ungated). Result (r_first, A, B, r_last) as ``ops.ttm_merge``.
     ``fused``: run the fused Triton kernel where it can run (default ``FUSED_MERGE``: off, aten was faster)."""
@@ -119,14 +126,20 @@ def gated_ttm_merge(cores: Sequence[Tensor], gates: Sequence[Tensor], row_modes:
 
 
 def _gate_chain(cores: Sequence[Tensor], gates: Sequence[Tensor]) -> list[Tensor]:
-    return [core * gate for core, gate in zip(cores, gates)] + list(cores[len(gates):])
+    return [core * gate for core, gate in zip(cores, gates)] + list(cores[len(gates) :])
 
 
 # ------------------------------------------------------------------------------------------------ row lookups
 
 
-def take_rows(index: Tensor, cores: Sequence[Tensor], layout: TTLayout, gates: Sequence[Tensor] | None = None,
-              *, dedup: bool = False) -> Tensor:
+def take_rows(
+    index: Tensor,
+    cores: Sequence[Tensor],
+    layout: TTLayout,
+    gates: Sequence[Tensor] | None = None,
+    *,
+    dedup: bool = False,
+) -> Tensor:
     """M[index] -> (*index.shape, cols), as ``ops.take_rows``, never building M.
 
     ``gates=None``: the cores are already gated (what ``ops.take_rows`` takes). With ``gates`` (one per internal
@@ -135,8 +148,14 @@ def take_rows(index: Tensor, cores: Sequence[Tensor], layout: TTLayout, gates: S
     compiling, where the number of distinct ids would be a data-dependent shape.
     """
     tensors = list(cores) + list(gates or [])
-    use_kernel = (layout.format is TTFormat.TTM and len(layout.row_modes) > 1 and kernel_path(*tensors) == "triton"
-                  and index.device == cores[0].device and not index.is_floating_point() and _lookup_fits(layout))
+    use_kernel = (
+        layout.format is TTFormat.TTM
+        and len(layout.row_modes) > 1
+        and kernel_path(*tensors) == "triton"
+        and index.device == cores[0].device
+        and not index.is_floating_point()
+        and _lookup_fits(layout)
+    )
     if not use_kernel:
         gated = cores if gates is None else ops.gate_cores(list(cores), list(gates), layout)
         if dedup and not torch.compiler.is_compiling() and index.numel() > 0:
@@ -171,5 +190,8 @@ def take_rows(index: Tensor, cores: Sequence[Tensor], layout: TTLayout, gates: S
 
 def _lookup_fits(layout: TTLayout) -> bool:
     h = (len(layout.row_modes) + 1) // 2
-    return (math.prod(layout.col_modes[:h]) <= _MAX_HALF_COLS and math.prod(layout.col_modes[h:]) <= _MAX_HALF_COLS
-            and layout.ranks[h] <= _MAX_RANK)
+    return (
+        math.prod(layout.col_modes[:h]) <= _MAX_HALF_COLS
+        and math.prod(layout.col_modes[h:]) <= _MAX_HALF_COLS
+        and layout.ranks[h] <= _MAX_RANK
+    )

@@ -67,10 +67,22 @@ def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 @triton.jit
 def _ttm_lookup_fwd_kernel(
-    index_ptr, left_ptr, right_ptr, gate_ptr, out_ptr,
-    A_R, BL, BR, R, COLS,
-    HAS_GATE: tl.constexpr, BLOCK_BL: tl.constexpr, BLOCK_BR: tl.constexpr, BLOCK_R: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    index_ptr,
+    left_ptr,
+    right_ptr,
+    gate_ptr,
+    out_ptr,
+    A_R,
+    BL,
+    BR,
+    R,
+    COLS,
+    HAS_GATE: tl.constexpr,
+    BLOCK_BL: tl.constexpr,
+    BLOCK_BR: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     token = tl.program_id(0)
     offs_bl = tl.program_id(1) * BLOCK_BL + tl.arange(0, BLOCK_BL)
@@ -83,13 +95,19 @@ def _ttm_lookup_fwd_kernel(
     acc = tl.zeros((BLOCK_BL, BLOCK_BR), dtype=tl.float32)
     for r0 in range(0, R, BLOCK_R):
         offs_r = r0 + tl.arange(0, BLOCK_R)
-        left = tl.load(left_base + offs_bl[:, None] * R + offs_r[None, :],
-                       mask=(offs_bl[:, None] < BL) & (offs_r[None, :] < R), other=0.0)
+        left = tl.load(
+            left_base + offs_bl[:, None] * R + offs_r[None, :],
+            mask=(offs_bl[:, None] < BL) & (offs_r[None, :] < R),
+            other=0.0,
+        )
         if HAS_GATE:
             gate = tl.load(gate_ptr + offs_r, mask=offs_r < R, other=0.0)
             left = (left.to(tl.float32) * gate.to(tl.float32)[None, :]).to(left.dtype)
-        right = tl.load(right_base + offs_r[:, None] * BR + offs_br[None, :],
-                        mask=(offs_r[:, None] < R) & (offs_br[None, :] < BR), other=0.0)
+        right = tl.load(
+            right_base + offs_r[:, None] * BR + offs_br[None, :],
+            mask=(offs_r[:, None] < R) & (offs_br[None, :] < BR),
+            other=0.0,
+        )
         acc += _dot(left, right, PRECISION, UPCAST)
     col = offs_bl[:, None] * BR + offs_br[None, :]
     mask = (offs_bl[:, None] < BL) & (offs_br[None, :] < BR) & (col < COLS)
@@ -98,10 +116,24 @@ def _ttm_lookup_fwd_kernel(
 
 @triton.jit
 def _ttm_lookup_bwd_kernel(
-    grad_ptr, index_ptr, left_ptr, right_ptr, gate_ptr, grad_left_ptr, grad_right_ptr,
-    A_R, BL, BR, R, COLS,
-    HAS_GATE: tl.constexpr, BLOCK_BL: tl.constexpr, BLOCK_BR: tl.constexpr, BLOCK_R: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    grad_ptr,
+    index_ptr,
+    left_ptr,
+    right_ptr,
+    gate_ptr,
+    grad_left_ptr,
+    grad_right_ptr,
+    A_R,
+    BL,
+    BR,
+    R,
+    COLS,
+    HAS_GATE: tl.constexpr,
+    BLOCK_BL: tl.constexpr,
+    BLOCK_BR: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     token = tl.program_id(0)
     offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -120,29 +152,43 @@ def _ttm_lookup_bwd_kernel(
         for br0 in range(0, BR, BLOCK_BR):
             offs_br = br0 + tl.arange(0, BLOCK_BR)
             col = offs_bl[:, None] * BR + offs_br[None, :]
-            g = tl.load(grad_base + col, mask=(offs_bl[:, None] < BL) & (offs_br[None, :] < BR) & (col < COLS),
-                        other=0.0)
-            right_t = tl.load(right_base + offs_r[None, :] * BR + offs_br[:, None],
-                              mask=(offs_r[None, :] < R) & (offs_br[:, None] < BR), other=0.0)
+            g = tl.load(
+                grad_base + col, mask=(offs_bl[:, None] < BL) & (offs_br[None, :] < BR) & (col < COLS), other=0.0
+            )
+            right_t = tl.load(
+                right_base + offs_r[None, :] * BR + offs_br[:, None],
+                mask=(offs_r[None, :] < R) & (offs_br[:, None] < BR),
+                other=0.0,
+            )
             acc_l += _dot(g.to(right_t.dtype), right_t, PRECISION, UPCAST)
-        tl.atomic_add(grad_left_ptr + i_left * BL * R + offs_bl[:, None] * R + offs_r[None, :], acc_l,
-                      mask=(offs_bl[:, None] < BL) & (offs_r[None, :] < R))
+        tl.atomic_add(
+            grad_left_ptr + i_left * BL * R + offs_bl[:, None] * R + offs_r[None, :],
+            acc_l,
+            mask=(offs_bl[:, None] < BL) & (offs_r[None, :] < R),
+        )
     # dR[i_right][r-block, :] += (left[i_left] · diag(gate))[:, r-block]ᵀ · dOut
     for br0 in range(0, BR, BLOCK_BR):
         offs_br = br0 + tl.arange(0, BLOCK_BR)
         acc_r = tl.zeros((BLOCK_R, BLOCK_BR), dtype=tl.float32)
         for bl0 in range(0, BL, BLOCK_BL):
             offs_bl = bl0 + tl.arange(0, BLOCK_BL)
-            left_t = tl.load(left_base + offs_bl[None, :] * R + offs_r[:, None],
-                             mask=(offs_bl[None, :] < BL) & (offs_r[:, None] < R), other=0.0)
+            left_t = tl.load(
+                left_base + offs_bl[None, :] * R + offs_r[:, None],
+                mask=(offs_bl[None, :] < BL) & (offs_r[:, None] < R),
+                other=0.0,
+            )
             if HAS_GATE:
                 left_t = (left_t.to(tl.float32) * gate[:, None]).to(left_t.dtype)
             col = offs_bl[:, None] * BR + offs_br[None, :]
-            g = tl.load(grad_base + col, mask=(offs_bl[:, None] < BL) & (offs_br[None, :] < BR) & (col < COLS),
-                        other=0.0)
+            g = tl.load(
+                grad_base + col, mask=(offs_bl[:, None] < BL) & (offs_br[None, :] < BR) & (col < COLS), other=0.0
+            )
             acc_r += _dot(left_t, g.to(left_t.dtype), PRECISION, UPCAST)
-        tl.atomic_add(grad_right_ptr + i_right * R * BR + offs_r[:, None] * BR + offs_br[None, :], acc_r,
-                      mask=(offs_r[:, None] < R) & (offs_br[None, :] < BR))
+        tl.atomic_add(
+            grad_right_ptr + i_right * R * BR + offs_r[:, None] * BR + offs_br[None, :],
+            acc_r,
+            mask=(offs_r[:, None] < R) & (offs_br[None, :] < BR),
+        )
 
 
 def _lookup_tiles(bl: int, br: int, r: int) -> tuple[int, int, int]:
@@ -162,9 +208,22 @@ def ttm_lookup(index: Tensor, left: Tensor, right: Tensor, gate: Tensor | None, 
     grid = (n, triton.cdiv(bl, block_bl), triton.cdiv(br, block_br))
     gate_arg = gate.contiguous() if gate is not None else left
     wrap_triton(_ttm_lookup_fwd_kernel)[grid](
-        index, left, right, gate_arg, out, a_right, bl, br, r, cols,
-        HAS_GATE=gate is not None, BLOCK_BL=block_bl, BLOCK_BR=block_br, BLOCK_R=block_r,
-        PRECISION=_precision(left.dtype), UPCAST=_upcast(left.dtype),
+        index,
+        left,
+        right,
+        gate_arg,
+        out,
+        a_right,
+        bl,
+        br,
+        r,
+        cols,
+        HAS_GATE=gate is not None,
+        BLOCK_BL=block_bl,
+        BLOCK_BR=block_br,
+        BLOCK_R=block_r,
+        PRECISION=_precision(left.dtype),
+        UPCAST=_upcast(left.dtype),
     )
     return out
 
@@ -175,8 +234,9 @@ def _ttm_lookup_fake(index, left, right, gate, cols):
 
 
 @triton_op("comera_fx::ttm_lookup_backward", mutates_args={})
-def ttm_lookup_backward(grad: Tensor, index: Tensor, left: Tensor, right: Tensor,
-                        gate: Tensor | None) -> tuple[Tensor, Tensor]:
+def ttm_lookup_backward(
+    grad: Tensor, index: Tensor, left: Tensor, right: Tensor, gate: Tensor | None
+) -> tuple[Tensor, Tensor]:
     """Float32 gradients of the *gated* left table and of the right table (callers cast and apply the gate)."""
     grad, index, left, right = grad.contiguous(), index.contiguous(), left.contiguous(), right.contiguous()
     n, cols = grad.shape
@@ -189,9 +249,24 @@ def ttm_lookup_backward(grad: Tensor, index: Tensor, left: Tensor, right: Tensor
     block_bl, block_br, block_r = _lookup_tiles(bl, br, r)
     gate_arg = gate.contiguous() if gate is not None else left
     wrap_triton(_ttm_lookup_bwd_kernel)[(n, triton.cdiv(r, block_r))](
-        grad, index, left, right, gate_arg, grad_left, grad_right, a_right, bl, br, r, cols,
-        HAS_GATE=gate is not None, BLOCK_BL=block_bl, BLOCK_BR=block_br, BLOCK_R=block_r,
-        PRECISION=_precision(left.dtype), UPCAST=_upcast(left.dtype),
+        grad,
+        index,
+        left,
+        right,
+        gate_arg,
+        grad_left,
+        grad_right,
+        a_right,
+        bl,
+        br,
+        r,
+        cols,
+        HAS_GATE=gate is not None,
+        BLOCK_BL=block_bl,
+        BLOCK_BR=block_br,
+        BLOCK_R=block_r,
+        PRECISION=_precision(left.dtype),
+        UPCAST=_upcast(left.dtype),
     )
     return grad_left, grad_right
 
@@ -227,23 +302,41 @@ ttm_lookup.register_autograd(_lookup_backward, setup_context=_lookup_setup_conte
 
 @triton.jit
 def _gated_merge_kernel(
-    a_ptr, gate_ptr, b_ptr, out_ptr,
-    M, N, K, INNER, A_MODE, TAIL,
-    HAS_GATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    a_ptr,
+    gate_ptr,
+    b_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    INNER,
+    A_MODE,
+    TAIL,
+    HAS_GATE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        a = tl.load(a_ptr + offs_m[:, None].to(tl.int64) * K + offs_k[None, :],
-                    mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
+        a = tl.load(
+            a_ptr + offs_m[:, None].to(tl.int64) * K + offs_k[None, :],
+            mask=(offs_m[:, None] < M) & (offs_k[None, :] < K),
+            other=0.0,
+        )
         if HAS_GATE:
             gate = tl.load(gate_ptr + offs_k, mask=offs_k < K, other=0.0)
             a = (a.to(tl.float32) * gate.to(tl.float32)[None, :]).to(a.dtype)
-        b = tl.load(b_ptr + offs_k[:, None].to(tl.int64) * N + offs_n[None, :],
-                    mask=(offs_k[:, None] < K) & (offs_n[None, :] < N), other=0.0)
+        b = tl.load(
+            b_ptr + offs_k[:, None].to(tl.int64) * N + offs_n[None, :],
+            mask=(offs_k[:, None] < K) & (offs_n[None, :] < N),
+            other=0.0,
+        )
         acc += _dot(a, b, PRECISION, UPCAST)
     # Row m = (outer, inner), column n = (a_mode, tail): store at ((outer·A_MODE + a)·INNER + inner)·TAIL + tail.
     outer = offs_m // INNER
@@ -265,9 +358,22 @@ def gated_merge(a: Tensor, gate: Tensor | None, b: Tensor, inner: int, a_mode: i
     block_m, block_n, block_k = _tile(m), _tile(n), _tile(k)
     gate_arg = gate.contiguous() if gate is not None else a
     wrap_triton(_gated_merge_kernel)[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
-        a, gate_arg, b, out, m, n, k, inner, a_mode, n // a_mode,
-        HAS_GATE=gate is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        PRECISION=_precision(a.dtype), UPCAST=_upcast(a.dtype),
+        a,
+        gate_arg,
+        b,
+        out,
+        m,
+        n,
+        k,
+        inner,
+        a_mode,
+        n // a_mode,
+        HAS_GATE=gate is not None,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        PRECISION=_precision(a.dtype),
+        UPCAST=_upcast(a.dtype),
     )
     return out
 

@@ -72,8 +72,15 @@ def _two_factor_steps(chosen: Plan) -> tuple[int, int] | None:
         return None
     i, j = batched
     first, last = steps[i], steps[j]
-    if (j != len(steps) - 1 or first.left != 0 or first.m != 1 or last.m != 1 or last.left != first.result
-            or last.k != first.n or instructions[j].left_view != ("view",)):
+    if (
+        j != len(steps) - 1
+        or first.left != 0
+        or first.m != 1
+        or last.m != 1
+        or last.left != first.result
+        or last.k != first.n
+        or instructions[j].left_view != ("view",)
+    ):
         return None
     return i, j
 
@@ -117,8 +124,15 @@ class PlanRunner:
     def bias_in_gemm(self, x, bias) -> bool:
         """Does ``forward`` carry ``bias`` in the padded bond's spare slice (``BIAS_IN_GEMM``)? Only where y is the
         last GEMM's output itself and the dtypes agree without autocast (which would cast the bias row)."""
-        return (BIAS_IN_GEMM and bias is not None and self.writes_y and self.padded_rank(x) > self.bond_rank
-                and bias.dtype == x.dtype and bias.device == x.device and not _autocasting(x))
+        return (
+            BIAS_IN_GEMM
+            and bias is not None
+            and self.writes_y
+            and self.padded_rank(x) > self.bond_rank
+            and bias.dtype == x.dtype
+            and bias.device == x.device
+            and not _autocasting(x)
+        )
 
     def forward(self, x, cores: Sequence, keep: bool = True, bias=None):
         """(y, lefts, rights): y = x @ M (or x @ Mᵀ) + bias of shape (..., n_out); the operands when ``keep``.
@@ -134,8 +148,9 @@ class PlanRunner:
         lefts, rights = [], []
         ones = self.bias_in_gemm(x2, bias)
         # Fold only where addmm sees the dtypes mm would (autocast casts all three alike; else bias must match).
-        foldable = (not ones and bias is not None and folds_bias(self.plan)
-                    and (bias.dtype == x2.dtype or _autocasting(x2)))
+        foldable = (
+            not ones and bias is not None and folds_bias(self.plan) and (bias.dtype == x2.dtype or _autocasting(x2))
+        )
         fold = bias if foldable else None
         first, last = self.two_factor if self.two_factor is not None else (-1, -1)
         n_last = len(self.steps) - 1
@@ -195,13 +210,13 @@ class PlanRunner:
             if bias_in_gemm and i == n_steps - 1:
                 d_bias = d_right[step.k]
             if tuple(d_right.shape) != (step.k, step.n):  # drop the padded slices' gradients
-                d_right = d_right[:step.k, :step.n]
+                d_right = d_right[: step.k, : step.n]
             grads[step.right] = _unview(d_right, inst.right_view, inst.right_dims, step.k, step.n, False)
         dx = None
         if need_x:
             dx = grads[0].reshape(-1, self.pad_in)
             if self.pad_in != self.n_in:
-                dx = dx[:, :self.n_in]
+                dx = dx[:, : self.n_in]
             dx = dx.reshape(dy.shape[:-1] + (self.n_in,))
         return dx, [grads[k + 1].reshape(self.core_shapes[k]) for k in range(self.n_leaves - 1)], d_bias
 
@@ -229,8 +244,12 @@ def folds_bias(chosen: Plan) -> bool:
 def _writes_y(chosen: Plan) -> bool:
     """Does the plan's last GEMM write y itself, (b × n_out) with nothing after it (no permute, no trimming)?"""
     last, net = chosen.steps[-1], chosen.network
-    return (last.batched and last.m == 1 and plan_program(chosen).final_perm is None
-            and math.prod(net.out_modes) == (net.layout.cols if net.op == "matmul" else net.layout.rows))
+    return (
+        last.batched
+        and last.m == 1
+        and plan_program(chosen).final_perm is None
+        and math.prod(net.out_modes) == (net.layout.cols if net.op == "matmul" else net.layout.rows)
+    )
 
 
 def _autocasting(t) -> bool:
@@ -283,8 +302,9 @@ def _make_function(chosen: Plan) -> type:
         @staticmethod
         def backward(ctx, dy):
             saved = ctx.saved_tensors
-            dx, core_grads, d_bias = runner.backward(saved[:n_steps], saved[n_steps:], dy, ctx.needs_input_grad[0],
-                                                     ctx.bias_in_gemm)
+            dx, core_grads, d_bias = runner.backward(
+                saved[:n_steps], saved[n_steps:], dy, ctx.needs_input_grad[0], ctx.bias_in_gemm
+            )
             if ctx.needs_input_grad[1] and d_bias is None:
                 d_bias = dy.reshape(-1, dy.shape[-1]).sum(0)
             return (dx, d_bias, *core_grads)

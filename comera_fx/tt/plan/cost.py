@@ -71,14 +71,15 @@ class CostModel:
     @property
     def weights(self) -> tuple[Fraction, Fraction, Fraction]:
         """(alpha, beta, gamma) as exact fractions: a float is read as the decimal it prints as (5.5 -> 11/2)."""
-        return (_as_fraction(self.alpha, "alpha"), _as_fraction(self.beta, "beta"),
-                _as_fraction(self.gamma, "gamma"))
+        return (_as_fraction(self.alpha, "alpha"), _as_fraction(self.beta, "beta"), _as_fraction(self.gamma, "gamma"))
 
     def describe(self) -> str:
         alpha, beta, gamma = self.weights
         what = "forward + backward" if self.backward else "forward only"
-        return (f"cost = FLOPs + {_num(alpha)}·(bytes moved + copied) + {_num(beta)}·bytes saved + "
-                f"{_num(gamma)}·GEMMs ({what}, {self.itemsize}-byte elements)")
+        return (
+            f"cost = FLOPs + {_num(alpha)}·(bytes moved + copied) + {_num(beta)}·bytes saved + "
+            f"{_num(gamma)}·GEMMs ({what}, {self.itemsize}-byte elements)"
+        )
 
 
 def _as_fraction(value, name: str) -> Fraction:
@@ -108,8 +109,15 @@ class CostTerms:
         return CostTerms(*[(a[0] + b[0], a[1] + b[1]) for a, b in zip(self._pairs(), other._pairs())])
 
     def _pairs(self) -> tuple[Linear, ...]:
-        return (self.flops_forward, self.flops_backward, self.bytes_forward, self.bytes_backward, self.bytes_saved,
-                self.bytes_copied, self.gemms)
+        return (
+            self.flops_forward,
+            self.flops_backward,
+            self.bytes_forward,
+            self.bytes_backward,
+            self.bytes_saved,
+            self.bytes_copied,
+            self.gemms,
+        )
 
     @property
     def flops(self) -> Linear:
@@ -119,8 +127,10 @@ class CostTerms:
     def weighted(self, model: CostModel) -> tuple[Fraction, Fraction]:
         alpha, beta, gamma = model.weights
         moved = _add(_add(self.bytes_forward, self.bytes_backward), self.bytes_copied)
-        return tuple(Fraction(f) + alpha * m + beta * s + gamma * g
-                     for f, m, s, g in zip(self.flops, moved, self.bytes_saved, self.gemms))
+        return tuple(
+            Fraction(f) + alpha * m + beta * s + gamma * g
+            for f, m, s, g in zip(self.flops, moved, self.bytes_saved, self.gemms)
+        )
 
 
 def _add(a: Linear, b: Linear) -> Linear:
@@ -198,12 +208,19 @@ class ScaledWeights:
     def of(cls, model: CostModel) -> "ScaledWeights":
         alpha, beta, gamma = model.weights
         scale = math.lcm(alpha.denominator, beta.denominator, gamma.denominator)
-        return cls(scale, scale, int(alpha * scale) * model.itemsize, int(beta * scale) * model.itemsize,
-                   int(gamma * scale), model.backward)
+        return cls(
+            scale,
+            scale,
+            int(alpha * scale) * model.itemsize,
+            int(beta * scale) * model.itemsize,
+            int(gamma * scale),
+            model.backward,
+        )
 
 
-def scaled_step(sa: int, sb: int, sc: int, a_batched: bool, b_batched: bool, grad_a: bool, grad_b: bool,
-                w: ScaledWeights) -> Linear:
+def scaled_step(
+    sa: int, sb: int, sc: int, a_batched: bool, b_batched: bool, grad_a: bool, grad_b: bool, w: ScaledWeights
+) -> Linear:
     """(c0, c1) of one pairwise GEMM C = A·B weighed by ``w``: ``_step_terms``'s counts, from the element counts of
     A, B and C (per batch element where batched) and which operands hold x or need a gradient."""
     flops = 2 * math.isqrt(sa * sb * sc)

@@ -76,8 +76,10 @@ class PlanEnvelope:
         if batch == 0:
             return self.pieces[0]
         if batch < self.lo or (self.hi is not None and batch > self.hi):
-            raise ValueError(f"batch {batch} is outside the planned bounds [{self.lo}, {self.hi or '∞'}]; "
-                             f"plan again with bounds=(lo, hi) covering it")
+            raise ValueError(
+                f"batch {batch} is outside the planned bounds [{self.lo}, {self.hi or '∞'}]; "
+                f"plan again with bounds=(lo, hi) covering it"
+            )
         return next(piece for piece in self.pieces if piece.holds(batch))
 
     def choose(self, batch: int) -> Plan:
@@ -88,14 +90,22 @@ class PlanEnvelope:
         layout, net = self.network.layout, self.network
         what = "x @ M" if net.op == "matmul" else "x @ Mᵀ"
         bounds = f"{self.lo} <= b" + (f" <= {self.hi}" if self.hi is not None else "")
-        head = [f"{layout.format.value.upper()} {what}, {layout.describe_modes()}, ranks {layout.ranks}; {bounds}",
-                self.model.describe()]
+        head = [
+            f"{layout.format.value.upper()} {what}, {layout.describe_modes()}, ranks {layout.ranks}; {bounds}",
+            self.model.describe(),
+        ]
         at = f"FLOPs at b={self.batch}" if self.batch is not None else "FLOPs"
         rows = [("batch", "plan", "cost", at)]
         for piece in self.pieces:
             flops = piece.plan.flops(self.batch) if self.batch is not None else None
-            rows.append((piece.describe_interval(), str(piece.plan), _pretty(piece.plan.weighted_cost),
-                         _num(flops) if self.batch is not None else _pretty(piece.plan.terms.flops)))
+            rows.append(
+                (
+                    piece.describe_interval(),
+                    str(piece.plan),
+                    _pretty(piece.plan.weighted_cost),
+                    _num(flops) if self.batch is not None else _pretty(piece.plan.terms.flops),
+                )
+            )
         widths = [max(len(r[c]) for r in rows) for c in range(4)]
         table = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
         table.insert(1, "  ".join("-" * w for w in widths))
@@ -108,9 +118,19 @@ class PlanEnvelope:
         return "\n".join(lines)
 
 
-def plan(layer_or_spec, batch: int | None = None, *, op: str | None = None, alpha=DEFAULT_ALPHA,
-         beta=DEFAULT_BETA, bounds: tuple[int, int | None] = (1, None), backward: bool = True,
-         x_requires_grad: bool = True, itemsize: int = 4, gamma=DEFAULT_GAMMA) -> PlanEnvelope:
+def plan(
+    layer_or_spec,
+    batch: int | None = None,
+    *,
+    op: str | None = None,
+    alpha=DEFAULT_ALPHA,
+    beta=DEFAULT_BETA,
+    bounds: tuple[int, int | None] = (1, None),
+    backward: bool = True,
+    x_requires_grad: bool = True,
+    itemsize: int = 4,
+    gamma=DEFAULT_GAMMA,
+) -> PlanEnvelope:
     """Plan ``x @ M`` (or ``x @ Mᵀ``) of a TT layer for every batch size in ``bounds``.
 
     ``layer_or_spec``: a ``TTMatrix``, a ``TTLinear`` (its op follows ``transposed``) or a ``TTLayout``. ``op``:
@@ -126,8 +146,9 @@ def plan(layer_or_spec, batch: int | None = None, *, op: str | None = None, alph
         batch = _as_int(batch, "batch")
         if batch < lo or (hi is not None and batch > hi):
             raise ValueError(f"batch must be an int within the bounds [{lo}, {hi or '∞'}], got {batch!r}")
-    model = CostModel(alpha=alpha, beta=beta, itemsize=itemsize, backward=backward, x_requires_grad=x_requires_grad,
-                      gamma=gamma)
+    model = CostModel(
+        alpha=alpha, beta=beta, itemsize=itemsize, backward=backward, x_requires_grad=x_requires_grad, gamma=gamma
+    )
     net = build_network(layout, op)
     found = search(net, model, lo, hi)
     pieces = []
@@ -140,8 +161,11 @@ def plan(layer_or_spec, batch: int | None = None, *, op: str | None = None, alph
         end = (Fraction(hi) if hi is not None else None) if last_piece else _crossing(line, found[k + 1][1])
         first = math.ceil(start)
         last = None if end is None else (int(end) if last_piece else math.ceil(end) - 1)
-        pieces.append(EnvelopePiece(_as_rational(start), sympy.oo if end is None else _as_rational(end), first, last,
-                                    chosen, chosen.cost()))
+        pieces.append(
+            EnvelopePiece(
+                _as_rational(start), sympy.oo if end is None else _as_rational(end), first, last, chosen, chosen.cost()
+            )
+        )
     return PlanEnvelope(net, model, lo, hi, tuple(pieces), batch)
 
 
@@ -163,8 +187,10 @@ def _layout_of(obj) -> tuple[TTLayout, str]:
     if tt is not None and isinstance(getattr(tt, "layout", None), TTLayout):
         if hasattr(obj, "transposed"):
             return tt.layout, "matmul_t" if obj.transposed else "matmul"
-        raise ValueError(f"{type(obj).__name__} looks rows up rather than multiplying; lookups are not planned. "
-                         f"Plan its matrix (obj.tt) with op='matmul_t' for a tied output head")
+        raise ValueError(
+            f"{type(obj).__name__} looks rows up rather than multiplying; lookups are not planned. "
+            f"Plan its matrix (obj.tt) with op='matmul_t' for a tied output head"
+        )
     if isinstance(getattr(obj, "layout", None), TTLayout):
         return obj.layout, "matmul"
     raise ValueError(f"plan() takes a TTMatrix, a TTLinear or a TTLayout, got {type(obj).__name__}")

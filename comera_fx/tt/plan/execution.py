@@ -72,8 +72,9 @@ def _compile(chosen: Plan) -> _Program:
         a, b = orders[step.left], orders[step.right]
         view_a, view_b, order, _, _ = _step_views(net, a, b, step.batched)
         orders.append(order)
-        instructions.append(_Instruction(view_a, view_b, tuple(net.sizes[i] for i in a if i != _B),
-                                         tuple(net.sizes[i] for i in b)))
+        instructions.append(
+            _Instruction(view_a, view_b, tuple(net.sizes[i] for i in a if i != _B), tuple(net.sizes[i] for i in b))
+        )
     final = orders[-1]
     perm = None if final == net.output else tuple(final.index(i) for i in net.output)
     return _Program(tuple(instructions), tuple(net.sizes[i] for i in final if i != _B), perm)
@@ -92,8 +93,10 @@ def _as_matrix(t, view: tuple, dims: tuple[int, ...], rows: int, cols: int, batc
 def _check_operands(chosen: Plan, cores: Sequence, layout: TTLayout) -> None:
     """Refuse cores of another layout than the plan's: after pruning, a stale plan would misread them."""
     if layout != chosen.network.layout:
-        raise ValueError(f"the plan was made for {chosen.network.layout}, not {layout}; plan again for the new "
-                         f"layout (ranks change when a TT is pruned)")
+        raise ValueError(
+            f"the plan was made for {chosen.network.layout}, not {layout}; plan again for the new "
+            f"layout (ranks change when a TT is pruned)"
+        )
     if len(cores) != layout.n_cores:
         raise ValueError(f"expected {layout.n_cores} cores for this layout, got {len(cores)}")
 

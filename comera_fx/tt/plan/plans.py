@@ -62,8 +62,10 @@ class Plan:
         model = model or CostModel()
         leaves = _leaves(tree) if _is_tree(tree) else None
         if leaves is None or sorted(leaves) != list(range(network.n_tensors)):
-            raise ValueError(f"a tree must be nested pairs using each tensor id 0..{network.n_tensors - 1} exactly "
-                             f"once, got {tree!r}")
+            raise ValueError(
+                f"a tree must be nested pairs using each tensor id 0..{network.n_tensors - 1} exactly "
+                f"once, got {tree!r}"
+            )
         tree = _canonical(tree)
         sizes = _subset_sizes(network)
         steps: list[Step] = []
@@ -125,8 +127,10 @@ class Plan:
         for number, step in enumerate(self.steps, 1):
             names.append(f"t{number}")
             rows = (f"b·{step.m}" if step.m != 1 else "b") if step.batched else f"{step.m}"
-            lines.append(f"  t{number} = {names[step.left]}·{names[step.right]}: [{rows} × {step.k}] @ "
-                         f"[{step.k} × {step.n}] -> [{rows} × {step.n}], {_pretty(step.flops)} FLOPs")
+            lines.append(
+                f"  t{number} = {names[step.left]}·{names[step.right]}: [{rows} × {step.k}] @ "
+                f"[{step.k} × {step.n}] -> [{rows} × {step.n}], {_pretty(step.flops)} FLOPs"
+            )
         return "\n".join(lines)
 
 

@@ -124,8 +124,11 @@ def _search(net: TTNetwork, model: CostModel, lo: int, hi: int | None) -> tuple[
     w = ScaledWeights.of(model)
     scale = w.scale
     grad_x = model.x_requires_grad
-    ceiling = _ceiling([tuple(int(c * scale) for c in Plan.from_tree(net, t, model).weighted_cost)
-                        for t in _reference_trees(net)], lo, hi)
+    ceiling = _ceiling(
+        [tuple(int(c * scale) for c in Plan.from_tree(net, t, model).weighted_cost) for t in _reference_trees(net)],
+        lo,
+        hi,
+    )
     # Any tree over a subset ends with a GEMM writing it: >= 2 FLOPs and one write per element, twice with backward.
     last_step = (2 * w.flop + w.element) * (2 if model.backward else 1)
 
@@ -171,8 +174,8 @@ def _search(net: TTNetwork, model: CostModel, lo: int, hi: int | None) -> tuple[
                         for kp, line in enumerate(env[part]):
                             order, ca, cb = step_view(line[2], right[2], True)
                             groups.setdefault(order, []).append(
-                                (line[0] + k0 + right[0] + cb * copy_b, line[1] + k1 + ca * copy_a, order, part, kp,
-                                 ko))
+                                (line[0] + k0 + right[0] + cb * copy_b, line[1] + k1 + ca * copy_a, order, part, kp, ko)
+                            )
                 if sub == 0:
                     break
                 sub = (sub - 1) & rest
@@ -219,8 +222,9 @@ def _search(net: TTNetwork, model: CostModel, lo: int, hi: int | None) -> tuple[
     full = (1 << n) - 1
     if not env[full]:
         raise RuntimeError("planner bound pruned every tree; this is a bug in comera_fx.tt.plan")
-    return tuple((tree(full, k), (Fraction(line[0], scale), Fraction(line[1], scale)))
-                 for k, line in enumerate(env[full]))
+    return tuple(
+        (tree(full, k), (Fraction(line[0], scale), Fraction(line[1], scale))) for k, line in enumerate(env[full])
+    )
 
 
 def _undominated(candidates: list, lo: int, hi: int | None) -> list:
@@ -228,6 +232,7 @@ def _undominated(candidates: list, lo: int, hi: int | None) -> list:
 
     A cheap filter before the exact envelope: most candidates of a subset lose to one of these two.
     """
+
     def at_lo(line) -> int:
         return line[0] + line[1] * lo
 

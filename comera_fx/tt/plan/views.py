@@ -45,8 +45,9 @@ def _step_views(net: TTNetwork, order_a: tuple[int, ...], order_b: tuple[int, ..
     return view_a, view_b, order, copy_a, copy_b
 
 
-def _permute_copies(sizes: Sequence[int], order: tuple[int, ...], first: tuple[int, ...], second: tuple[int, ...],
-                    batched: bool) -> bool:
+def _permute_copies(
+    sizes: Sequence[int], order: tuple[int, ...], first: tuple[int, ...], second: tuple[int, ...], batched: bool
+) -> bool:
     """Does ``reshape(permute(t))`` copy, for t stored contiguously with indices ``order``, read as the matrix
     (b? + first) × second? torch.reshape views whenever, within each of the two groups, consecutive dimensions of
     size > 1 are still adjacent in memory (size-1 dimensions never matter); else it copies. b counts as > 1."""
@@ -81,10 +82,16 @@ def _step_copies(sizes: Sequence[int], order_a: tuple[int, ...], order_b: tuple[
     result = ((_B,) if batched else ()) + free_a + free_b
 
     def copies(shared):
-        copy_a = (body_a != free_a + shared and (batched or body_a != shared + free_a)
-                  and _permute_copies(sizes, order_a, free_a, shared, batched))
-        copy_b = (order_b != shared + free_b and order_b != free_b + shared
-                  and _permute_copies(sizes, order_b, shared, free_b, False))
+        copy_a = (
+            body_a != free_a + shared
+            and (batched or body_a != shared + free_a)
+            and _permute_copies(sizes, order_a, free_a, shared, batched)
+        )
+        copy_b = (
+            order_b != shared + free_b
+            and order_b != free_b + shared
+            and _permute_copies(sizes, order_b, shared, free_b, False)
+        )
         return copy_a, copy_b
 
     first = copies(shared_a)
