@@ -336,10 +336,6 @@ class _TeacherInputs:
 # -------------------------------------------------------------------------------------------------- sizing
 
 
-#: (TT params, dense params) of the model's TT matrices; kept under its old name (``tt.inventory.matrix_sizes``).
-linear_sizes = matrix_sizes
-
-
 # ---------------------------------------------------------------------------------------------- the recipe
 
 
@@ -549,7 +545,7 @@ def distill_(
     )
     if refit_summary is not None:
         notes.append(str(refit_summary))
-    _, dense = linear_sizes(student)
+    _, dense = matrix_sizes(student)
     if distributed:
         _check_same_ranks(student)
     setup_seconds = time.perf_counter() - setup_start
@@ -585,7 +581,7 @@ def distill_(
         on_optimizer=attach,
         augment=augment,
         observe=lambda loss: hook_box and hook_box[0].observe(loss),
-        postfix=lambda: {"ratio": f"{linear_sizes(student)[0] / dense:.3f}"},
+        postfix=lambda: {"ratio": f"{matrix_sizes(student)[0] / dense:.3f}"},
         clock=clock,
     )
     notes += loop_notes
@@ -593,7 +589,7 @@ def distill_(
 
     rank_summary = None
     if hook is not None:
-        if linear_sizes(student)[0] > size_target * dense:
+        if matrix_sizes(student)[0] > size_target * dense:
             hook.prune_to(size_target * dense)
             notes.append(
                 "the budget ended before the rank schedule reached the target; pruned to it at the end "
@@ -604,7 +600,7 @@ def distill_(
     for entry in tt_matrices(student):
         if not entry.tt.is_zero:
             entry.tt.prepare_plans()
-    tt, dense = linear_sizes(student)
+    tt, dense = matrix_sizes(student)
     ranks = {e.name: e.tt.ranks for e in tt_matrices(student)}
     return DistillSummary(
         size_target,
