@@ -25,7 +25,7 @@ WAIT_POLICY = openmp_policy.choose_wait_policy()
 import torch
 import train_code_lm as demo
 
-from comera_fx.runtime import compile_policy
+from comera_fx import compile_policy
 
 
 def build(args):

@@ -21,7 +21,7 @@ clock of the training steps; validation outside the clock) for:
 
 Every run trains through the demo's ``train``, so ``--compile auto`` (the default) applies to each: after a few eager
 steps it compiles the blocks when the budget could repay it, keeps the compiled path only when the measured step
-repays compile and recompiles, and counts the compile inside the run's clock (``comera_fx.runtime.compile_policy``);
+repays compile and recompiles, and counts the compile inside the run's clock (``comera_fx.compile_policy``);
 the table says which path each run took and why. ``--compile no`` is the all-eager comparison of earlier runs.
 
 Each run is a separate subprocess (so its peak RSS — VmHWM — is its own; the peak is reset with

@@ -21,7 +21,7 @@ its start by ``--prune-by`` of the budget, the least important rank directions r
 validation (nats/byte on a fixed set of held-out batches) runs every ``--eval-every`` seconds of
 training time, outside the budget clock.
 
-Compiled or eager (``--compile auto``, the default; ``comera_fx.runtime.compile_policy``): each run takes a few eager
+Compiled or eager (``--compile auto``, the default; ``comera_fx.compile_policy``): each run takes a few eager
 steps, then, if the budget left could repay a compile, compiles its blocks in place (``comera_fx.compile_regions`` for
 the TT run, with ``RankConfig(shrink_slack=4, same_shape_blocks=True)`` so its prunes recompile at most once; stock
 ``torch.compile`` per block for the dense run), then alternates compiled and eager steps in neighbouring pairs until a
@@ -67,7 +67,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import comera_fx  # noqa: E402
-from comera_fx.runtime import RankAdaptive, RankConfig, compile_policy, param_groups  # noqa: E402
+from comera_fx import compile_policy  # noqa: E402
+from comera_fx.runtime import RankAdaptive, RankConfig, param_groups  # noqa: E402
 
 VOCAB = 256  # bytes
 

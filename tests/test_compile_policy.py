@@ -1,4 +1,4 @@
-"""The training runs' choice between the compiled and the eager path (comera_fx.runtime.compile_policy).
+"""The training runs' choice between the compiled and the eager path (comera_fx.compile_policy).
 
 The decision is checked against step counts worked out by hand; the state machine with the compile replaced by a
 recorder (no Inductor in the default suite); the whole demo once with a real compile in the slow suite.
@@ -11,7 +11,7 @@ import statistics
 
 import pytest
 
-from comera_fx.runtime import compile_policy
+from comera_fx import compile_policy
 from helpers_models import load_demo
 
 

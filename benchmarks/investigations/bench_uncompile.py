@@ -1,5 +1,5 @@
 """Does going back to eager after a compile slow the eager step? The demo's TT model (preset "small"), 12 eager
-training steps, its blocks compiled (``comera_fx.runtime.compile_policy.compile_blocks``) for 8 steps, put back
+training steps, its blocks compiled (``comera_fx.compile_policy.compile_blocks``) for 8 steps, put back
 (``uncompile_blocks``, what ``--compile auto`` does when the compile does not pay), 12 eager steps again, then
 after ``torch._dynamo.reset()``. Medians of each set after its first two steps, milliseconds.
 
@@ -28,7 +28,7 @@ os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="bench_uncompile
 
 import torch  # noqa: E402
 
-from comera_fx.runtime import compile_policy as policy  # noqa: E402
+from comera_fx import compile_policy as policy  # noqa: E402
 
 demo = common.load_example("train_code_lm")
 

@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, fx, nn
 
-from ..config import Init, TensorizeConfig, check_config_type, warn_renamed
+from ..checks import check_config_type
+from ..config import Init, TensorizeConfig, warn_renamed
 from .experts import ExpertStep
 from .graph_experts import tensorize_experts
 from ..tt import ops

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..config import check_config_type
+from ..checks import check_config_type
 from ..tt.inventory import MatrixEntry, live_counts, live_counts_later, physical_params, tt_matrices
 from ..tt.layers import TTMatrix
 from .distributed import RankSync

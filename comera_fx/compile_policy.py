@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 
 import torch._dynamo.utils
 
-from ..backend import compile_regions, make_backend
-from ..tt.inventory import tt_matrices
+from .backend import compile_regions, make_backend
+from .tt.inventory import tt_matrices
 
 # The most a compiled CPU step has been measured to gain over eager here is 1.4-1.6x (CoMERA's widths, with dropout;
 # benchmarks/RESULTS.md, issue 14): a compile is tried only if it could pay at twice the eager speed.
