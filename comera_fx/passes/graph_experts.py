@@ -17,6 +17,7 @@ from torch import fx
 from ..config import TensorizeConfig
 from ..moe.bank import TTExpertBank
 from ..tt import ops
+from ..tt.layers import TTMatrix
 
 _CONVOLUTIONS = {
     torch.conv1d,
@@ -52,7 +53,12 @@ def tensorize_experts(gm: fx.GraphModule, config: TensorizeConfig, make_decision
     and skip rules) to the weight-space form; returns one decision per parameter found (``make_decision(fqn,
     shape)`` builds it). The dense parameters are deleted from ``gm``."""
     decisions = []
+    # TT cores are 3D parameters too: those of comera_fx's own modules (the matrices this pass just built) are not
+    # expert banks.
+    ours = tuple(f"{name}." for name, module in gm.named_modules() if isinstance(module, (TTMatrix, TTExpertBank)))
     for fqn, nodes in _expert_parameters(gm).items():
+        if fqn.startswith(ours):
+            continue
         p = gm.get_parameter(fqn)
         decision = make_decision(fqn, tuple(p.shape))
         decisions.append(decision)
