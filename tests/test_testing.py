@@ -184,7 +184,7 @@ def test_broken_and_perturbed_tie_is_caught_at_the_later_holder():
         perturbed.clear()
         return untie(gm, perturb=0.1, record=perturbed)
 
-    exc = _check_pass_failure(untie_and_perturb)
+    exc = _check_pass_failure(untie_and_perturb, models=strategies.models(ties=True))
     _assert_report_names_node(exc)
     assert exc.divergence.what == "forward"
     # The last run of the pass is the shrunk example's: the node diverging is the perturbed copy's user.
