@@ -282,7 +282,9 @@ def scenario_compile_prune(rank, world):
     backend = comera_fx.make_backend(comera_fx.BackendConfig(inductor=False))
     model = DDP(make_net())
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    hook = RankAdaptive(model, opt, **PRUNE)
+    # shrink_slack=1.0: shrink physically at every prune point, as the uncompiled reference does (a compiled model's
+    # default rounds in place until the last point); this scenario checks the DDP rewrap and recompile after each.
+    hook = RankAdaptive(model, opt, **PRUNE, shrink_slack=1.0)
     compiled = [torch.compile(hook.model, backend=backend)]
     stale = compiled[0]
     hook.distributed.on_prune(lambda new: compiled.__setitem__(0, torch.compile(new, backend=backend)))
