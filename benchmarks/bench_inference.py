@@ -9,6 +9,9 @@ CPU, ``--threads`` threads (2), eager (no torch.compile). Measures, per model, i
 * resident weight bytes: every parameter and buffer the model holds, shared storage counted once, plus the TT
   matrices' cached merged forms (``tt.merged.USE_MERGED_FORMS``; ``--no-cache`` turns them off).
 
+The TT model is measured twice: as is (the cache reads the cores on every call to check them) and inside
+``comera_fx.frozen`` (a serving block: keyed on storage and version counters only).
+
 Random init (``TensorizeConfig(init="random")``): the speed and the bytes depend on shapes, not on values.
 Ratios (TT / dense) are printed at the end.
 
@@ -94,7 +97,8 @@ def measure(model, opts) -> dict[str, float]:
         decode()  # warm-up (plans, allocator)
         prefill_only = best_seconds(lambda: model(prompt, use_cache=True), opts.repeats)
         total = best_seconds(decode, opts.repeats)
-        out[f"decode tok/s b={batch}"] = batch * opts.new / max(total - prefill_only, 1e-9)
+        decode_only = total - prefill_only  # noise can make it <= 0 on a loaded machine: then no figure (nan)
+        out[f"decode tok/s b={batch}"] = batch * opts.new / decode_only if decode_only > 0 else float("nan")
     long = torch.randint(0, 50257, (1, opts.prefill), generator=g)
     model(long)
     out[f"prefill {opts.prefill} ms"] = 1000 * best_seconds(lambda: model(long), opts.repeats)
@@ -191,13 +195,27 @@ def main(argv=None) -> None:
         f"{opts.new} new tokens, best of {opts.repeats}"
     )
     results = {}
-    for name, tensorized in (("dense", False), ("tt", True)):
-        results[name] = measure(build(opts, tensorized), opts)
+    tt_model = build(opts, True)
+    for name, run in (
+        ("dense", lambda: measure(build(opts, False), opts)),
+        ("tt", lambda: measure(tt_model, opts)),
+        ("tt frozen", lambda: frozen_measure(tt_model, opts)),
+    ):
+        results[name] = run()
         print(name, "  ".join(f"{k}: {v:.1f}" for k, v in results[name].items()), flush=True)
-    print(
-        "tt / dense",
-        "  ".join(f"{k}: {results['tt'][k] / results['dense'][k]:.2f}" for k in results["tt"] if results["dense"][k]),
-    )
+    for name in ("tt", "tt frozen"):
+        print(
+            f"{name} / dense",
+            "  ".join(
+                f"{k}: {results[name][k] / results['dense'][k]:.2f}" for k in results[name] if results["dense"][k]
+            ),
+        )
+
+
+def frozen_measure(model, opts) -> dict[str, float]:
+    """``measure`` inside ``comera_fx.frozen``: the merged forms are used without reading the cores per call."""
+    with comera_fx.frozen(model):
+        return measure(model, opts)
 
 
 if __name__ == "__main__":

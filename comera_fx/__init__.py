@@ -48,7 +48,7 @@ from .pretrained import (
 from .report import Report, report
 from .rmm import RMMConfig
 from .runtime import RankAdaptive, RankConfig, param_groups
-from .serving import ExportRangeError, RangePlan, export, package, plan_for_range
+from .serving import ExportRangeError, RangePlan, export, frozen, package, plan_for_range
 from .tt import TTEmbedding, TTFormat, TTLinear, TTMatrix
 from .tt.plan import plan
 
@@ -76,6 +76,7 @@ __all__ = [
     "PackedLinear",
     "pack_linears_",
     "export",
+    "frozen",
     "make_backend",
     "refit_sequential_",
     "Init",

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
-from .tt import layers
+from .tt import layers, merged
 from .tt import plan as planner
 from .tt.range_plan import RangePlan, finite as _finite, plan_for_range
 
@@ -32,6 +32,7 @@ __all__ = [
     "batch_range",
     "check_aten_only",
     "export",
+    "frozen",
     "package",
     "pinned_plans",
     "plan_for_range",
@@ -40,6 +41,38 @@ __all__ = [
 
 class ExportRangeError(ValueError):
     """The declared range of a dynamic dimension is one the model cannot run on."""
+
+
+@contextlib.contextmanager
+def frozen(model: nn.Module):
+    """Serve ``model`` with weights that do not change inside the block: eager no-grad products of few tokens
+    (decoding) use each TT matrix's cached merged forms without reading the cores on every call to check them.
+
+    Why: outside this block the cache compares the cores bit for bit on every call, because a fused optimizer step
+    or a write through ``param.data`` changes them without bumping their version counters; that read costs about a
+    fifth of a GPT-2-small decode step at batch 1. Inside, the forms are keyed on the cores' storage and version
+    counters: swapping a tensor in or an in-place write that autograd tracks is still seen; a fused optimizer step
+    or a ``.data`` write inside the block is not (train outside it). Entering drops the forms made before, so
+    changes made before the block are always seen. Nests; a copy of the model made inside is not frozen.
+
+        with comera_fx.frozen(model):
+            out = model.generate(ids, max_new_tokens=32)
+    """
+    matrices = [m for m in model.modules() if isinstance(m, layers.TTMatrix)]
+    for matrix in matrices:
+        depth = matrix.__dict__.get(merged.FROZEN, 0)
+        if depth == 0:
+            matrix.__dict__.pop("_merged", None)
+        matrix.__dict__[merged.FROZEN] = depth + 1
+    try:
+        yield model
+    finally:
+        for matrix in matrices:
+            depth = matrix.__dict__.get(merged.FROZEN, 1) - 1
+            if depth:
+                matrix.__dict__[merged.FROZEN] = depth
+            else:
+                matrix.__dict__.pop(merged.FROZEN, None)
 
 
 def batch_range(batch) -> tuple[int, int]:

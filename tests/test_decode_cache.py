@@ -294,3 +294,37 @@ def test_unchanged_cores_keep_their_forms_and_changed_ones_replace_them():
         tt.cores[0].data.view(-1)[0] += 1.0
         model(x)
         assert tt.__dict__["_merged"] is not first
+
+
+def test_frozen_serves_without_reading_the_cores_and_sees_every_change_made_before_or_tracked(monkeypatch):
+    """Inside ``frozen`` the forms are keyed on storage and versions (no content read); changes made before the
+    block, autograd-tracked in-place writes and swapped tensors inside it are seen; after it, content again."""
+    model, _ = tt_linear(seed=3)
+    tt = matrix_of(model)
+    x = torch.randn(2, 48, dtype=torch.float64)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)  # no _version bump
+    with torch.no_grad():
+        model(x)  # forms cached
+    model(x).square().sum().backward()
+    optimizer.step()
+    want = x @ tt.dense().detach()  # the new weights, from the cores by the grad path
+    want = want + model[0].bias.detach()
+
+    def no_content_reads(*args):
+        raise AssertionError("frozen must not read the cores")
+
+    with comera_fx.frozen(model), monkeypatch.context() as patch:
+        patch.setattr(merged, "cores_unchanged", no_content_reads)
+        with torch.no_grad():
+            torch.testing.assert_close(model(x), want, rtol=1e-10, atol=1e-10)  # the step before the block is seen
+            tt.cores[0].mul_(2.0)  # tracked: bumps the version
+            doubled = x @ tt.dense().detach() + model[0].bias
+            torch.testing.assert_close(model(x), doubled, rtol=1e-10, atol=1e-10)
+            with comera_fx.frozen(model):  # nests
+                torch.testing.assert_close(model(x), doubled, rtol=1e-10, atol=1e-10)
+            assert tt.__dict__.get(merged.FROZEN) == 1
+            assert merged.FROZEN not in copy.deepcopy(model)[0].tt.__dict__, "a copy made inside is not frozen"
+    assert merged.FROZEN not in tt.__dict__
+    with torch.no_grad():
+        tt.cores[0].data.mul_(0.5)  # untracked: outside the block the content check sees it
+        torch.testing.assert_close(model(x), want, rtol=1e-10, atol=1e-10)

@@ -235,6 +235,7 @@ class TTMatrix(nn.Module):
         state = super().__getstate__()
         state["_plan_pins"] = {}  # envelopes are shared planner objects: a loaded module plans its own
         state.pop("_merged", None)  # merged.py's cache of the cores' products: never copied or saved
+        state.pop(merged.FROZEN, None)  # a copy made inside serving.frozen is not frozen
         return state
 
     def __setstate__(self, state):
