@@ -3,7 +3,7 @@
 Cells per size target (TT size / dense size of the encoder's linear weights): TT-SVD only (uniform; calibrated +
 energy-allocated), uniform ranks + distillation, calibrated + allocated ranks + distillation, and plain low-rank
 (matrix SVD of every linear, one rank per layer giving the same parameter count, trained by the same loop:
-``comera_fx.pretrained.distill.match_teacher``) + distillation. Data, evaluation and loss are those of
+``comera_fx.pretrained.match_teacher``) + distillation. Data, evaluation and loss are those of
 examples/compress_pretrained.py.
 
 Issue 29's cells compare at equal *bytes* of the encoder's weight matrices, on held-out stdlib text and on
@@ -36,8 +36,8 @@ import common  # benchmarks/ is this script's sys.path[0]
 common.use_this_checkout()  # this checkout's comera_fx, not an installed copy
 import comera_fx  # noqa: E402
 from comera_fx.pretrained.augment import Augmentation  # noqa: E402
-from comera_fx.pretrained.distill import match_teacher  # noqa: E402
-from comera_fx.pretrained.quant import ENCODER_PREFIX, fake_quant_, weight_bytes  # noqa: E402
+from comera_fx.pretrained import DistillConfig, match_teacher  # noqa: E402
+from weight_baselines import ENCODER_PREFIX, fake_quant_, weight_bytes  # noqa: E402  (benchmarks/ is sys.path[0])
 from comera_fx.quantize import quantized_bytes, requantize_, stored_bytes  # noqa: E402
 
 cp = common.load_example("compress_pretrained")
@@ -90,11 +90,14 @@ def run_low_rank(teacher, data, ratio, args) -> dict:
         cp.training_sampler(data, args, seed=args.seed),
         steps=args.steps,
         budget_seconds=args.budget_seconds,
-        loss_fn=cp.distill_loss,
-        hidden_modules=cp.hidden_layers(teacher),
-        hidden_weight=1 / 6,
-        lr=args.lr,
-        progress=not args.no_progress,
+        config=DistillConfig(
+            hidden_modules=cp.hidden_layers(teacher),
+            hidden_weight=1 / 6,
+            lr=args.lr,
+            loss_fn=cp.distill_loss,
+            quant_aware=0.0,
+            progress=not args.no_progress,
+        ),
     )
     info = {
         "steps": len(losses),
@@ -157,9 +160,9 @@ def run_layer_drop(teacher, data, ratio, args, bits: int = 32) -> dict:
         cp.training_sampler(data, args, seed=args.seed),
         steps=args.steps,
         budget_seconds=args.budget_seconds,
-        loss_fn=cp.distill_loss,
-        lr=args.lr,
-        progress=not args.no_progress,
+        config=DistillConfig(
+            hidden_modules=(), lr=args.lr, loss_fn=cp.distill_loss, quant_aware=0.0, progress=not args.no_progress
+        ),
     )
     info = {"steps": len(losses), "train_s": seconds, "ranks": {}}
     if bits < 16:
@@ -273,15 +276,17 @@ def run_formats_distill(
         student,
         teacher,
         cp.training_sampler(data, args, seed=args.seed),
-        augment=Augmentation(max_growth=2.0) if augment else None,  # spliced rows up to twice the batch width
         steps=args.steps,
         budget_seconds=args.budget_seconds,
-        loss_fn=cp.distill_loss,
-        hidden_modules=cp.hidden_layers(teacher),
-        hidden_weight=1 / 6,
-        lr=args.lr,
-        progress=not args.no_progress,
-        quant_aware=quant_aware,
+        config=DistillConfig(
+            hidden_modules=cp.hidden_layers(teacher),
+            hidden_weight=1 / 6,
+            lr=args.lr,
+            loss_fn=cp.distill_loss,
+            quant_aware=quant_aware,
+            augment=Augmentation(max_growth=2.0) if augment else None,
+            progress=not args.no_progress,
+        ),
     )
     info["float_cosine_other"] = cp.evaluate(student, data, args.reference).get("cosine_other")  # before rounding
     requantize_(student)

@@ -5,7 +5,7 @@ energy-allocated ranks at ``--ratio``, the default; ``uniform`` = whitened with 
 TT-SVD with one max rank; ``masked`` = calibrated without padding rows on ``--refit-batches`` batches, energy ranks;
 ``refit`` = ``masked``, then ``comera_fx.refit_sequential_``; ``--num-modes 1`` makes every start a whitened
 low-rank matrix instead of a TT chain; computed once and cached under ``--cache``) and
-trains it with ``comera_fx.pretrained.distill.match_teacher`` for ``--budget-seconds``; only the recipe differs.
+trains it with ``comera_fx.pretrained.match_teacher`` for ``--budget-seconds``; only the recipe differs.
 Data, loss
 and evaluation are those of examples/compress_pretrained.py (held-out mean cosine to the teacher, docstring -> code
 retrieval top-1).
@@ -39,12 +39,12 @@ import common  # benchmarks/ is this script's sys.path[0]
 
 common.use_this_checkout()  # this checkout's comera_fx, not an installed copy
 import comera_fx  # noqa: E402
-from comera_fx.pretrained.distill import match_teacher  # noqa: E402
+from comera_fx.pretrained import DistillConfig, match_teacher  # noqa: E402
 from comera_fx.tt.inventory import matrix_sizes  # noqa: E402
 
 cp = common.load_example("compress_pretrained")
 
-RECIPES = {  # name: match_teacher keyword arguments (hidden_weight 1/6 per layer unless given)
+RECIPES = {  # name: DistillConfig settings (hidden_weight 1/6 per layer unless given)
     "base": dict(lr=5e-4),
     "lr3e-4": dict(lr=3e-4),
     "lr1e-3": dict(lr=1e-3),
@@ -135,7 +135,18 @@ def run_cell(cell: str, teacher, data, reference, start, calibration, args) -> d
     name, *mods = cell.split("+")
     if name not in RECIPES:
         raise SystemExit(f"unknown recipe {name!r}; one of {sorted(RECIPES)}")
-    kw = dict(hidden_weight=1 / 6, **RECIPES[name])
+    settings = DistillConfig(
+        **{
+            "hidden_modules": cp.hidden_layers(teacher),
+            "hidden_weight": 1 / 6,
+            "loss_fn": cp.distill_loss,
+            "calibration_batches": 8,
+            "token_mask": None,
+            "quant_aware": 0.0,
+            "progress": False,
+            **RECIPES[name],
+        }
+    )
     batch = next((int(m[2:]) for m in mods if m.startswith("bs")), 16)
     code = next((float(m[4:]) for m in mods if m.startswith("code")), 0.0)
     draw = cp.training_sampler(
@@ -170,14 +181,11 @@ def run_cell(cell: str, teacher, data, reference, start, calibration, args) -> d
                 student,
                 teacher,
                 draw,
-                size_target=args.ratio,
+                args.ratio,
                 start_ratio=shrink,
                 budget_seconds=args.budget_seconds,
-                loss_fn=cp.distill_loss,
-                hidden_modules=cp.hidden_layers(teacher),
                 calibration=calibration,
-                progress=False,
-                **kw,
+                config=settings,
             )
             losses = summary.losses
         else:
@@ -187,12 +195,8 @@ def run_cell(cell: str, teacher, data, reference, start, calibration, args) -> d
                 draw,
                 steps=None,
                 budget_seconds=args.budget_seconds,
-                loss_fn=cp.distill_loss,
-                hidden_modules=cp.hidden_layers(teacher),
-                progress=False,
                 observe=observe,
-                clock=clock,
-                **kw,
+                config=settings.replace(clock=clock),
             )
         wall, load_after = time.perf_counter() - began, common.loadavg()
     tt, dense = matrix_sizes(student)

@@ -43,11 +43,12 @@ import torch.nn.functional as F
 from torch import nn
 
 import comera_fx
-from comera_fx.pretrained.distill import relative_mse
-from comera_fx.pretrained.quant import weight_bytes
+from comera_fx.pretrained import DistillConfig, relative_mse
+from comera_fx.quantize import stored_bytes
 from comera_fx.tt.inventory import matrix_sizes
 
 MAX_LEN = 128
+ENCODER = "bert.encoder."  # the weights whose bytes are compared (the encoder's linear layers)
 
 
 # ----------------------------------------------------------------------------------------------- data
@@ -353,25 +354,28 @@ def run_tt(
     start = time.perf_counter()
     calibrated = allocation == "energy"
     if distill:
+        config = DistillConfig(
+            lr=args.lr,
+            loss_fn=distill_loss,
+            hidden_modules=hidden_layers(teacher),
+            hidden_weight=1 / 6,
+            calibration_batches=args.calibration_batches if calibrated else 0,
+            token_mask=real_tokens,
+            augment=comera_fx.pretrained.Augmentation() if args.augment else None,
+            progress=not args.no_progress,
+        )
         summary = comera_fx.distill_(
             student,
             teacher,
             draw,
-            size_target=ratio,
-            budget_seconds=args.budget_seconds,
+            ratio,
+            args.budget_seconds,
             steps=args.steps,
-            loss_fn=distill_loss,
-            hidden_modules=hidden_layers(teacher),
-            hidden_weight=1 / 6,
-            lr=args.lr,
+            config=config,
+            tensorize_config=base,
             allocation=allocation,
-            calibration_batches=args.calibration_batches if calibrated else 0,
-            token_mask=real_tokens,
             refit=refit,
             start_ratio=args.start_ratio,
-            config=base,
-            augment=comera_fx.pretrained.Augmentation() if args.augment else None,
-            progress=not args.no_progress,
         )
         info = {
             "steps": summary.steps,
@@ -538,7 +542,7 @@ def main(argv=None, extra: dict | None = None) -> dict:
             else:
                 allocation, distill, refit, num_modes = METHODS[method]
                 student, info = run_tt(teacher, data, ratio, allocation, distill, args, refit, num_modes)
-                info["bytes_ratio"] = weight_bytes(student) / weight_bytes(teacher)
+                info["bytes_ratio"] = stored_bytes(student, ENCODER) / stored_bytes(teacher, ENCODER)
             info.update(method=method, target=ratio)
             results.append(info)
             print(

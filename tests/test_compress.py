@@ -13,7 +13,8 @@ from torch import nn
 import comera_fx
 from comera_fx import TensorizeConfig
 from comera_fx.packed import PackedLinear
-from comera_fx.pretrained.compress import DistillConfig, compress_, repeated_blocks
+from comera_fx.pretrained import DistillConfig, compress_
+from comera_fx.pretrained.distill_config import repeated_blocks, resolved
 from comera_fx.tt.layers import TTLinear
 
 SMALL = TensorizeConfig(min_numel=1, min_dim=1)
@@ -91,14 +92,23 @@ def test_one_call_builds_trains_rounds_and_packs(tmp_path):
 
 
 def test_distill_config_is_data_and_refuses_bad_fields():
-    assert DistillConfig().quant_aware == 0.3
-    assert QUICK.match_kwargs(("a", "b"))["hidden_weight"] == 0.5
+    """Model-derived defaults resolve against the models: the teacher's repeated blocks at 1 / their number each,
+    no quantization-aware tail for a float student (test_quantize: 0.3 for a quantized one)."""
+    teacher = tiny_bert()
+    settings = resolved(DistillConfig(), copy.deepcopy(teacher), teacher)
+    assert settings.hidden_modules == ("encoder.layer.0", "encoder.layer.1") and settings.hidden_weight == 0.5
+    assert settings.quant_aware == 0.0
+    assert resolved(settings, teacher, teacher) == settings  # resolving twice changes nothing
     with pytest.raises(ValueError, match="calibration_batches"):
-        DistillConfig(calibration_batches=0)
+        DistillConfig(calibration_batches=-1)
     with pytest.raises(ValueError, match="quant_aware"):
         DistillConfig(quant_aware=1.5)
     with pytest.raises(ValueError, match="output_batches"):
         DistillConfig(calibration_batches=2, output_batches=3)
+    with pytest.raises(ValueError, match="calibration_batches >= 1"):  # compress_ chooses formats from statistics
+        compress_(copy.deepcopy(teacher), teacher, batches(2, 0), steps=1, config=QUICK.replace(calibration_batches=0))
+    with pytest.raises(TypeError, match=r"DistillConfig\(lr=0.001\)"):
+        compress_(copy.deepcopy(teacher), teacher, batches(2, 0), steps=1, config={"lr": 1e-3})
 
 
 def test_repeated_blocks_are_the_longest_module_list():

@@ -15,9 +15,12 @@ import transformers  # a test dependency (pyproject's [test] extra)
 from torch import nn
 
 import comera_fx
-from comera_fx import TensorizeConfig, TTLinear
+from comera_fx import DistillConfig, TensorizeConfig, TTLinear
 
 SMALL = TensorizeConfig(min_numel=1, min_dim=1)  # the tiny BERT's linears are below the default size threshold
+# the output matched (not the encoder layers), 8 calibration batches: the settings these tests' numbers were set on
+QUIET = DistillConfig(hidden_modules=(), calibration_batches=8, progress=False)
+NO_CALIBRATION = QUIET.replace(calibration_batches=0)
 VOCAB, SEQ = 100, 8
 
 
@@ -81,13 +84,11 @@ def test_distillation_beats_tt_svd_alone_at_equal_size(teacher):
         student,
         teacher,
         make_batches(8, seed=1),
-        size_target=0.3,
+        0.3,
         steps=40,
-        lr=3e-3,
-        config=SMALL,
         allocation="uniform",
-        calibration_batches=0,
-        progress=False,
+        tensorize_config=SMALL,
+        config=QUIET.replace(lr=3e-3, calibration_batches=0),
     )
     svd_only = copy.deepcopy(teacher)
     rank = max(max(r) for r in summary.ranks.values())
@@ -109,12 +110,12 @@ def test_size_target_is_reached(teacher, target, start, allocation):
         student,
         teacher,
         make_batches(4, seed=2),
-        size_target=target,
+        target,
         start_ratio=start,
         allocation=allocation,
         steps=12,
-        config=SMALL,
-        progress=False,
+        tensorize_config=SMALL,
+        config=QUIET,
     )
     converted = [name for name, m in student.named_modules() if isinstance(m, TTLinear)]
     assert len(converted) == len(linear_weight_names(teacher))  # every linear, no embedding
@@ -146,12 +147,10 @@ def test_teacher_is_untouched_and_frozen_parameters_stay_frozen():
         student,
         teacher,
         make_batches(4, seed=4),
-        size_target=0.5,
+        0.5,
         steps=6,
-        lr=1e-2,
-        hidden_modules=["encoder.layer.0"],
-        config=SMALL,
-        progress=False,
+        tensorize_config=SMALL,
+        config=QUIET.replace(hidden_modules=["encoder.layer.0"], hidden_weight=1.0, lr=1e-2),
     )
     after = snapshot(teacher)
     assert before[0].keys() == after[0].keys()
@@ -177,35 +176,28 @@ def test_batches_as_callable_iterable_tuple_and_one_shot_iterator(teacher):
         calls.append(1)
         return {"input_ids": torch.randint(0, VOCAB, (4, SEQ))}
 
-    s = comera_fx.distill_(
-        copy.deepcopy(teacher), teacher, draw, size_target=0.5, steps=5, config=SMALL, progress=False
-    )
+    s = comera_fx.distill_(copy.deepcopy(teacher), teacher, draw, 0.5, steps=5, tensorize_config=SMALL, config=QUIET)
     assert len(calls) == 8 and s.steps == 5  # 8 calibration batches, which also serve as the first training batches
     calls.clear()
     s = comera_fx.distill_(
         copy.deepcopy(teacher),
         teacher,
         draw,
-        size_target=0.5,
+        0.5,
         steps=5,
-        calibration_batches=0,
-        config=SMALL,
-        progress=False,
+        tensorize_config=SMALL,
+        config=NO_CALIBRATION,
     )
     assert len(calls) == 5 and s.steps == 5
     tuples = [(b["input_ids"],) for b in make_batches(2, seed=5)]  # positional inputs, reused across passes
-    s = comera_fx.distill_(
-        copy.deepcopy(teacher), teacher, tuples, size_target=0.5, steps=5, config=SMALL, progress=False
-    )
+    s = comera_fx.distill_(copy.deepcopy(teacher), teacher, tuples, 0.5, steps=5, tensorize_config=SMALL, config=QUIET)
     assert s.steps == 5 and all(torch.isfinite(torch.tensor(s.losses)))
     tensors = [b["input_ids"] for b in make_batches(2, seed=6)]
-    s = comera_fx.distill_(
-        copy.deepcopy(teacher), teacher, tensors, size_target=0.5, steps=3, config=SMALL, progress=False
-    )
+    s = comera_fx.distill_(copy.deepcopy(teacher), teacher, tensors, 0.5, steps=3, tensorize_config=SMALL, config=QUIET)
     assert s.steps == 3
     one_shot = iter(make_batches(3, seed=7))
     s = comera_fx.distill_(
-        copy.deepcopy(teacher), teacher, one_shot, size_target=0.5, steps=10, config=SMALL, progress=False
+        copy.deepcopy(teacher), teacher, one_shot, 0.5, steps=10, tensorize_config=SMALL, config=QUIET
     )
     assert s.steps == 3 and any("ran out" in n for n in s.notes)
 
@@ -223,11 +215,10 @@ def test_output_fn_and_global_rng_untouched(teacher):
         copy.deepcopy(teacher),
         teacher,
         batches,
-        size_target=0.5,
+        0.5,
         steps=3,
-        output_fn=pooled,
-        config=SMALL,
-        progress=False,
+        tensorize_config=SMALL,
+        config=QUIET.replace(output_fn=pooled),
     )
     assert torch.equal(state, torch.random.get_rng_state())
     assert len(seen) == 6 and s.steps == 3  # teacher and student, per step
@@ -261,12 +252,10 @@ def test_augment_edits_training_batches_only(teacher):
             student,
             teacher,
             batches,
-            size_target=0.5,
+            0.5,
             steps=6,
-            calibration_batches=2,
-            config=SMALL,
-            augment=edits,
-            progress=False,
+            tensorize_config=SMALL,
+            config=QUIET.replace(calibration_batches=2, augment=edits),
         )
     finally:
         for handle in handles:
@@ -281,9 +270,7 @@ def test_augment_edits_training_batches_only(teacher):
 
 def test_student_works_after_distillation(teacher):
     student = copy.deepcopy(teacher)
-    comera_fx.distill_(
-        student, teacher, make_batches(2, seed=9), size_target=0.5, steps=2, config=SMALL, progress=False
-    )
+    comera_fx.distill_(student, teacher, make_batches(2, seed=9), 0.5, steps=2, tensorize_config=SMALL, config=QUIET)
     student.eval()
     x = make_batches(1, seed=10)[0]
     with torch.no_grad():
@@ -298,9 +285,7 @@ def test_student_works_after_distillation(teacher):
 @pytest.mark.slow
 def test_compiles_with_the_backend_after_distillation(teacher):
     student = copy.deepcopy(teacher)
-    comera_fx.distill_(
-        student, teacher, make_batches(2, seed=11), size_target=0.5, steps=2, config=SMALL, progress=False
-    )
+    comera_fx.distill_(student, teacher, make_batches(2, seed=11), 0.5, steps=2, tensorize_config=SMALL, config=QUIET)
     x = make_batches(1, seed=12)[0]["input_ids"]
     with torch.no_grad():
         expected = student.eval()(x).last_hidden_state
@@ -310,20 +295,20 @@ def test_compiles_with_the_backend_after_distillation(teacher):
 
 def test_errors_name_the_fix(teacher):
     batches = make_batches(1, seed=13)
-    ok = dict(steps=1, config=SMALL, progress=False)
+    ok = dict(steps=1, tensorize_config=SMALL)
     for bad in (0, 0.0, 1.5, -0.1, "0.5", True):
         with pytest.raises(ValueError, match="size_target must be a float in"):
-            comera_fx.distill_(copy.deepcopy(teacher), teacher, batches, size_target=bad, **ok)
+            comera_fx.distill_(copy.deepcopy(teacher), teacher, batches, bad, config=QUIET, **ok)
     with pytest.raises(ValueError, match="needs a budget: pass steps="):
-        comera_fx.distill_(copy.deepcopy(teacher), teacher, batches, size_target=0.5, config=SMALL)
+        comera_fx.distill_(copy.deepcopy(teacher), teacher, batches, 0.5, tensorize_config=SMALL, config=QUIET)
     with pytest.raises(ValueError, match="budget_seconds must be"):
-        comera_fx.distill_(copy.deepcopy(teacher), teacher, batches, size_target=0.5, budget_seconds=0)
+        comera_fx.distill_(copy.deepcopy(teacher), teacher, batches, 0.5, budget_seconds=0, config=QUIET)
     with pytest.raises(ValueError, match="start_ratio must be"):
-        comera_fx.distill_(copy.deepcopy(teacher), teacher, batches, size_target=0.5, start_ratio=0.4, **ok)
+        comera_fx.distill_(copy.deepcopy(teacher), teacher, batches, 0.5, start_ratio=0.4, config=QUIET, **ok)
     with pytest.raises(ValueError, match="pass a copy"):
-        comera_fx.distill_(teacher, teacher, batches, size_target=0.5, **ok)
+        comera_fx.distill_(teacher, teacher, batches, 0.5, config=QUIET, **ok)
     with pytest.raises(ValueError, match="shares parameter"):
-        comera_fx.distill_(copy.copy(teacher), teacher, batches, size_target=0.5, **ok)
+        comera_fx.distill_(copy.copy(teacher), teacher, batches, 0.5, config=QUIET, **ok)
     other = transformers.BertModel(
         transformers.BertConfig(
             vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64
@@ -331,50 +316,59 @@ def test_errors_name_the_fix(teacher):
         add_pooling_layer=False,
     )
     with pytest.raises(ValueError, match="not a copy of teacher"):
-        comera_fx.distill_(other, teacher, batches, size_target=0.5, **ok)
+        comera_fx.distill_(other, teacher, batches, 0.5, config=QUIET, **ok)
     wide = tiny_bert()
     wide.encoder.layer[0].output.dense = nn.Linear(64, 33)  # same parameter names, one shape differs
     with pytest.raises(ValueError, match="has shape"):
-        comera_fx.distill_(wide, teacher, batches, size_target=0.5, **ok)
+        comera_fx.distill_(wide, teacher, batches, 0.5, config=QUIET, **ok)
     done = copy.deepcopy(teacher)
     comera_fx.tensorize_(done, SMALL)
     with pytest.raises(ValueError, match="already holds TT layers"):
-        comera_fx.distill_(done, teacher, batches, size_target=0.5, **ok)
+        comera_fx.distill_(done, teacher, batches, 0.5, config=QUIET, **ok)
     with pytest.raises(ValueError, match="a batch must be a dict"):
-        comera_fx.distill_(copy.deepcopy(teacher), teacher, ["text"], size_target=0.5, **ok)
+        comera_fx.distill_(copy.deepcopy(teacher), teacher, ["text"], 0.5, config=QUIET, **ok)
     with pytest.raises(ValueError, match="yielded no batch"):
-        comera_fx.distill_(copy.deepcopy(teacher), teacher, [], size_target=0.5, **ok)
+        comera_fx.distill_(copy.deepcopy(teacher), teacher, [], 0.5, config=QUIET, **ok)
     with pytest.raises(ValueError, match="hidden_modules"):
-        comera_fx.distill_(copy.deepcopy(teacher), teacher, batches, size_target=0.5, hidden_modules=["nope"], **ok)
+        comera_fx.distill_(
+            copy.deepcopy(teacher),
+            teacher,
+            batches,
+            0.5,
+            config=QUIET.replace(hidden_modules=["nope"], hidden_weight=1.0),
+            **ok,
+        )
     with pytest.raises(ValueError, match="raise size_target"):
-        comera_fx.distill_(copy.deepcopy(teacher), teacher, batches, size_target=1e-4, **ok)
+        comera_fx.distill_(copy.deepcopy(teacher), teacher, batches, 1e-4, config=QUIET, **ok)
 
 
-def test_target_ratio_spelling_warns_and_gives_the_same_student(teacher):
-    """distill_(target_ratio=) is size_target= renamed (one meaning: a fraction of the dense size)."""
-    batches = make_batches(2, seed=5)
-    kwargs = dict(steps=2, lr=1e-3, config=SMALL, calibration_batches=1, progress=False)
-    new = copy.deepcopy(teacher)
-    summary = comera_fx.distill_(new, teacher, batches, size_target=0.3, **kwargs)
-    old = copy.deepcopy(teacher)
-    with pytest.warns(DeprecationWarning, match="size_target"):
-        old_summary = comera_fx.distill_(old, teacher, batches, target_ratio=0.3, **kwargs)
-    assert old_summary.ranks == summary.ranks and old_summary.losses == summary.losses
-    for (name, a), (_, b) in zip(new.state_dict().items(), old.state_dict().items()):
-        assert torch.equal(a, b), name
-    with pytest.warns(DeprecationWarning, match="DistillSummary.size_target"):
-        assert summary.target_ratio == summary.size_target == 0.3
-    with pytest.raises(TypeError, match="size_target= only"):
-        comera_fx.distill_(copy.deepcopy(teacher), teacher, batches, size_target=0.3, target_ratio=0.3, **kwargs)
-    with pytest.raises(TypeError, match="needs size_target="):
-        comera_fx.distill_(copy.deepcopy(teacher), teacher, batches, **kwargs)
+def test_old_keywords_and_wrong_configs_are_refused_naming_the_fix(teacher):
+    """The distillation settings are one DistillConfig: a setting passed loose, a dict, or a TensorizeConfig as
+    config= is a TypeError spelling the call to write, raised before the student changes; target_ratio= is gone."""
+    batches = make_batches(1, seed=5)
+    student = copy.deepcopy(teacher)
+    with pytest.raises(TypeError, match=re.escape("config=DistillConfig(lr=0.001, calibration_batches=1)")):
+        comera_fx.distill_(student, teacher, batches, 0.3, steps=1, lr=1e-3, calibration_batches=1)
+    with pytest.raises(TypeError, match=re.escape("DistillConfig(lr=0.001)")):
+        comera_fx.distill_(student, teacher, batches, 0.3, steps=1, config={"lr": 1e-3})
+    with pytest.raises(TypeError, match="as tensorize_config="):
+        comera_fx.distill_(student, teacher, batches, 0.3, steps=1, config=SMALL)
+    with pytest.raises(TypeError, match="pass size_target"):
+        comera_fx.distill_(student, teacher, batches, 0.3, steps=1, target_ratio=0.3)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'nope'"):
+        comera_fx.distill_(student, teacher, batches, 0.3, steps=1, nope=1)
+    from comera_fx.pretrained import match_teacher
+
+    with pytest.raises(TypeError, match=re.escape("match_teacher(..., config=DistillConfig(quant_aware=0.3))")):
+        match_teacher(student, teacher, batches, steps=1, quant_aware=0.3)
+    assert not any(isinstance(m, TTLinear) for m in student.modules())
 
 
 def test_rank_settings_it_would_not_use_are_refused(teacher):
     """distill_ sizes the layers by size_target: a config's max_rank / rank_ratio / rel_tol (or size_target) is
     refused by name before anything runs, never dropped; its defaults and max_rank=None pass."""
     batches = make_batches(1, seed=13)
-    ok = dict(size_target=0.5, steps=1, progress=False, calibration_batches=0)
+    ok = dict(size_target=0.5, steps=1)
     for changes, named in (
         (dict(max_rank=8), "max_rank=8"),
         (dict(max_rank=None, rank_ratio=0.5), "rank_ratio=0.5"),
@@ -384,9 +378,18 @@ def test_rank_settings_it_would_not_use_are_refused(teacher):
     ):
         student = copy.deepcopy(teacher)
         with pytest.raises(ValueError, match=re.escape(named)):
-            comera_fx.distill_(student, teacher, batches, config=SMALL.replace(**changes), **ok)
+            comera_fx.distill_(
+                student, teacher, batches, tensorize_config=SMALL.replace(**changes), config=NO_CALIBRATION, **ok
+            )
         assert not any(isinstance(m, TTLinear) for m in student.modules())  # refused before any change
-    summary = comera_fx.distill_(copy.deepcopy(teacher), teacher, batches, config=SMALL.replace(max_rank=None), **ok)
+    summary = comera_fx.distill_(
+        copy.deepcopy(teacher),
+        teacher,
+        batches,
+        tensorize_config=SMALL.replace(max_rank=None),
+        config=NO_CALIBRATION,
+        **ok,
+    )
     assert summary.steps == 1
 
 
@@ -399,11 +402,10 @@ def test_a_size_target_below_rank_one_is_its_own_exception_type(teacher):
             copy.deepcopy(teacher),
             teacher,
             batches,
-            size_target=1e-4,
+            1e-4,
             steps=1,
-            config=SMALL,
-            progress=False,
-            calibration_batches=0,
+            tensorize_config=SMALL,
+            config=NO_CALIBRATION,
         )
     with pytest.raises(SizeTargetTooSmall, match="rank 1"):
         comera_fx.tensorize_(copy.deepcopy(teacher), SMALL.replace(size_target=10))
@@ -415,11 +417,12 @@ def test_refit_runs_on_the_calibration_batches(teacher):
     (measured here from the layers' outputs), and the refit student is closer to the teacher than the plain one."""
     batches = make_batches(16, seed=21)
     reference = [teacher(**b).last_hidden_state.detach() for b in batches]
-    kwargs = dict(size_target=0.4, steps=1, lr=1e-12, calibration_batches=16, config=SMALL, progress=False)
+    config = QUIET.replace(lr=1e-12, calibration_batches=16)
+    kwargs = dict(size_target=0.4, steps=1, tensorize_config=SMALL)
     plain = copy.deepcopy(teacher)
-    comera_fx.distill_(plain, teacher, batches, **kwargs)
+    comera_fx.distill_(plain, teacher, batches, config=config, **kwargs)
     refit = copy.deepcopy(teacher)
-    summary = comera_fx.distill_(refit, teacher, batches, refit=True, **kwargs)
+    summary = comera_fx.distill_(refit, teacher, batches, refit=True, config=config, **kwargs)
     assert summary.refit is not None and len(summary.refit.layers) == 12 and summary.refit.batches == 16
     assert any(n.startswith("refit_sequential_: 12 layers") for n in summary.notes)
     for layer in summary.refit.layers[:3]:
@@ -436,7 +439,7 @@ def test_refit_runs_on_the_calibration_batches(teacher):
         assert layer.error_after == pytest.approx(real, rel=1e-3)
     assert relative_error(refit, batches, reference) < relative_error(plain, batches, reference)
     with pytest.raises(ValueError, match="calibration_batches >= 1"):
-        comera_fx.distill_(copy.deepcopy(teacher), teacher, batches, **{**kwargs, "calibration_batches": 0}, refit=True)
+        comera_fx.distill_(copy.deepcopy(teacher), teacher, batches, refit=True, config=NO_CALIBRATION, **kwargs)
 
 
 def test_compress_pretrained_example_quick(tmp_path):

@@ -14,7 +14,7 @@ import transformers  # a test dependency (pyproject's [test] extra)
 from torch import nn
 
 import comera_fx
-from comera_fx.pretrained.distill import match_teacher, relative_mse
+from comera_fx.pretrained import DistillConfig, match_teacher, relative_mse
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -45,6 +45,7 @@ class Stack(nn.Module):
 
 
 NAMES = ["blocks.0", "blocks.1", "blocks.2"]
+QUIET = DistillConfig(hidden_modules=(), progress=False)  # the output only unless a test names hidden modules
 
 
 def make_pair(by_keyword: bool = False, seed: int = 0) -> tuple[nn.Module, nn.Module]:
@@ -94,13 +95,14 @@ def run_and_capture(teacher, student, batches, fraction, hidden_weight=0.5):
         batches,
         steps=len(batches),
         budget_seconds=None,
-        loss_fn=relative_mse,
-        hidden_modules=NAMES,
-        hidden_weight=hidden_weight,
-        blockwise_fraction=fraction,
-        lr=1e-2,
-        progress=False,
         observe=observe,
+        config=QUIET.replace(
+            hidden_modules=NAMES,
+            hidden_weight=hidden_weight,
+            lr=1e-2,
+            loss_fn=relative_mse,
+            blockwise_fraction=fraction,
+        ),
     )
     return seen
 
@@ -169,16 +171,17 @@ def test_distill_blockwise_on_a_bert():
         student,
         teacher,
         batches,
-        size_target=0.3,
+        0.3,
         steps=30,
-        lr=3e-3,
-        hidden_modules=["encoder.layer.0", "encoder.layer.1"],
-        hidden_weight=0.5,
-        blockwise_fraction=0.5,
-        config=comera_fx.TensorizeConfig(min_numel=1, min_dim=1),
         allocation="uniform",
-        calibration_batches=0,
-        progress=False,
+        tensorize_config=comera_fx.TensorizeConfig(min_numel=1, min_dim=1),
+        config=QUIET.replace(
+            hidden_modules=["encoder.layer.0", "encoder.layer.1"],
+            hidden_weight=0.5,
+            lr=3e-3,
+            blockwise_fraction=0.5,
+            calibration_batches=0,
+        ),
     )
     assert summary.steps == 30
     with torch.no_grad():
@@ -198,7 +201,7 @@ def test_blockwise_errors_name_the_fix():
     teacher, student = make_pair()
     x = torch.randn(5, 6, dtype=torch.float64)
     with pytest.raises(ValueError, match="hidden_modules"):
-        match_teacher(student, teacher, [x], steps=1, budget_seconds=None, blockwise_fraction=0.5, progress=False)
+        match_teacher(student, teacher, [x], steps=1, budget_seconds=None, config=QUIET.replace(blockwise_fraction=0.5))
     with pytest.raises(ValueError, match=r"blockwise_fraction must be a number in \[0, 1\]"):
         match_teacher(
             student,
@@ -206,20 +209,16 @@ def test_blockwise_errors_name_the_fix():
             [x],
             steps=1,
             budget_seconds=None,
-            hidden_modules=NAMES,
-            blockwise_fraction=1.5,
-            progress=False,
+            config=QUIET.replace(hidden_modules=NAMES, hidden_weight=1.0, blockwise_fraction=1.5),
         )
     with pytest.raises(ValueError, match=r"blockwise_fraction must be a number in \[0, 1\]"):
         comera_fx.distill_(
             copy.deepcopy(teacher),
             teacher,
             [x],
-            size_target=0.5,
+            0.5,
             steps=1,
-            hidden_modules=NAMES,
-            blockwise_fraction=-0.1,
-            progress=False,
+            config=QUIET.replace(hidden_modules=NAMES, hidden_weight=1.0, blockwise_fraction=-0.1),
         )
 
 
@@ -246,8 +245,6 @@ def test_shared_block_is_refused():
             [x],
             steps=1,
             budget_seconds=None,
-            hidden_modules=["block"],
-            blockwise_fraction=1.0,
-            progress=False,
+            config=QUIET.replace(hidden_modules=["block"], hidden_weight=1.0, blockwise_fraction=1.0),
         )
     assert all(not m._forward_pre_hooks for m in list(teacher.modules()) + list(student.modules()))

@@ -29,6 +29,7 @@ pytestmark = [
 
 WORLD = 2
 SMALL = comera_fx.TensorizeConfig(min_numel=1, min_dim=1)
+QUIET = comera_fx.DistillConfig(hidden_modules=(), calibration_batches=8, progress=False)
 WIDTH = 16
 
 
@@ -72,10 +73,12 @@ DIRECT = dict(size_target=0.5, steps=3, calibration_batches=2, lr=1e-2)
 SHRINK = dict(size_target=0.4, start_ratio=0.9, steps=5, calibration_batches=2, lr=1e-2)
 
 
-def run_distill(batches, **kwargs):
+def run_distill(batches, lr: float, calibration_batches: int, clock=None, **kwargs):
+    """distill_ with these settings (the rest: size_target, budget, start_ratio, refit) on a fresh teacher."""
     teacher = make_teacher()
     student = copy.deepcopy(teacher)
-    summary = comera_fx.distill_(student, teacher, batches, loss_fn=mse, config=SMALL, progress=False, **kwargs)
+    config = QUIET.replace(loss_fn=mse, lr=lr, calibration_batches=calibration_batches, clock=clock)
+    summary = comera_fx.distill_(student, teacher, batches, tensorize_config=SMALL, config=config, **kwargs)
     return {
         "params": {k: v.detach().clone() for k, v in student.state_dict().items()},
         "ranks": {e.name: e.tt.ranks for e in tt_matrices(student)},
@@ -145,11 +148,11 @@ def scenario_own_calibration(rank, world):
             copy.deepcopy(teacher),
             teacher,
             [local_batch(0, rank)],
-            size_target=0.5,
+            0.5,
             steps=1,
             calibration=cal,
-            config=SMALL,
-            progress=False,
+            tensorize_config=SMALL,
+            config=QUIET,
         )
     except ValueError as err:
         return {"refusal": str(err)}

@@ -1,5 +1,5 @@
-"""comera_fx.pretrained.quant (weight bytes, fake-quantization) and the other-source evaluation text of
-examples/compress_pretrained.py, checked against hand counts and a float64 reference."""
+"""benchmarks/weight_baselines.py (weight bytes, fake-quantization of the baselines) and the other-source evaluation
+text of examples/compress_pretrained.py, checked against hand counts and a float64 reference."""
 
 from __future__ import annotations
 
@@ -11,7 +11,21 @@ import pytest
 import torch
 from torch import nn
 
-from comera_fx.pretrained.quant import fake_quant, fake_quant_, quantized_bytes, weight_bytes
+from comera_fx.quantize import fake_quant, quantized_bytes
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_file(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+baselines = load_file("weight_baselines", ROOT / "benchmarks" / "weight_baselines.py")
+weight_bytes, fake_quant_ = baselines.weight_bytes, baselines.fake_quant_
 
 
 class Tiny(nn.Module):
@@ -77,12 +91,7 @@ def test_fake_quant_in_place_only_encoder_weights():
 
 
 def load_example():
-    path = Path(__file__).resolve().parents[1] / "examples" / "compress_pretrained.py"
-    spec = importlib.util.spec_from_file_location("compress_pretrained", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_file("compress_pretrained", ROOT / "examples" / "compress_pretrained.py")
 
 
 def test_other_source_text_deterministic_and_disjoint():

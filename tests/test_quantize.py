@@ -223,7 +223,7 @@ def test_quant_aware_distillation_steps_with_the_gradient_taken_on_the_grid():
     its int4 grid: with quant_aware the float weight moves against the gradient at the *rounded* weight (float64
     reference), which differs in sign from the gradient at the float weight for some entries; without it, against
     the latter."""
-    from comera_fx.pretrained.distill import match_teacher
+    from comera_fx.pretrained import DistillConfig, match_teacher
 
     torch.manual_seed(1)
     teacher = nn.Sequential(nn.Linear(16, 8, bias=False), nn.Tanh(), nn.Linear(8, 4))
@@ -249,10 +249,9 @@ def test_quant_aware_distillation_steps_with_the_gradient_taken_on_the_grid():
             [x],
             steps=1,
             budget_seconds=None,
-            lr=1e-2,
-            progress=False,
-            loss_fn=lambda s, t: ((s - t) ** 2).sum(),
-            quant_aware=quant_aware,
+            config=DistillConfig(
+                progress=False, lr=1e-2, loss_fn=lambda s, t: ((s - t) ** 2).sum(), quant_aware=quant_aware
+            ),
         )
         moved = (before - student[0].weight.detach()).double()
         expected = at_grid if quant_aware else at_float
@@ -262,13 +261,37 @@ def test_quant_aware_distillation_steps_with_the_gradient_taken_on_the_grid():
     assert signs[1.0] > 0, "the test needs entries whose gradient sign differs between the grid and the float weight"
 
 
+def test_quant_aware_defaults_to_a_tail_only_for_quantized_students():
+    from comera_fx.pretrained import DistillConfig
+    from comera_fx.pretrained.distill_config import resolved
+
+    teacher = nn.Sequential(nn.Linear(16, 8, bias=False), nn.Tanh(), nn.Linear(8, 4))
+    assert resolved(DistillConfig(), off_grid_student(), teacher).quant_aware == 0.3
+    assert resolved(DistillConfig(), teacher, teacher).quant_aware == 0.0
+    assert resolved(DistillConfig(quant_aware=0.1), off_grid_student(), teacher).quant_aware == 0.1
+
+
 def test_quant_aware_refusals_name_the_fix():
-    from comera_fx.pretrained.distill import match_teacher
+    from comera_fx.pretrained import DistillConfig, match_teacher
 
     teacher = nn.Linear(4, 4)
     x = [torch.randn(2, 4)]
     with pytest.raises(ValueError, match="quantize_ or comera_fx.apply_formats_"):
-        match_teacher(nn.Linear(4, 4), teacher, x, steps=1, budget_seconds=None, progress=False, quant_aware=0.5)
+        match_teacher(
+            nn.Linear(4, 4),
+            teacher,
+            x,
+            steps=1,
+            budget_seconds=None,
+            config=DistillConfig(progress=False, quant_aware=0.5),
+        )
     for bad in (1.5, -0.1, True, "0.3"):
         with pytest.raises(ValueError, match="quant_aware must be a fraction"):
-            match_teacher(off_grid_student(), teacher, x, steps=1, budget_seconds=None, progress=False, quant_aware=bad)
+            match_teacher(
+                off_grid_student(),
+                teacher,
+                x,
+                steps=1,
+                budget_seconds=None,
+                config=DistillConfig(progress=False, quant_aware=bad),
+            )

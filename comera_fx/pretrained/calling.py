@@ -32,6 +32,20 @@ def default_output(outputs: Any) -> Tensor:
     )
 
 
+def call_model(model: nn.Module, batch: Any) -> Any:
+    """``model(**batch)`` for a dict, ``model(*batch)`` for a tuple or list, ``model(batch)`` for a tensor."""
+    if isinstance(batch, Mapping):
+        return model(**batch)
+    if isinstance(batch, (tuple, list)):
+        return model(*batch)
+    if isinstance(batch, Tensor):
+        return model(batch)
+    raise ValueError(
+        f"a batch must be a dict of keyword inputs, a tuple of positional inputs or a tensor; "
+        f"got {type(batch).__name__}"
+    )
+
+
 def input_slot(args: tuple, kwargs: dict) -> int | str | None:
     """Where a block's input hidden states sit in its call: the first tensor argument, else ``hidden_states=``."""
     for i, value in enumerate(args):

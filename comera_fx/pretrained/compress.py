@@ -1,7 +1,7 @@
 """One call from a trained model to a small one under a byte budget: ``compress_``.
 
-The expert path is five calls across three modules (``calibrate`` → ``choose_formats(batches=)`` →
-``apply_formats_`` → ``match_teacher(quant_aware=)`` → ``requantize_``), then ``pack_linears_`` for int kernels.
+The expert path is five calls (``calibrate`` → ``choose_formats(batches=)`` → ``apply_formats_`` →
+``match_teacher(config=DistillConfig(quant_aware=0.3))`` → ``requantize_``), then ``pack_linears_`` for int kernels.
 ``compress_`` runs them in that order with the defaults that measured best on all-MiniLM-L6-v2 (formats scored at
 the output, hidden states of the repeated blocks matched, the last 30 % of the budget trained at the rounded
 weights, padding left out of the statistics) and checks everything it can before the first weight changes: the
@@ -13,96 +13,19 @@ Distillation settings are data (``DistillConfig``); the budget and the byte targ
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
-import torch
-from torch import Tensor, nn
+from torch import nn
 
 from ..config import TensorizeConfig
 from ..packed import pack_linears_, packed_modules
 from ..quantize import requantize_
-from .augment import Augmentation
+from .batches import Batches, BatchStream
 from .calibrate import Calibration, calibrate
-from .calling import default_output
-from .distill import Batches, LossFn, _BatchStream, _call, _check_args, match_teacher, relative_mse
+from .distill_config import DistillConfig, check_distill_config, resolved
 from .formats import FormatPlan, apply_formats_, choose_formats
-
-
-@dataclass(frozen=True)
-class DistillConfig:
-    """How the student is trained against the teacher (everything but the budget).
-
-    ``hidden_modules``: modules whose outputs are matched too (None: the blocks of the model's longest
-    ``nn.ModuleList`` of repeated layers, e.g. BERT's encoder layers; ``()``: none); ``hidden_weight``: their loss
-    weight (None: 1 / their number); ``quant_aware``: the last share of the budget trained at the rounded weights;
-    ``calibration_batches``: batches drawn first for the statistics (and trained on too); ``output_batches``: how many
-    of them score the format candidates at the output; ``token_mask``: ``token_mask(batch) -> Tensor`` of real tokens
-    (None: ``batch["attention_mask"]`` when the batch is a dict holding one); ``pack``: swap the int8 / int4 layers
-    for ``PackedLinear`` (int kernels, codes in memory) at the end."""
-
-    lr: float = 5e-4
-    weight_decay: float = 0.0
-    hidden_modules: tuple[str, ...] | None = None
-    hidden_weight: float | None = None
-    blockwise_fraction: float = 0.0
-    quant_aware: float = 0.3
-    calibration_batches: int = 32
-    output_batches: int = 2
-    loss_fn: LossFn = relative_mse
-    output_fn: Callable[[Any], Tensor] | None = None
-    token_mask: Callable[[Any], Tensor] | None = None
-    augment: Augmentation | None = None
-    pack: bool = True
-    progress: bool = True
-    clock: Callable[[], float] | None = None
-
-    def __post_init__(self) -> None:
-        if (
-            isinstance(self.calibration_batches, bool)
-            or not isinstance(self.calibration_batches, int)
-            or self.calibration_batches < 1
-        ):
-            raise ValueError(
-                f"calibration_batches must be an int >= 1 (the format choice needs statistics), got "
-                f"{self.calibration_batches!r}"
-            )
-        if (
-            isinstance(self.output_batches, bool)
-            or not isinstance(self.output_batches, int)
-            or not 0 <= self.output_batches <= self.calibration_batches
-        ):
-            raise ValueError(f"output_batches must be an int in [0, calibration_batches], got {self.output_batches!r}")
-        if (
-            isinstance(self.quant_aware, bool)
-            or not isinstance(self.quant_aware, (int, float))
-            or not 0 <= self.quant_aware <= 1
-        ):
-            raise ValueError(f"quant_aware must be a fraction of the budget in [0, 1], got {self.quant_aware!r}")
-        if self.hidden_weight is not None and not (
-            isinstance(self.hidden_weight, (int, float)) and self.hidden_weight >= 0
-        ):
-            raise ValueError(f"hidden_weight must be a number >= 0 or None, got {self.hidden_weight!r}")
-        if self.hidden_modules is not None and isinstance(self.hidden_modules, str):
-            raise ValueError("hidden_modules must be a tuple of module names, not one string")
-
-    def match_kwargs(self, hidden_modules: tuple[str, ...]) -> dict:
-        """The keyword arguments of ``match_teacher`` these settings stand for (``hidden_modules`` resolved)."""
-        weight = self.hidden_weight if self.hidden_weight is not None else 1 / max(1, len(hidden_modules))
-        return dict(
-            output_fn=self.output_fn,
-            loss_fn=self.loss_fn,
-            hidden_modules=hidden_modules,
-            hidden_weight=weight,
-            blockwise_fraction=self.blockwise_fraction,
-            lr=self.lr,
-            weight_decay=self.weight_decay,
-            progress=self.progress,
-            clock=self.clock,
-            augment=self.augment,
-            quant_aware=self.quant_aware,
-        )
+from .match import match_teacher
+from .student_checks import check_batches_run, check_budget, check_same_weights, check_student_copy
 
 
 @dataclass
@@ -143,60 +66,6 @@ class CompressSummary:
         return "\n".join(lines)
 
 
-def repeated_blocks(model: nn.Module) -> tuple[str, ...]:
-    """The children of the model's longest ``nn.ModuleList`` whose entries are all of one type (a transformer's
-    layers); () if there is none of two or more."""
-    best: tuple[str, ...] = ()
-    for path, module in model.named_modules():
-        if (
-            isinstance(module, nn.ModuleList)
-            and len(module) >= 2
-            and len(module) > len(best)
-            and len({type(m) for m in module}) == 1
-        ):
-            best = tuple(f"{path}.{i}" if path else str(i) for i in range(len(module)))
-    return best
-
-
-def attention_mask_of(batch: Any) -> Tensor | None:
-    """``batch["attention_mask"]`` of a dict batch, else None: the default token mask."""
-    return batch.get("attention_mask") if isinstance(batch, Mapping) else None
-
-
-def _check_copy(student: nn.Module, teacher: nn.Module) -> None:
-    """Refuse a student whose weights differ from the teacher's: the formats are chosen on the student's weights
-    and the distillation starts from them, so a student trained apart (or another checkpoint) would be compressed
-    towards a model it is not."""
-    teacher_params = dict(teacher.named_parameters())
-    for name, p in student.named_parameters():
-        if not torch.equal(p.detach(), teacher_params[name].detach()):
-            raise ValueError(
-                f"student is not a copy of teacher: its {name} differs from the teacher's; pass copy.deepcopy(teacher)"
-            )
-
-
-def _check_batches_run(student: nn.Module, teacher: nn.Module, batch: Any, output_fn) -> None:
-    """Run one batch through both models (no gradients, eval) so that batches of another model fail here, with a
-    message, and not halfway through."""
-    from .calling import eval_modes, preserved_rng
-
-    try:
-        with torch.no_grad(), eval_modes(teacher), eval_modes(student), preserved_rng():
-            out_t = (output_fn or default_output)(_call(teacher, batch))
-            out_s = (output_fn or default_output)(_call(student, batch))
-    except (IndexError, RuntimeError, TypeError, ValueError, KeyError) as exc:
-        raise ValueError(
-            f"the batches do not run on this model ({type(exc).__name__}: {str(exc)[:200]}); pass "
-            f"inputs of the teacher (e.g. its own tokenizer's output: a dict of input_ids / "
-            f"attention_mask)"
-        ) from exc
-    if out_t.shape != out_s.shape:
-        raise ValueError(
-            f"student and teacher give outputs of shapes {tuple(out_s.shape)} and "
-            f"{tuple(out_t.shape)} on the same batch: the student is not a copy of the teacher"
-        )
-
-
 def compress_(
     student: nn.Module,
     teacher: nn.Module,
@@ -221,34 +90,23 @@ def compress_(
     ``calibration`` / ``plan``: reuse ones made on this model. Nothing changes in the student before every check
     has passed (a copy of the teacher, batches that run on it, a budget the smallest formats fit). Returns a
     ``CompressSummary``."""
-    config = config or DistillConfig()
-    if not isinstance(config, DistillConfig):
-        raise TypeError(f"config must be a comera_fx.DistillConfig, got {type(config).__name__}")
-    hidden = repeated_blocks(teacher) if config.hidden_modules is None else tuple(config.hidden_modules)
-    _check_args(
-        student,
-        teacher,
-        0.5,
-        None,
-        budget_seconds,
-        steps,
-        config.lr,
-        config.hidden_weight or 0.0,
-        config.calibration_batches,
-        hidden,
-    )
-    _check_copy(student, teacher)
+    config = check_distill_config("compress_", config)
+    if not config.calibration_batches:
+        raise ValueError(
+            "compress_ chooses the formats from calibration statistics: DistillConfig(calibration_batches >= 1)"
+        )
+    check_budget("compress_", budget_seconds, steps)
+    hidden = resolved(config, student, teacher).hidden_modules
+    check_student_copy(student, teacher, hidden)
+    check_same_weights(student, teacher)
     tensorize_config = tensorize_config or TensorizeConfig()
-    stream = _BatchStream(batches)
+    stream = BatchStream(batches)
     start = time.perf_counter()
-    drawn = [b for b in (stream.next() for _ in range(config.calibration_batches)) if b is not None]
-    if not drawn:
-        raise ValueError("batches yielded no batch; pass an iterable of model inputs or a callable returning one")
-    _check_batches_run(student, teacher, drawn[0], config.output_fn)
-    token_mask = config.token_mask or (attention_mask_of if attention_mask_of(drawn[0]) is not None else None)
+    drawn = stream.take(config.calibration_batches)
+    check_batches_run(student, teacher, drawn[0], config.output_fn)
     seconds: dict[str, float] = {}
     if calibration is None:
-        calibration = calibrate(student, drawn, config=tensorize_config, token_mask=token_mask)
+        calibration = calibrate(student, drawn, config=tensorize_config, token_mask=config.token_mask)
     seconds["calibrate"] = time.perf_counter() - start
     if plan is None:
         start = time.perf_counter()
@@ -267,7 +125,7 @@ def compress_(
     seconds["build"] = time.perf_counter() - start
     stream.push_back(drawn)
     losses, seconds["distill"], notes = match_teacher(
-        student, teacher, stream, steps=steps, budget_seconds=budget_seconds, **config.match_kwargs(hidden)
+        student, teacher, stream, budget_seconds, steps=steps, config=config
     )
     requantize_(student)
     if config.pack:

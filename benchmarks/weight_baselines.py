@@ -1,4 +1,6 @@
-"""Weight bytes and weight fake-quantization: the baselines a compressed model is compared with at equal bytes.
+"""Weight bytes and weight fake-quantization of BERT encoders: the baselines bench_distill.py compares a compressed
+model with at equal bytes. A benchmark helper: the library counts stored bytes with
+``comera_fx.quantize.stored_bytes(model, prefix)``.
 
 A user choosing how to shrink a pretrained encoder compares methods by the bytes its weights take, not by
 parameter counts: int8 weights are 4x fewer bytes than fp32 at the same parameter count. These helpers count
@@ -13,9 +15,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..quantize import fake_quant, quantized_bytes  # noqa: F401  (re-exported for the benchmarks)
+from comera_fx.quantize import fake_quant, quantized_bytes
 
-ENCODER_PREFIX = "bert.encoder."
+ENCODER_PREFIX = "bert.encoder."  # the weights compared: a Hugging Face BERT's encoder layers
 
 
 def encoder_weights(model: nn.Module, prefix: str = ENCODER_PREFIX) -> dict[str, Tensor]:

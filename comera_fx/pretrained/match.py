@@ -1,0 +1,188 @@
+"""The training loop of distillation, for any student: ``match_teacher`` trains it (AdamW, warm-up then cosine) to
+reproduce the teacher's outputs and hidden states until a budget of steps or seconds is spent, under
+``torch.distributed`` too. ``distill_`` and ``compress_`` build the student, then call it."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+
+from ..quantize import on_grid, quantized_specs
+from ..runtime.distributed import RankSync, world_size
+from .augment import Augmenter
+from .batches import Batches, BatchStream
+from .calling import call_model, default_output, eval_modes
+from .distill_config import DistillConfig, check_distill_config, refuse_loose_settings, relative_mse, resolved
+from .match_hooks import HiddenCapture, TeacherInputs
+from .student_checks import check_budget
+
+
+def match_teacher(
+    student: nn.Module,
+    teacher: nn.Module,
+    batches: Batches,
+    budget_seconds: float | None = None,
+    *,
+    steps: int | None = None,
+    config: DistillConfig | None = None,
+    on_optimizer: Callable[[torch.optim.Optimizer, nn.Module], Callable[[], nn.Module] | None] | None = None,
+    observe: Callable[[Tensor], Any] | None = None,
+    postfix: Callable[[], dict] | None = None,
+    **removed: Any,
+) -> tuple[list[float], float, list[str]]:
+    """Train ``student`` (any model: no tensorization here) to reproduce ``teacher`` on ``batches`` until
+    ``budget_seconds`` (on ``config.clock``, default ``time.perf_counter``) and/or ``steps`` are spent; the
+    distillation settings are ``config`` (a ``DistillConfig``; its model-derived defaults resolved against these
+    models). Returns (loss per step, seconds, notes).
+
+    ``on_optimizer(optimizer, model)`` runs once the optimizer exists, with the model the loop calls (attach a
+    ``RankAdaptive`` to it there); it may return a callable giving the model to call from then on
+    (``lambda: hook.model``). ``observe(loss)`` runs before every ``optimizer.step()``; ``postfix()`` adds fields to
+    the progress bar. Both models run in eval mode; their training flags are restored. With ``config.quant_aware``
+    the last share of the run trains at the weights ``quantize_`` / ``apply_formats_`` put on a grid, rounded
+    (``comera_fx.quantize.on_grid``), and the step updates their float values; ``requantize_`` the student
+    afterwards.
+
+    Under ``torch.distributed`` (an initialized group of several ranks; every rank calls it with its own batches)
+    the student is wrapped in ``DistributedDataParallel(student, find_unused_parameters=True)`` for the loop (its
+    constructor broadcasts rank 0's parameters and buffers), rank 0's clock decides the end of a
+    ``budget_seconds`` run, the run ends on every rank when any rank's batches run out, and the losses returned are
+    the mean over the ranks, the seconds rank 0's."""
+    refuse_loose_settings("match_teacher", removed)
+    check_budget("match_teacher", budget_seconds, steps)
+    config = resolved(check_distill_config("match_teacher", config), student, teacher)
+    _check_blockwise(config)
+    _check_quant_aware(config.quant_aware, student)
+    stream = batches if isinstance(batches, BatchStream) else BatchStream(batches)
+    augmenter = Augmenter(config.augment) if config.augment is not None else None
+    output_fn = config.output_fn or default_output
+    clock = config.clock or time.perf_counter
+    hidden_modules, quant_aware, blockwise = config.hidden_modules, config.quant_aware, config.blockwise_fraction
+    notes: list[str] = []
+    trainable = [p for p in student.parameters() if p.requires_grad]
+    if not trainable:
+        raise ValueError("the student has no trainable parameter (every weight is frozen); nothing to distill")
+    sync = RankSync(None) if world_size() > 1 else None
+    device = model_device(student)
+    # find_unused_parameters: a part of the model the matched output does not depend on (BERT's pooler) gets no
+    # gradient; DDP would otherwise raise at the next step
+    runner = DistributedDataParallel(student, find_unused_parameters=True) if sync is not None else student
+    optimizer = torch.optim.AdamW(trainable, lr=config.lr, weight_decay=config.weight_decay)
+    current = on_optimizer(optimizer, runner) if on_optimizer is not None else None
+
+    modes = contextlib.ExitStack()  # both models in eval mode for the loop, each module's flag restored after it
+    modes.enter_context(eval_modes(teacher))
+    modes.enter_context(eval_modes(student))
+    t_capture = HiddenCapture(teacher, hidden_modules) if hidden_modules else None
+    s_capture = HiddenCapture(student, hidden_modules) if hidden_modules else None
+    feed = TeacherInputs(teacher, student, hidden_modules) if blockwise else None
+    bar = _progress_bar(config.progress and (sync is None or dist.get_rank() == 0), steps, budget_seconds)
+    losses: list[float] = []
+    start = clock()
+    try:
+        while True:
+            elapsed = clock() - start
+            if sync is not None and budget_seconds:
+                elapsed = sync.value(elapsed, device)  # rank 0's clock: every rank stops at the same step
+            done = [len(losses) / steps if steps else 0.0, elapsed / budget_seconds if budget_seconds else 0.0]
+            if max(done) >= 1.0:
+                break
+            batch = stream.next()
+            ran_out = batch is None
+            if sync is not None:
+                ran_out = sync.mean(float(ran_out), device) > 0  # any rank's iterator ends the run on all
+            if ran_out:
+                notes.append(f"the batch iterator ran out after {len(losses)} steps, before the budget was spent")
+                break
+            if augmenter is not None:
+                batch = augmenter(batch)
+            model = current() if current is not None else runner
+            for group in optimizer.param_groups:
+                group["lr"] = config.lr * lr_factor(max(done))
+            if feed is not None:
+                feed.active = max(done) < blockwise
+                feed.new_step()
+            with torch.no_grad():
+                target = output_fn(call_model(teacher, batch)).detach()
+                t_hidden = {k: v.detach() for k, v in t_capture.outputs.items()} if t_capture else {}
+            with on_grid(student) if quant_aware and max(done) >= 1 - quant_aware else contextlib.nullcontext():
+                loss = config.loss_fn(output_fn(call_model(model, batch)), target)
+                for name, value in t_hidden.items():
+                    loss = loss + config.hidden_weight * relative_mse(s_capture.outputs[name], value)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+            if observe is not None:
+                observe(loss)
+            optimizer.step()
+            losses.append(float(loss.detach()))
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{losses[-1]:.4f}", **(postfix() if postfix else {}))
+    finally:
+        if t_capture:
+            t_capture.remove()
+            s_capture.remove()
+        if feed is not None:
+            feed.remove()
+        modes.close()
+        if bar is not None:
+            bar.close()
+    seconds = clock() - start
+    if not losses:
+        raise ValueError("batches yielded no batch; pass an iterable of model inputs or a callable returning one")
+    if sync is not None:
+        seconds = sync.value(seconds, device)
+        mean = torch.tensor(losses, dtype=torch.float64, device=device)
+        dist.all_reduce(mean)
+        losses = (mean / sync.size).tolist()
+    return losses, seconds, notes
+
+
+def lr_factor(progress: float, warmup: float = 0.05) -> float:
+    """Linear warm-up over the first 5 % of the budget, then cosine decay to 10 % of the peak."""
+    if progress < warmup:
+        return (progress + 1e-3) / warmup
+    p = min(1.0, (progress - warmup) / (1 - warmup))
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * p))
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """Where collectives' tensors go: the model's (NCCL needs CUDA tensors, gloo takes CPU ones)."""
+    first = next(iter(model.parameters()), None)
+    return first.device if first is not None else torch.device("cpu")
+
+
+def _check_blockwise(config: DistillConfig) -> None:
+    if config.blockwise_fraction and not config.hidden_modules:
+        raise ValueError(
+            "blockwise_fraction > 0 feeds the teacher's inputs to the hidden_modules blocks, and the model has no "
+            "repeated blocks to take by default; name them: DistillConfig(hidden_modules=(...)) (e.g. the encoder "
+            "layers)"
+        )
+
+
+def _check_quant_aware(quant_aware: float, student: nn.Module) -> None:
+    if quant_aware and not quantized_specs(student):
+        raise ValueError(
+            "quant_aware > 0 trains at the quantized weights, and the student has none; round it onto "
+            "a grid first (comera_fx.quantize_ or comera_fx.apply_formats_), or leave DistillConfig(quant_aware=None)"
+        )
+
+
+def _progress_bar(progress: bool, steps: int | None, budget_seconds: float | None):
+    if not progress:
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return None
+    desc = "distill" + (f" ({budget_seconds:.0f} s)" if budget_seconds else "")
+    return tqdm(total=steps, desc=desc, unit="step")
