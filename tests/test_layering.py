@@ -102,11 +102,6 @@ def module_imports(path: Path) -> set[str]:
     return found
 
 
-# call-time imports that still close a cycle, each to be moved to a lower module by the code's owner; the test fails
-# on any other cycle, and on one of these once it is gone (delete the entry then)
-KNOWN_CYCLES = {"passes.tensorize -> passes.graph_experts -> passes.tensorize"}  # graph_experts imports emit_traced
-
-
 def test_no_import_cycle_between_modules():
     """No chain of imports (module level or call time) leads from a module back to itself; packages'
     ``__init__`` files, which gather their modules' names, are left out."""
@@ -133,6 +128,4 @@ def test_no_import_cycle_between_modules():
     for name in sorted(graph):
         if name not in state:
             visit(name, [])
-    new = sorted(set(cycles) - KNOWN_CYCLES)
-    assert not new, "import cycles (move the shared piece to a lower module):\n" + "\n".join(new)
-    assert not KNOWN_CYCLES - set(cycles), f"gone, delete from KNOWN_CYCLES: {sorted(KNOWN_CYCLES - set(cycles))}"
+    assert not cycles, "import cycles (move the shared piece to a lower module):\n" + "\n".join(sorted(cycles))

@@ -18,6 +18,7 @@ from ..config import TensorizeConfig
 from ..moe.bank import TTExpertBank
 from ..tt import ops
 from ..tt.layers import TTMatrix
+from .emit import emit_traced
 
 _CONVOLUTIONS = {
     torch.conv1d,
@@ -96,7 +97,6 @@ def tensorize_experts(gm: fx.GraphModule, config: TensorizeConfig, make_decision
 
 def _emit_rebuild(graph: fx.Graph, name: str, bank: TTExpertBank) -> fx.Node:
     """Nodes computing P = stack of every expert's M_e (slice use "matmul": M_e = P[e])."""
-    from .tensorize import emit_traced
 
     experts = []
     for e, tt in enumerate(bank):

@@ -24,7 +24,7 @@ from ..tt import plan as planner
 from ..tt.layers import TTMatrix, choose_plan, planned_envelope
 from .find import UseKind, classify_use, static_tokens
 from .holders import PROPERTY_MATRICES
-from .tensorize import emit_traced
+from .emit import emit_traced
 
 aten = torch.ops.aten
 

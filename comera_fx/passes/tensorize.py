@@ -33,6 +33,7 @@ from ..tt.shapes import NoBalancedModes
 from .layer_plan import LayerInput, LayerPlan, plan_layers
 from .sizing import SizeTargetInfo, build_fitted
 from .find import Candidate, FindResult, UseKind, find_in_graph, find_in_model, static_tokens
+from .emit import emit_traced
 from .holders import Journal, attach_tt_property, hook_problem, move_hooks
 
 FilterFn = Callable[[nn.Module, str], bool]
@@ -450,25 +451,6 @@ def _dense_shape(tt: TTMatrix, holder: nn.Module, attr: str) -> tuple[int, int]:
 
 
 # ------------------------------------------------------------------------------------------ graph-level pass
-
-
-def emit_traced(graph: fx.Graph, fn: Callable, *args):
-    """Trace ``fn`` on FX proxies of ``args`` into ``graph`` at the current insertion point; returns its node(s).
-
-    The TT contraction code in ``tt/ops.py`` is written once; run on proxies it emits the same pairwise
-    reshape / mm / bmm steps that it runs eagerly.
-    """
-    tracer = fx.proxy.GraphAppendingTracer(graph)
-
-    def wrap(a):
-        if isinstance(a, fx.Node):
-            return fx.Proxy(a, tracer)
-        if isinstance(a, list):
-            return [wrap(x) for x in a]
-        return a
-
-    out = fn(*[wrap(a) for a in args])
-    return [p.node for p in out] if isinstance(out, list) else out.node
 
 
 def _normalize_modules(gm: fx.GraphModule) -> None:
