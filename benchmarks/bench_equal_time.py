@@ -118,7 +118,7 @@ def pick_narrow_width(p: demo.Preset, target: float) -> int:
 
 
 def tt_params_of(model: nn.Module) -> int:
-    from comera_fx.runtime.rank_adaptive import tt_matrices
+    from comera_fx.tt.inventory import tt_matrices
 
     return sum(q.numel() for m in tt_matrices(model) for q in m.tt.parameters())
 

@@ -408,7 +408,9 @@ def train_compiled(name: str, inductor: bool, steps: int = 20, prunes: int = 2):
     torch._dynamo.reset()  # the same transformers forward may have been compiled for another model
     compiled = torch.compile(model, backend=explained)
     optimizer = torch.optim.AdamW(comera_fx.param_groups(model, lr_cores=3e-3, lr_gates=3e-3, lr_other=3e-3))
-    hook = comera_fx.RankAdaptive(model, optimizer, target_ratio=0.5, total_steps=steps, prunes=prunes)
+    hook = comera_fx.RankAdaptive(
+        model, optimizer, comera_fx.BudgetConfig(keep_fraction=0.5, total_steps=steps, prunes=prunes)
+    )
     losses = []
     try:
         for step in range(steps):

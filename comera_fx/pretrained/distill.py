@@ -31,7 +31,7 @@ from ..passes.tensorize import TensorizeSummary, tensorize_
 from ..quantize import on_grid, quantized_specs
 from .refit import refit_sequential_
 from ..runtime.rank_adaptive import RankAdaptive
-from ..runtime.rank_config import RankConfig
+from ..runtime.rank_config import BudgetConfig
 from ..tt.inventory import matrix_sizes, tt_matrices
 from ..tt.layers import TTLinear
 
@@ -557,7 +557,7 @@ def distill_(
     def attach(optimizer: torch.optim.Optimizer, model: nn.Module):
         if start_ratio is not None:
             horizon = dict(total_steps=steps) if steps is not None else dict(budget_seconds=budget_seconds)
-            schedule = RankConfig(size_target=int(size_target * dense), **horizon)
+            schedule = BudgetConfig(size_target=int(size_target * dense), **horizon)
             hook_box.append(
                 RankAdaptive(model, optimizer, schedule, history_every=None, clock=None if steps is not None else clock)
             )

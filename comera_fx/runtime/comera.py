@@ -1,4 +1,4 @@
-"""CoMERA's two-stage scalarization (``RankConfig(schedule="comera")``): the ℓ1 pull on the rank gates, the
+"""CoMERA's two-stage scalarization (``CoMERAConfig``): the ℓ1 pull on the rank gates, the
 late stage's achievement switch λ and the plateau detector. Pure functions on gradients and numbers; the hook in
 ``rank_adaptive`` calls them.
 

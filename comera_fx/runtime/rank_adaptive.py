@@ -4,13 +4,13 @@ slices are taken out physically (cores, gates and the optimizer's state shrink t
 ``RankAdaptive`` attaches to an existing optimizer through its step hooks, so the training loop stays as it is.
 Two schedules (docs/rank_adaptive.md):
 
-* ``RankConfig(schedule="budget")`` (default) — the live TT size follows a known schedule
+* ``BudgetConfig`` — the live TT size follows a known schedule
   (``schedule.BudgetSchedule``: warm-up, cubic decay, final window) from its size now to ``size_target`` /
   ``keep_fraction`` by the end of a horizon (``total_steps`` or ``budget_seconds``); at each of a few prune
   points the slices of least importance (``importance``: the bond's smoothed |g ⊙ ∂L/∂g| split by its singular
   values) are removed across all layers at once (``schedule.allocate``), by TT rounding
   (``shrink.round_to_ranks_``). Gradients are never touched.
-* ``RankConfig(schedule="comera")`` — CoMERA's two-stage scalarization (``comera``): an ℓ1 pull on the gates, a
+* ``CoMERAConfig`` — CoMERA's two-stage scalarization (``comera``): an ℓ1 pull on the gates, a
   late stage that rescales the task gradient by λ, and removal of the dead slices (|g| <= threshold) every
   ``prune_every``.
 
@@ -20,7 +20,6 @@ needs the loss (a target loss, plateau detection) or for the loss column of the 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import time
@@ -32,7 +31,6 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..checks import check_config_type
 from ..tt.inventory import MatrixEntry, live_counts, live_counts_later, physical_params, tt_matrices
 from ..tt.layers import TTMatrix
 from .distributed import RankSync
@@ -40,7 +38,7 @@ from .comera import EARLY, LATE, PlateauDetector, achievement_lambda, add_gate_p
 from .compiled import ShapePolicy
 from .history import HistoryEntry, RankSummary, materialized
 from .importance import BondSensitivity, slice_importance
-from .rank_config import BUDGET, COMERA, RankConfig
+from .rank_config import BUDGET, COMERA, ScheduleConfig, check_schedule_config
 from .schedule import BudgetSchedule, LayerSlices, allocate
 from .shrink import (
     ShrinkRecord,
@@ -55,24 +53,7 @@ from .shrink import (
     shrink_,
 )
 
-__all__ = [
-    "RankAdaptive",
-    "RankConfig",
-    "param_groups",
-    "tt_matrices",
-    "MatrixEntry",
-    "HistoryEntry",
-    "RankSummary",
-    "EARLY",
-    "LATE",
-    "achievement_lambda",
-    "add_gate_penalty_",
-    "shrink_",
-    "remove_slices_",
-    "ShrinkRecord",
-    "params_at_ranks",
-    "physical_params",
-]
+__all__ = ["RankAdaptive", "param_groups"]
 
 # --------------------------------------------------------------------------------------------- finding matrices
 
@@ -114,40 +95,6 @@ def param_groups(
 #: ``compact()`` compacts regardless.
 MIN_FINAL_COMPACTION = 0.1
 
-_RENAMED = {"target_ratio": "keep_fraction", "target_params": "size_target"}  # the spellings before RankConfig
-_CONFIG_FIELDS = {f.name for f in dataclasses.fields(RankConfig)}
-
-
-def config_from_keywords(config: RankConfig | None, keywords: dict[str, Any]) -> RankConfig:
-    """The ``RankConfig`` of a constructor call: ``config``, or (deprecated, for a release) the keywords that spelled
-    it before, with ``target_ratio`` -> ``keep_fraction`` and ``target_params`` -> ``size_target``."""
-    unknown = sorted(set(keywords) - _CONFIG_FIELDS - set(_RENAMED))
-    if unknown:
-        raise TypeError(
-            f"RankAdaptive() got unexpected keyword arguments {unknown}; the schedule's options are "
-            f"the fields of RankConfig"
-        )
-    if not keywords:
-        return config if config is not None else RankConfig()
-    if config is not None:
-        raise TypeError(
-            f"RankAdaptive: pass the schedule's options in the RankConfig only; got a config and {sorted(keywords)}"
-        )
-    both = [(old, new) for old, new in _RENAMED.items() if old in keywords and new in keywords]
-    if both:
-        raise TypeError(f"RankAdaptive: pass {both[0][1]}= only ({both[0][0]}= is its deprecated spelling)")
-    values = {_RENAMED.get(name, name): value for name, value in keywords.items()}
-    spelled = ", ".join(f"{name}={value!r}" for name, value in values.items())
-    warnings.warn(
-        f"RankAdaptive({', '.join(f'{k}=...' for k in keywords)}) is deprecated and will be removed in the "
-        f"next release; use RankAdaptive(model, optimizer, RankConfig({spelled})) (target_ratio is now "
-        f"keep_fraction, target_params size_target)",
-        DeprecationWarning,
-        stacklevel=3,
-    )
-    return RankConfig(**values)
-
-
 # ------------------------------------------------------------------------------------------------------- the hook
 
 
@@ -158,31 +105,20 @@ def _mids(tt: TTMatrix) -> tuple[int, ...]:
 class RankAdaptive:
     """Rank adaptation of every TT layer of ``model``, driven by ``optimizer``'s step hooks.
 
-    Build it after the optimizer (whose parameters must include the TT gates), with a ``RankConfig`` (the
-    schedule, the size target, the horizon and the schedule's knobs); then per step::
+    Build it after the optimizer (whose parameters must include the TT gates), with the config of a schedule
+    (``BudgetConfig`` or ``CoMERAConfig``: the size target, the horizon and the schedule's knobs, their defaults on
+    the fields); then per step::
 
-        hook = RankAdaptive(model, optimizer, RankConfig(size_target=0.1, total_steps=n))
+        hook = RankAdaptive(model, optimizer, BudgetConfig(size_target=0.1, total_steps=n))
         loss.backward(); hook.observe(loss); optimizer.step(); optimizer.zero_grad()
 
-    The ``RankConfig`` fields passed as keywords (``RankAdaptive(model, optimizer, total_steps=n, ...)``, with
-    ``target_ratio`` for ``keep_fraction`` and ``target_params`` for ``size_target``) still work for a release, with
-    a ``DeprecationWarning``. ``self.settings`` is the config with the schedule's defaults filled in.
-
-    **Budget schedule** (default): needs a size target (``size_target``: TT parameters, or a fraction of the TT
-    layers' dense size; or ``keep_fraction`` of the TT size now) and a horizon (``total_steps``, or
-    ``budget_seconds`` on ``clock``, default ``time.perf_counter``, counted from the first step). The TT size
-    stays put for ``warmup_fraction`` (0.1) of the horizon, decays cubically to the target by 1 −
-    ``final_fraction`` (0.8), then stays there; it is cut to the scheduled size at ``prunes`` (10) evenly spaced
-    points of the decay. Each cut removes, across all layers, the slices with the least
-    importance (EMA, β = ``importance_beta`` 0.85, of |g ⊙ ∂L/∂g|) per parameter freed. Every bond keeps at least
-    ``min_rank`` (1) slices, except in layers whose importance is below ``rank0_below`` (0.01) × the mean layer
-    importance: those may go to rank 0 (their bias only; ``summary()`` says why). Gradients are not modified.
-
-    **CoMERA** (``schedule="comera"``): ``l1_weight`` (0.01) · ∂R/∂g is added to the gates' gradients (R = mean
-    |live gate entries|; ``reduction="sum"``: the sum). The late stage (needs a target, and ``late_start_step`` or
-    ``plateau_patience``; optional ``target_loss``) scales every gradient by (1 − λ) + ``late_loss_weight`` (0.1)
-    and adds (λ + ``late_size_weight`` (0)) · ∂R/∂g, λ from ``achievement_lambda``. Every ``prune_every`` (100)
-    steps the dead slices (|g| <= ``threshold``) are removed.
+    ``self.settings`` is that config. **Budget schedule** (``BudgetConfig``): the TT size follows
+    ``schedule.BudgetSchedule`` from its size now to the target by the end of the horizon (``total_steps``, or
+    ``budget_seconds`` on ``clock``, default ``time.perf_counter``, counted from the first step); at each prune
+    point the slices with the least importance per parameter freed are removed across all layers; a layer may go
+    to rank 0 (its bias only; ``summary()`` says why). Gradients are not modified. **CoMERA** (``CoMERAConfig``):
+    an ℓ1 pull on the gates, a late stage that rescales the gradients by λ (``achievement_lambda``), and removal of
+    the dead slices (|g| <= ``threshold``) every ``prune_every`` steps.
 
     Removal is physical, optimizer state included. ``history`` holds one ``HistoryEntry`` per ``history_every``
     steps and per pruning. The parameters of shrunk matrices are new objects: read ``model.parameters()`` afresh
@@ -195,7 +131,7 @@ class RankAdaptive:
     last prune point shrinks every matrix physically at once (one recompile) if that frees at least
     ``MIN_FINAL_COMPACTION`` (10 %) of the stored size. Regionally compiled blocks also get one shape per matrix
     role at that shrink (``same_shape_blocks``), so one graph serves them all. Eagerly every prune shrinks
-    physically. Sizes, ranks and the history count the live ranks throughout. Overrides: ``RankConfig.shrink_slack``
+    physically. Sizes, ranks and the history count the live ranks throughout. Overrides: ``BudgetConfig.shrink_slack``
     (a float >= 1: shrink physically whenever the stored size would exceed it × the live size; 1.0: at every
     prune, compiled or not) and ``same_shape_blocks`` (True / False). ``shrink_eagerly()`` after training stores
     every matrix at its own live ranks.
@@ -209,19 +145,19 @@ class RankAdaptive:
         self,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
-        config: RankConfig | None = None,
+        config: ScheduleConfig | None = None,  # required: None gets a TypeError naming the two configs
         *,
         clock: Callable[[], float] | None = None,
         history_every: int | None = 1,
-        **keywords: Any,
     ):
-        check_config_type("RankAdaptive(model, optimizer, config)", config, RankConfig, "RankConfig(keep_fraction=0.5)")
-        self.settings = s = config_from_keywords(config, keywords).resolved()  # defaults filled in
+        check_schedule_config("RankAdaptive(model, optimizer, config)", config)
+        self.settings = s = config
+        if s.schedule == BUDGET:
+            s.check_horizon()
         if clock is not None and (s.schedule != BUDGET or not callable(clock)):
             raise ValueError(
                 f"RankAdaptive: clock= times the budget schedule's budget_seconds: a callable "
-                f"returning seconds, with schedule='budget'; got {clock!r} with "
-                f"schedule={s.schedule!r}"
+                f"returning seconds, with a BudgetConfig; got {clock!r} with a {type(s).__name__}"
             )
         if not (
             history_every is None
@@ -229,7 +165,9 @@ class RankAdaptive:
         ):
             raise ValueError(f"RankAdaptive: history_every must be an int >= 1 or None; got {history_every!r}")
         self.history_every = history_every
-        self.shrink_slack = s.shrink_slack  # None: chosen by how the model runs (compiled_as)
+        # None: chosen by how the model runs (compiled_as); CoMERA's prunes always shrink physically
+        self.shrink_slack = s.shrink_slack if s.schedule == BUDGET else None
+        self.same_shape_blocks = s.same_shape_blocks if s.schedule == BUDGET else None
         # Under torch.distributed (runtime.distributed): decisions agreed across ranks, DDP rebuilt after a prune
         self.distributed, module = RankSync.for_model(model)
         self.model, self.optimizer = model, optimizer  # self.model: the current DDP wrapper after a prune
@@ -433,7 +371,7 @@ class RankAdaptive:
         )
         compacted = self._compact_all() if compact_now else []
         if compact_now and (records or compacted):
-            self.shapes.shrunk_physically(self.shrink_slack, self.settings.same_shape_blocks)
+            self.shapes.shrunk_physically(self.shrink_slack, self.same_shape_blocks)
         if self.tt_params() > size + 0.5 and not self._warned_floor:
             self._warned_floor = True
             warnings.warn(
@@ -459,15 +397,14 @@ class RankAdaptive:
         """For a run that stops compiling (or never started): from now on every prune shrinks each matrix to its own
         live ranks (``shrink_slack`` and ``same_shape_blocks`` off: they only save recompiles, and eagerly the
         wider stored cores cost time every step); matrices held wider shrink now."""
-        self.shrink_slack, self.shapes.eager = None, True
-        self.settings = dataclasses.replace(self.settings, shrink_slack=None, same_shape_blocks=False)
+        self.shrink_slack, self.same_shape_blocks, self.shapes.eager = None, False, True
         return self.compact()
 
     def _compaction_widths(self) -> tuple[list[MatrixEntry], dict[str, tuple[int, ...]]]:
         """The shrinkable matrices, and the stored widths a compaction gives those of a same-shape group (the rest
         go to their own live ranks)."""
         shrinkable = [m for m in self.matrices if m.shrinkable]
-        same = self.shapes.same_shape_blocks(self.settings.same_shape_blocks)
+        same = self.shapes.same_shape_blocks(self.same_shape_blocks)
         widths = same_shape_widths([(m.name, m.tt) for m in shrinkable]) if same else {}
         return shrinkable, widths
 
