@@ -23,7 +23,7 @@ training time, outside the budget clock.
 
 Compiled or eager (``--compile auto``, the default; ``comera_fx.compile_policy``): each run takes a few eager
 steps, then, if the budget left could repay a compile, compiles its blocks in place (``comera_fx.compile_regions`` for
-the TT run, with ``RankConfig(shrink_slack=4, same_shape_blocks=True)`` so its prunes recompile at most once; stock
+the TT run, with ``BudgetConfig(shrink_slack=4, same_shape_blocks=True)`` so its prunes recompile at most once; stock
 ``torch.compile`` per block for the dense run), then alternates compiled and eager steps in neighbouring pairs until a
 sign test says whether the compiled step repays the recompiles to come, and keeps the compiled path only then. The
 compile is inside the run's training clock; the report says which path each run took and why. A TT run that may compile
@@ -68,7 +68,7 @@ from torch import nn
 
 import comera_fx  # noqa: E402
 from comera_fx import compile_policy  # noqa: E402
-from comera_fx.runtime import RankAdaptive, RankConfig, param_groups  # noqa: E402
+from comera_fx.runtime import BudgetConfig, CoMERAConfig, RankAdaptive, param_groups  # noqa: E402
 
 VOCAB = 256  # bytes
 
@@ -369,12 +369,11 @@ def make_hook(
         else:
             horizon = {"budget_seconds": args.budget_seconds}
         clock = None if "total_steps" in horizon else (lambda: result.train_seconds)
-        config = RankConfig(
+        config = BudgetConfig(
             keep_fraction=args.keep_fraction, final_fraction=1 - args.prune_by, **horizon, **compile_once(args)
         )
         return RankAdaptive(model, optimizer, config, clock=clock, history_every=1)
-    config = RankConfig(
-        schedule="comera",
+    config = CoMERAConfig(
         l1_weight=args.l1_weight,
         prune_every=args.prune_every,
         keep_fraction=args.keep_fraction,
@@ -385,7 +384,7 @@ def make_hook(
 
 
 def compile_once(args) -> dict:
-    """RankConfig settings of a run that may compile (``--compile`` auto or yes): prunes keep the stored widths
+    """BudgetConfig settings of a run that may compile (``--compile`` auto or yes): prunes keep the stored widths
     while the stored TT size is within 4x the live size, and a physical shrink gives every block one width, so the
     regionally compiled blocks recompile at most once in the run instead of once per prune (benchmarks/RESULTS.md,
     issue 30). The price: until that shrink the stored cores stay wider than the live ranks, so a run that settles on
@@ -590,9 +589,9 @@ def calibrate_step_seconds(model: nn.Module, args, train_data, p: Preset, device
     optimizer = make_tt_optimizer(trial, args, 1e-3)
     # the hook's per-step work (importance or penalty, history entry) is part of a step: count it (no pruning)
     if args.schedule == "budget":
-        config = RankConfig(keep_fraction=args.keep_fraction, total_steps=10**9)
+        config = BudgetConfig(keep_fraction=args.keep_fraction, total_steps=10**9)
     else:
-        config = RankConfig(schedule="comera", l1_weight=args.l1_weight, prune_every=None)
+        config = CoMERAConfig(l1_weight=args.l1_weight, prune_every=None)
     hook = RankAdaptive(trial, optimizer, config, history_every=1)
     generator = torch.Generator().manual_seed(args.seed + 2)
     times = []
@@ -770,7 +769,7 @@ COMPILE_NOTE = (
     "estimated at the probe's speed-up. The compile is inside the run's training clock. Embeddings, "
     "head, loss, clipping and the optimizer step stay eager, and validation runs eagerly "
     "(`torch.compiler.set_stance('force_eager')`). The TT run's rank schedule keeps one width per matrix "
-    "role across blocks and shrinks physically once (`RankConfig(shrink_slack=4, "
+    "role across blocks and shrinks physically once (`BudgetConfig(shrink_slack=4, "
     "same_shape_blocks=True)`), so the compiled blocks recompile at most once, not once per prune; after "
     "training its cores shrink to their live ranks."
 )
@@ -957,7 +956,7 @@ def parse_args(argv):
         dest="keep_fraction",
         type=float,
         default=0.5,
-        help="size target, as a fraction of the initial TT parameters (RankConfig.keep_fraction; "
+        help="size target, as a fraction of the initial TT parameters (BudgetConfig.keep_fraction; "
         "--target-ratio is its old spelling)",
     )
     parser.add_argument(
