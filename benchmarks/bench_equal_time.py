@@ -367,7 +367,7 @@ def child(opts) -> dict:
 
     if hook is not None:
         extra.update(
-            final_tt_params=hook.tt_params(),
+            final_tt_params=hook.live_tt_params(),
             initial_tt_params=hook.initial_tt_params,
             final_ranks=result.final_ranks,
             zeroed=dict(getattr(hook, "zeroed", {})),

@@ -252,7 +252,7 @@ def main(argv=None) -> None:
     rel = ((got - expected).norm() / expected.norm()).item()
     print(f"compiled vs eager after the last prune: relative error {rel:.2e}; graphs {backend.stats.graphs}")
     print(
-        f"TT params: before {hook.initial_tt_params}, after {hook.tt_params()} live / {hook.stored_tt_params()} "
+        f"TT params: before {hook.initial_tt_params}, after {hook.live_tt_params()} live / {hook.stored_tt_params()} "
         f"stored (target {hook.target_size:.0f})"
     )
     hook.remove()

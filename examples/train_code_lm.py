@@ -560,7 +560,7 @@ def training_steps(
         postfix = {"loss": f"{smooth:.3f}", "val": f"{result.evals[-1][2]:.3f}"}
         if hook is not None and hook.history:
             entry = hook.history[-1]
-            postfix["ranks"] = sum(sum(r[1:-1]) for r in entry.live_ranks.values())
+            postfix["ranks"] = sum(sum(r[1:-1]) for r in entry.gate_ranks.values())
             postfix["TT params"] = f"{entry.tt_params:,}"
             postfix["stage"] = entry.stage
         postfix["tok/s"] = f"{result.tokens_per_s:,.0f}"
@@ -687,8 +687,9 @@ def plot_compression(tt: RunResult, path: Path) -> None:
 
     steps = [h["step"] for h in tt.history]
     fig, ax = plt.subplots(figsize=(7, 5.2))
-    ax.plot(steps, [h["tt_params"] for h in tt.history], label="TT params stored (cores + gates)")
-    ax.plot(steps, [h["live_tt_params"] for h in tt.history], "--", label="TT params live (|gate| > threshold)")
+    ax.plot(steps, [h["tt_params"] for h in tt.history], label="TT params at the live ranks (cores + gates)")
+    without_dead = [h["tt_params_without_dead"] for h in tt.history]
+    ax.plot(steps, without_dead, "--", label="TT params without dead slices (|gate| <= threshold)")
     if tt.late_start_step is not None:
         ax.axvline(tt.late_start_step, color="grey", lw=0.8, ls=":", label="late stage starts")
     if tt.target_params is not None:
@@ -728,12 +729,12 @@ def plot_ranks(tt: RunResult, path: Path) -> None:
     import matplotlib.pyplot as plt
     import numpy as np
 
-    layers = list(tt.history[0]["live_ranks"]) if tt.history else []
+    layers = list(tt.history[0]["gate_ranks"]) if tt.history else []
     rows, labels, bounds = [], [], []
     for layer in layers:
-        n_bonds = len(tt.history[0]["live_ranks"][layer]) - 2
+        n_bonds = len(tt.history[0]["gate_ranks"][layer]) - 2
         for k in range(n_bonds):
-            rows.append([h["live_ranks"][layer][k + 1] for h in tt.history])
+            rows.append([h["gate_ranks"][layer][k + 1] for h in tt.history])
             labels.append(layer if k == n_bonds // 2 else "")
         bounds.append(len(rows))
     image = np.array(rows, dtype=float) if rows else np.zeros((1, 1))
@@ -1113,8 +1114,8 @@ def _run(args, p: Preset) -> dict:
         last = tt_result.history[-1]
         extra += (
             f" Rank adaptation: size target {tt_result.target_params:,.0f} TT params "
-            f"({args.keep_fraction:.0%} of {hook.initial_tt_params:,}); at the end {last['tt_params']:,} stored, "
-            f"{last['live_tt_params']:,} live."
+            f"({args.keep_fraction:.0%} of {hook.initial_tt_params:,}); at the end {last['tt_params']:,} at the live "
+            f"ranks, {last['tt_params_without_dead']:,} without the dead slices."
         )
     if tt_result.shrunk_after_training and tt_result.shrunk_after_training[0] != tt_result.shrunk_after_training[1]:
         before, after = tt_result.shrunk_after_training

@@ -104,8 +104,8 @@ def teacher_run():
 def test_teacher_case_reaches_the_target_and_still_fits_the_teacher(teacher_run):
     model, hook, _, x_val, y_val = teacher_run
     assert hook.step == 400 and hook.target_size == 0.25 * hook.initial_tt_params
-    assert abs(hook.tt_params() / hook.target_size - 1) <= 0.10
-    assert hook.tt_params() == sum(p.numel() for p in model[0].tt.parameters())
+    assert abs(hook.live_tt_params() / hook.target_size - 1) <= 0.10
+    assert hook.live_tt_params() == sum(p.numel() for p in model[0].tt.parameters())
     with torch.no_grad():
         rel = ((model(x_val) - y_val).norm() / y_val.norm()).item()
     assert rel < 1e-2, rel  # held-out inputs against the dense float64 teacher
@@ -266,7 +266,7 @@ def test_a_negligible_layer_goes_to_rank_zero_and_the_summary_says_why():
     _one_gradient_step(model, hook, x, y)
     hook.prune_to(0.5 * hook.initial_tt_params)
     assert not model.a.tt.is_zero and not model.b.tt.is_zero and not hook.zeroed
-    assert min(model.b.tt.ranks) >= 1 and hook.tt_params() <= 0.5 * hook.initial_tt_params
+    assert min(model.b.tt.ranks) >= 1 and hook.live_tt_params() <= 0.5 * hook.initial_tt_params
 
 
 def two_branches_held_wider(keep_fraction: float):
@@ -295,10 +295,10 @@ def test_a_layer_cut_to_rank_zero_in_place_is_zero_until_compacted():
     assert "b: rank 0 (bias only)" in str(hook.summary())
     with torch.no_grad():
         torch.testing.assert_close(model(x), model.a(x) + 1e-4 * model.b.bias, rtol=0, atol=0)
-    sizes = hook.tt_params()
+    sizes = hook.live_tt_params()
     assert sizes == sum(p.numel() for p in model.a.tt.parameters()) < hook.stored_tt_params()
     hook.compact()
-    assert model.b.tt.stored_empty and hook.stored_tt_params() == hook.tt_params() == sizes
+    assert model.b.tt.stored_empty and hook.stored_tt_params() == hook.live_tt_params() == sizes
 
 
 def test_shrink_eagerly_turns_the_slack_off_for_the_rest_of_the_run():
@@ -306,15 +306,15 @@ def test_shrink_eagerly_turns_the_slack_off_for_the_rest_of_the_run():
     shrinks physically although the slack would have held it."""
     model, hook, x, y = two_branches_held_wider(keep_fraction=0.3)
     hook.prune_to(0.8 * hook.initial_tt_params)
-    assert hook.stored_tt_params() == hook.initial_tt_params > hook.tt_params()  # held wider
-    live = hook.tt_params()
+    assert hook.stored_tt_params() == hook.initial_tt_params > hook.live_tt_params()  # held wider
+    live = hook.live_tt_params()
     hook.shrink_eagerly()
     stored = sum(p.numel() for m in (model.a, model.b) for p in m.tt.parameters())  # counted from the tensors
     assert stored == live and all(tuple(m.tt.layout.ranks) == tuple(m.tt.ranks) for m in (model.a, model.b))
     _one_gradient_step(model, hook, x, y)
     hook.prune_to(0.6 * hook.initial_tt_params)
     stored = sum(p.numel() for m in (model.a, model.b) for p in m.tt.parameters())
-    assert stored == hook.tt_params() <= 0.6 * hook.initial_tt_params
+    assert stored == hook.live_tt_params() <= 0.6 * hook.initial_tt_params
     assert hook.shrink_slack is None and not hook.same_shape_blocks
 
 
@@ -326,8 +326,8 @@ def test_a_checkpoint_mid_schedule_resumes_identically(slack):
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     hook = RankAdaptive(model, optimizer, settings)
     fit(model, optimizer, x, y, 25, hook)  # past the first prune (step 18), before the second (step 30)
-    assert hook.tt_params() < hook.initial_tt_params
-    assert (hook.stored_tt_params() > hook.tt_params()) == (slack is not None)
+    assert hook.live_tt_params() < hook.initial_tt_params
+    assert (hook.stored_tt_params() > hook.live_tt_params()) == (slack is not None)
     checkpoint = copy.deepcopy(
         {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "hook": hook.state_dict()}
     )
@@ -358,7 +358,7 @@ def test_a_wall_clock_budget_reaches_the_target_by_its_end():
     for _ in range(30):
         fit(model, optimizer, x, y, 1, hook)
         now[0] += 1.0  # every step takes one second
-        sizes.append(hook.tt_params())
+        sizes.append(hook.live_tt_params())
     assert hook.history[0].stage == "warmup" and hook.elapsed_seconds() == 30.0
     # the clock starts at the first step: after step t, t − 1 seconds have passed. First prune point 3.4 s
     # (step 5), the last at 16 s (step 17), where the size reaches the target and stays.
@@ -455,7 +455,7 @@ def compiled_budget_run(backend, slack, steps=30, prunes=5, keep_fraction=0.2):
                 ranks = live_ranks_from_gates(m.tt)
                 assert list(m.tt.ranks[1:-1]) == ranks
                 sizes.append(m.tt.layout.with_ranks((1, *ranks, 1)).num_params)
-            assert hook.tt_params() == sum(sizes) == hook.history[-1].tt_params
+            assert hook.live_tt_params() == sum(sizes) == hook.history[-1].tt_params
     return hook, first_graphs, backend.stats.graphs, pruned_at
 
 
@@ -470,11 +470,11 @@ def test_compiled_rank_adaptation_recompiles_within_the_slack_bound(monkeypatch)
 
     backend = make_backend(inductor=False)
     hook, first, last, pruned_at = compiled_budget_run(backend, 2.0)
-    shrink_bound = 1 + math.floor(math.log2(hook.initial_tt_params / hook.tt_params()))
+    shrink_bound = 1 + math.floor(math.log2(hook.initial_tt_params / hook.live_tt_params()))
     assert len(pruned_at) >= 4 and first == 1
     assert last - first <= shrink_bound and last - first < len(pruned_at), (last, pruned_at)
-    assert hook.tt_params() <= 0.2 * hook.initial_tt_params + 1
-    assert hook.stored_tt_params() == hook.tt_params()  # compacted at the last prune point
+    assert hook.live_tt_params() <= 0.2 * hook.initial_tt_params + 1
+    assert hook.stored_tt_params() == hook.live_tt_params()  # compacted at the last prune point
     assert all(m.tt.live_internal_ranks is None for m in hook.matrices)
 
     def fallback(*args, **kwargs):
@@ -501,8 +501,8 @@ def test_by_default_a_compiled_run_recompiles_at_most_once():
     torch._dynamo.reset()
     assert hook.compiled_as == "whole" and len(pruned_at) >= 4 and first == 1
     assert last - first == 1, (first, last, pruned_at)
-    assert hook.tt_params() <= 0.2 * hook.initial_tt_params + 1
-    assert hook.stored_tt_params() == hook.tt_params()
+    assert hook.live_tt_params() <= 0.2 * hook.initial_tt_params + 1
+    assert hook.stored_tt_params() == hook.live_tt_params()
 
 
 def test_an_eager_run_shrinks_at_every_prune():
@@ -519,7 +519,7 @@ def test_an_eager_run_shrinks_at_every_prune():
         fit(model, optimizer, x, y, 1, hook)
         if hook.history[-1].shrunk:
             stored.append(hook.stored_tt_params())
-            assert hook.stored_tt_params() == hook.tt_params()
+            assert hook.stored_tt_params() == hook.live_tt_params()
     assert hook.compiled_as is None and len(stored) >= 4 and stored == sorted(stored, reverse=True)
 
 
@@ -557,7 +557,7 @@ def test_compiled_rank_adaptation_with_inductor_stays_within_the_bound():
     backend = make_backend()
     hook, first, last, pruned_at = compiled_budget_run(backend, 2.0)
     torch._dynamo.reset()
-    shrink_bound = 1 + math.floor(math.log2(hook.initial_tt_params / hook.tt_params()))
+    shrink_bound = 1 + math.floor(math.log2(hook.initial_tt_params / hook.live_tt_params()))
     assert last - first <= shrink_bound and last - first < len(pruned_at)
 
 
@@ -697,7 +697,7 @@ def test_same_shape_blocks_give_repeated_blocks_one_shape_and_one_graph_after_a_
     assert len({tt.layout for tt in ups}) == 1 and len({b.down.tt.layout for b in model.blocks}) == 1
     assert after == before + 1  # the no-grad forward after the prune: one graph for the three blocks
     torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-12)
-    assert hook.tt_params() <= 0.4 * hook.initial_tt_params + 1 < hook.stored_tt_params()
+    assert hook.live_tt_params() <= 0.4 * hook.initial_tt_params + 1 < hook.stored_tt_params()
 
     # same_shape_blocks=False: one graph per block after the shrink
     model, _, before, after, out, expected = regional_prune(False, slack)
@@ -727,7 +727,7 @@ def test_the_last_prune_point_compacts_only_when_that_frees_enough(monkeypatch, 
     x, y = (torch.randn(64, 32, generator=gen, dtype=torch.float64) for _ in range(2))
     fit(model, optimizer, x, y, 20, hook)
     assert sum(1 for e in hook.history if e.shrunk) == 2  # both prune points, the last one included
-    assert hook.tt_params() <= 0.4 * hook.initial_tt_params + 1
+    assert hook.live_tt_params() <= 0.4 * hook.initial_tt_params + 1
     torch.testing.assert_close(model(x), reference_stack(model, x), rtol=1e-10, atol=1e-12)
     if floor == 1.0:
         assert hook.stored_tt_params() == hook.initial_tt_params  # held at the stored widths: no shape changed
@@ -768,7 +768,7 @@ def test_by_default_regional_blocks_recompile_at_most_one_graph():
     torch._dynamo.reset()
     assert hook.compiled_as == "regional" and first == 1 and last - first == 1
     assert sum(1 for e in hook.history if e.shrunk) >= 3
-    assert hook.tt_params() <= 0.3 * hook.initial_tt_params + 1
+    assert hook.live_tt_params() <= 0.3 * hook.initial_tt_params + 1
     assert hook.stored_tt_params() < hook.initial_tt_params  # the last prune point shrank physically
     assert len({b.up.tt.ranks for b in model.blocks}) > 1  # the blocks' live ranks differ, their shapes not
     for role in ("up", "down"):
@@ -808,7 +808,7 @@ def test_the_hook_reads_nothing_back_from_the_device_between_prune_points(monkey
     monkeypatch.undo()
     assert len(pruned) == 2 and read_steps == pruned, (read_steps, pruned)
     assert [e.step for e in hook.history] == list(range(1, 21))
-    assert [e.live_ranks["0"][1:-1] for e in hook.history] == expected_live
+    assert [e.gate_ranks["0"][1:-1] for e in hook.history] == expected_live
 
 
 def test_a_block_whose_layer_went_to_rank_zero_keeps_the_shape_of_the_others():

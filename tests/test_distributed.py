@@ -460,7 +460,7 @@ def test_ddp_rebuilt_after_prune_and_refusals(one_rank_group):
     assert hook.model is ddp and hook.module is ddp.module
     loss_fn(ddp, global_batch(0)).backward()
     opt.step()
-    hook.prune_to(0.7 * hook.tt_params())
+    hook.prune_to(0.7 * hook.live_tt_params())
     assert hook.model is not ddp and hook.model.module is ddp.module and hook.distributed.rewraps == 1
     assert hook.model.bucket_bytes_cap == ddp.bucket_bytes_cap
     with pytest.raises(RuntimeError, match=r"hook\.model.*12603|12603.*hook\.model"):
@@ -474,7 +474,7 @@ def test_ddp_rebuilt_after_prune_and_refusals(one_rank_group):
     hook.model.register_comm_hook(None, default_hooks.allreduce_hook)
     ranks = {m.name: m.tt.ranks for m in hook.matrices}
     with pytest.raises(NotImplementedError, match="wrap="):
-        hook.prune_to(0.5 * hook.tt_params())
+        hook.prune_to(0.5 * hook.live_tt_params())
     assert {m.name: m.tt.ranks for m in hook.matrices} == ranks
     built = []
 
@@ -485,7 +485,7 @@ def test_ddp_rebuilt_after_prune_and_refusals(one_rank_group):
         return new
 
     hook.distributed.wrap = wrap
-    hook.prune_to(0.5 * hook.tt_params())
+    hook.prune_to(0.5 * hook.live_tt_params())
     assert built and hook.model is built[-1]
 
 

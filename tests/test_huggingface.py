@@ -60,7 +60,7 @@ def test_trainer_run_shrinks_ranks_and_saves_a_loadable_model(tmp_path):
 
     hook = callback.rank_adaptive
     assert hook.settings.total_steps == 30 and hook.step == 30  # horizon from max_steps; every step hooked
-    after = hook.tt_params()
+    after = hook.live_tt_params()
     assert after <= 0.5 * before  # shrunk to near the 0.4 target on the 30-step horizon
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     assert losses and all(math.isfinite(v) for v in losses)

@@ -216,7 +216,7 @@ def test_l1_pressure_shrinks_the_gates():
         hook = RankAdaptive(model, optimizer, CoMERAConfig(l1_weight=l1, prune_every=50))
         start = live_entries(model)
         train(model, optimizer, hook, x, y, 300)
-        counts[l1] = (start, live_entries(model), hook.tt_params(), hook.initial_tt_params)
+        counts[l1] = (start, live_entries(model), hook.live_tt_params(), hook.initial_tt_params)
     start, end, params, initial = counts[0.05]
     assert end < 0.75 * start and params < 0.75 * initial
     assert counts[0.0][1] > end  # the penalty, not the task, removed them
@@ -230,8 +230,8 @@ def test_late_stage_reaches_the_target_size():
     )
     train(model, optimizer, hook, x, y, 400)
     assert hook.target_size == 0.5 * hook.initial_tt_params
-    assert abs(hook.tt_params() / hook.target_size - 1) <= 0.15
-    assert hook.tt_params() == sum(p.numel() for e in tt_matrices(model) for p in e.tt.parameters())
+    assert abs(hook.live_tt_params() / hook.target_size - 1) <= 0.15
+    assert hook.live_tt_params() == sum(p.numel() for e in tt_matrices(model) for p in e.tt.parameters())
     stages = [e.stage for e in hook.history]
     assert stages[:100] == [EARLY] * 100 and set(stages[100:]) == {LATE} and hook.switch_step == 100
     assert {e.lam for e in hook.history[100:]} == {0.0, 1.0}  # pushed the size, then the loss again
@@ -574,7 +574,7 @@ def test_history_is_recorded_and_saved(tmp_path):
     assert steps == [2, 4]  # every 2 steps; the pruning at 4 coincides
     last = hook.history_as_dicts()[-1]
     assert last["shrunk"] == ["0"] and last["ranks"]["0"][2] == 7 and last["stage"] == EARLY
-    assert last["tt_params"] == hook.tt_params() and last["compression"] == pytest.approx(
+    assert last["tt_params"] == hook.live_tt_params() and last["compression"] == pytest.approx(
         last["dense_params"] / last["tt_params"]
     )
     assert isinstance(last["loss"], float) and last["wall_time"] >= 0

@@ -253,7 +253,7 @@ class RankAdaptive:
         if self.distributed is not None:  # CoMERA's λ and plateau read it: the same value on every rank
             self._pending_loss = self.distributed.mean(self._pending_loss, self._device())
 
-    def tt_params(self) -> int:
+    def live_tt_params(self) -> int:
         """TT parameters (cores + gates) at the live ranks now: what is stored, unless ``shrink_slack`` holds
         matrices wider (``stored_tt_params``)."""
         return sum(live_params(m.tt) for m in self.matrices)
@@ -262,8 +262,9 @@ class RankAdaptive:
         """TT parameters as stored now, zero slices of matrices held wider (``shrink_slack``) included."""
         return sum(physical_params(m.tt) for m in self.matrices)
 
-    def live_tt_params(self) -> int:
-        """TT parameters the model would hold if every dead slice were removed now (the S of the late stage)."""
+    def tt_params_without_dead(self) -> int:
+        """TT parameters the model would hold if every dead slice (|g| <= threshold) were removed now (the S of
+        CoMERA's late stage)."""
         counts = live_counts([m.tt for m in self.matrices], self.settings.threshold)
         return sum(params_at_ranks(m.tt, c) for m, c in zip(self.matrices, counts))
 
@@ -331,7 +332,7 @@ class RankAdaptive:
         if len(unseen) < len(entries):
             entries = [m for m in entries if m.name not in unseen]
         self.importance.start_window()
-        fixed = self.tt_params() - sum(live_params(m.tt) for m in entries)
+        fixed = self.live_tt_params() - sum(live_params(m.tt) for m in entries)
         sensitivity, layer_importance = self.importance.values(entries)
         mean = sum(layer_importance.values()) / max(len(entries), 1)
         layers, reasons = [], {}
@@ -372,11 +373,11 @@ class RankAdaptive:
         compacted = self._compact_all() if compact_now else []
         if compact_now and (records or compacted):
             self.shapes.shrunk_physically(self.shrink_slack, self.same_shape_blocks)
-        if self.tt_params() > size + 0.5 and not self._warned_floor:
+        if self.live_tt_params() > size + 0.5 and not self._warned_floor:
             self._warned_floor = True
             warnings.warn(
                 f"RankAdaptive: the scheduled size {size:,.0f} is below what the rank floors allow "
-                f"(min_rank={s.min_rank}); the TT size stays at {self.tt_params():,}. Lower min_rank or "
+                f"(min_rank={s.min_rank}); the TT size stays at {self.live_tt_params():,}. Lower min_rank or "
                 f"raise the target",
                 stacklevel=2,
             )
@@ -458,7 +459,7 @@ class RankAdaptive:
             self.progress(),
             self.initial_tt_params,
             self.target_size,
-            self.tt_params(),
+            self.live_tt_params(),
             {m.name: m.tt.ranks for m in self.matrices},
             dict(self.zeroed),
         )
@@ -476,7 +477,7 @@ class RankAdaptive:
 
     @property
     def history(self) -> list[HistoryEntry]:
-        """One entry per ``history_every`` steps and per pruning; the live counts of the steps between prunes are
+        """One entry per ``history_every`` steps and per pruning; the gate counts of the steps between prunes are
         read from the device here, when asked, not in the step (no host synchronisation per step)."""
         return materialized(self._history)
 
@@ -555,7 +556,7 @@ class RankAdaptive:
                 "RankAdaptive: target_loss is set, so call hook.observe(loss) before every "
                 "optimizer.step() in the late stage"
             )
-        return achievement_lambda(loss, self.settings.target_loss, self.live_tt_params(), self.target_size)
+        return achievement_lambda(loss, self.settings.target_loss, self.tt_params_without_dead(), self.target_size)
 
     def _pre_step(self, optimizer, args, kwargs) -> None:
         closure = args[1] if len(args) > 1 else kwargs.get("closure")  # args[0] is the optimizer itself
@@ -613,7 +614,7 @@ class RankAdaptive:
             loss=self._step_loss,
             lam=self._step_lam,
             ranks={n: tt.ranks for n, tt in zip(names, tts)},
-            tt_params=self.tt_params(),
+            tt_params=self.live_tt_params(),
             dense_params=sum(tt.layout.dense_params for tt in tts),
             shrunk=tuple(r.name for r in records),
             zeroed=tuple(r.name for r in records if r.zeroed),
@@ -622,10 +623,10 @@ class RankAdaptive:
         )
 
         def entry() -> HistoryEntry:
-            live = counts()
+            alive = counts()
             return HistoryEntry(
-                live_ranks={n: (1, *c, 1) for n, c in zip(names, live)},
-                live_tt_params=sum(params_at_ranks(tt, c) for tt, c in zip(tts, live)),
+                gate_ranks={n: (1, *c, 1) for n, c in zip(names, alive)},
+                tt_params_without_dead=sum(params_at_ranks(tt, c) for tt, c in zip(tts, alive)),
                 **fixed,
             )
 
