@@ -21,7 +21,6 @@ needs the loss (a target loss, plateau detection) or for the loss column of the 
 from __future__ import annotations
 
 import json
-import math
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -32,17 +31,16 @@ import torch
 from torch import Tensor, nn
 
 from ..tt.inventory import MatrixEntry, live_counts, live_counts_later, physical_params, tt_matrices
-from ..tt.layers import TTMatrix
 from .distributed import RankSync
 from .comera import EARLY, LATE, PlateauDetector, achievement_lambda, add_gate_penalty_, scale_grads_
 from .compiled import ShapePolicy
 from .history import HistoryEntry, RankSummary, materialized
-from .importance import BondSensitivity, slice_importance
-from .rank_config import BUDGET, COMERA, ScheduleConfig, check_schedule_config
-from .schedule import BudgetSchedule, LayerSlices, allocate
+from .importance import BondSensitivity
+from .prune_plan import plan_prune
+from .rank_config import BUDGET, COMERA, CONFIGS, ScheduleConfig, check_schedule_config
+from .schedule import BudgetSchedule
 from .shrink import (
     ShrinkRecord,
-    bond_singular_values,
     compact_,
     live_params,
     params_at_ranks,
@@ -53,37 +51,7 @@ from .shrink import (
     shrink_,
 )
 
-__all__ = ["RankAdaptive", "param_groups"]
-
-# --------------------------------------------------------------------------------------------- finding matrices
-
-
-def param_groups(
-    model: nn.Module,
-    *,
-    lr_cores: float = 1e-4,
-    lr_gates: float = 1e-3,
-    lr_other: float = 5e-5,
-    weight_decay: float = 0.0,
-) -> list[dict[str, Any]]:
-    """Optimizer parameter groups "tt_cores", "tt_gates" and "other" with CoMERA's separate learning rates.
-
-    Every parameter appears exactly once (a tied matrix's cores too). Empty groups are left out. The gates get no
-    weight decay whatever ``weight_decay`` is: decay would be a second, unscheduled rank penalty next to the one
-    ``RankAdaptive`` controls.
-    """
-    matrices = tt_matrices(model)
-    cores = [p for m in matrices for p in m.tt.cores]
-    gates = [p for m in matrices for p in m.tt.gates]
-    taken = {id(p) for p in cores + gates}
-    other = [p for p in model.parameters() if id(p) not in taken]
-    groups = [
-        {"name": "tt_cores", "params": cores, "lr": lr_cores, "weight_decay": weight_decay},
-        {"name": "tt_gates", "params": gates, "lr": lr_gates, "weight_decay": 0.0},
-        {"name": "other", "params": other, "lr": lr_other, "weight_decay": weight_decay},
-    ]
-    return [g for g in groups if g["params"]]
-
+__all__ = ["RankAdaptive"]
 
 # ------------------------------------------------------------------------------------------------------ settings
 
@@ -96,10 +64,6 @@ def param_groups(
 MIN_FINAL_COMPACTION = 0.1
 
 # ------------------------------------------------------------------------------------------------------- the hook
-
-
-def _mids(tt: TTMatrix) -> tuple[int, ...]:
-    return tuple(math.prod(core.shape[1:-1]) for core in tt.cores)
 
 
 class RankAdaptive:
@@ -321,7 +285,7 @@ class RankAdaptive:
         if self.importance is None:
             raise RuntimeError(
                 "RankAdaptive: prune_to() ranks slices by importance, which only the budget "
-                "schedule measures; with schedule='comera' use prune()"
+                "schedule (BudgetConfig) measures; with a CoMERAConfig use prune()"
             )
         if self.distributed is not None:
             self.distributed.check()
@@ -334,29 +298,8 @@ class RankAdaptive:
         self.importance.start_window()
         fixed = self.live_tt_params() - sum(live_params(m.tt) for m in entries)
         sensitivity, layer_importance = self.importance.values(entries)
-        mean = sum(layer_importance.values()) / max(len(entries), 1)
-        layers, reasons = [], {}
-        for m in entries:
-            imp = layer_importance[m.name]
-            if s.min_rank == 0:
-                floor, reasons[m.name] = 0, f"min_rank=0 (importance {imp:.3g}, mean layer importance {mean:.3g})"
-            elif s.rank0_below > 0 and imp < s.rank0_below * mean:
-                floor, reasons[m.name] = (
-                    0,
-                    (f"importance {imp:.3g} < rank0_below {s.rank0_below:g} × mean layer importance {mean:.3g}"),
-                )
-            else:
-                floor = s.min_rank
-            sigmas = [sig.tolist() for sig in bond_singular_values(m.tt)]
-            ranks = m.tt.live_layout.internal_ranks
-            layers.append(
-                LayerSlices(
-                    _mids(m.tt),
-                    tuple(slice_importance(sens, sig, r) for sens, sig, r in zip(sensitivity[m.name], sigmas, ranks)),
-                    floor,
-                )
-            )
-        records, decided = [], [[len(kept) for kept in keep] for keep in allocate(layers, size, fixed)]
+        decided, reasons = plan_prune(entries, sensitivity, layer_importance, s, size, fixed)
+        records = []
         if self.distributed is not None:  # rank 0's ranks on every rank
             flat = iter(self.distributed.ints([r for ranks in decided for r in ranks], self._device()))
             decided = [[next(flat) for _ in ranks] for ranks in decided]
@@ -515,9 +458,10 @@ class RankAdaptive:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         saved = state.get("schedule", COMERA)  # checkpoints from before the budget schedule are CoMERA's
         if saved != self.settings.schedule:
+            wanted = CONFIGS[saved].__name__ if saved in CONFIGS else "config"
             raise ValueError(
                 f"RankAdaptive: the checkpoint is of schedule={saved!r}, this hook runs "
-                f"schedule={self.settings.schedule!r}; build it with the checkpoint's settings"
+                f"schedule={self.settings.schedule!r}; build it with the checkpoint's {wanted}"
             )
         self.step, self.stage, self.switch_step = state["step"], state["stage"], state["switch_step"]
         self.initial_tt_params = state["initial_tt_params"]
