@@ -840,7 +840,7 @@ def write_report(
             f"the training clock (warm-up 10%, cubic decay, 10 prunes"
             f"{'; shrink_slack 4 and same_shape_blocks while compiled' if compile_once(args) else ''})"
             if args.schedule == "budget"
-            else f"schedule='comera', l1_weight={args.l1_weight:g}, prune_every={args.prune_every}, "
+            else f"CoMERAConfig: l1_weight={args.l1_weight:g}, prune_every={args.prune_every}, "
             f"keep_fraction={args.keep_fraction:g}, late_size_weight={args.late_size_weight:g}, "
             f"late stage from ~{args.late_fraction:.0%} of the "
             f"budget (step estimated before training)",
