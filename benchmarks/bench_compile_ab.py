@@ -105,7 +105,7 @@ def summary(mode: str, result: demo.RunResult, hook) -> dict:
         "evals": result.evals,
         "compile": result.compile,
         "linear_params_end": result.linear_params_end,
-        "tt_params_end": hook.tt_params(),
+        "tt_params_end": hook.live_tt_params(),
         "target_tt_params": result.target_params,
     }
 

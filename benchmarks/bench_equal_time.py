@@ -118,7 +118,7 @@ def pick_narrow_width(p: demo.Preset, target: float) -> int:
 
 
 def tt_params_of(model: nn.Module) -> int:
-    from comera_fx.runtime.rank_adaptive import tt_matrices
+    from comera_fx.tt.inventory import tt_matrices
 
     return sum(q.numel() for m in tt_matrices(model) for q in m.tt.parameters())
 
@@ -367,7 +367,7 @@ def child(opts) -> dict:
 
     if hook is not None:
         extra.update(
-            final_tt_params=hook.tt_params(),
+            final_tt_params=hook.live_tt_params(),
             initial_tt_params=hook.initial_tt_params,
             final_ranks=result.final_ranks,
             zeroed=dict(getattr(hook, "zeroed", {})),

@@ -41,7 +41,7 @@ from torch import nn  # noqa: E402
 import comera_fx  # noqa: E402
 from bench_recompile import VOCAB, CausalLM, step_flops  # noqa: E402
 from comera_fx.backend import make_backend  # noqa: E402
-from comera_fx.runtime import RankAdaptive, RankConfig  # noqa: E402
+from comera_fx.runtime import BudgetConfig, RankAdaptive  # noqa: E402
 
 
 def build(rank: int | None, width: int = 128) -> nn.Module:
@@ -77,7 +77,7 @@ def step_parts(model: nn.Module, batch, hook: bool = False) -> dict:
     ``RankAdaptive`` budget schedule whose first prune lies far beyond the timed steps: its per-step cost only)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     if hook:
-        RankAdaptive(model, optimizer, RankConfig(keep_fraction=0.3, total_steps=10**7, prunes=5))
+        RankAdaptive(model, optimizer, BudgetConfig(keep_fraction=0.3, total_steps=10**7, prunes=5))
 
     def forward_backward():
         optimizer.zero_grad(set_to_none=False)

@@ -13,15 +13,15 @@ with comera_fx's backend from a fresh Inductor cache (a temporary ``TORCHINDUCTO
 its own, one graph shared by every block of one shape (with ``--dense``: ``block.compile()`` per block, stock
 Inductor); embeddings, head and loss run eagerly.
 
-By default the hook runs with ``RankConfig``'s defaults: it finds the model compiled (comera_fx's backend saw its
+By default the hook runs with ``BudgetConfig``'s defaults: it finds the model compiled (comera_fx's backend saw its
 cores; ``compile_regions`` marked the blocks), rounds in place at every prune point but the last, which shrinks
 physically (one recompile in the run), and under ``--regional`` gives the blocks one shape at that shrink.
 
-``--same-shape-blocks`` / ``--own-shape-blocks``: ``RankConfig(same_shape_blocks=True / False)``: at a physical
+``--same-shape-blocks`` / ``--own-shape-blocks``: ``BudgetConfig(same_shape_blocks=True / False)``: at a physical
 shrink the same matrix of every block is stored at one width (the widest live rank), so a regionally compiled model
 recompiles one graph, not one per block / each block at its own ranks (the default before issue 44).
 
-``--slack S`` runs ``RankConfig(shrink_slack=S)``: a prune writes the rounded cores into the stored ones in place
+``--slack S`` runs ``BudgetConfig(shrink_slack=S)``: a prune writes the rounded cores into the stored ones in place
 while the stored TT size stays within S × the live size, so no shape changes and nothing recompiles. ``--slack 1``
 shrinks physically at every prune (one recompile per prune: the default before issue 44).
 
@@ -60,7 +60,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import comera_fx
 from comera_fx.backend import make_backend
-from comera_fx.runtime import RankAdaptive, RankConfig
+from comera_fx.runtime import BudgetConfig, RankAdaptive
 
 VOCAB = 256
 
@@ -164,7 +164,7 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--prunes", type=int, default=5)
     ap.add_argument("--target-ratio", type=float, default=0.3)
-    ap.add_argument("--slack", type=float, default=None, help="RankConfig.shrink_slack (default: the hook's choice)")
+    ap.add_argument("--slack", type=float, default=None, help="BudgetConfig.shrink_slack (default: the hook's choice)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-inductor", action="store_true")
     ap.add_argument("--cache-dir", help="Inductor cache directory (default: a fresh temporary one)")
@@ -175,14 +175,14 @@ def main(argv=None) -> None:
         action="store_const",
         const=True,
         default=None,
-        help="RankConfig(same_shape_blocks=True): one stored width per matrix role across blocks",
+        help="BudgetConfig(same_shape_blocks=True): one stored width per matrix role across blocks",
     )
     ap.add_argument(
         "--own-shape-blocks",
         dest="same_shape_blocks",
         action="store_const",
         const=False,
-        help="RankConfig(same_shape_blocks=False): each block stored at its own live ranks",
+        help="BudgetConfig(same_shape_blocks=False): each block stored at its own live ranks",
     )
     opts = ap.parse_args(argv)
     # A cold compile: Inductor's caches start empty. (Importing torch's Inductor sets TORCHINDUCTOR_CACHE_DIR to
@@ -201,7 +201,7 @@ def main(argv=None) -> None:
     hook = RankAdaptive(
         model,
         optimizer,
-        RankConfig(
+        BudgetConfig(
             keep_fraction=opts.target_ratio,
             total_steps=opts.steps,
             prunes=opts.prunes,
@@ -252,7 +252,7 @@ def main(argv=None) -> None:
     rel = ((got - expected).norm() / expected.norm()).item()
     print(f"compiled vs eager after the last prune: relative error {rel:.2e}; graphs {backend.stats.graphs}")
     print(
-        f"TT params: before {hook.initial_tt_params}, after {hook.tt_params()} live / {hook.stored_tt_params()} "
+        f"TT params: before {hook.initial_tt_params}, after {hook.live_tt_params()} live / {hook.stored_tt_params()} "
         f"stored (target {hook.target_size:.0f})"
     )
     hook.remove()

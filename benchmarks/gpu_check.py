@@ -25,7 +25,7 @@ short by its time limit still has issue 30's figure):
    says it pays on CUDA: ``comera_fx.tt.plan.autograd.PAD_DEVICES``); outputs must agree;
 6. compile once (issue 30): ``bench_recompile.py``'s 2-block TT LM on the device under
    ``torch.compile(backend=comera_fx backend)`` with ``RankAdaptive`` (5 prunes in 30 steps,
-   ``RankConfig(shrink_slack=4)``): first step, post-prune overhead as a multiple of it, recompiles (at most 3),
+   ``BudgetConfig(shrink_slack=4)``): first step, post-prune overhead as a multiple of it, recompiles (at most 3),
    compiled ≡ eager after the last prune (relative error < 1e-4), the TT size shrinking. ``--smoke`` runs it on the
    backend's eager mode (no Inductor), 12 steps.
 
@@ -409,14 +409,16 @@ def compile_once(device, smoke: bool):
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import bench_recompile  # the same model as the CPU figures in RESULTS.md
     from comera_fx.backend import make_backend
-    from comera_fx.runtime import RankAdaptive, RankConfig
+    from comera_fx.runtime import BudgetConfig, RankAdaptive
 
     torch.manual_seed(0)
     model, (x, y), loss_fn = bench_recompile.build(argparse.Namespace(model="lm", layers=2, dense=False))
     model, x, y = model.to(device), x.to(device), y.to(device)
     steps = 12 if smoke else 30
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    hook = RankAdaptive(model, optimizer, RankConfig(keep_fraction=0.3, total_steps=steps, prunes=5, shrink_slack=4.0))
+    hook = RankAdaptive(
+        model, optimizer, BudgetConfig(keep_fraction=0.3, total_steps=steps, prunes=5, shrink_slack=4.0)
+    )
     backend = make_backend(inductor=not smoke)
     compiled = torch.compile(model, backend=backend)
     times, graphs = [], []
@@ -441,15 +443,15 @@ def compile_once(device, smoke: bool):
     RESULTS["ratios"]["compile once: post-prune overhead / first step"] = overhead / times[0]
     log(
         f"   post-prune overhead {overhead:.2f} s = {overhead / times[0]:.2f}x the first step; recompiles "
-        f"{recompiles}; TT params {hook.initial_tt_params} -> {hook.tt_params()} live / {hook.stored_tt_params()} "
+        f"{recompiles}; TT params {hook.initial_tt_params} -> {hook.live_tt_params()} live / {hook.stored_tt_params()} "
         f"stored"
     )
     record_check("compile once: at most 3 recompiles", recompiles <= 3, f"{recompiles} after the first step")
     record_check("compile once: compiled == eager after the last prune", rel < 1e-4, f"relative error {rel:.2e}")
     record_check(
         "compile once: the TT size shrank",
-        hook.tt_params() < hook.initial_tt_params,
-        f"{hook.initial_tt_params} -> {hook.tt_params()}",
+        hook.live_tt_params() < hook.initial_tt_params,
+        f"{hook.initial_tt_params} -> {hook.live_tt_params()}",
     )
     hook.remove()
 

@@ -6,7 +6,7 @@ Public API::
     comera_fx.report(model)                                   # per-layer table / dict
     comera_fx.plan(layer, batch=4096)                         # the contraction order chosen per batch interval
     comera_fx.passes.tensorize(gm, config)                    # GraphModule -> GraphModule for custom compilers
-    comera_fx.RankAdaptive(model, opt, comera_fx.RankConfig(size_target=0.1, total_steps=n))  # rank adaptation
+    comera_fx.RankAdaptive(model, opt, comera_fx.BudgetConfig(size_target=0.1, total_steps=n))  # rank adaptation
     comera_fx.randomize_backward_(model, rho=0.25)            # RMM: linear backward keeps a sketch of its input
     cal = comera_fx.calibrate(model, batches)                 # input statistics for activation-aware TT-SVD
     comera_fx.tensorize_(model, TensorizeConfig(size_target=0.25, allocation="energy"), calibration=cal)
@@ -47,7 +47,7 @@ from .pretrained import (
 )
 from .report import Report, report
 from .rmm import RMMConfig
-from .runtime import RankAdaptive, RankConfig, param_groups
+from .runtime import BudgetConfig, CoMERAConfig, RankAdaptive, param_groups
 from .serving import ExportRangeError, RangePlan, export, frozen, package, plan_for_range
 from .tt import TTEmbedding, TTFormat, TTLinear, TTMatrix
 from .tt.plan import plan
@@ -81,7 +81,8 @@ __all__ = [
     "refit_sequential_",
     "Init",
     "RankAdaptive",
-    "RankConfig",
+    "BudgetConfig",
+    "CoMERAConfig",
     "LayerSettings",
     "RMMConfig",
     "RangePlan",

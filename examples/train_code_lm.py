@@ -23,7 +23,7 @@ training time, outside the budget clock.
 
 Compiled or eager (``--compile auto``, the default; ``comera_fx.compile_policy``): each run takes a few eager
 steps, then, if the budget left could repay a compile, compiles its blocks in place (``comera_fx.compile_regions`` for
-the TT run, with ``RankConfig(shrink_slack=4, same_shape_blocks=True)`` so its prunes recompile at most once; stock
+the TT run, with ``BudgetConfig(shrink_slack=4, same_shape_blocks=True)`` so its prunes recompile at most once; stock
 ``torch.compile`` per block for the dense run), then alternates compiled and eager steps in neighbouring pairs until a
 sign test says whether the compiled step repays the recompiles to come, and keeps the compiled path only then. The
 compile is inside the run's training clock; the report says which path each run took and why. A TT run that may compile
@@ -68,7 +68,7 @@ from torch import nn
 
 import comera_fx  # noqa: E402
 from comera_fx import compile_policy  # noqa: E402
-from comera_fx.runtime import RankAdaptive, RankConfig, param_groups  # noqa: E402
+from comera_fx.runtime import BudgetConfig, CoMERAConfig, RankAdaptive, param_groups  # noqa: E402
 
 VOCAB = 256  # bytes
 
@@ -369,12 +369,11 @@ def make_hook(
         else:
             horizon = {"budget_seconds": args.budget_seconds}
         clock = None if "total_steps" in horizon else (lambda: result.train_seconds)
-        config = RankConfig(
+        config = BudgetConfig(
             keep_fraction=args.keep_fraction, final_fraction=1 - args.prune_by, **horizon, **compile_once(args)
         )
         return RankAdaptive(model, optimizer, config, clock=clock, history_every=1)
-    config = RankConfig(
-        schedule="comera",
+    config = CoMERAConfig(
         l1_weight=args.l1_weight,
         prune_every=args.prune_every,
         keep_fraction=args.keep_fraction,
@@ -385,7 +384,7 @@ def make_hook(
 
 
 def compile_once(args) -> dict:
-    """RankConfig settings of a run that may compile (``--compile`` auto or yes): prunes keep the stored widths
+    """BudgetConfig settings of a run that may compile (``--compile`` auto or yes): prunes keep the stored widths
     while the stored TT size is within 4x the live size, and a physical shrink gives every block one width, so the
     regionally compiled blocks recompile at most once in the run instead of once per prune (benchmarks/RESULTS.md,
     issue 30). The price: until that shrink the stored cores stay wider than the live ranks, so a run that settles on
@@ -561,7 +560,7 @@ def training_steps(
         postfix = {"loss": f"{smooth:.3f}", "val": f"{result.evals[-1][2]:.3f}"}
         if hook is not None and hook.history:
             entry = hook.history[-1]
-            postfix["ranks"] = sum(sum(r[1:-1]) for r in entry.live_ranks.values())
+            postfix["ranks"] = sum(sum(r[1:-1]) for r in entry.gate_ranks.values())
             postfix["TT params"] = f"{entry.tt_params:,}"
             postfix["stage"] = entry.stage
         postfix["tok/s"] = f"{result.tokens_per_s:,.0f}"
@@ -590,9 +589,9 @@ def calibrate_step_seconds(model: nn.Module, args, train_data, p: Preset, device
     optimizer = make_tt_optimizer(trial, args, 1e-3)
     # the hook's per-step work (importance or penalty, history entry) is part of a step: count it (no pruning)
     if args.schedule == "budget":
-        config = RankConfig(keep_fraction=args.keep_fraction, total_steps=10**9)
+        config = BudgetConfig(keep_fraction=args.keep_fraction, total_steps=10**9)
     else:
-        config = RankConfig(schedule="comera", l1_weight=args.l1_weight, prune_every=None)
+        config = CoMERAConfig(l1_weight=args.l1_weight, prune_every=None)
     hook = RankAdaptive(trial, optimizer, config, history_every=1)
     generator = torch.Generator().manual_seed(args.seed + 2)
     times = []
@@ -688,8 +687,9 @@ def plot_compression(tt: RunResult, path: Path) -> None:
 
     steps = [h["step"] for h in tt.history]
     fig, ax = plt.subplots(figsize=(7, 5.2))
-    ax.plot(steps, [h["tt_params"] for h in tt.history], label="TT params stored (cores + gates)")
-    ax.plot(steps, [h["live_tt_params"] for h in tt.history], "--", label="TT params live (|gate| > threshold)")
+    ax.plot(steps, [h["tt_params"] for h in tt.history], label="TT params at the live ranks (cores + gates)")
+    without_dead = [h["tt_params_without_dead"] for h in tt.history]
+    ax.plot(steps, without_dead, "--", label="TT params without dead slices (|gate| <= threshold)")
     if tt.late_start_step is not None:
         ax.axvline(tt.late_start_step, color="grey", lw=0.8, ls=":", label="late stage starts")
     if tt.target_params is not None:
@@ -729,12 +729,12 @@ def plot_ranks(tt: RunResult, path: Path) -> None:
     import matplotlib.pyplot as plt
     import numpy as np
 
-    layers = list(tt.history[0]["live_ranks"]) if tt.history else []
+    layers = list(tt.history[0]["gate_ranks"]) if tt.history else []
     rows, labels, bounds = [], [], []
     for layer in layers:
-        n_bonds = len(tt.history[0]["live_ranks"][layer]) - 2
+        n_bonds = len(tt.history[0]["gate_ranks"][layer]) - 2
         for k in range(n_bonds):
-            rows.append([h["live_ranks"][layer][k + 1] for h in tt.history])
+            rows.append([h["gate_ranks"][layer][k + 1] for h in tt.history])
             labels.append(layer if k == n_bonds // 2 else "")
         bounds.append(len(rows))
     image = np.array(rows, dtype=float) if rows else np.zeros((1, 1))
@@ -770,7 +770,7 @@ COMPILE_NOTE = (
     "estimated at the probe's speed-up. The compile is inside the run's training clock. Embeddings, "
     "head, loss, clipping and the optimizer step stay eager, and validation runs eagerly "
     "(`torch.compiler.set_stance('force_eager')`). The TT run's rank schedule keeps one width per matrix "
-    "role across blocks and shrinks physically once (`RankConfig(shrink_slack=4, "
+    "role across blocks and shrinks physically once (`BudgetConfig(shrink_slack=4, "
     "same_shape_blocks=True)`), so the compiled blocks recompile at most once, not once per prune; after "
     "training its cores shrink to their live ranks."
 )
@@ -840,7 +840,7 @@ def write_report(
             f"the training clock (warm-up 10%, cubic decay, 10 prunes"
             f"{'; shrink_slack 4 and same_shape_blocks while compiled' if compile_once(args) else ''})"
             if args.schedule == "budget"
-            else f"schedule='comera', l1_weight={args.l1_weight:g}, prune_every={args.prune_every}, "
+            else f"CoMERAConfig: l1_weight={args.l1_weight:g}, prune_every={args.prune_every}, "
             f"keep_fraction={args.keep_fraction:g}, late_size_weight={args.late_size_weight:g}, "
             f"late stage from ~{args.late_fraction:.0%} of the "
             f"budget (step estimated before training)",
@@ -957,7 +957,7 @@ def parse_args(argv):
         dest="keep_fraction",
         type=float,
         default=0.5,
-        help="size target, as a fraction of the initial TT parameters (RankConfig.keep_fraction; "
+        help="size target, as a fraction of the initial TT parameters (BudgetConfig.keep_fraction; "
         "--target-ratio is its old spelling)",
     )
     parser.add_argument(
@@ -1114,8 +1114,8 @@ def _run(args, p: Preset) -> dict:
         last = tt_result.history[-1]
         extra += (
             f" Rank adaptation: size target {tt_result.target_params:,.0f} TT params "
-            f"({args.keep_fraction:.0%} of {hook.initial_tt_params:,}); at the end {last['tt_params']:,} stored, "
-            f"{last['live_tt_params']:,} live."
+            f"({args.keep_fraction:.0%} of {hook.initial_tt_params:,}); at the end {last['tt_params']:,} at the live "
+            f"ranks, {last['tt_params_without_dead']:,} without the dead slices."
         )
     if tt_result.shrunk_after_training and tt_result.shrunk_after_training[0] != tt_result.shrunk_after_training[1]:
         before, after = tt_result.shrunk_after_training

@@ -9,6 +9,7 @@ written out here, singular values from torch.linalg.svd of the fully contracted 
 from __future__ import annotations
 
 import copy
+import json
 import math
 
 import pytest
@@ -16,8 +17,8 @@ import torch
 from torch import nn
 
 import comera_fx
-from comera_fx.runtime import RankAdaptive
-from comera_fx.runtime.rank_adaptive import tt_matrices
+from comera_fx.runtime import BudgetConfig, CoMERAConfig, RankAdaptive
+from comera_fx.runtime.rank_config import config_from_dict
 from comera_fx.runtime.shrink import tt_round
 from comera_fx.tt import TTMatrix
 
@@ -83,14 +84,14 @@ def largest_cut(tt: TTMatrix) -> int:
 
 @pytest.fixture(scope="module")
 def teacher_run():
-    """The issue's new-user case: target_ratio=0.25, total_steps=400, AdamW, no other argument. Trained on one
+    """The issue's new-user case: keep_fraction=0.25, total_steps=400, AdamW, no other argument. Trained on one
     thread (the module's ``one_thread`` is per test and starts after this module-wide fixture), restored after."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         model, x, y, x_val, y_val = teacher_problem()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        hook = RankAdaptive(model, optimizer, target_ratio=0.25, total_steps=400)
+        hook = RankAdaptive(model, optimizer, BudgetConfig(keep_fraction=0.25, total_steps=400))
         cuts = {}  # step -> largest single cut before that step's prune
         for step in range(1, 401):
             cuts[step] = largest_cut(model[0].tt)
@@ -103,8 +104,8 @@ def teacher_run():
 def test_teacher_case_reaches_the_target_and_still_fits_the_teacher(teacher_run):
     model, hook, _, x_val, y_val = teacher_run
     assert hook.step == 400 and hook.target_size == 0.25 * hook.initial_tt_params
-    assert abs(hook.tt_params() / hook.target_size - 1) <= 0.10
-    assert hook.tt_params() == sum(p.numel() for p in model[0].tt.parameters())
+    assert abs(hook.live_tt_params() / hook.target_size - 1) <= 0.10
+    assert hook.live_tt_params() == sum(p.numel() for p in model[0].tt.parameters())
     with torch.no_grad():
         rel = ((model(x_val) - y_val).norm() / y_val.norm()).item()
     assert rel < 1e-2, rel  # held-out inputs against the dense float64 teacher
@@ -209,7 +210,7 @@ def test_importance_keeps_the_planted_direction_whatever_the_gauge():
     torch.testing.assert_close(model[0].tt.dense().detach(), reference, rtol=0, atol=1e-12)
 
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    hook = RankAdaptive(model, optimizer, target_ratio=0.5, total_steps=100)
+    hook = RankAdaptive(model, optimizer, BudgetConfig(keep_fraction=0.5, total_steps=100))
     gen_x = torch.Generator().manual_seed(6)
     x, y = (torch.randn(64, 16, generator=gen_x, dtype=torch.float64) for _ in range(2))
     _one_gradient_step(model, hook, x, y)
@@ -243,7 +244,7 @@ def test_a_negligible_layer_goes_to_rank_zero_and_the_summary_says_why():
     model = TwoBranches().double()
     comera_fx.tensorize_(model, comera_fx.TensorizeConfig(max_rank=8, min_numel=1, min_dim=1))
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    hook = RankAdaptive(model, optimizer, target_ratio=0.5, total_steps=100)
+    hook = RankAdaptive(model, optimizer, BudgetConfig(keep_fraction=0.5, total_steps=100))
     gen = torch.Generator().manual_seed(1)
     x, y = (
         torch.randn(128, 16, generator=gen, dtype=torch.float64),
@@ -261,21 +262,21 @@ def test_a_negligible_layer_goes_to_rank_zero_and_the_summary_says_why():
     model = TwoBranches().double()
     comera_fx.tensorize_(model, comera_fx.TensorizeConfig(max_rank=8, min_numel=1, min_dim=1))
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    hook = RankAdaptive(model, optimizer, target_ratio=0.5, total_steps=100, rank0_below=0.0)
+    hook = RankAdaptive(model, optimizer, BudgetConfig(keep_fraction=0.5, total_steps=100, rank0_below=0.0))
     _one_gradient_step(model, hook, x, y)
     hook.prune_to(0.5 * hook.initial_tt_params)
     assert not model.a.tt.is_zero and not model.b.tt.is_zero and not hook.zeroed
-    assert min(model.b.tt.ranks) >= 1 and hook.tt_params() <= 0.5 * hook.initial_tt_params
+    assert min(model.b.tt.ranks) >= 1 and hook.live_tt_params() <= 0.5 * hook.initial_tt_params
 
 
-def two_branches_held_wider(target_ratio: float):
+def two_branches_held_wider(keep_fraction: float):
     """TwoBranches in TT form (float64) under a budget schedule with ``shrink_slack=4``, after one gradient step:
     (model, hook, x, y)."""
     torch.manual_seed(0)
     model = TwoBranches().double()
     comera_fx.tensorize_(model, comera_fx.TensorizeConfig(max_rank=8, min_numel=1, min_dim=1))
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    hook = RankAdaptive(model, optimizer, target_ratio=target_ratio, total_steps=100, shrink_slack=4.0)
+    hook = RankAdaptive(model, optimizer, BudgetConfig(keep_fraction=keep_fraction, total_steps=100, shrink_slack=4.0))
     gen = torch.Generator().manual_seed(1)
     x, y = (torch.randn(128, 16, generator=gen, dtype=torch.float64) for _ in range(2))
     _one_gradient_step(model, hook, x, y)
@@ -285,7 +286,7 @@ def two_branches_held_wider(target_ratio: float):
 def test_a_layer_cut_to_rank_zero_in_place_is_zero_until_compacted():
     """shrink_slack: a negligible layer goes to rank 0 without a shape change (its gates and cores all zero, so it
     adds exactly nothing), counts as zero in sizes and the summary, and compact() then empties its cores."""
-    model, hook, x, y = two_branches_held_wider(target_ratio=0.5)
+    model, hook, x, y = two_branches_held_wider(keep_fraction=0.5)
     stored_b = [tuple(c.shape) for c in model.b.tt.cores]
     hook.prune_to(0.5 * hook.initial_tt_params)
     assert model.b.tt.is_zero and not model.b.tt.stored_empty and set(hook.zeroed) == {"b"}
@@ -294,39 +295,39 @@ def test_a_layer_cut_to_rank_zero_in_place_is_zero_until_compacted():
     assert "b: rank 0 (bias only)" in str(hook.summary())
     with torch.no_grad():
         torch.testing.assert_close(model(x), model.a(x) + 1e-4 * model.b.bias, rtol=0, atol=0)
-    sizes = hook.tt_params()
+    sizes = hook.live_tt_params()
     assert sizes == sum(p.numel() for p in model.a.tt.parameters()) < hook.stored_tt_params()
     hook.compact()
-    assert model.b.tt.stored_empty and hook.stored_tt_params() == hook.tt_params() == sizes
+    assert model.b.tt.stored_empty and hook.stored_tt_params() == hook.live_tt_params() == sizes
 
 
 def test_shrink_eagerly_turns_the_slack_off_for_the_rest_of_the_run():
     """A run that stops compiling: the matrices held wider shrink to their live ranks now, and the next prune
     shrinks physically although the slack would have held it."""
-    model, hook, x, y = two_branches_held_wider(target_ratio=0.3)
+    model, hook, x, y = two_branches_held_wider(keep_fraction=0.3)
     hook.prune_to(0.8 * hook.initial_tt_params)
-    assert hook.stored_tt_params() == hook.initial_tt_params > hook.tt_params()  # held wider
-    live = hook.tt_params()
+    assert hook.stored_tt_params() == hook.initial_tt_params > hook.live_tt_params()  # held wider
+    live = hook.live_tt_params()
     hook.shrink_eagerly()
     stored = sum(p.numel() for m in (model.a, model.b) for p in m.tt.parameters())  # counted from the tensors
     assert stored == live and all(tuple(m.tt.layout.ranks) == tuple(m.tt.ranks) for m in (model.a, model.b))
     _one_gradient_step(model, hook, x, y)
     hook.prune_to(0.6 * hook.initial_tt_params)
     stored = sum(p.numel() for m in (model.a, model.b) for p in m.tt.parameters())
-    assert stored == hook.tt_params() <= 0.6 * hook.initial_tt_params
-    assert hook.shrink_slack is None and not hook.settings.same_shape_blocks
+    assert stored == hook.live_tt_params() <= 0.6 * hook.initial_tt_params
+    assert hook.shrink_slack is None and not hook.same_shape_blocks
 
 
 @pytest.mark.parametrize("slack", [None, 4.0])
 def test_a_checkpoint_mid_schedule_resumes_identically(slack):
     """Also with the matrix held wider (shrink_slack): the hook's state carries the live ranks."""
-    settings = dict(target_ratio=0.3, total_steps=60, prunes=4, shrink_slack=slack)
+    settings = BudgetConfig(keep_fraction=0.3, total_steps=60, prunes=4, shrink_slack=slack)
     model, x, y, _, _ = teacher_problem(seed=2, d=16)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    hook = RankAdaptive(model, optimizer, **settings)
+    hook = RankAdaptive(model, optimizer, settings)
     fit(model, optimizer, x, y, 25, hook)  # past the first prune (step 18), before the second (step 30)
-    assert hook.tt_params() < hook.initial_tt_params
-    assert (hook.stored_tt_params() > hook.tt_params()) == (slack is not None)
+    assert hook.live_tt_params() < hook.initial_tt_params
+    assert (hook.stored_tt_params() > hook.live_tt_params()) == (slack is not None)
     checkpoint = copy.deepcopy(
         {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "hook": hook.state_dict()}
     )
@@ -337,7 +338,7 @@ def test_a_checkpoint_mid_schedule_resumes_identically(slack):
     fresh.load_state_dict(checkpoint["model"])
     fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
     fresh_optimizer.load_state_dict(checkpoint["optimizer"])
-    fresh_hook = RankAdaptive(fresh, fresh_optimizer, **settings)
+    fresh_hook = RankAdaptive(fresh, fresh_optimizer, settings)
     fresh_hook.load_state_dict(checkpoint["hook"])
     resumed = fit(fresh, fresh_optimizer, x, y, 35, fresh_hook)
 
@@ -352,12 +353,12 @@ def test_a_wall_clock_budget_reaches_the_target_by_its_end():
     model, x, y, _, _ = teacher_problem(seed=4)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     now = [100.0]
-    hook = RankAdaptive(model, optimizer, target_ratio=0.3, budget_seconds=20.0, clock=lambda: now[0])
+    hook = RankAdaptive(model, optimizer, BudgetConfig(keep_fraction=0.3, budget_seconds=20.0), clock=lambda: now[0])
     sizes = []
     for _ in range(30):
         fit(model, optimizer, x, y, 1, hook)
         now[0] += 1.0  # every step takes one second
-        sizes.append(hook.tt_params())
+        sizes.append(hook.live_tt_params())
     assert hook.history[0].stage == "warmup" and hook.elapsed_seconds() == 30.0
     # the clock starts at the first step: after step t, t − 1 seconds have passed. First prune point 3.4 s
     # (step 5), the last at 16 s (step 17), where the size reaches the target and stays.
@@ -369,22 +370,24 @@ def test_a_target_is_never_silently_ignored():
     model, _, _, _, _ = teacher_problem(d=16)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     with pytest.raises(ValueError, match="total_steps= .* or budget_seconds="):
-        RankAdaptive(model, optimizer, target_ratio=0.25)
+        RankAdaptive(model, optimizer, BudgetConfig(keep_fraction=0.25))
     with pytest.raises(ValueError, match="needs a size target"):
-        RankAdaptive(model, optimizer, total_steps=100)
+        RankAdaptive(model, optimizer, BudgetConfig(total_steps=100))
     with pytest.raises(ValueError, match="at most one"):
-        RankAdaptive(model, optimizer, target_ratio=0.25, total_steps=100, budget_seconds=60.0)
-    with pytest.raises(ValueError, match="l1_weight, prune_every belong to schedule='comera'"):
-        RankAdaptive(model, optimizer, target_ratio=0.25, total_steps=100, l1_weight=0.1, prune_every=5)
-    with pytest.raises(ValueError, match="total_steps belong to schedule='budget'"):
-        RankAdaptive(model, optimizer, schedule="comera", total_steps=100)
+        RankAdaptive(model, optimizer, BudgetConfig(keep_fraction=0.25, total_steps=100, budget_seconds=60.0))
+    with pytest.raises(TypeError, match="l1_weight"):  # the other schedule's options are not fields of this one
+        BudgetConfig(keep_fraction=0.25, total_steps=100, l1_weight=0.1, prune_every=5)
+    with pytest.raises(TypeError, match="total_steps"):
+        CoMERAConfig(total_steps=100)
     with pytest.raises(ValueError, match="late stage"):  # CoMERA's schedule refuses a target it would not pursue
-        RankAdaptive(model, optimizer, schedule="comera", target_ratio=0.25)
+        RankAdaptive(model, optimizer, CoMERAConfig(keep_fraction=0.25))
     with pytest.raises(ValueError, match="final_fraction must be < 1"):
-        RankAdaptive(model, optimizer, target_ratio=0.25, total_steps=100, warmup_fraction=0.5, final_fraction=0.5)
-    hook = RankAdaptive(model, optimizer, target_ratio=0.25, total_steps=100)
+        RankAdaptive(
+            model, optimizer, BudgetConfig(keep_fraction=0.25, total_steps=100, warmup_fraction=0.5, final_fraction=0.5)
+        )
+    hook = RankAdaptive(model, optimizer, BudgetConfig(keep_fraction=0.25, total_steps=100))
     with pytest.raises(ValueError, match="schedule='budget'"):
-        RankAdaptive(model, optimizer, schedule="comera", prune_every=None).load_state_dict(hook.state_dict())
+        RankAdaptive(model, optimizer, CoMERAConfig(prune_every=None)).load_state_dict(hook.state_dict())
 
 
 def reference_dense(tt: TTMatrix) -> torch.Tensor:
@@ -419,7 +422,7 @@ def live_ranks_from_gates(tt: TTMatrix) -> list[int]:
     return ranks
 
 
-def compiled_budget_run(backend, slack, steps=30, prunes=5, target_ratio=0.2):
+def compiled_budget_run(backend, slack, steps=30, prunes=5, keep_fraction=0.2):
     """A two-layer TT MLP (max rank 16, float64) trained under ``torch.compile(backend=backend)`` with the budget
     schedule and ``shrink_slack=slack``. After every step that pruned, the compiled output (grad on: the training
     graph) is compared with the float64 reference and the live sizes with the gates. Returns (hook, graphs after
@@ -430,7 +433,9 @@ def compiled_budget_run(backend, slack, steps=30, prunes=5, target_ratio=0.2):
     comera_fx.tensorize_(model, comera_fx.TensorizeConfig(max_rank=16, min_numel=1, min_dim=1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     hook = RankAdaptive(
-        model, optimizer, target_ratio=target_ratio, total_steps=steps, prunes=prunes, shrink_slack=slack
+        model,
+        optimizer,
+        BudgetConfig(keep_fraction=keep_fraction, total_steps=steps, prunes=prunes, shrink_slack=slack),
     )
     gen = torch.Generator().manual_seed(1)
     x, y = (torch.randn(128, d, generator=gen, dtype=torch.float64) for _ in range(2))
@@ -450,7 +455,7 @@ def compiled_budget_run(backend, slack, steps=30, prunes=5, target_ratio=0.2):
                 ranks = live_ranks_from_gates(m.tt)
                 assert list(m.tt.ranks[1:-1]) == ranks
                 sizes.append(m.tt.layout.with_ranks((1, *ranks, 1)).num_params)
-            assert hook.tt_params() == sum(sizes) == hook.history[-1].tt_params
+            assert hook.live_tt_params() == sum(sizes) == hook.history[-1].tt_params
     return hook, first_graphs, backend.stats.graphs, pruned_at
 
 
@@ -465,11 +470,11 @@ def test_compiled_rank_adaptation_recompiles_within_the_slack_bound(monkeypatch)
 
     backend = make_backend(inductor=False)
     hook, first, last, pruned_at = compiled_budget_run(backend, 2.0)
-    shrink_bound = 1 + math.floor(math.log2(hook.initial_tt_params / hook.tt_params()))
+    shrink_bound = 1 + math.floor(math.log2(hook.initial_tt_params / hook.live_tt_params()))
     assert len(pruned_at) >= 4 and first == 1
     assert last - first <= shrink_bound and last - first < len(pruned_at), (last, pruned_at)
-    assert hook.tt_params() <= 0.2 * hook.initial_tt_params + 1
-    assert hook.stored_tt_params() == hook.tt_params()  # compacted at the last prune point
+    assert hook.live_tt_params() <= 0.2 * hook.initial_tt_params + 1
+    assert hook.stored_tt_params() == hook.live_tt_params()  # compacted at the last prune point
     assert all(m.tt.live_internal_ranks is None for m in hook.matrices)
 
     def fallback(*args, **kwargs):
@@ -496,8 +501,8 @@ def test_by_default_a_compiled_run_recompiles_at_most_once():
     torch._dynamo.reset()
     assert hook.compiled_as == "whole" and len(pruned_at) >= 4 and first == 1
     assert last - first == 1, (first, last, pruned_at)
-    assert hook.tt_params() <= 0.2 * hook.initial_tt_params + 1
-    assert hook.stored_tt_params() == hook.tt_params()
+    assert hook.live_tt_params() <= 0.2 * hook.initial_tt_params + 1
+    assert hook.stored_tt_params() == hook.live_tt_params()
 
 
 def test_an_eager_run_shrinks_at_every_prune():
@@ -506,7 +511,7 @@ def test_an_eager_run_shrinks_at_every_prune():
     model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64)).double()
     comera_fx.tensorize_(model, comera_fx.TensorizeConfig(max_rank=16, min_numel=1, min_dim=1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    hook = RankAdaptive(model, optimizer, comera_fx.RankConfig(keep_fraction=0.2, total_steps=30, prunes=5))
+    hook = RankAdaptive(model, optimizer, BudgetConfig(keep_fraction=0.2, total_steps=30, prunes=5))
     gen = torch.Generator().manual_seed(1)
     x, y = (torch.randn(128, 64, generator=gen, dtype=torch.float64) for _ in range(2))
     stored = []
@@ -514,7 +519,7 @@ def test_an_eager_run_shrinks_at_every_prune():
         fit(model, optimizer, x, y, 1, hook)
         if hook.history[-1].shrunk:
             stored.append(hook.stored_tt_params())
-            assert hook.stored_tt_params() == hook.tt_params()
+            assert hook.stored_tt_params() == hook.live_tt_params()
     assert hook.compiled_as is None and len(stored) >= 4 and stored == sorted(stored, reverse=True)
 
 
@@ -524,7 +529,7 @@ def test_a_slack_that_shrinks_a_compiled_model_again_warns_naming_the_setting():
     from comera_fx.backend import make_backend
 
     backend = make_backend(inductor=False)
-    with pytest.warns(UserWarning, match=r"runs compiled \(whole\) and shrink_slack=1.0 .*leave RankConfig"):
+    with pytest.warns(UserWarning, match=r"runs compiled \(whole\) and shrink_slack=1.0 .*leave BudgetConfig"):
         _, first, last, pruned_at = compiled_budget_run(backend, 1.0, steps=20, prunes=3)
     torch._dynamo.reset()
     assert len(pruned_at) >= 2 and last - first == len(pruned_at)
@@ -552,89 +557,70 @@ def test_compiled_rank_adaptation_with_inductor_stays_within_the_bound():
     backend = make_backend()
     hook, first, last, pruned_at = compiled_budget_run(backend, 2.0)
     torch._dynamo.reset()
-    shrink_bound = 1 + math.floor(math.log2(hook.initial_tt_params / hook.tt_params()))
+    shrink_bound = 1 + math.floor(math.log2(hook.initial_tt_params / hook.live_tt_params()))
     assert last - first <= shrink_bound and last - first < len(pruned_at)
 
 
-# ---------------------------------------------------------------------- RankConfig and the spellings before it
-
-
-def _run(spelling, steps: int = 24):
-    """Train the teacher problem for ``steps`` steps under a hook built by ``spelling(model, optimizer)``;
-    returns (hook, losses, ranks after the run)."""
-    model, x, y, _, _ = teacher_problem(d=16)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    hook = spelling(model, optimizer)
-    losses = fit(model, optimizer, x, y, steps, hook)
-    return hook, losses, [m.tt.ranks for m in tt_matrices(model)]
-
-
-def test_old_keywords_warn_name_the_config_and_give_the_same_run():
-    from comera_fx import RankConfig
-
-    new = _run(lambda m, o: RankAdaptive(m, o, RankConfig(keep_fraction=0.3, total_steps=24, prunes=3)))
-    with pytest.warns(DeprecationWarning, match=r"RankConfig\(keep_fraction=0.3, total_steps=24, prunes=3\)"):
-        old = _run(lambda m, o: RankAdaptive(m, o, target_ratio=0.3, total_steps=24, prunes=3))
-    assert old[1] == new[1] and old[2] == new[2]
-    wall = "elapsed_seconds"  # wall clock: differs between any two runs
-    assert {k: v for k, v in old[0].state_dict().items() if k != wall} == {
-        k: v for k, v in new[0].state_dict().items() if k != wall
-    }
-    assert old[0].history_as_dicts()[-1]["ranks"] == new[0].history_as_dicts()[-1]["ranks"]
-    assert new[0].tt_params() < new[0].initial_tt_params  # it did prune: the runs compared are not trivial
-
-    size = new[0].tt_params()  # an absolute target: target_params= is size_target= as an int
-    with pytest.warns(DeprecationWarning, match="size_target"):
-        old = _run(lambda m, o: RankAdaptive(m, o, target_params=size, total_steps=24, prunes=3))
-    new = _run(lambda m, o: RankAdaptive(m, o, RankConfig(size_target=size, total_steps=24, prunes=3)))
-    assert old[1] == new[1] and old[2] == new[2] and new[0].target_size == float(size)
+# ------------------------------------------------------------------------------ BudgetConfig and CoMERAConfig
 
 
 def test_a_float_size_target_is_a_fraction_of_the_dense_size():
     """The same meaning as TensorizeConfig.size_target and distill_(size_target=): of the dense weights."""
-    from comera_fx import RankConfig
-
     model, _, _, _, _ = teacher_problem(d=16)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    hook = RankAdaptive(model, optimizer, RankConfig(size_target=0.25, total_steps=10))
+    hook = RankAdaptive(model, optimizer, BudgetConfig(size_target=0.25, total_steps=10))
     assert hook.target_size == pytest.approx(0.25 * 16 * 16, rel=1e-12)  # one 16 x 16 weight
 
 
-def test_rank_config_refusals_name_the_fix():
-    from comera_fx import RankConfig
-
+def test_config_refusals_name_the_fix():
     model, _, _, _, _ = teacher_problem(d=16)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    config = RankConfig(size_target=0.25, total_steps=10)
-    with pytest.raises(TypeError, match="RankConfig only"):
-        RankAdaptive(model, optimizer, config, total_steps=20)
+    config = BudgetConfig(size_target=0.25, total_steps=10)
+    fix = r"takes a BudgetConfig or a CoMERAConfig, not .*BudgetConfig\(keep_fraction=0.5, total_steps=\.\.\.\)"
+    fix += r"( .*CoMERAConfig\(\))?"
+    for bad in (None, 0.5, {"keep_fraction": 0.5}):  # a dict: BudgetConfig(keep_fraction=0.5, total_steps=...)
+        with pytest.raises(TypeError, match=fix):
+            RankAdaptive(model, optimizer, bad)
+    with pytest.raises(TypeError, match=r"pass CoMERAConfig\(l1_weight=0.1\)"):  # a dict: the config it meant
+        RankAdaptive(model, optimizer, {"schedule": "comera", "l1_weight": 0.1})
+    with pytest.raises(TypeError, match="target_ratio"):  # the spellings before the configs are gone
+        RankAdaptive(model, optimizer, config, target_ratio=0.5)
     with pytest.raises(TypeError, match="unexpected keyword"):
-        RankAdaptive(model, optimizer, total_step=20)
-    with pytest.raises(TypeError, match="size_target= only"):
-        RankAdaptive(model, optimizer, target_params=10, size_target=10, total_steps=20)
+        BudgetConfig(total_step=20)
     with pytest.raises(ValueError, match="clock"):
-        RankAdaptive(model, optimizer, RankConfig(schedule="comera"), clock=lambda: 0.0)
+        RankAdaptive(model, optimizer, CoMERAConfig(), clock=lambda: 0.0)
     with pytest.raises(ValueError, match="history_every"):
         RankAdaptive(model, optimizer, config, history_every=0)
     for bad in (1.5, -1, True, "0.5"):
         with pytest.raises(ValueError, match="size_target"):
-            RankConfig(size_target=bad, total_steps=10)
+            BudgetConfig(size_target=bad, total_steps=10)
     with pytest.raises(ValueError, match="at most one"):
-        RankConfig(size_target=0.25, keep_fraction=0.5, total_steps=10)
+        BudgetConfig(size_target=0.25, keep_fraction=0.5, total_steps=10)
     with pytest.raises(ValueError, match="needs a size target"):
-        RankConfig(total_steps=10)
+        BudgetConfig(total_steps=10)
+    with pytest.raises(ValueError, match="warmup_fraction"):
+        BudgetConfig(keep_fraction=0.5, total_steps=10, warmup_fraction=None)
 
 
-def test_rank_config_round_trips_and_fills_the_schedules_defaults():
-    from comera_fx import RankConfig
-
-    config = RankConfig(size_target=1000, budget_seconds=60.0, prunes=4)
-    assert RankConfig.from_dict(config.to_dict()) == config
-    filled = config.resolved()
-    assert (filled.prunes, filled.warmup_fraction, filled.l1_weight) == (4, 0.1, None)
-    comera = RankConfig(schedule="comera")
-    assert RankConfig.from_dict(comera.to_dict()) == comera and comera.resolved().prune_every == 100
-    assert RankConfig(schedule="comera", prune_every=None).resolved().prune_every is None  # None: never prune
+def test_configs_round_trip_through_json_and_old_rank_config_dicts_load():
+    config = BudgetConfig(size_target=1000, budget_seconds=60.0, prunes=4)
+    data = json.loads(json.dumps(config.to_dict()))
+    assert data["schedule"] == "budget" and config_from_dict(data) == config
+    assert (config.prunes, config.warmup_fraction) == (4, 0.1)  # the defaults sit on the fields
+    comera = CoMERAConfig(prune_every=None)  # None: never prune
+    assert config_from_dict(comera.to_dict()) == comera and CoMERAConfig().prune_every == 100
+    # RankConfig.to_dict wrote every field of both schedules, None where not given ("the schedule's default")
+    budget_fields = ("total_steps", "budget_seconds", "warmup_fraction", "final_fraction", "prunes")
+    comera_fields = ("l1_weight", "target_loss", "late_start_step", "plateau_patience", "plateau_tol", "reduction")
+    old = {"schedule": "budget", "size_target": None, "keep_fraction": 0.3, "threshold": 0.01}
+    old.update(dict.fromkeys(budget_fields + comera_fields + ("shrink_slack", "same_shape_blocks"), None))
+    old.update(total_steps=24, prunes=3)  # prune_every left out: "not given"
+    assert config_from_dict(old) == BudgetConfig(keep_fraction=0.3, total_steps=24, prunes=3)
+    old_comera = {**dict.fromkeys(budget_fields + comera_fields, None), "schedule": "comera", "l1_weight": 0.05}
+    assert config_from_dict(old_comera) == CoMERAConfig(l1_weight=0.05)
+    assert config_from_dict({**old_comera, "prune_every": None}).prune_every is None
+    with pytest.raises(ValueError, match="unknown BudgetConfig fields"):
+        config_from_dict({**old, "l1_weight": 0.1})
 
 
 class Block(nn.Module):
@@ -679,9 +665,7 @@ def regional_prune(same_shape_blocks: bool, slack: float | None = None):
     hook = RankAdaptive(
         model,
         optimizer,
-        comera_fx.RankConfig(
-            keep_fraction=0.4, total_steps=100, shrink_slack=slack, same_shape_blocks=same_shape_blocks
-        ),
+        BudgetConfig(keep_fraction=0.4, total_steps=100, shrink_slack=slack, same_shape_blocks=same_shape_blocks),
     )
     torch._dynamo.reset()
     counter = CompileCounter()
@@ -713,7 +697,7 @@ def test_same_shape_blocks_give_repeated_blocks_one_shape_and_one_graph_after_a_
     assert len({tt.layout for tt in ups}) == 1 and len({b.down.tt.layout for b in model.blocks}) == 1
     assert after == before + 1  # the no-grad forward after the prune: one graph for the three blocks
     torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-12)
-    assert hook.tt_params() <= 0.4 * hook.initial_tt_params + 1 < hook.stored_tt_params()
+    assert hook.live_tt_params() <= 0.4 * hook.initial_tt_params + 1 < hook.stored_tt_params()
 
     # same_shape_blocks=False: one graph per block after the shrink
     model, _, before, after, out, expected = regional_prune(False, slack)
@@ -737,13 +721,13 @@ def test_the_last_prune_point_compacts_only_when_that_frees_enough(monkeypatch, 
     hook = RankAdaptive(
         model,
         optimizer,
-        comera_fx.RankConfig(keep_fraction=0.4, total_steps=20, prunes=2, shrink_slack=4.0, same_shape_blocks=True),
+        BudgetConfig(keep_fraction=0.4, total_steps=20, prunes=2, shrink_slack=4.0, same_shape_blocks=True),
     )
     gen = torch.Generator().manual_seed(1)
     x, y = (torch.randn(64, 32, generator=gen, dtype=torch.float64) for _ in range(2))
     fit(model, optimizer, x, y, 20, hook)
     assert sum(1 for e in hook.history if e.shrunk) == 2  # both prune points, the last one included
-    assert hook.tt_params() <= 0.4 * hook.initial_tt_params + 1
+    assert hook.live_tt_params() <= 0.4 * hook.initial_tt_params + 1
     torch.testing.assert_close(model(x), reference_stack(model, x), rtol=1e-10, atol=1e-12)
     if floor == 1.0:
         assert hook.stored_tt_params() == hook.initial_tt_params  # held at the stored widths: no shape changed
@@ -769,7 +753,7 @@ def test_by_default_regional_blocks_recompile_at_most_one_graph():
     model = Stack().double()
     comera_fx.tensorize_(model, comera_fx.TensorizeConfig(max_rank=8, min_numel=1, min_dim=1))
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    hook = RankAdaptive(model, optimizer, comera_fx.RankConfig(keep_fraction=0.3, total_steps=20, prunes=4))
+    hook = RankAdaptive(model, optimizer, BudgetConfig(keep_fraction=0.3, total_steps=20, prunes=4))
     torch._dynamo.reset()
     counter = CompileCounter()  # not comera_fx's backend: compile_regions itself tells the hook
     comera_fx.compile_regions(model, backend=counter)
@@ -784,7 +768,7 @@ def test_by_default_regional_blocks_recompile_at_most_one_graph():
     torch._dynamo.reset()
     assert hook.compiled_as == "regional" and first == 1 and last - first == 1
     assert sum(1 for e in hook.history if e.shrunk) >= 3
-    assert hook.tt_params() <= 0.3 * hook.initial_tt_params + 1
+    assert hook.live_tt_params() <= 0.3 * hook.initial_tt_params + 1
     assert hook.stored_tt_params() < hook.initial_tt_params  # the last prune point shrank physically
     assert len({b.up.tt.ranks for b in model.blocks}) > 1  # the blocks' live ranks differ, their shapes not
     for role in ("up", "down"):
@@ -799,7 +783,7 @@ def test_the_hook_reads_nothing_back_from_the_device_between_prune_points(monkey
     gates' own counts at each step."""
     model, x, y, _, _ = teacher_problem(d=16)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
-    hook = RankAdaptive(model, optimizer, comera_fx.RankConfig(keep_fraction=0.5, total_steps=20, prunes=2))
+    hook = RankAdaptive(model, optimizer, BudgetConfig(keep_fraction=0.5, total_steps=20, prunes=2))
     reads: list[str] = []
     for name in ("item", "tolist", "__bool__", "__float__", "__int__", "__index__"):
         original = getattr(torch.Tensor, name)
@@ -824,7 +808,7 @@ def test_the_hook_reads_nothing_back_from_the_device_between_prune_points(monkey
     monkeypatch.undo()
     assert len(pruned) == 2 and read_steps == pruned, (read_steps, pruned)
     assert [e.step for e in hook.history] == list(range(1, 21))
-    assert [e.live_ranks["0"][1:-1] for e in hook.history] == expected_live
+    assert [e.gate_ranks["0"][1:-1] for e in hook.history] == expected_live
 
 
 def test_a_block_whose_layer_went_to_rank_zero_keeps_the_shape_of_the_others():
@@ -837,9 +821,7 @@ def test_a_block_whose_layer_went_to_rank_zero_keeps_the_shape_of_the_others():
     model = Stack().double()
     comera_fx.tensorize_(model, comera_fx.TensorizeConfig(max_rank=8, min_numel=1, min_dim=1))
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    hook = RankAdaptive(
-        model, optimizer, comera_fx.RankConfig(keep_fraction=0.4, total_steps=100, same_shape_blocks=True)
-    )
+    hook = RankAdaptive(model, optimizer, BudgetConfig(keep_fraction=0.4, total_steps=100, same_shape_blocks=True))
     downs = [block.down.tt for block in model.blocks]
     bonds = len(downs[0].gates)
     round_to_ranks_(downs[0], [0] * bonds, in_place=True)

@@ -281,9 +281,9 @@ def test_the_graph_pass_refuses_a_dict_too():
 
 
 @pytest.mark.parametrize("config", [0.5, {"keep_fraction": 0.5}])
-def test_rank_adaptive_with_a_number_or_a_dict_names_rank_config(config):
+def test_rank_adaptive_with_a_number_or_a_dict_names_the_configs(config):
     model = _small_mlp()
     comera_fx.tensorize_(model, TensorizeConfig(min_numel=1, min_dim=1, max_rank=8))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(TypeError, match=r"takes a RankConfig .*RankConfig\(keep_fraction=0.5\)"):
+    with pytest.raises(TypeError, match=r"takes a BudgetConfig or a CoMERAConfig, .*BudgetConfig\(keep_fraction=0.5, "):
         comera_fx.RankAdaptive(model, optimizer, config)

@@ -62,12 +62,12 @@ def test_tiny_demo_writes_report_and_plots(tmp_path):
     assert "could not repay" in report.split("## Compiled or eager", 1)[1]
     # the RankAdaptive history made it to the run result and the rank plot
     tt = next(r for r in result["results"] if r.name == "comera_fx")
-    assert tt.history and all(h["live_ranks"] for h in tt.history)
+    assert tt.history and all(h["gate_ranks"] for h in tt.history)
     # every prune met the budget schedule's size at its step, and the target is half the starting TT size
     prunes = [h for h in tt.history if h["shrunk"]]
     assert prunes, "rank adaptation pruned nothing (its first prunes come ~15 steps in)"
-    assert all(h["live_tt_params"] <= h["budget"] for h in prunes), [
-        (h["step"], h["live_tt_params"], h["budget"]) for h in prunes
+    assert all(h["tt_params_without_dead"] <= h["budget"] for h in prunes), [
+        (h["step"], h["tt_params_without_dead"], h["budget"]) for h in prunes
     ]
     assert tt.target_params == pytest.approx(0.5 * tt.history[0]["tt_params"], rel=0.01)
 

@@ -19,8 +19,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import comera_fx
 from comera_fx.runtime.distributed import unwrap
-from comera_fx.runtime import RankAdaptive
-from comera_fx.runtime.rank_adaptive import tt_matrices
+from comera_fx.runtime import BudgetConfig, CoMERAConfig, RankAdaptive
+from comera_fx.tt.inventory import tt_matrices
 from helpers_distributed import COLLECTIVE_TIMEOUT, run_scenarios, scenario_results
 
 pytestmark = pytest.mark.skipif(
@@ -91,7 +91,7 @@ def grads_of(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 STEPS = 3
-PRUNE = dict(target_ratio=0.5, total_steps=6, warmup_fraction=0.0, final_fraction=0.5, prunes=2)
+PRUNE = BudgetConfig(keep_fraction=0.5, total_steps=6, warmup_fraction=0.0, final_fraction=0.5, prunes=2)
 
 # ------------------------------------------------------------------------------------------ single-process runs
 
@@ -106,11 +106,11 @@ def reference_train(steps: int = STEPS):
     return params_of(model)
 
 
-def reference_prune(steps: int = PRUNE["total_steps"]):
+def reference_prune(steps: int = PRUNE.total_steps):
     """Parameters and gradients after every step (gradients before the step), and the ranks at the end."""
     model = make_net()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    hook = RankAdaptive(model, opt, **PRUNE)
+    hook = RankAdaptive(model, opt, PRUNE)
     out = {"params": [], "grads": []}
     for step in range(steps):
         loss_fn(model, global_batch(step)).backward()
@@ -139,10 +139,10 @@ def scenario_ddp(rank, world):
 def scenario_ddp_prune(rank, world):
     model = DDP(make_net())
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    hook = RankAdaptive(model, opt, **PRUNE)
+    hook = RankAdaptive(model, opt, PRUNE)
     first, stale_error = model, None
     out = {"params": [], "grads": []}
-    for step in range(PRUNE["total_steps"]):
+    for step in range(PRUNE.total_steps):
         loss_fn(hook.model, local_batch(step, rank)).backward()  # hook.model: the wrapper rebuilt after a prune
         out["grads"].append(grads_of(hook.model))
         opt.step()
@@ -206,7 +206,7 @@ def scenario_fsdp2(rank, world):
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     refusal = None
     try:
-        RankAdaptive(model, opt, **PRUNE)
+        RankAdaptive(model, opt, PRUNE)
     except NotImplementedError as err:
         refusal = str(err)
     return {"full": {k: v.detach().clone() for k, v in full.items()}, "refusal": refusal}
@@ -237,7 +237,7 @@ def scenario_rank0_decides(rank, world):
     prune the same slices at the same steps: rank 0's."""
     model = DDP(make_net())
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    hook = RankAdaptive(model, opt, schedule="comera", l1_weight=0.0, prune_every=None)
+    hook = RankAdaptive(model, opt, CoMERAConfig(l1_weight=0.0, prune_every=None))
     loss_fn(hook.model, local_batch(0, rank)).backward()
     opt.step()  # Adam moments exist: a prune slices them
     opt.zero_grad()
@@ -260,12 +260,8 @@ def scenario_rank0_decides(rank, world):
     hook = RankAdaptive(
         model,
         opt,
-        target_ratio=0.5,
-        budget_seconds=6.0,
+        BudgetConfig(keep_fraction=0.5, budget_seconds=6.0, warmup_fraction=0.0, final_fraction=0.5, prunes=2),
         clock=lambda: now[0],
-        warmup_fraction=0.0,
-        final_fraction=0.5,
-        prunes=2,
     )
     for step in range(6):
         loss_fn(hook.model, local_batch(step, rank)).backward()
@@ -284,12 +280,12 @@ def scenario_compile_prune(rank, world):
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     # shrink_slack=1.0: shrink physically at every prune point, as the uncompiled reference does (a compiled model's
     # default rounds in place until the last point); this scenario checks the DDP rewrap and recompile after each.
-    hook = RankAdaptive(model, opt, **PRUNE, shrink_slack=1.0)
+    hook = RankAdaptive(model, opt, PRUNE.replace(shrink_slack=1.0))
     compiled = [torch.compile(hook.model, backend=backend)]
     stale = compiled[0]
     hook.distributed.on_prune(lambda new: compiled.__setitem__(0, torch.compile(new, backend=backend)))
     params = []
-    for step in range(PRUNE["total_steps"]):
+    for step in range(PRUNE.total_steps):
         loss_fn(compiled[0], local_batch(step, rank)).backward()
         opt.step()
         opt.zero_grad()
@@ -355,7 +351,7 @@ def test_ddp_prune_same_slices_rebuilt_wrapper_averages_gradients(group):
         assert r["pruned_at"] == want["pruned_at"]
         assert r["ranks"] == want["ranks"], f"rank {rank} pruned other slices"
         assert r["rewraps"] == len(want["pruned_at"])
-        for step in range(PRUNE["total_steps"]):
+        for step in range(PRUNE.total_steps):
             # gradients after a prune are the global-batch gradients: the rebuilt wrapper averages them
             assert_close(r["grads"][step], want["grads"][step], what=f"rank {rank} grads step {step}")
             assert_close(r["params"][step], want["params"][step], what=f"rank {rank} params step {step}")
@@ -370,7 +366,7 @@ def grads_of_local(step: int, rank: int):
     """One process's gradient on rank ``rank``'s data with the reference model after ``step`` steps."""
     ref = make_net()
     opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
-    hook = RankAdaptive(ref, opt, **PRUNE)
+    hook = RankAdaptive(ref, opt, PRUNE)
     for s in range(step):
         loss_fn(ref, global_batch(s)).backward()
         opt.step()
@@ -433,7 +429,7 @@ def test_rank0_decides_the_slices_and_the_prune_steps(slow_group):
 def test_compiled_ddp_with_pruning_matches_one_process(slow_group):
     want = reference_prune()
     for rank, r in enumerate(scenario_results(slow_group, "compile_prune")):
-        for step in range(PRUNE["total_steps"]):
+        for step in range(PRUNE.total_steps):
             assert_close(r["params"][step], want["params"][step], tol=1e-9, what=f"rank {rank} step {step}")
         assert "hook.model" in r["stale_error"]
 
@@ -460,11 +456,11 @@ def test_ddp_rebuilt_after_prune_and_refusals(one_rank_group):
 
     ddp = DDP(make_net(), bucket_cap_mb=1)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
-    hook = RankAdaptive(ddp, opt, target_ratio=0.5, total_steps=10)
+    hook = RankAdaptive(ddp, opt, BudgetConfig(keep_fraction=0.5, total_steps=10))
     assert hook.model is ddp and hook.module is ddp.module
     loss_fn(ddp, global_batch(0)).backward()
     opt.step()
-    hook.prune_to(0.7 * hook.tt_params())
+    hook.prune_to(0.7 * hook.live_tt_params())
     assert hook.model is not ddp and hook.model.module is ddp.module and hook.distributed.rewraps == 1
     assert hook.model.bucket_bytes_cap == ddp.bucket_bytes_cap
     with pytest.raises(RuntimeError, match=r"hook\.model.*12603|12603.*hook\.model"):
@@ -478,7 +474,7 @@ def test_ddp_rebuilt_after_prune_and_refusals(one_rank_group):
     hook.model.register_comm_hook(None, default_hooks.allreduce_hook)
     ranks = {m.name: m.tt.ranks for m in hook.matrices}
     with pytest.raises(NotImplementedError, match="wrap="):
-        hook.prune_to(0.5 * hook.tt_params())
+        hook.prune_to(0.5 * hook.live_tt_params())
     assert {m.name: m.tt.ranks for m in hook.matrices} == ranks
     built = []
 
@@ -489,7 +485,7 @@ def test_ddp_rebuilt_after_prune_and_refusals(one_rank_group):
         return new
 
     hook.distributed.wrap = wrap
-    hook.prune_to(0.5 * hook.tt_params())
+    hook.prune_to(0.5 * hook.live_tt_params())
     assert built and hook.model is built[-1]
 
 
@@ -499,4 +495,6 @@ def test_rank_adaptive_refuses_fsdp2(one_rank_group):
     model = make_net()
     fully_shard(model)
     with pytest.raises(NotImplementedError, match="FSDP2.*DistributedDataParallel.*checkpoint boundary"):
-        RankAdaptive(model, torch.optim.SGD(model.parameters(), lr=0.1), target_ratio=0.5, total_steps=10)
+        RankAdaptive(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), BudgetConfig(keep_fraction=0.5, total_steps=10)
+        )

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 import comera_fx
-from comera_fx.runtime.rank_adaptive import tt_matrices
+from comera_fx.tt.inventory import tt_matrices
 from helpers_distributed import run_scenarios, scenario_results
 
 pytestmark = [

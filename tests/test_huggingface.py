@@ -42,7 +42,7 @@ def tensorized_gpt2(seed: int) -> torch.nn.Module:
 def test_trainer_run_shrinks_ranks_and_saves_a_loadable_model(tmp_path):
     model = tensorized_gpt2(seed=0)
     before = sum(p.numel() for m in model.modules() if isinstance(m, comera_fx.TTMatrix) for p in m.parameters())
-    callback = RankAdaptiveCallback(keep_fraction=0.4, prunes=3)
+    callback = RankAdaptiveCallback(comera_fx.BudgetConfig(keep_fraction=0.4, prunes=3))  # horizon: max_steps
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path),
         max_steps=30,
@@ -60,7 +60,7 @@ def test_trainer_run_shrinks_ranks_and_saves_a_loadable_model(tmp_path):
 
     hook = callback.rank_adaptive
     assert hook.settings.total_steps == 30 and hook.step == 30  # horizon from max_steps; every step hooked
-    after = hook.tt_params()
+    after = hook.live_tt_params()
     assert after <= 0.5 * before  # shrunk to near the 0.4 target on the 30-step horizon
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     assert losses and all(math.isfinite(v) for v in losses)
@@ -97,11 +97,10 @@ def _load_state(path):
     return torch.load(path, weights_only=True)
 
 
-def test_callback_options_are_rank_config_fields():
-    with pytest.raises(TypeError, match="unexpected keyword arguments \\['keep_fractoin'\\]"):
-        RankAdaptiveCallback(keep_fractoin=0.4)
-    with pytest.raises(TypeError, match="in the RankConfig only"):
-        RankAdaptiveCallback(comera_fx.RankConfig(keep_fraction=0.4, total_steps=10), prunes=3)
-    with pytest.warns(DeprecationWarning, match="pass keep_fraction="):
-        old = RankAdaptiveCallback(target_ratio=0.4, history_every=2)
-    assert old.config_fields == {"keep_fraction": 0.4} and old.hook_options == {"history_every": 2}
+def test_callback_takes_the_config_rank_adaptive_takes():
+    with pytest.raises(TypeError, match=r"takes a BudgetConfig or a CoMERAConfig.*BudgetConfig\(keep_fraction=0.4, "):
+        RankAdaptiveCallback({"keep_fraction": 0.4})
+    with pytest.raises(TypeError, match="keep_fraction"):  # the keywords before the configs are gone
+        RankAdaptiveCallback(keep_fraction=0.4)
+    callback = RankAdaptiveCallback(comera_fx.BudgetConfig(keep_fraction=0.4), history_every=2)
+    assert callback.config.total_steps is None and callback.hook_options == {"clock": None, "history_every": 2}

@@ -181,7 +181,7 @@ def test_an_in_place_write_to_a_routed_expert_raises(bank_and_weight):
 def test_rank_adaptive_trains_and_shrinks_with_routed_reads(tmp_path):
     """Experts no token reaches get no gradient (None, not zeros) in a step: the schedule must still prune the
     others, and a pruned model must save and load."""
-    from comera_fx import RankAdaptive, RankConfig
+    from comera_fx import RankAdaptive, BudgetConfig
 
     model = build("gpt_oss", FAMILIES["gpt_oss"], num_local_experts=8).train()
     model.config._experts_implementation = "eager"
@@ -189,7 +189,7 @@ def test_rank_adaptive_trains_and_shrinks_with_routed_reads(tmp_path):
     banks = [m for m in model.modules() if isinstance(m, TTExpertBank)]
     before = sum(tt.layout.num_params for b in banks for tt in b)
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
-    hook = RankAdaptive(model, optimizer, RankConfig(keep_fraction=0.5, total_steps=8, prunes=2))
+    hook = RankAdaptive(model, optimizer, BudgetConfig(keep_fraction=0.5, total_steps=8, prunes=2))
     ids = tokens(1, 4)  # 4 tokens, top-2 of 8 experts: some experts get no token
     losses, untouched = [], 0
     for _ in range(8):

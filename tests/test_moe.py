@@ -19,7 +19,7 @@ import transformers
 from torch import nn
 
 import comera_fx
-from comera_fx import RankAdaptive, RankConfig, TensorizeConfig
+from comera_fx import RankAdaptive, BudgetConfig, TensorizeConfig
 from comera_fx.moe import ExpertWeight, TTExpertBank, TTExperts
 from comera_fx.passes import find_experts
 from comera_fx.runtime.shrink import shrink_
@@ -337,7 +337,7 @@ def test_rank_adaptive_trains_the_experts_and_spares_an_expert_no_token_reached(
     hook = RankAdaptive(
         model,
         optimizer,
-        RankConfig(keep_fraction=0.5, total_steps=8, prunes=2, warmup_fraction=0.25, final_fraction=0.25),
+        BudgetConfig(keep_fraction=0.5, total_steps=8, prunes=2, warmup_fraction=0.25, final_fraction=0.25),
     )
     banks = [experts_of(model).gate_up_proj, experts_of(model).down_proj]
     names = {m.name for m in hook.matrices}
@@ -354,7 +354,7 @@ def test_rank_adaptive_trains_the_experts_and_spares_an_expert_no_token_reached(
         losses.append(loss.item())
     after = [[tt.ranks for tt in bank] for bank in banks]
     assert all(torch.isfinite(torch.tensor(losses)))
-    assert hook.tt_params() < hook.initial_tt_params
+    assert hook.live_tt_params() < hook.initial_tt_params
     assert all(a[3] == b[3] for a, b in zip(after, before))  # the expert no token reached keeps its ranks
     assert any(a[e] != b[e] for a, b in zip(after, before) for e in range(3))  # the others adapted
     assert not any("experts.down_proj.3" in name or "gate_up_proj.3" in name for name in hook.zeroed)
@@ -372,7 +372,7 @@ def test_state_dict_and_save_tensorized_round_trip_a_pruned_moe(name, tmp_path):
     _hook = RankAdaptive(
         model,
         optimizer,
-        RankConfig(keep_fraction=0.6, total_steps=4, prunes=1, warmup_fraction=0.25, final_fraction=0.5),
+        BudgetConfig(keep_fraction=0.6, total_steps=4, prunes=1, warmup_fraction=0.25, final_fraction=0.5),
     )
     ids = tokens()
     for _ in range(4):
@@ -585,7 +585,7 @@ def test_a_size_target_covers_bmm_experts():
 
 def test_tensorize_builds_the_shared_form_when_asked_and_leaves_bmm_experts_per_expert():
     from comera_fx.moe.shared import SharedTTExpertBank
-    from comera_fx.runtime.rank_adaptive import tt_matrices
+    from comera_fx.tt.inventory import tt_matrices
 
     model = mixtral().double()
     model.config._experts_implementation = "eager"

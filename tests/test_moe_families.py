@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import comera_fx
-from comera_fx import RankAdaptive, RankConfig, TensorizeConfig
+from comera_fx import RankAdaptive, BudgetConfig, TensorizeConfig
 from comera_fx.moe import TTExpertBank, TTExperts
 from comera_fx.moe.weight_space import is_bank_holder
 
@@ -160,7 +160,7 @@ def test_rank_adaptive_trains_and_shrinks_the_experts(family):
     assert banks and (family != "mixtral" or any(isinstance(m, TTExperts) for m in model.modules()))
     before = sum(tt.layout.num_params for b in banks for tt in b)
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
-    hook = RankAdaptive(model, optimizer, RankConfig(keep_fraction=0.5, total_steps=8, prunes=2))
+    hook = RankAdaptive(model, optimizer, BudgetConfig(keep_fraction=0.5, total_steps=8, prunes=2))
     ids = tokens(4, 16)
     losses = []
     for _ in range(8):

@@ -17,8 +17,9 @@ from hypothesis import strategies as st
 from torch import nn
 
 import comera_fx
-from comera_fx.runtime import RankAdaptive, param_groups
-from comera_fx.runtime.rank_adaptive import EARLY, LATE, achievement_lambda, tt_matrices
+from comera_fx.runtime import CoMERAConfig, RankAdaptive, param_groups
+from comera_fx.runtime.comera import EARLY, LATE, achievement_lambda
+from comera_fx.tt.inventory import tt_matrices
 from comera_fx.testing import assert_rewrite_equivalent, strategies
 from comera_fx.tt import TTMatrix
 
@@ -161,7 +162,7 @@ def test_early_stage_adds_l1_weight_times_mean_gradient():
     model = make_toy()
     kill(model.fc.tt.gates[1], [0, 3])  # dead entries get no pull and do not count in the mean
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-    RankAdaptive(model, optimizer, schedule="comera", l1_weight=0.05, prune_every=None)
+    RankAdaptive(model, optimizer, CoMERAConfig(l1_weight=0.05, prune_every=None))
     gates = [g for e in tt_matrices(model) for g in e.tt.gates]
     before = [g.detach().clone() for g in gates]
     n_live = sum(int((g.abs() > 1e-2).sum()) for g in before)
@@ -178,16 +179,8 @@ def test_late_stage_rescales_task_gradients_and_pushes_the_gates(target_params, 
     model = make_toy()
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     extra = {} if late_size_weight is None else {"late_size_weight": late_size_weight}
-    hook = RankAdaptive(
-        model,
-        optimizer,
-        schedule="comera",
-        target_params=target_params,
-        late_start_step=0,
-        prune_every=None,
-        reduction="sum",
-        **extra,
-    )
+    config = CoMERAConfig(size_target=target_params, late_start_step=0, prune_every=None, reduction="sum", **extra)
+    hook = RankAdaptive(model, optimizer, config)
     params = list(model.parameters())
     gate_ids = {id(g) for e in tt_matrices(model) for g in e.tt.gates}
     before = [p.detach().clone() for p in params]
@@ -220,10 +213,10 @@ def test_l1_pressure_shrinks_the_gates():
     for l1 in (0.0, 0.05):
         model, x, y = regression_problem(y_scale=1.0)
         optimizer = torch.optim.Adam(param_groups(model, lr_cores=1e-2, lr_gates=2e-2, lr_other=1e-2))
-        hook = RankAdaptive(model, optimizer, schedule="comera", l1_weight=l1, prune_every=50)
+        hook = RankAdaptive(model, optimizer, CoMERAConfig(l1_weight=l1, prune_every=50))
         start = live_entries(model)
         train(model, optimizer, hook, x, y, 300)
-        counts[l1] = (start, live_entries(model), hook.tt_params(), hook.initial_tt_params)
+        counts[l1] = (start, live_entries(model), hook.live_tt_params(), hook.initial_tt_params)
     start, end, params, initial = counts[0.05]
     assert end < 0.75 * start and params < 0.75 * initial
     assert counts[0.0][1] > end  # the penalty, not the task, removed them
@@ -233,12 +226,12 @@ def test_late_stage_reaches_the_target_size():
     model, x, y = regression_problem()
     optimizer = torch.optim.Adam(param_groups(model, lr_cores=1e-2, lr_gates=5e-3, lr_other=1e-2))
     hook = RankAdaptive(
-        model, optimizer, schedule="comera", l1_weight=0.01, prune_every=25, target_ratio=0.5, late_start_step=100
+        model, optimizer, CoMERAConfig(l1_weight=0.01, prune_every=25, keep_fraction=0.5, late_start_step=100)
     )
     train(model, optimizer, hook, x, y, 400)
     assert hook.target_size == 0.5 * hook.initial_tt_params
-    assert abs(hook.tt_params() / hook.target_size - 1) <= 0.15
-    assert hook.tt_params() == sum(p.numel() for e in tt_matrices(model) for p in e.tt.parameters())
+    assert abs(hook.live_tt_params() / hook.target_size - 1) <= 0.15
+    assert hook.live_tt_params() == sum(p.numel() for e in tt_matrices(model) for p in e.tt.parameters())
     stages = [e.stage for e in hook.history]
     assert stages[:100] == [EARLY] * 100 and set(stages[100:]) == {LATE} and hook.switch_step == 100
     assert {e.lam for e in hook.history[100:]} == {0.0, 1.0}  # pushed the size, then the loss again
@@ -250,7 +243,7 @@ def test_plateau_switches_to_the_late_stage():
     model = make_toy()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     hook = RankAdaptive(
-        model, optimizer, schedule="comera", target_ratio=0.5, plateau_patience=3, plateau_tol=0.01, prune_every=None
+        model, optimizer, CoMERAConfig(keep_fraction=0.5, plateau_patience=3, plateau_tol=0.01, prune_every=None)
     )
     for loss in (5.0, 4.0, 3.0, 2.999, 2.998, 2.997, 2.996):
         _zero_grads(model)
@@ -264,7 +257,7 @@ def test_plateau_switches_to_the_late_stage():
 def test_without_a_target_the_early_stage_never_ends():
     model = make_toy()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    hook = RankAdaptive(model, optimizer, schedule="comera", prune_every=None)
+    hook = RankAdaptive(model, optimizer, CoMERAConfig(prune_every=None))
     for _ in range(5):
         _zero_grads(model)
         hook.observe(1.0)
@@ -292,7 +285,7 @@ def _expected_removed(model, dead: dict[str, dict[int, int]]) -> int:
 def test_shrinking_preserves_the_function_and_removes_the_expected_parameters():
     model = make_toy()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    hook = RankAdaptive(model, optimizer, schedule="comera", prune_every=None)
+    hook = RankAdaptive(model, optimizer, CoMERAConfig(prune_every=None))
     kill(model.emb.tt.gates[0], [1, 3, 5])
     kill(model.fc.tt.gates[0], [2])
     kill(model.fc.tt.gates[1], [0, 4, 7])
@@ -371,9 +364,7 @@ def test_pruning_dead_slices_of_random_models_keeps_the_function_and_the_optimiz
             for p in m.parameters():
                 optimizer.state[p]["exp_avg"].copy_(p)
                 optimizer.state[p]["exp_avg_sq"].copy_(p * p)
-        hook = RankAdaptive(
-            m, optimizer, schedule="comera", prune_every=None, threshold=THRESHOLD
-        )  # dead-slice pruning
+        hook = RankAdaptive(m, optimizer, CoMERAConfig(prune_every=None, threshold=THRESHOLD))  # dead-slice pruning
         hook.prune()
         hook.remove()
         optimizers.append(optimizer)
@@ -398,7 +389,7 @@ def test_pruning_dead_slices_of_random_models_keeps_the_function_and_the_optimiz
 def test_a_bond_at_rank_zero_leaves_only_the_bias():
     model = make_toy()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    hook = RankAdaptive(model, optimizer, schedule="comera", prune_every=1)
+    hook = RankAdaptive(model, optimizer, CoMERAConfig(prune_every=1))
     kill(model.out.tt.gates[1], range(model.out.tt.gates[1].numel()))
     idx, target = toy_batch()
     with torch.no_grad():
@@ -435,7 +426,7 @@ def test_a_bond_at_rank_zero_leaves_only_the_bias():
 def test_an_embedding_at_rank_zero_returns_zeros():
     model = make_toy()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    hook = RankAdaptive(model, optimizer, schedule="comera", prune_every=None)
+    hook = RankAdaptive(model, optimizer, CoMERAConfig(prune_every=None))
     kill(model.emb.tt.gates[0], range(8))
     records = hook.prune()
     assert [r.zeroed for r in records] == [True]
@@ -465,7 +456,7 @@ def test_training_after_shrinking_matches_a_model_built_small(make_optimizer):
     batch = toy_batch()
     model = make_toy()
     optimizer = make_optimizer(model.parameters())
-    hook = RankAdaptive(model, optimizer, schedule="comera", l1_weight=0.0, prune_every=None)
+    hook = RankAdaptive(model, optimizer, CoMERAConfig(l1_weight=0.0, prune_every=None))
     for _ in range(4):  # non-trivial optimizer state
         optimizer.zero_grad()
         toy_loss(model, batch).backward()
@@ -510,10 +501,10 @@ def test_training_after_shrinking_matches_a_model_built_small(make_optimizer):
 
 def test_checkpoint_of_a_shrunk_model_resumes_identically():
     batch = toy_batch()
-    settings = dict(l1_weight=0.05, prune_every=3, target_ratio=0.8, late_start_step=8)
+    settings = CoMERAConfig(l1_weight=0.05, prune_every=3, keep_fraction=0.8, late_start_step=8)
     model = make_toy()
     optimizer = torch.optim.Adam(param_groups(model, lr_cores=1e-2, lr_gates=5e-2, lr_other=1e-2))
-    hook = RankAdaptive(model, optimizer, schedule="comera", **settings)
+    hook = RankAdaptive(model, optimizer, settings)
     kill(model.fc.tt.gates[1], [0, 1, 2])
     kill(model.emb.tt.gates[0], [4])
     hook.prune()
@@ -539,7 +530,7 @@ def test_checkpoint_of_a_shrunk_model_resumes_identically():
     assert {e.name: e.tt.ranks for e in tt_matrices(fresh)} == ranks
     fresh_optimizer = torch.optim.Adam(param_groups(fresh, lr_cores=1e-2, lr_gates=5e-2, lr_other=1e-2))
     fresh_optimizer.load_state_dict(checkpoint["optimizer"])
-    fresh_hook = RankAdaptive(fresh, fresh_optimizer, schedule="comera", **settings)
+    fresh_hook = RankAdaptive(fresh, fresh_optimizer, settings)
     fresh_hook.load_state_dict(checkpoint["hook"])
     resumed = [step(fresh, fresh_optimizer, fresh_hook) for _ in range(6)]
 
@@ -554,7 +545,7 @@ def test_checkpoint_of_a_shrunk_model_resumes_identically():
 def test_remove_detaches_the_hooks():
     model = make_toy()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    hook = RankAdaptive(model, optimizer, schedule="comera", l1_weight=1.0, prune_every=1)
+    hook = RankAdaptive(model, optimizer, CoMERAConfig(l1_weight=1.0, prune_every=1))
     gates = lambda: [g.detach().clone() for e in tt_matrices(model) for g in e.tt.gates]  # noqa: E731
     before = gates()
     _zero_grads(model)
@@ -576,14 +567,14 @@ def test_remove_detaches_the_hooks():
 def test_history_is_recorded_and_saved(tmp_path):
     model, x, y = regression_problem()
     optimizer = torch.optim.Adam(param_groups(model, lr_cores=1e-2, lr_gates=1e-3, lr_other=1e-2))
-    hook = RankAdaptive(model, optimizer, schedule="comera", l1_weight=0.05, prune_every=4, history_every=2)
+    hook = RankAdaptive(model, optimizer, CoMERAConfig(l1_weight=0.05, prune_every=4), history_every=2)
     kill(model[0].tt.gates[1], [0])
     train(model, optimizer, hook, x, y, 5)
     steps = [e.step for e in hook.history]
     assert steps == [2, 4]  # every 2 steps; the pruning at 4 coincides
     last = hook.history_as_dicts()[-1]
     assert last["shrunk"] == ["0"] and last["ranks"]["0"][2] == 7 and last["stage"] == EARLY
-    assert last["tt_params"] == hook.tt_params() and last["compression"] == pytest.approx(
+    assert last["tt_params"] == hook.live_tt_params() and last["compression"] == pytest.approx(
         last["dense_params"] / last["tt_params"]
     )
     assert isinstance(last["loss"], float) and last["wall_time"] >= 0
@@ -599,21 +590,21 @@ def test_invalid_use_is_refused_with_a_reason():
     model = make_toy()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="late stage needs a size target"):
-        RankAdaptive(model, optimizer, schedule="comera", late_start_step=10)
+        RankAdaptive(model, optimizer, CoMERAConfig(late_start_step=10))
     with pytest.raises(ValueError, match="at most one"):
-        RankAdaptive(model, optimizer, schedule="comera", target_ratio=0.5, target_params=100)
+        RankAdaptive(model, optimizer, CoMERAConfig(keep_fraction=0.5, size_target=100))
     with pytest.raises(ValueError, match="prune_every"):
-        RankAdaptive(model, optimizer, schedule="comera", prune_every=0)
+        RankAdaptive(model, optimizer, CoMERAConfig(prune_every=0))
     with pytest.raises(ValueError, match="no TTMatrix"):
-        RankAdaptive(nn.Linear(3, 3), torch.optim.SGD(nn.Linear(3, 3).parameters(), lr=0.1), schedule="comera")
+        RankAdaptive(nn.Linear(3, 3), torch.optim.SGD(nn.Linear(3, 3).parameters(), lr=0.1), CoMERAConfig())
 
     dense = Toy().double()
     early_optimizer = torch.optim.SGD(dense.parameters(), lr=0.1)  # built before tensorize_: no gates in it
     comera_fx.tensorize_(dense, CONFIG)
     with pytest.raises(ValueError, match="build it after"):
-        RankAdaptive(dense, early_optimizer, schedule="comera")
+        RankAdaptive(dense, early_optimizer, CoMERAConfig())
 
-    hook = RankAdaptive(model, optimizer, schedule="comera", target_ratio=0.5, target_loss=0.1, late_start_step=0)
+    hook = RankAdaptive(model, optimizer, CoMERAConfig(keep_fraction=0.5, target_loss=0.1, late_start_step=0))
     _zero_grads(model)
     with pytest.raises(RuntimeError, match="observe"):
         optimizer.step()
@@ -628,7 +619,7 @@ def test_graph_pass_matrices_are_penalised_but_never_shrunk():
     comera_fx.passes.tensorize(gm, CONFIG)
     optimizer = torch.optim.SGD(gm.parameters(), lr=0.1)
     with pytest.warns(UserWarning, match="graph pass"):
-        hook = RankAdaptive(gm, optimizer, schedule="comera", prune_every=1)
+        hook = RankAdaptive(gm, optimizer, CoMERAConfig(prune_every=1))
     (entry,) = tt_matrices(gm)
     assert not entry.shrinkable
     kill(entry.tt.gates[0], [0])
@@ -646,7 +637,7 @@ def test_compiled_model_after_shrinking_runs_the_planned_order(monkeypatch):
 
     model = make_toy()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    hook = RankAdaptive(model, optimizer, schedule="comera", prune_every=None)
+    hook = RankAdaptive(model, optimizer, CoMERAConfig(prune_every=None))
     idx, _ = toy_batch()
     with torch.no_grad():
         model(idx)  # eager calls plan the products each matrix uses

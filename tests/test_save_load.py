@@ -199,7 +199,9 @@ def train_until_pruned(model: nn.Module, spec, config: TensorizeConfig) -> comer
     # Something to prune: a bond above rank 1 (a prime-sized weight's single core, or rank 1 everywhere, has none)
     assume(any(r > 1 for m in model.modules() if isinstance(m, comera_fx.TTMatrix) for r in m.ranks))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    hook = comera_fx.RankAdaptive(model, optimizer, target_ratio=1 / 3, total_steps=TRAINING_STEPS)
+    hook = comera_fx.RankAdaptive(
+        model, optimizer, comera_fx.BudgetConfig(keep_fraction=1 / 3, total_steps=TRAINING_STEPS)
+    )
     x = make_example_input(dataclasses.replace(spec, batch=8, seed=spec.seed + 1))
     for _ in range(TRAINING_STEPS):
         loss = model(x).pow(2).mean()
@@ -230,7 +232,7 @@ def test_trained_and_pruned_random_models_save_and_load_to_the_same_outputs(case
     spec = model.spec
     config = TensorizeConfig(max_rank=max_rank, min_numel=1, min_dim=1)
     hook = train_until_pruned(model, spec, config)
-    assert hook.tt_params() < hook.initial_tt_params, hook.summary()  # it was pruned
+    assert hook.live_tt_params() < hook.initial_tt_params, hook.summary()  # it was pruned
     model.eval()
     inputs = [example_inputs, *case.more_inputs]
     with tempfile.TemporaryDirectory() as folder:

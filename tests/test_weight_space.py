@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import comera_fx
-from comera_fx import RankAdaptive, RankConfig, TensorizeConfig
+from comera_fx import RankAdaptive, BudgetConfig, TensorizeConfig
 
 from helpers_models import Unsupported
 
@@ -64,7 +64,7 @@ def test_train_prune_save_load_compile_and_report():
     assert {"scale", "left"} <= rows
     target = torch.randn(128, 128)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    hook = RankAdaptive(model, optimizer, RankConfig(keep_fraction=0.5, total_steps=6, prunes=1))
+    hook = RankAdaptive(model, optimizer, BudgetConfig(keep_fraction=0.5, total_steps=6, prunes=1))
     before = comera_fx.report(model).tt_params
     for _ in range(6):
         loss = (model(x) - target).pow(2).mean()

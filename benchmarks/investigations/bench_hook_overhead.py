@@ -26,7 +26,7 @@ import common  # noqa: E402
 common.use_this_checkout()
 
 from bench_pruned_step import VOCAB, build, loss_fn  # noqa: E402
-from comera_fx.runtime import RankAdaptive, RankConfig  # noqa: E402
+from comera_fx.runtime import BudgetConfig, RankAdaptive  # noqa: E402
 
 
 def main(argv=None) -> None:
@@ -47,7 +47,7 @@ def main(argv=None) -> None:
     hooked = copy.deepcopy(model)
     plain_opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
     hooked_opt = torch.optim.AdamW(hooked.parameters(), lr=1e-6)
-    hook = RankAdaptive(hooked, hooked_opt, RankConfig(keep_fraction=0.3, total_steps=10**7, prunes=5))
+    hook = RankAdaptive(hooked, hooked_opt, BudgetConfig(keep_fraction=0.3, total_steps=10**7, prunes=5))
     for m in (model, hooked):
         loss_fn(m, data[:, :-1], data[:, 1:]).backward()
     entries = [m for m in hook.matrices if m.shrinkable]

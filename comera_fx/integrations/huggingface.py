@@ -16,8 +16,8 @@ import warnings
 import torch
 from transformers import TrainerCallback
 
-from ..runtime import RankAdaptive, RankConfig
-from ..runtime.rank_adaptive import _CONFIG_FIELDS, _RENAMED
+from ..runtime.rank_adaptive import RankAdaptive
+from ..runtime.rank_config import BUDGET, ScheduleConfig, check_schedule_config
 from ..tt import TTMatrix
 
 
@@ -57,17 +57,13 @@ def declare_tt_ties_(model: torch.nn.Module) -> dict[str, str]:
     return added
 
 
-_HOOK_OPTIONS = ("clock", "history_every")  # RankAdaptive's own keywords, not the schedule's
-
-
 class RankAdaptiveCallback(TrainerCallback):
-    """``Trainer(..., callbacks=[RankAdaptiveCallback(keep_fraction=0.3)])`` on a model already tensorized
-    (``comera_fx.tensorize_`` before the Trainer is built, so its optimizer holds the TT cores and gates).
+    """``Trainer(..., callbacks=[RankAdaptiveCallback(BudgetConfig(keep_fraction=0.3))])`` on a model already
+    tensorized (``comera_fx.tensorize_`` before the Trainer is built, so its optimizer holds the TT cores and gates).
 
-    The keywords are ``RankConfig``'s fields (plus ``RankAdaptive``'s ``clock`` / ``history_every``); with the
-    budget schedule and no horizon given, ``total_steps`` is the Trainer's ``max_steps``, known only once training
-    begins — which is why the callback takes the fields rather than a finished ``RankConfig`` (one with its own
-    horizon may be passed as ``config=``). ``self.rank_adaptive`` is the live object (``summary()``,
+    ``config`` is what ``RankAdaptive`` takes (``BudgetConfig`` or ``CoMERAConfig``), ``clock`` / ``history_every``
+    too. A ``BudgetConfig`` without a horizon (neither ``total_steps`` nor ``budget_seconds``) runs to the Trainer's
+    ``max_steps``, known only once training begins. ``self.rank_adaptive`` is the live object (``summary()``,
     ``history``) once training has begun. TT matrices shared by two modules are declared tied
     (``declare_tt_ties_``) so that ``Trainer.save_model`` can write them.
 
@@ -76,29 +72,10 @@ class RankAdaptiveCallback(TrainerCallback):
     and resuming a pruned run from a Trainer checkpoint.
     """
 
-    def __init__(self, config: RankConfig | None = None, **options):
-        renamed = [old for old in _RENAMED if old in options]
-        if renamed:
-            warnings.warn(
-                f"RankAdaptiveCallback({renamed[0]}=...) is deprecated; pass {_RENAMED[renamed[0]]}= "
-                f"(RankConfig's name)",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-            options = {_RENAMED.get(name, name): value for name, value in options.items()}
-        self.hook_options = {name: options.pop(name) for name in _HOOK_OPTIONS if name in options}
-        unknown = sorted(set(options) - _CONFIG_FIELDS)
-        if unknown:
-            raise TypeError(
-                f"RankAdaptiveCallback got unexpected keyword arguments {unknown}: pass RankConfig's "
-                f"fields, clock= or history_every="
-            )
-        if config is not None and options:
-            raise TypeError(
-                f"RankAdaptiveCallback: pass the schedule's options in the RankConfig only; got a config "
-                f"and {sorted(options)}"
-            )
-        self.config, self.config_fields = config, options
+    def __init__(self, config: ScheduleConfig, *, clock=None, history_every: int | None = 1):
+        check_schedule_config("RankAdaptiveCallback(config)", config)
+        self.config = config
+        self.hook_options = {"clock": clock, "history_every": history_every}
         self.rank_adaptive: RankAdaptive | None = None
         self._steps_seen = 0
 
@@ -111,11 +88,8 @@ class RankAdaptiveCallback(TrainerCallback):
         if model is None or optimizer is None:
             raise RuntimeError("RankAdaptiveCallback: the Trainer gave no model or optimizer at on_train_begin")
         config = self.config
-        if config is None:
-            fields = dict(self.config_fields)
-            if self._needs_horizon(fields):
-                fields["total_steps"] = state.max_steps
-            config = RankConfig(**fields)
+        if config.schedule == BUDGET and not config.has_horizon:
+            config = config.replace(total_steps=state.max_steps)
         self.rank_adaptive = RankAdaptive(model, unwrap_optimizer(optimizer), config, **self.hook_options)
         declare_tt_ties_(model)  # so that Trainer.save_model can write the shared TT head
         self._steps_seen = self.rank_adaptive.step
@@ -135,10 +109,3 @@ class RankAdaptiveCallback(TrainerCallback):
     def on_train_end(self, args, state, control, **kwargs):
         if self.rank_adaptive is not None:
             self.rank_adaptive.remove()  # the hooks go; the object stays readable
-
-    @staticmethod
-    def _needs_horizon(options: dict) -> bool:
-        """True when the budget schedule will run and no horizon was given."""
-        if options.get("schedule", "budget") != "budget":
-            return False
-        return options.get("total_steps") is None and options.get("budget_seconds") is None

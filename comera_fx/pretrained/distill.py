@@ -24,7 +24,7 @@ from ..passes.sizing import SizeTargetTooSmall
 from ..passes.tensorize import TensorizeSummary, tensorize_
 from ..runtime.distributed import RankSync, world_size
 from ..runtime.rank_adaptive import RankAdaptive
-from ..runtime.rank_config import RankConfig
+from ..runtime.rank_config import BudgetConfig
 from ..tt.inventory import matrix_sizes, tt_matrices
 from .batches import Batches, BatchStream
 from .calibrate import Calibration, calibrate
@@ -263,7 +263,7 @@ def distill_(
     def attach(optimizer: torch.optim.Optimizer, model: nn.Module):
         if start_ratio is not None:
             horizon = dict(total_steps=steps) if steps is not None else dict(budget_seconds=budget_seconds)
-            schedule = RankConfig(size_target=int(size_target * dense), **horizon)
+            schedule = BudgetConfig(size_target=int(size_target * dense), **horizon)
             clock = None if steps is not None else config.clock
             hook_box.append(RankAdaptive(model, optimizer, schedule, history_every=None, clock=clock))
             return lambda: hook_box[0].model  # rebuilt after every prune under DDP

@@ -1,9 +1,9 @@
-"""CoMERA's two-stage scalarization (``RankConfig(schedule="comera")``): the ℓ1 pull on the rank gates, the
+"""CoMERA's two-stage scalarization (``CoMERAConfig``): the ℓ1 pull on the rank gates, the
 late stage's achievement switch λ and the plateau detector. Pure functions on gradients and numbers; the hook in
 ``rank_adaptive`` calls them.
 
 * ``add_gate_penalty_`` — adds weight · ∂R/∂g to the gates' ``.grad``; R is the mean (or sum) of |g| over the
-  live gate entries.
+  gate entries above the threshold.
 * ``achievement_lambda`` — the late-stage switch: 1 when the size is relatively farther from its target than the
   loss, else 0.
 """
@@ -23,11 +23,11 @@ EARLY, LATE = "early", "late"
 
 
 def add_gate_penalty_(gates: Sequence[Tensor], weight: float, threshold: float, reduction: str = "mean") -> None:
-    """Add weight · ∂R/∂g to each gate's ``.grad``, R = mean (or sum) of |g| over the live entries (|g| > threshold).
+    """Add weight · ∂R/∂g to each gate's ``.grad``, R = mean (or sum) of |g| over the entries above the threshold.
 
-    Adding to ``.grad`` instead of to the loss keeps the user's loss and backward untouched. The number of live
-    entries is piecewise constant, so it is treated as a constant; dead entries get no pull (they count as zero and
-    pruning removes them). Everything stays on the device: no host synchronisation.
+    Adding to ``.grad`` instead of to the loss keeps the user's loss and backward untouched. The number of entries
+    above the threshold is piecewise constant, so it is treated as a constant; dead entries get no pull (they count
+    as zero and pruning removes them). Everything stays on the device: no host synchronisation.
     """
     gates = [g for g in gates if g.requires_grad and g.numel() > 0]
     if not gates or weight == 0:

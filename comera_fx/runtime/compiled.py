@@ -8,7 +8,7 @@ shape). It learns that the model is compiled from two places:
 * ``comera_fx.backend`` notes every parameter a graph it compiles takes as input (``note_graph_inputs``);
 * ``comera_fx.compile_regions`` / ``comera_fx.compile`` mark the TT matrices of what they compile (``mark_compiled``),
   whatever the backend. With another backend (``torch.compile(model)``, Inductor's own), call
-  ``mark_compiled(model)`` yourself, or set ``RankConfig.shrink_slack`` / ``same_shape_blocks``.
+  ``mark_compiled(model)`` yourself, or set ``BudgetConfig.shrink_slack`` / ``same_shape_blocks``.
 
 Weak references only: nothing here keeps a model or a parameter alive.
 """
@@ -66,7 +66,7 @@ def _in_graph(param: Tensor) -> bool:
 
 class ShapePolicy:
     """``RankAdaptive``'s choice of when a prune changes stored shapes, from how the model runs (``compile_state``,
-    looked up until a compile is found, then kept for the run) and the ``RankConfig`` overrides."""
+    looked up until a compile is found, then kept for the run) and the ``BudgetConfig`` overrides."""
 
     def __init__(self, matrices: Sequence[TTMatrix]):
         self.matrices = list(matrices)
@@ -109,7 +109,7 @@ class ShapePolicy:
             f"a recompile each)"
         )
         warnings.warn(
-            f"RankAdaptive: the model runs compiled ({compiled}) and {why}; leave RankConfig.shrink_slack "
+            f"RankAdaptive: the model runs compiled ({compiled}) and {why}; leave BudgetConfig.shrink_slack "
             f"and same_shape_blocks unset (None): the hook then holds the shapes until the last prune "
             f"point and recompiles once",
             stacklevel=5,

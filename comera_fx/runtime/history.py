@@ -9,20 +9,22 @@ from typing import Any
 
 @dataclass(frozen=True)
 class HistoryEntry:
-    """The state after one optimizer step. ``ranks``: stored core ranks; ``live_ranks``: gate entries above the
-    threshold. ``stage``: "early" / "late" (CoMERA) or "warmup" / "decay" / "final" (budget schedule). ``lam``
-    is the late stage's λ (None otherwise); ``budget`` the budget schedule's scheduled size S(p) (None with
-    CoMERA's); ``shrunk`` lists the layers pruned at this step and ``zeroed`` those that became entirely zero
-    (removed: only their bias is left)."""
+    """The state after one optimizer step. ``ranks``: the live ranks (``TTMatrix.ranks``); ``tt_params``: the size
+    at them (cores + gates); ``gate_ranks``: per bond, the gate entries above the threshold, and
+    ``tt_params_without_dead`` the size at those ranks (what the model would hold if the dead slices were removed
+    now). ``stage``: "early" / "late" (CoMERA) or "warmup" / "decay" / "final" (budget schedule). ``lam`` is the
+    late stage's λ (None otherwise); ``budget`` the budget schedule's scheduled size S(p) (None with CoMERA's);
+    ``shrunk`` lists the layers pruned at this step and ``zeroed`` those that became entirely zero (removed: only
+    their bias is left)."""
 
     step: int
     stage: str
     loss: float | None
     lam: float | None
     ranks: dict[str, tuple[int, ...]]
-    live_ranks: dict[str, tuple[int, ...]]
+    gate_ranks: dict[str, tuple[int, ...]]
     tt_params: int
-    live_tt_params: int
+    tt_params_without_dead: int
     dense_params: int
     shrunk: tuple[str, ...]
     zeroed: tuple[str, ...]
@@ -36,7 +38,7 @@ class HistoryEntry:
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["ranks"] = {k: list(v) for k, v in self.ranks.items()}
-        out["live_ranks"] = {k: list(v) for k, v in self.live_ranks.items()}
+        out["gate_ranks"] = {k: list(v) for k, v in self.gate_ranks.items()}
         out["shrunk"], out["zeroed"] = list(self.shrunk), list(self.zeroed)
         out["compression"] = self.compression
         return out

@@ -4,13 +4,13 @@ slices are taken out physically (cores, gates and the optimizer's state shrink t
 ``RankAdaptive`` attaches to an existing optimizer through its step hooks, so the training loop stays as it is.
 Two schedules (docs/rank_adaptive.md):
 
-* ``RankConfig(schedule="budget")`` (default) — the live TT size follows a known schedule
+* ``BudgetConfig`` — the live TT size follows a known schedule
   (``schedule.BudgetSchedule``: warm-up, cubic decay, final window) from its size now to ``size_target`` /
   ``keep_fraction`` by the end of a horizon (``total_steps`` or ``budget_seconds``); at each of a few prune
   points the slices of least importance (``importance``: the bond's smoothed |g ⊙ ∂L/∂g| split by its singular
   values) are removed across all layers at once (``schedule.allocate``), by TT rounding
   (``shrink.round_to_ranks_``). Gradients are never touched.
-* ``RankConfig(schedule="comera")`` — CoMERA's two-stage scalarization (``comera``): an ℓ1 pull on the gates, a
+* ``CoMERAConfig`` — CoMERA's two-stage scalarization (``comera``): an ℓ1 pull on the gates, a
   late stage that rescales the task gradient by λ, and removal of the dead slices (|g| <= threshold) every
   ``prune_every``.
 
@@ -20,9 +20,7 @@ needs the loss (a target loss, plateau detection) or for the loss column of the 
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import math
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -32,19 +30,17 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..checks import check_config_type
 from ..tt.inventory import MatrixEntry, live_counts, live_counts_later, physical_params, tt_matrices
-from ..tt.layers import TTMatrix
 from .distributed import RankSync
 from .comera import EARLY, LATE, PlateauDetector, achievement_lambda, add_gate_penalty_, scale_grads_
 from .compiled import ShapePolicy
 from .history import HistoryEntry, RankSummary, materialized
-from .importance import BondSensitivity, slice_importance
-from .rank_config import BUDGET, COMERA, RankConfig
-from .schedule import BudgetSchedule, LayerSlices, allocate
+from .importance import BondSensitivity
+from .prune_plan import plan_prune
+from .rank_config import BUDGET, COMERA, CONFIGS, ScheduleConfig, check_schedule_config
+from .schedule import BudgetSchedule
 from .shrink import (
     ShrinkRecord,
-    bond_singular_values,
     compact_,
     live_params,
     params_at_ranks,
@@ -55,54 +51,7 @@ from .shrink import (
     shrink_,
 )
 
-__all__ = [
-    "RankAdaptive",
-    "RankConfig",
-    "param_groups",
-    "tt_matrices",
-    "MatrixEntry",
-    "HistoryEntry",
-    "RankSummary",
-    "EARLY",
-    "LATE",
-    "achievement_lambda",
-    "add_gate_penalty_",
-    "shrink_",
-    "remove_slices_",
-    "ShrinkRecord",
-    "params_at_ranks",
-    "physical_params",
-]
-
-# --------------------------------------------------------------------------------------------- finding matrices
-
-
-def param_groups(
-    model: nn.Module,
-    *,
-    lr_cores: float = 1e-4,
-    lr_gates: float = 1e-3,
-    lr_other: float = 5e-5,
-    weight_decay: float = 0.0,
-) -> list[dict[str, Any]]:
-    """Optimizer parameter groups "tt_cores", "tt_gates" and "other" with CoMERA's separate learning rates.
-
-    Every parameter appears exactly once (a tied matrix's cores too). Empty groups are left out. The gates get no
-    weight decay whatever ``weight_decay`` is: decay would be a second, unscheduled rank penalty next to the one
-    ``RankAdaptive`` controls.
-    """
-    matrices = tt_matrices(model)
-    cores = [p for m in matrices for p in m.tt.cores]
-    gates = [p for m in matrices for p in m.tt.gates]
-    taken = {id(p) for p in cores + gates}
-    other = [p for p in model.parameters() if id(p) not in taken]
-    groups = [
-        {"name": "tt_cores", "params": cores, "lr": lr_cores, "weight_decay": weight_decay},
-        {"name": "tt_gates", "params": gates, "lr": lr_gates, "weight_decay": 0.0},
-        {"name": "other", "params": other, "lr": lr_other, "weight_decay": weight_decay},
-    ]
-    return [g for g in groups if g["params"]]
-
+__all__ = ["RankAdaptive"]
 
 # ------------------------------------------------------------------------------------------------------ settings
 
@@ -114,75 +63,26 @@ def param_groups(
 #: ``compact()`` compacts regardless.
 MIN_FINAL_COMPACTION = 0.1
 
-_RENAMED = {"target_ratio": "keep_fraction", "target_params": "size_target"}  # the spellings before RankConfig
-_CONFIG_FIELDS = {f.name for f in dataclasses.fields(RankConfig)}
-
-
-def config_from_keywords(config: RankConfig | None, keywords: dict[str, Any]) -> RankConfig:
-    """The ``RankConfig`` of a constructor call: ``config``, or (deprecated, for a release) the keywords that spelled
-    it before, with ``target_ratio`` -> ``keep_fraction`` and ``target_params`` -> ``size_target``."""
-    unknown = sorted(set(keywords) - _CONFIG_FIELDS - set(_RENAMED))
-    if unknown:
-        raise TypeError(
-            f"RankAdaptive() got unexpected keyword arguments {unknown}; the schedule's options are "
-            f"the fields of RankConfig"
-        )
-    if not keywords:
-        return config if config is not None else RankConfig()
-    if config is not None:
-        raise TypeError(
-            f"RankAdaptive: pass the schedule's options in the RankConfig only; got a config and {sorted(keywords)}"
-        )
-    both = [(old, new) for old, new in _RENAMED.items() if old in keywords and new in keywords]
-    if both:
-        raise TypeError(f"RankAdaptive: pass {both[0][1]}= only ({both[0][0]}= is its deprecated spelling)")
-    values = {_RENAMED.get(name, name): value for name, value in keywords.items()}
-    spelled = ", ".join(f"{name}={value!r}" for name, value in values.items())
-    warnings.warn(
-        f"RankAdaptive({', '.join(f'{k}=...' for k in keywords)}) is deprecated and will be removed in the "
-        f"next release; use RankAdaptive(model, optimizer, RankConfig({spelled})) (target_ratio is now "
-        f"keep_fraction, target_params size_target)",
-        DeprecationWarning,
-        stacklevel=3,
-    )
-    return RankConfig(**values)
-
-
 # ------------------------------------------------------------------------------------------------------- the hook
-
-
-def _mids(tt: TTMatrix) -> tuple[int, ...]:
-    return tuple(math.prod(core.shape[1:-1]) for core in tt.cores)
 
 
 class RankAdaptive:
     """Rank adaptation of every TT layer of ``model``, driven by ``optimizer``'s step hooks.
 
-    Build it after the optimizer (whose parameters must include the TT gates), with a ``RankConfig`` (the
-    schedule, the size target, the horizon and the schedule's knobs); then per step::
+    Build it after the optimizer (whose parameters must include the TT gates), with the config of a schedule
+    (``BudgetConfig`` or ``CoMERAConfig``: the size target, the horizon and the schedule's knobs, their defaults on
+    the fields); then per step::
 
-        hook = RankAdaptive(model, optimizer, RankConfig(size_target=0.1, total_steps=n))
+        hook = RankAdaptive(model, optimizer, BudgetConfig(size_target=0.1, total_steps=n))
         loss.backward(); hook.observe(loss); optimizer.step(); optimizer.zero_grad()
 
-    The ``RankConfig`` fields passed as keywords (``RankAdaptive(model, optimizer, total_steps=n, ...)``, with
-    ``target_ratio`` for ``keep_fraction`` and ``target_params`` for ``size_target``) still work for a release, with
-    a ``DeprecationWarning``. ``self.settings`` is the config with the schedule's defaults filled in.
-
-    **Budget schedule** (default): needs a size target (``size_target``: TT parameters, or a fraction of the TT
-    layers' dense size; or ``keep_fraction`` of the TT size now) and a horizon (``total_steps``, or
-    ``budget_seconds`` on ``clock``, default ``time.perf_counter``, counted from the first step). The TT size
-    stays put for ``warmup_fraction`` (0.1) of the horizon, decays cubically to the target by 1 −
-    ``final_fraction`` (0.8), then stays there; it is cut to the scheduled size at ``prunes`` (10) evenly spaced
-    points of the decay. Each cut removes, across all layers, the slices with the least
-    importance (EMA, β = ``importance_beta`` 0.85, of |g ⊙ ∂L/∂g|) per parameter freed. Every bond keeps at least
-    ``min_rank`` (1) slices, except in layers whose importance is below ``rank0_below`` (0.01) × the mean layer
-    importance: those may go to rank 0 (their bias only; ``summary()`` says why). Gradients are not modified.
-
-    **CoMERA** (``schedule="comera"``): ``l1_weight`` (0.01) · ∂R/∂g is added to the gates' gradients (R = mean
-    |live gate entries|; ``reduction="sum"``: the sum). The late stage (needs a target, and ``late_start_step`` or
-    ``plateau_patience``; optional ``target_loss``) scales every gradient by (1 − λ) + ``late_loss_weight`` (0.1)
-    and adds (λ + ``late_size_weight`` (0)) · ∂R/∂g, λ from ``achievement_lambda``. Every ``prune_every`` (100)
-    steps the dead slices (|g| <= ``threshold``) are removed.
+    ``self.settings`` is that config. **Budget schedule** (``BudgetConfig``): the TT size follows
+    ``schedule.BudgetSchedule`` from its size now to the target by the end of the horizon (``total_steps``, or
+    ``budget_seconds`` on ``clock``, default ``time.perf_counter``, counted from the first step); at each prune
+    point the slices with the least importance per parameter freed are removed across all layers; a layer may go
+    to rank 0 (its bias only; ``summary()`` says why). Gradients are not modified. **CoMERA** (``CoMERAConfig``):
+    an ℓ1 pull on the gates, a late stage that rescales the gradients by λ (``achievement_lambda``), and removal of
+    the dead slices (|g| <= ``threshold``) every ``prune_every`` steps.
 
     Removal is physical, optimizer state included. ``history`` holds one ``HistoryEntry`` per ``history_every``
     steps and per pruning. The parameters of shrunk matrices are new objects: read ``model.parameters()`` afresh
@@ -195,7 +95,7 @@ class RankAdaptive:
     last prune point shrinks every matrix physically at once (one recompile) if that frees at least
     ``MIN_FINAL_COMPACTION`` (10 %) of the stored size. Regionally compiled blocks also get one shape per matrix
     role at that shrink (``same_shape_blocks``), so one graph serves them all. Eagerly every prune shrinks
-    physically. Sizes, ranks and the history count the live ranks throughout. Overrides: ``RankConfig.shrink_slack``
+    physically. Sizes, ranks and the history count the live ranks throughout. Overrides: ``BudgetConfig.shrink_slack``
     (a float >= 1: shrink physically whenever the stored size would exceed it × the live size; 1.0: at every
     prune, compiled or not) and ``same_shape_blocks`` (True / False). ``shrink_eagerly()`` after training stores
     every matrix at its own live ranks.
@@ -209,19 +109,19 @@ class RankAdaptive:
         self,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
-        config: RankConfig | None = None,
+        config: ScheduleConfig | None = None,  # required: None gets a TypeError naming the two configs
         *,
         clock: Callable[[], float] | None = None,
         history_every: int | None = 1,
-        **keywords: Any,
     ):
-        check_config_type("RankAdaptive(model, optimizer, config)", config, RankConfig, "RankConfig(keep_fraction=0.5)")
-        self.settings = s = config_from_keywords(config, keywords).resolved()  # defaults filled in
+        check_schedule_config("RankAdaptive(model, optimizer, config)", config)
+        self.settings = s = config
+        if s.schedule == BUDGET:
+            s.check_horizon()
         if clock is not None and (s.schedule != BUDGET or not callable(clock)):
             raise ValueError(
                 f"RankAdaptive: clock= times the budget schedule's budget_seconds: a callable "
-                f"returning seconds, with schedule='budget'; got {clock!r} with "
-                f"schedule={s.schedule!r}"
+                f"returning seconds, with a BudgetConfig; got {clock!r} with a {type(s).__name__}"
             )
         if not (
             history_every is None
@@ -229,7 +129,9 @@ class RankAdaptive:
         ):
             raise ValueError(f"RankAdaptive: history_every must be an int >= 1 or None; got {history_every!r}")
         self.history_every = history_every
-        self.shrink_slack = s.shrink_slack  # None: chosen by how the model runs (compiled_as)
+        # None: chosen by how the model runs (compiled_as); CoMERA's prunes always shrink physically
+        self.shrink_slack = s.shrink_slack if s.schedule == BUDGET else None
+        self.same_shape_blocks = s.same_shape_blocks if s.schedule == BUDGET else None
         # Under torch.distributed (runtime.distributed): decisions agreed across ranks, DDP rebuilt after a prune
         self.distributed, module = RankSync.for_model(model)
         self.model, self.optimizer = model, optimizer  # self.model: the current DDP wrapper after a prune
@@ -315,7 +217,7 @@ class RankAdaptive:
         if self.distributed is not None:  # CoMERA's λ and plateau read it: the same value on every rank
             self._pending_loss = self.distributed.mean(self._pending_loss, self._device())
 
-    def tt_params(self) -> int:
+    def live_tt_params(self) -> int:
         """TT parameters (cores + gates) at the live ranks now: what is stored, unless ``shrink_slack`` holds
         matrices wider (``stored_tt_params``)."""
         return sum(live_params(m.tt) for m in self.matrices)
@@ -324,8 +226,9 @@ class RankAdaptive:
         """TT parameters as stored now, zero slices of matrices held wider (``shrink_slack``) included."""
         return sum(physical_params(m.tt) for m in self.matrices)
 
-    def live_tt_params(self) -> int:
-        """TT parameters the model would hold if every dead slice were removed now (the S of the late stage)."""
+    def tt_params_without_dead(self) -> int:
+        """TT parameters the model would hold if every dead slice (|g| <= threshold) were removed now (the S of
+        CoMERA's late stage)."""
         counts = live_counts([m.tt for m in self.matrices], self.settings.threshold)
         return sum(params_at_ranks(m.tt, c) for m, c in zip(self.matrices, counts))
 
@@ -382,7 +285,7 @@ class RankAdaptive:
         if self.importance is None:
             raise RuntimeError(
                 "RankAdaptive: prune_to() ranks slices by importance, which only the budget "
-                "schedule measures; with schedule='comera' use prune()"
+                "schedule (BudgetConfig) measures; with a CoMERAConfig use prune()"
             )
         if self.distributed is not None:
             self.distributed.check()
@@ -393,31 +296,10 @@ class RankAdaptive:
         if len(unseen) < len(entries):
             entries = [m for m in entries if m.name not in unseen]
         self.importance.start_window()
-        fixed = self.tt_params() - sum(live_params(m.tt) for m in entries)
+        fixed = self.live_tt_params() - sum(live_params(m.tt) for m in entries)
         sensitivity, layer_importance = self.importance.values(entries)
-        mean = sum(layer_importance.values()) / max(len(entries), 1)
-        layers, reasons = [], {}
-        for m in entries:
-            imp = layer_importance[m.name]
-            if s.min_rank == 0:
-                floor, reasons[m.name] = 0, f"min_rank=0 (importance {imp:.3g}, mean layer importance {mean:.3g})"
-            elif s.rank0_below > 0 and imp < s.rank0_below * mean:
-                floor, reasons[m.name] = (
-                    0,
-                    (f"importance {imp:.3g} < rank0_below {s.rank0_below:g} × mean layer importance {mean:.3g}"),
-                )
-            else:
-                floor = s.min_rank
-            sigmas = [sig.tolist() for sig in bond_singular_values(m.tt)]
-            ranks = m.tt.live_layout.internal_ranks
-            layers.append(
-                LayerSlices(
-                    _mids(m.tt),
-                    tuple(slice_importance(sens, sig, r) for sens, sig, r in zip(sensitivity[m.name], sigmas, ranks)),
-                    floor,
-                )
-            )
-        records, decided = [], [[len(kept) for kept in keep] for keep in allocate(layers, size, fixed)]
+        decided, reasons = plan_prune(entries, sensitivity, layer_importance, s, size, fixed)
+        records = []
         if self.distributed is not None:  # rank 0's ranks on every rank
             flat = iter(self.distributed.ints([r for ranks in decided for r in ranks], self._device()))
             decided = [[next(flat) for _ in ranks] for ranks in decided]
@@ -433,12 +315,12 @@ class RankAdaptive:
         )
         compacted = self._compact_all() if compact_now else []
         if compact_now and (records or compacted):
-            self.shapes.shrunk_physically(self.shrink_slack, self.settings.same_shape_blocks)
-        if self.tt_params() > size + 0.5 and not self._warned_floor:
+            self.shapes.shrunk_physically(self.shrink_slack, self.same_shape_blocks)
+        if self.live_tt_params() > size + 0.5 and not self._warned_floor:
             self._warned_floor = True
             warnings.warn(
                 f"RankAdaptive: the scheduled size {size:,.0f} is below what the rank floors allow "
-                f"(min_rank={s.min_rank}); the TT size stays at {self.tt_params():,}. Lower min_rank or "
+                f"(min_rank={s.min_rank}); the TT size stays at {self.live_tt_params():,}. Lower min_rank or "
                 f"raise the target",
                 stacklevel=2,
             )
@@ -459,15 +341,14 @@ class RankAdaptive:
         """For a run that stops compiling (or never started): from now on every prune shrinks each matrix to its own
         live ranks (``shrink_slack`` and ``same_shape_blocks`` off: they only save recompiles, and eagerly the
         wider stored cores cost time every step); matrices held wider shrink now."""
-        self.shrink_slack, self.shapes.eager = None, True
-        self.settings = dataclasses.replace(self.settings, shrink_slack=None, same_shape_blocks=False)
+        self.shrink_slack, self.same_shape_blocks, self.shapes.eager = None, False, True
         return self.compact()
 
     def _compaction_widths(self) -> tuple[list[MatrixEntry], dict[str, tuple[int, ...]]]:
         """The shrinkable matrices, and the stored widths a compaction gives those of a same-shape group (the rest
         go to their own live ranks)."""
         shrinkable = [m for m in self.matrices if m.shrinkable]
-        same = self.shapes.same_shape_blocks(self.settings.same_shape_blocks)
+        same = self.shapes.same_shape_blocks(self.same_shape_blocks)
         widths = same_shape_widths([(m.name, m.tt) for m in shrinkable]) if same else {}
         return shrinkable, widths
 
@@ -521,7 +402,7 @@ class RankAdaptive:
             self.progress(),
             self.initial_tt_params,
             self.target_size,
-            self.tt_params(),
+            self.live_tt_params(),
             {m.name: m.tt.ranks for m in self.matrices},
             dict(self.zeroed),
         )
@@ -539,7 +420,7 @@ class RankAdaptive:
 
     @property
     def history(self) -> list[HistoryEntry]:
-        """One entry per ``history_every`` steps and per pruning; the live counts of the steps between prunes are
+        """One entry per ``history_every`` steps and per pruning; the gate counts of the steps between prunes are
         read from the device here, when asked, not in the step (no host synchronisation per step)."""
         return materialized(self._history)
 
@@ -577,9 +458,10 @@ class RankAdaptive:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         saved = state.get("schedule", COMERA)  # checkpoints from before the budget schedule are CoMERA's
         if saved != self.settings.schedule:
+            wanted = CONFIGS[saved].__name__ if saved in CONFIGS else "config"
             raise ValueError(
                 f"RankAdaptive: the checkpoint is of schedule={saved!r}, this hook runs "
-                f"schedule={self.settings.schedule!r}; build it with the checkpoint's settings"
+                f"schedule={self.settings.schedule!r}; build it with the checkpoint's {wanted}"
             )
         self.step, self.stage, self.switch_step = state["step"], state["stage"], state["switch_step"]
         self.initial_tt_params = state["initial_tt_params"]
@@ -618,7 +500,7 @@ class RankAdaptive:
                 "RankAdaptive: target_loss is set, so call hook.observe(loss) before every "
                 "optimizer.step() in the late stage"
             )
-        return achievement_lambda(loss, self.settings.target_loss, self.live_tt_params(), self.target_size)
+        return achievement_lambda(loss, self.settings.target_loss, self.tt_params_without_dead(), self.target_size)
 
     def _pre_step(self, optimizer, args, kwargs) -> None:
         closure = args[1] if len(args) > 1 else kwargs.get("closure")  # args[0] is the optimizer itself
@@ -676,7 +558,7 @@ class RankAdaptive:
             loss=self._step_loss,
             lam=self._step_lam,
             ranks={n: tt.ranks for n, tt in zip(names, tts)},
-            tt_params=self.tt_params(),
+            tt_params=self.live_tt_params(),
             dense_params=sum(tt.layout.dense_params for tt in tts),
             shrunk=tuple(r.name for r in records),
             zeroed=tuple(r.name for r in records if r.zeroed),
@@ -685,10 +567,10 @@ class RankAdaptive:
         )
 
         def entry() -> HistoryEntry:
-            live = counts()
+            alive = counts()
             return HistoryEntry(
-                live_ranks={n: (1, *c, 1) for n, c in zip(names, live)},
-                live_tt_params=sum(params_at_ranks(tt, c) for tt, c in zip(tts, live)),
+                gate_ranks={n: (1, *c, 1) for n, c in zip(names, alive)},
+                tt_params_without_dead=sum(params_at_ranks(tt, c) for tt, c in zip(tts, alive)),
                 **fixed,
             )
 

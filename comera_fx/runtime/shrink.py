@@ -200,7 +200,7 @@ def resize_bonds_(
     """Store every bond k of ``tt`` at ``widths[k]`` slices (>= its live rank), physically: the live slices
     first, zeros (cores and gates) past them, cut or padded as needed; optimizer state and gradients follow, new
     parameters in the old ones' places. The matrix is then held wider wherever a width exceeds the live rank.
-    Used to give the same matrix of repeated blocks one stored shape (``RankConfig.same_shape_blocks``); a zero
+    Used to give the same matrix of repeated blocks one stored shape (``BudgetConfig.same_shape_blocks``); a zero
     matrix still stored (cut to rank 0 in place) is held at the widths, all zero. Returns None when every bond
     already has its width, or when the matrix stores nothing."""
     live = tuple(tt.live_internal_ranks or tt.layout.internal_ranks)

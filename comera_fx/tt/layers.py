@@ -330,7 +330,7 @@ def _specialize_ranks(cores: Sequence[Tensor]) -> None:
     False``, or ``torch.compiler.config.dynamic_sources``); Dynamo then makes the cores' sizes symbols after a rank
     change. Plans are made for concrete ranks (the contraction order and every view depend on them), so the TT
     products specialize the ranks instead: a rank change recompiles, as with static shapes, where it would
-    otherwise crash inside Dynamo. ``RankConfig(shrink_slack=...)`` is how rank changes avoid recompiles."""
+    otherwise crash inside Dynamo. ``BudgetConfig(shrink_slack=...)`` is how rank changes avoid recompiles."""
     for core in cores:
         torch._dynamo.mark_static(core)
 
