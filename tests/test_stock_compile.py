@@ -116,6 +116,7 @@ def test_a_stock_whole_model_compile_is_found_and_recompiles_at_most_once(how, b
     if how == "wrapper":
         compiled = torch.compile(model, backend=counter)
         hook, first, last, out = run(model, compiled, compiled, counter)
+        assert [m.name for m in hook.matrices] == ["0", "2"]  # the layers' own names, not the wrapper's
     else:
         model.compile(backend=counter)
         hook, first, last, out = run(model, model, model, counter)

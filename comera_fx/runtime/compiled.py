@@ -72,6 +72,13 @@ def note_stock_compiles(model: nn.Module) -> bool:
     return bool(found)
 
 
+def compiled_module(model: nn.Module) -> nn.Module:
+    """The module a ``torch.compile(module)`` wrapper runs (layer names without its ``_orig_mod.``), else ``model``."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return model._orig_mod if isinstance(model, OptimizedModule) else model
+
+
 def compile_state(matrices: Sequence[TTMatrix]) -> str | None:
     """How ``matrices`` (a model's TT matrices) run: None (no sign of a compile), ``"whole"`` or ``"regional"``.
 
