@@ -51,7 +51,8 @@ def mark_compiled(model: nn.Module, regional: bool = False) -> None:
 def note_stock_compiles(model: nn.Module) -> bool:
     """Mark the TT matrices of ``model``'s stock compiles that show on the module tree (see the module docstring):
     whole for the model itself (or its ``torch.compile`` wrapper's module), regional for two or more compiled
-    submodules (blocks compiled one by one share one graph), whole for a single one. Returns whether any showed.
+    submodules (blocks compiled one by one share one graph), whole for a single one, regional for a torch.nn
+    container compiled in place (below). Returns whether any showed.
     One walk over the modules, no tracing."""
     from torch._dynamo.eval_frame import OptimizedModule
 

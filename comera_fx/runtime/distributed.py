@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
+
 from .compiled import compiled_module
 
 __all__ = ["RankSync", "agreed_sum", "rewrap_ddp", "is_fsdp2", "unwrap", "world_size"]
