@@ -300,7 +300,7 @@ def tensorize(model: nn.Module, p: Preset, args, example: torch.Tensor):
 
 
 def make_dense_optimizer(model: nn.Module, args) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0, foreach=True)
+    return torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
 
 
 def make_tt_optimizer(model: nn.Module, args, lr_gates: float) -> torch.optim.Optimizer:
@@ -312,10 +312,7 @@ def make_tt_optimizer(model: nn.Module, args, lr_gates: float) -> torch.optim.Op
     #   the dense run's rate, since they are the same parameters. The gates' rate sets how fast ranks can fall:
     #   see gate_lr().
     groups = param_groups(model, lr_cores=args.lr_cores, lr_gates=lr_gates, lr_other=args.lr)
-    # foreach=True: on CPU AdamW defaults to a loop over the parameters; the TT run's 212 tensors (cores, gates,
-    # biases) took 15.3 ms per step that way and 9.3 ms with foreach (fused=True: 8.75 ms; a compiled step: 4.35 ms
-    # after a 165 s compile), benchmarks/history/2026-12-05-issue-44-session2.md. Both runs use it.
-    return torch.optim.AdamW(groups, betas=(0.9, 0.95), weight_decay=0.0, foreach=True)
+    return torch.optim.AdamW(groups, betas=(0.9, 0.95), weight_decay=0.0)
 
 
 def gate_lr(args, expected_steps: float) -> float:
