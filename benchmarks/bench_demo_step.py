@@ -25,7 +25,9 @@ WAIT_POLICY = openmp_policy.choose_wait_policy()
 import torch
 import train_code_lm as demo
 
+import comera_fx
 from comera_fx import compile_policy
+from comera_fx.backend import make_backend
 
 
 def build(args):
@@ -87,6 +89,11 @@ def profile(title, fn, steps=4, top=25):
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top))
 
 
+def _option(text: str) -> tuple[str, object]:
+    key, _, value = text.partition("=")
+    return key, {"True": True, "False": False}.get(value, int(value) if value.isdigit() else value)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=9)
@@ -98,6 +105,13 @@ def main(argv=None):
         action="store_true",
         help="top ops of both paths' forward + backward, Inductor's kernels named one by one",
     )
+    ap.add_argument(
+        "--inductor-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an Inductor config patch for the blocks' backend (BackendConfig.inductor_options); repeatable",
+    )
     args = ap.parse_args(argv)
     if args.kernel_profile:
         import torch._inductor.config as inductor_config
@@ -105,7 +119,12 @@ def main(argv=None):
         inductor_config.cpp.enable_kernel_profile = True  # before the compile: a generated kernel records itself
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="bench_demo_step_"))
     model, optimizer, hook, batch = build(args)
-    compile_policy.compile_blocks(model)
+    if args.inductor_option:
+        options = dict(_option(text) for text in args.inductor_option)
+        comera_fx.compile_regions(model, backend=make_backend(inductor_options=options))
+        print(f"inductor options {options}")
+    else:
+        compile_policy.compile_blocks(model)
     fns = parts(model, optimizer, hook, batch)
     fns["step"]()  # compiles
     calls = [b._compiled_call_impl for b in model.blocks]

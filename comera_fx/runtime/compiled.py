@@ -7,8 +7,12 @@ shape). It learns that the model is compiled from two places:
 
 * ``comera_fx.backend`` notes every parameter a graph it compiles takes as input (``note_graph_inputs``);
 * ``comera_fx.compile_regions`` / ``comera_fx.compile`` mark the TT matrices of what they compile (``mark_compiled``),
-  whatever the backend. With another backend (``torch.compile(model)``, Inductor's own), call
-  ``mark_compiled(model)`` yourself, or set ``BudgetConfig.shrink_slack`` / ``same_shape_blocks``.
+  whatever the backend;
+* stock compiles the hook can see (``note_stock_compiles``): it was handed ``torch.compile(model)`` (an
+  ``OptimizedModule``), or the model or some of its submodules were compiled in place (``module.compile()`` sets
+  ``_compiled_call_impl``; several compiled submodules count as regional blocks), or a submodule was replaced by
+  ``torch.compile(submodule)``. A compile it cannot see, ``compiled = torch.compile(model)`` with the hook given
+  ``model``, needs ``mark_compiled(model)`` (or ``BudgetConfig.shrink_slack`` / ``same_shape_blocks``).
 
 Weak references only: nothing here keeps a model or a parameter alive.
 """
@@ -44,6 +48,38 @@ def mark_compiled(model: nn.Module, regional: bool = False) -> None:
             _marked[module] = REGIONAL if regional else _marked.get(module, WHOLE)
 
 
+def note_stock_compiles(model: nn.Module) -> bool:
+    """Mark the TT matrices of ``model``'s stock compiles that show on the module tree (see the module docstring):
+    whole for the model itself (or its ``torch.compile`` wrapper's module), regional for two or more compiled
+    submodules (blocks compiled one by one share one graph), whole for a single one, regional for a torch.nn
+    container compiled in place (below). Returns whether any showed.
+    One walk over the modules, no tracing."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    roots, found = {id(model)}, []  # found: (compiled module, compiled in place)
+    for module in model.modules():
+        if isinstance(module, OptimizedModule):
+            found.append((module._orig_mod, False))
+            if module is model:
+                roots.add(id(module._orig_mod))
+        elif getattr(module, "_compiled_call_impl", None) is not None:
+            found.append((module, True))
+    inner = sum(id(module) not in roots for module, _ in found)
+    for module, in_place in found:
+        # A torch.nn container compiled in place (``nn.Sequential(...).compile()``): Dynamo skips torch.nn's code and
+        # compiles each child's forward as a frame of its own, shared by same-class children: regional
+        torch_nn_frames = in_place and type(module).__module__.startswith("torch.nn.")
+        mark_compiled(module, regional=(id(module) not in roots and inner > 1) or torch_nn_frames)
+    return bool(found)
+
+
+def compiled_module(model: nn.Module) -> nn.Module:
+    """The module a ``torch.compile(module)`` wrapper runs (layer names without its ``_orig_mod.``), else ``model``."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return model._orig_mod if isinstance(model, OptimizedModule) else model
+
+
 def compile_state(matrices: Sequence[TTMatrix]) -> str | None:
     """How ``matrices`` (a model's TT matrices) run: None (no sign of a compile), ``"whole"`` or ``"regional"``.
 
@@ -68,8 +104,9 @@ class ShapePolicy:
     """``RankAdaptive``'s choice of when a prune changes stored shapes, from how the model runs (``compile_state``,
     looked up until a compile is found, then kept for the run) and the ``BudgetConfig`` overrides."""
 
-    def __init__(self, matrices: Sequence[TTMatrix]):
+    def __init__(self, matrices: Sequence[TTMatrix], model: nn.Module | None = None):
         self.matrices = list(matrices)
+        self._model = weakref.ref(model) if model is not None else None  # looked at for stock compiles
         self.eager = False  # shrink_eagerly(): the run no longer compiles
         self._found: str | None = None
         self._physical, self._warned = 0, False
@@ -77,6 +114,9 @@ class ShapePolicy:
     @property
     def compiled_as(self) -> str | None:
         if self._found is None and not self.eager:
+            model = self._model() if self._model is not None else None
+            if model is not None:
+                note_stock_compiles(model)
             self._found = compile_state(self.matrices)
         return None if self.eager else self._found
 

@@ -29,6 +29,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
+from .compiled import compiled_module
+
 __all__ = ["RankSync", "agreed_sum", "rewrap_ddp", "is_fsdp2", "unwrap", "world_size"]
 
 _MB = 1024 * 1024
@@ -183,10 +185,10 @@ class RankSync:
         if is_fsdp2(model):
             raise NotImplementedError(FSDP2_REFUSAL)
         if isinstance(model, DistributedDataParallel):
-            return cls(model), model.module
+            return cls(model), compiled_module(model.module)
         if world_size() > 1:  # the module of a DDP model, or a replicated model trained by hand
-            return cls(None), model
-        return None, model
+            return cls(None), compiled_module(model)
+        return None, compiled_module(model)
 
     def check(self) -> None:
         """Raise now (before a prune removes anything) if the wrapper could not be rebuilt afterwards."""

@@ -138,7 +138,7 @@ class RankAdaptive:
         self.module = module
         self.matrices = tt_matrices(module)
         self._check_model()
-        self.shapes = ShapePolicy([m.tt for m in self.matrices])
+        self.shapes = ShapePolicy([m.tt for m in self.matrices], model)  # model: stock compiles show on it
         self.initial_tt_params = sum(live_params(m.tt) for m in self.matrices)
         self.dense_params = sum(m.tt.layout.dense_params for m in self.matrices)  # what a float size_target scales
         self.step = 0

@@ -32,11 +32,18 @@ DEFAULT_BETA = 1.0
 # 68.2 GFLOP/s. Every tree over n tensors launches n - 1 GEMMs forward and the same number backward, so gamma
 # shifts every plan's cost by the same constant: it brings absolute predictions closer at small b, never a choice.
 DEFAULT_GAMMA = 754000
+# Fixed cost of one kernel launched (every GEMM and every permute copy, forward and backward), in FLOP-equivalents,
+# by device type: ``CostModel.for_device``. Unlike gamma it differs between plans of one network, through their copy
+# kernels, so where launches dominate (a GPU running small TT layers) it prefers plans that launch fewer kernels.
+# CPU: 0, gamma already holds a GEMM's overhead and a copy's is small next to its bytes there. CUDA: an estimate,
+# not a measurement (no GPU in the session that added it): ~10 us per launch at an effective ~20 TFLOP/s.
+DEVICE_LAUNCH = {"cpu": 0, "cuda": 200_000_000}
 
 
 @dataclass(frozen=True)
 class CostModel:
-    """Cost of a plan = FLOPs + alpha · (bytes moved + bytes copied) + beta · bytes saved + gamma · GEMMs launched.
+    """Cost of a plan = FLOPs + alpha · (bytes moved + bytes copied) + beta · bytes saved + gamma · GEMMs launched
+    + launch · kernels launched.
 
     * FLOPs: 2·M·K·N per pairwise GEMM; with ``backward``, each operand that needs a gradient adds one GEMM of the
       same size (dA = dC·Bᵀ, dB = Aᵀ·dC), as autograd runs the pairwise tree. Cores always need one; x only when
@@ -51,6 +58,9 @@ class CostModel:
     * GEMMs launched: one per step forward, one per gradient backward; gamma (``DEFAULT_GAMMA``, measured) is the
       fixed overhead of one in FLOP-equivalents. Every tree over n tensors has n - 1 steps, so this term is the
       same for every plan of a network: it makes absolute predictions at small batches closer, not choices.
+    * kernels launched: the GEMMs above plus the permute copies (one forward, one more backward for a copy whose
+      gradient is copied back); ``launch`` (default 0; ``for_device`` takes ``DEVICE_LAUNCH``) is a launch's fixed
+      cost. The copies make it differ between plans: a large ``launch`` prefers the plans with fewer kernels.
     Unmodelled: cache effects (small GEMMs run below peak), Inductor fusions.
     """
 
@@ -60,11 +70,13 @@ class CostModel:
     backward: bool = True
     x_requires_grad: bool = True
     gamma: float | Fraction = DEFAULT_GAMMA
+    launch: float | Fraction = 0
 
     def __post_init__(self) -> None:
         _as_fraction(self.alpha, "alpha")
         _as_fraction(self.beta, "beta")
         _as_fraction(self.gamma, "gamma")
+        _as_fraction(self.launch, "launch")
         if isinstance(self.itemsize, bool) or not isinstance(self.itemsize, int) or self.itemsize <= 0:
             raise ValueError(f"itemsize must be a positive int (bytes per element), got {self.itemsize!r}")
 
@@ -73,12 +85,25 @@ class CostModel:
         """(alpha, beta, gamma) as exact fractions: a float is read as the decimal it prints as (5.5 -> 11/2)."""
         return (_as_fraction(self.alpha, "alpha"), _as_fraction(self.beta, "beta"), _as_fraction(self.gamma, "gamma"))
 
+    @property
+    def launch_weight(self) -> Fraction:
+        """``launch`` as an exact fraction."""
+        return _as_fraction(self.launch, "launch")
+
+    @classmethod
+    def for_device(cls, device, **fields) -> "CostModel":
+        """The model for a device (a ``torch.device``, or its type as a string): ``launch`` from ``DEVICE_LAUNCH``
+        (0 for a type it does not list) unless given in ``fields``."""
+        kind = device if isinstance(device, str) else device.type
+        return cls(**{"launch": DEVICE_LAUNCH.get(kind.split(":")[0], 0), **fields})
+
     def describe(self) -> str:
         alpha, beta, gamma = self.weights
         what = "forward + backward" if self.backward else "forward only"
+        launches = f" + {_num(self.launch_weight)}·kernels" if self.launch_weight else ""
         return (
             f"cost = FLOPs + {_num(alpha)}·(bytes moved + copied) + {_num(beta)}·bytes saved + "
-            f"{_num(gamma)}·GEMMs ({what}, {self.itemsize}-byte elements)"
+            f"{_num(gamma)}·GEMMs{launches} ({what}, {self.itemsize}-byte elements)"
         )
 
 
@@ -104,6 +129,7 @@ class CostTerms:
     bytes_saved: Linear = (0, 0)
     bytes_copied: Linear = (0, 0)  # permute copies, forward + backward
     gemms: Linear = (0, 0)  # GEMMs launched, forward + backward
+    launches: Linear = (0, 0)  # kernels launched (GEMMs and permute copies), forward + backward
 
     def __add__(self, other: "CostTerms") -> "CostTerms":
         return CostTerms(*[(a[0] + b[0], a[1] + b[1]) for a, b in zip(self._pairs(), other._pairs())])
@@ -117,6 +143,7 @@ class CostTerms:
             self.bytes_saved,
             self.bytes_copied,
             self.gemms,
+            self.launches,
         )
 
     @property
@@ -126,10 +153,11 @@ class CostTerms:
 
     def weighted(self, model: CostModel) -> tuple[Fraction, Fraction]:
         alpha, beta, gamma = model.weights
+        launch = model.launch_weight
         moved = _add(_add(self.bytes_forward, self.bytes_backward), self.bytes_copied)
         return tuple(
-            Fraction(f) + alpha * m + beta * s + gamma * g
-            for f, m, s, g in zip(self.flops, moved, self.bytes_saved, self.gemms)
+            Fraction(f) + alpha * m + beta * s + gamma * g + launch * k
+            for f, m, s, g, k in zip(self.flops, moved, self.bytes_saved, self.gemms, self.launches)
         )
 
 
@@ -154,7 +182,9 @@ def _step_terms(left: int, right: int, sizes: Sequence[int], model: CostModel) -
     moved = _add(_add(per(sa, a_batched), per(sb, b_batched)), per(sc, batched))
     step_flops = per(flops, batched)
     if not model.backward:
-        return CostTerms(flops_forward=step_flops, bytes_forward=_scale(moved, model.itemsize), gemms=(1, 0))
+        return CostTerms(
+            flops_forward=step_flops, bytes_forward=_scale(moved, model.itemsize), gemms=(1, 0), launches=(1, 0)
+        )
     grad_a = left != 1 << X or model.x_requires_grad
     grad_b = right != 1 << X or model.x_requires_grad
     grads = grad_a + grad_b
@@ -170,6 +200,7 @@ def _step_terms(left: int, right: int, sizes: Sequence[int], model: CostModel) -
         bytes_backward=_scale(moved, grads * model.itemsize),
         bytes_saved=_scale(saved, model.itemsize),
         gemms=(1 + grads, 0),
+        launches=(1 + grads, 0),
     )
 
 
@@ -177,19 +208,22 @@ def _copy_terms(copied: Sequence[tuple[int, bool, bool]], model: CostModel) -> C
     """Bytes of permute copies: (elements per batch element or in all, batched, needs a gradient) per copy.
 
     Forward reads and writes the tensor once; backward copies its gradient back into the stored order when it
-    needs one (the inverse permute of a contiguous gradient is not a view of the stored shape).
+    needs one (the inverse permute of a contiguous gradient is not a view of the stored shape). Each copy is a
+    kernel launched, forward and (with a gradient) backward, whatever its size: ``launches`` is independent of b.
     """
-    total = (0, 0)
+    total, kernels = (0, 0), 0
     for n, batched, needs_grad in copied:
         times = 2 * (1 + (model.backward and needs_grad))
         total = _add(total, (0, n * times) if batched else (n * times, 0))
-    return CostTerms(bytes_copied=_scale(total, model.itemsize))
+        kernels += times // 2
+    return CostTerms(bytes_copied=_scale(total, model.itemsize), launches=(kernels, 0))
 
 
 @dataclass(frozen=True)
 class ScaledWeights:
     """A ``CostModel``'s weights times ``scale`` (the least common denominator of alpha, beta and gamma): integers
-    per FLOP, per element moved or copied (alpha · itemsize), per element saved (beta · itemsize) and per GEMM.
+    per FLOP, per element moved or copied (alpha · itemsize), per element saved (beta · itemsize), per GEMM and per
+    kernel launched (``launch``: a step's GEMMs here, a copy's kernels in ``scaled_copy_launches``).
 
     Why: the exact search weighs a step for every split of every subset (millions on a 13-tensor network), where
     building a ``CostTerms`` and weighing it in Fractions would take minutes; integer sums are exact too. So
@@ -203,11 +237,13 @@ class ScaledWeights:
     saved: int
     gemm: int
     backward: bool
+    launch: int = 0
 
     @classmethod
     def of(cls, model: CostModel) -> "ScaledWeights":
         alpha, beta, gamma = model.weights
-        scale = math.lcm(alpha.denominator, beta.denominator, gamma.denominator)
+        launch = model.launch_weight
+        scale = math.lcm(alpha.denominator, beta.denominator, gamma.denominator, launch.denominator)
         return cls(
             scale,
             scale,
@@ -215,6 +251,7 @@ class ScaledWeights:
             int(beta * scale) * model.itemsize,
             int(gamma * scale),
             model.backward,
+            int(launch * scale),
         )
 
 
@@ -235,7 +272,7 @@ def scaled_step(
     else:
         c0 += w.flop * flops
     times = 1 + (grad_a + grad_b if w.backward else 0)  # forward, and one GEMM per gradient backward
-    c0, c1 = (c0 + w.gemm) * times, c1 * times
+    c0, c1 = (c0 + w.gemm + w.launch) * times, c1 * times
     if w.backward:  # the batched operand a gradient GEMM needs stays alive until backward
         c1 += w.saved * (sa * (grad_b and a_batched) + sb * (grad_a and b_batched))
     return c0, c1
@@ -243,8 +280,14 @@ def scaled_step(
 
 def scaled_copy(n: int, needs_grad: bool, w: ScaledWeights) -> int:
     """One permute copy of ``n`` elements weighed by ``w`` (``_copy_terms``): read + write forward, and again for
-    its gradient backward."""
+    its gradient backward. Its kernels' launch cost is apart (``scaled_copy_launches``): it does not grow with b."""
     return w.element * n * 2 * (1 + (w.backward and needs_grad))
+
+
+def scaled_copy_launches(needs_grad: bool, w: ScaledWeights) -> int:
+    """The b-independent part of one permute copy weighed by ``w``: its kernel forward, and backward with a
+    gradient (``_copy_terms``' launches)."""
+    return w.launch * (1 + (w.backward and needs_grad))
 
 
 def _scale(a: Linear, k: int) -> Linear:

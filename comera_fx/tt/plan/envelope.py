@@ -130,13 +130,15 @@ def plan(
     x_requires_grad: bool = True,
     itemsize: int = 4,
     gamma=DEFAULT_GAMMA,
+    launch=0,
 ) -> PlanEnvelope:
     """Plan ``x @ M`` (or ``x @ Mᵀ``) of a TT layer for every batch size in ``bounds``.
 
     ``layer_or_spec``: a ``TTMatrix``, a ``TTLinear`` (its op follows ``transposed``) or a ``TTLayout``. ``op``:
     "matmul" or "matmul_t" (default: what a TTLinear runs, else "matmul"). ``batch``: an int to report the plan
-    that wins there (the table also shows FLOPs at that size). ``alpha`` / ``beta`` / ``gamma``: the cost weights
-    (``CostModel``); ``backward=False`` plans inference (forward only).
+    that wins there (the table also shows FLOPs at that size). ``alpha`` / ``beta`` / ``gamma`` / ``launch``: the
+    cost weights (``CostModel``; ``DEVICE_LAUNCH`` holds a launch's cost per device); ``backward=False`` plans
+    inference (forward only).
     """
     layout, default_op = _layout_of(layer_or_spec)
     op = op if op is not None else default_op
@@ -147,7 +149,13 @@ def plan(
         if batch < lo or (hi is not None and batch > hi):
             raise ValueError(f"batch must be an int within the bounds [{lo}, {hi or '∞'}], got {batch!r}")
     model = CostModel(
-        alpha=alpha, beta=beta, itemsize=itemsize, backward=backward, x_requires_grad=x_requires_grad, gamma=gamma
+        alpha=alpha,
+        beta=beta,
+        itemsize=itemsize,
+        backward=backward,
+        x_requires_grad=x_requires_grad,
+        gamma=gamma,
+        launch=launch,
     )
     net = build_network(layout, op)
     found = search(net, model, lo, hi)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from functools import lru_cache
 
-from .cost import CostModel, ScaledWeights, _subset_sizes, scaled_copy, scaled_step
+from .cost import CostModel, ScaledWeights, _subset_sizes, scaled_copy, scaled_copy_launches, scaled_step
 from .network import X, Linear, Tree, TTNetwork, _canonical
 from .plans import Plan
 from .views import _final_copies, _step_copies
@@ -170,12 +170,12 @@ def _search(net: TTNetwork, model: CostModel, lo: int, hi: int | None) -> tuple[
                     grad_part = grad_x or part != 1  # x alone needs a gradient only if asked; a product always
                     k0, k1 = scaled_step(sp, so, size_s, True, False, grad_part, True, w)
                     copy_a, copy_b = scaled_copy(sp, grad_part, w), scaled_copy(so, True, w)
+                    launch_a, launch_b = scaled_copy_launches(grad_part, w), scaled_copy_launches(True, w)
                     for ko, right in enumerate(env[other]):
                         for kp, line in enumerate(env[part]):
                             order, ca, cb = step_view(line[2], right[2], True)
-                            groups.setdefault(order, []).append(
-                                (line[0] + k0 + right[0] + cb * copy_b, line[1] + k1 + ca * copy_a, order, part, kp, ko)
-                            )
+                            c0 = line[0] + k0 + right[0] + cb * (copy_b + launch_b) + ca * launch_a
+                            groups.setdefault(order, []).append((c0, line[1] + k1 + ca * copy_a, order, part, kp, ko))
                 if sub == 0:
                     break
                 sub = (sub - 1) & rest
@@ -183,8 +183,8 @@ def _search(net: TTNetwork, model: CostModel, lo: int, hi: int | None) -> tuple[
             full = subset == (1 << n) - 1
             for order, candidates in groups.items():
                 if full and _final_copies(net.sizes, order, net.output):  # the final reorder is a copy
-                    extra = scaled_copy(size_s, True, w)
-                    candidates = [(c0, c1 + extra, *more) for c0, c1, *more in candidates]
+                    extra, launches = scaled_copy(size_s, True, w), scaled_copy_launches(True, w)
+                    candidates = [(c0 + launches, c1 + extra, *more) for c0, c1, *more in candidates]
                 lines += _lower_envelope(_undominated(candidates, lo, hi), lo, hi)
             if full:
                 lines = _lower_envelope(lines, lo, hi)
@@ -198,7 +198,8 @@ def _search(net: TTNetwork, model: CostModel, lo: int, hi: int | None) -> tuple[
                 if env[part] and env[other]:
                     sp, so = sizes[part], sizes[other]
                     cost = scaled_step(sp, so, size_s, False, False, True, True, w)[0]
-                    copy_a, copy_b = scaled_copy(sp, True, w), scaled_copy(so, True, w)
+                    launches = scaled_copy_launches(True, w)
+                    copy_a, copy_b = scaled_copy(sp, True, w) + launches, scaled_copy(so, True, w) + launches
                     for kp, left in enumerate(env[part]):
                         for ko, right in enumerate(env[other]):
                             order, ca, cb = step_view(left[2], right[2], False)

@@ -1,0 +1,168 @@
+"""Issue 44: ``RankAdaptive`` finds stock compiles on the module tree by itself (``runtime.compiled.
+note_stock_compiles``): handed ``torch.compile(model)``, a model compiled in place (``model.compile()``), blocks
+compiled one by one, or a submodule replaced by its compiled wrapper. Found, the run compiles once (at most one graph
+after the first step, at the last prune point); a compile the hook cannot see still recompiles at every prune.
+Dynamo's ``aot_eager`` backend keeps the compiles cheap; ``CompileCounterWithBackend`` counts the graphs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch._dynamo.testing import CompileCounterWithBackend
+
+import comera_fx
+from comera_fx.runtime import RankAdaptive
+from comera_fx.runtime.compiled import REGIONAL, WHOLE, compile_state, note_stock_compiles
+from comera_fx.tt import TTMatrix
+
+STEPS, PRUNES = 24, 4
+
+
+def mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 32)).double()
+    comera_fx.tensorize_(model, comera_fx.TensorizeConfig(max_rank=8, min_numel=1, min_dim=1))
+    return model
+
+
+class Block(nn.Module):
+    def __init__(self, d: int = 32):
+        super().__init__()
+        self.up, self.down = nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x):
+        return x + self.down(torch.tanh(self.up(x)))
+
+
+class Stack(nn.Module):
+    def __init__(self, n: int = 3):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(n))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def stack() -> Stack:
+    torch.manual_seed(0)
+    model = Stack().double()
+    comera_fx.tensorize_(model, comera_fx.TensorizeConfig(max_rank=8, min_numel=1, min_dim=1))
+    return model
+
+
+def matrices(model: nn.Module) -> list[TTMatrix]:
+    return [m for m in model.modules() if isinstance(m, TTMatrix)]
+
+
+def run(model: nn.Module, hooked: nn.Module, called: nn.Module, counter) -> tuple[RankAdaptive, int, int, torch.Tensor]:
+    """Train ``called`` (the module the loop calls) with the hook given ``hooked``; returns (hook, graphs after the
+    first step, graphs at the end, the last output)."""
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    hook = RankAdaptive(hooked, optimizer, comera_fx.BudgetConfig(keep_fraction=0.3, total_steps=STEPS, prunes=PRUNES))
+    gen = torch.Generator().manual_seed(1)
+    x, y = (torch.randn(16, 32, generator=gen, dtype=torch.float64) for _ in range(2))
+    x.requires_grad_(True)  # every block takes an input with grad: one graph serves them all
+    first = None
+    for _ in range(STEPS):
+        loss = ((called(x) - y) ** 2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        hook.observe(loss)
+        optimizer.step()
+        first = counter.frame_count if first is None else first
+    assert sum(1 for e in hook.history if e.shrunk) >= PRUNES - 1
+    return hook, first, counter.frame_count, called(x).detach()
+
+
+def dense_reference(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``model`` run eagerly, each TT matrix's weight from ``TTMatrix.dense()`` (not the planned products)."""
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, nn.Sequential):
+                first, last = module[0], module[2]
+                return nn.functional.gelu(x @ first.tt.dense() + first.bias) @ last.tt.dense() + last.bias
+            if isinstance(module, Stack):
+                for block in module.blocks:
+                    x = (
+                        x
+                        + torch.tanh(x @ block.up.tt.dense() + block.up.bias) @ block.down.tt.dense()
+                        + block.down.bias
+                    )
+                return x
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize(
+    "how, build, state",
+    [("wrapper", mlp, WHOLE), ("in_place", stack, WHOLE), ("in_place", mlp, REGIONAL)],
+    ids=["torch.compile(model)", "model.compile()", "Sequential.compile()"],
+)
+def test_a_stock_whole_model_compile_is_found_and_recompiles_at_most_once(how, build, state):
+    """``RankAdaptive(torch.compile(model), ...)``, or ``model.compile()`` with the hook given ``model``: the hook
+    finds the compile and holds the stored shapes until the last prune point: one graph after the first step. An
+    ``nn.Sequential`` compiled in place runs its children's forwards as frames of their own (Dynamo skips torch.nn's
+    code), shared by the two TT linears: regional, one shape for both."""
+    model = build()
+    counter = CompileCounterWithBackend("aot_eager")
+    if how == "wrapper":
+        compiled = torch.compile(model, backend=counter)
+        hook, first, last, out = run(model, compiled, compiled, counter)
+        assert [m.name for m in hook.matrices] == ["0", "2"]  # the layers' own names, not the wrapper's
+    else:
+        model.compile(backend=counter)
+        hook, first, last, out = run(model, model, model, counter)
+    assert hook.compiled_as == state and first == 1 and last - first == 1, (first, last)
+    assert hook.stored_tt_params() < hook.initial_tt_params  # compacted at the last prune point
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    torch.testing.assert_close(out, dense_reference(model, x), rtol=1e-10, atol=1e-12)
+
+
+def test_blocks_compiled_one_by_one_are_found_as_regional_and_recompile_at_most_once():
+    """Stock ``block.compile()`` per block: regional, one shape per role across the blocks, one graph after the first
+    step for the three blocks together."""
+    model = stack()
+    counter = CompileCounterWithBackend("aot_eager")
+    for block in model.blocks:
+        block.compile(backend=counter)
+    hook, first, last, _ = run(model, model, model, counter)
+    assert hook.compiled_as == REGIONAL and first == 1 and last - first == 1, (first, last)
+    for role in ("up", "down"):
+        assert len({getattr(block, role).tt.layout for block in model.blocks}) == 1
+
+
+def test_a_compile_the_hook_cannot_see_recompiles_at_every_prune():
+    """The contrast that makes the counts above mean something: the loop calls ``torch.compile(model)`` but the hook
+    is given ``model`` (nothing on its tree says compiled): eager policy, a physical shrink and a graph per prune."""
+    model = mlp()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter)
+    hook, first, last, _ = run(model, model, compiled, counter)
+    assert hook.compiled_as is None and last - first >= PRUNES - 1, (first, last)
+
+
+def test_note_stock_compiles_marks_what_the_module_tree_shows():
+    """The detection alone: nothing compiled, the wrapper, a replaced submodule, one or several in-place ones."""
+    plain = mlp()
+    assert not note_stock_compiles(plain) and compile_state(matrices(plain)) is None
+    wrapped = mlp()
+    assert note_stock_compiles(torch.compile(wrapped, backend="aot_eager"))
+    assert compile_state(matrices(wrapped)) == WHOLE
+    replaced = mlp()
+    replaced[0] = torch.compile(replaced[0], backend="aot_eager")  # one of two TT linears: part of the model
+    assert note_stock_compiles(replaced) and compile_state(matrices(replaced)) == REGIONAL
+    one = stack()
+    one.compile(backend="aot_eager")
+    assert note_stock_compiles(one) and compile_state(matrices(one)) == WHOLE
+    blocks = stack()
+    for block in blocks.blocks:
+        block.compile(backend="aot_eager")
+    assert note_stock_compiles(blocks) and compile_state(matrices(blocks)) == REGIONAL
