@@ -235,3 +235,80 @@ def test_report_and_the_size_accounting_count_the_weight_space_banks():
     rows = comera_fx.report(model).layers
     assert len(rows) == sum(len(b) for b in banks) and all("_tt." in r.fqn for r in rows)
     assert matrix_sizes(model) == (stored, dense) and comera_fx.report(model).tt_params == stored < dense
+
+
+def rebuilt_reference_weights(model, dense, leaves) -> dict:
+    """{dense parameter name: that weight rebuilt with opt_einsum from ``leaves``, the TT model's cores and gates}
+    for every TT matrix of ``model`` (in a ``TTLinear``, a bank, or a functional ``<attr>_tt``): the dense
+    reference's converted weights, computed without the TT products under test."""
+    from comera_fx.tt import TTLinear, TTMatrix
+    from test_plan_autograd import dense_reference
+
+    def matrix(tt, prefix):
+        cores = [leaves[f"{prefix}.cores.{k}"] for k in range(len(tt.cores))]
+        gates = [leaves[f"{prefix}.gates.{k}"] for k in range(len(tt.gates))]
+        return dense_reference(cores, gates, tt.layout)
+
+    weights, held = {}, set()
+    for path, module in model.named_modules():
+        if isinstance(module, TTLinear):  # M's rows are the input features unless transposed
+            m = matrix(module.tt, f"{path}.tt")
+            weights[f"{path}.weight"] = m if module.transposed else m.t()
+            held.add(f"{path}.tt")
+        elif isinstance(module, TTExpertBank):
+            slices = [matrix(tt, f"{path}.{e}") for e, tt in enumerate(module)]
+            weights[path.removesuffix("_tt")] = torch.stack(
+                [m.t() if module.slice_use == "linear" else m for m in slices]
+            )
+            held.update(f"{path}.{e}" for e in range(len(module)))
+    for path, module in model.named_modules():
+        if isinstance(module, TTMatrix) and path not in held:  # a functional weight: M or Mᵀ, whichever it equals
+            name, m = path.removesuffix("_tt"), matrix(module, path)
+            target = dense.get_parameter(name).detach()
+            square = m.shape[0] == m.shape[1]
+            same = m.shape == target.shape and (not square or rel(m.detach(), target) < rel(m.detach().t(), target))
+            weights[name] = m if same else m.t()
+    return weights
+
+
+def test_llama4_trains_a_step_with_the_gradients_of_the_dense_float64_model():
+    """Llama 4's MoE block adds the routed output into its shared expert's output in place (``out.add_``); the
+    shared expert's down_proj is a TTLinear whose planned product is a custom autograd Function. Its output was a
+    view made inside the Function, which autograd refuses to modify in place: training failed. Reference: the dense
+    float64 model with every converted weight rebuilt from the TT leaves by opt_einsum (``functional_call``)."""
+    model = build("llama4", FAMILIES["llama4"]).double().train()
+    dense = copy.deepcopy(model)
+    comera_fx.tensorize_(model, FULL)
+    assert isinstance(model.model.layers[0].feed_forward.shared_expert.down_proj, comera_fx.tt.TTLinear)
+    assert is_bank_holder(model.model.layers[0].feed_forward.experts)
+    ids = tokens(2, 8)
+    leaves = {n: p.detach().clone().requires_grad_() for n, p in model.named_parameters()}
+    rebuilt = rebuilt_reference_weights(model, dense, leaves)
+    params = {n: rebuilt[n] if n in rebuilt else leaves[n] for n, _ in dense.named_parameters()}
+    for name, weight in rebuilt.items():  # full rank: the rebuilt weights are the dense model's
+        torch.testing.assert_close(weight, dense.get_parameter(name), rtol=1e-10, atol=1e-12)
+    used = {n for n in leaves if ".cores." in n or ".gates." in n} | {n for n in params if n not in rebuilt}
+    assert used == set(leaves)  # every TT-model parameter feeds the reference
+
+    def reference_loss(values):
+        weights = rebuilt_reference_weights(model, dense, values)
+        merged = {n: weights[n] if n in weights else values[n] for n, _ in dense.named_parameters()}
+        return torch.func.functional_call(dense, merged, (ids,), {"labels": ids}).loss
+
+    want = reference_loss(leaves)
+    want_grads = torch.autograd.grad(want, list(leaves.values()), allow_unused=True)
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    torch.testing.assert_close(loss, want, rtol=1e-10, atol=1e-12)
+    for (name, p), expected in zip(model.named_parameters(), want_grads):
+        if expected is None:
+            assert p.grad is None or not bool(p.grad.any()), name
+        else:
+            torch.testing.assert_close(p.grad, expected, rtol=1e-8, atol=1e-11, msg=name)
+    lr = 0.05
+    torch.optim.SGD(model.parameters(), lr=lr).step()  # the step, against the same step on the reference's leaves
+    stepped = {n: v - lr * g if g is not None else v for (n, v), g in zip(leaves.items(), want_grads)}
+    with torch.no_grad():
+        after = model(ids, labels=ids).loss
+        torch.testing.assert_close(after, reference_loss(stepped), rtol=1e-10, atol=1e-12)
+    assert after < loss
