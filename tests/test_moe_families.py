@@ -1,8 +1,11 @@
 """Every MoE causal-LM family of the installed transformers, on a tiny random config: its routed experts are
 converted at default settings (contracted through ``TTExperts`` / ``ExpertWeight`` where that computes the
 module's function, in the weight-space form otherwise), full rank reproduces the dense logits, default ranks
-shrink the experts, and ``state_dict`` round-trips. Training, compiling and saving are checked on one family per
-path. References are the dense models (deep copies taken before conversion).
+shrink the experts, ``state_dict`` round-trips, ``RankAdaptive`` trains and shrinks them, and the compiled step
+(aot_eager) equals eager. The default run checks a representative handful of families (``REPRESENTATIVE``; the
+compiled step on gpt-oss only); the slow suite checks every family. Saving, the in-place write guard and the
+size accounting are checked on gpt-oss. References are the dense models (deep copies taken before conversion),
+and for Llama 4's training step the dense float64 model with its weights rebuilt from the TT cores by opt_einsum.
 """
 
 from __future__ import annotations
@@ -48,6 +51,17 @@ WEIGHT_SPACE = {
 FULL = TensorizeConfig(max_rank=10**6, min_numel=0, min_dim=1, skip=(r"embed", r"lm_head"))
 
 
+def every_family(representative: set[str], families=BUILT) -> list:
+    """``families`` as pytest params, all but ``representative`` marked slow (the slow suite runs them all)."""
+    return [f if f in representative else pytest.param(f, marks=pytest.mark.slow) for f in families]
+
+
+#: Checked in the default run; every other family runs in the slow suite (the per-family checks cost seconds to
+#: minutes each). One per path and layout: transformers experts (contracted, with a shared expert), gpt-oss's own
+#: gating (weight-space, eager loop), Llama 4 (weight-space, bmm over every expert, in-place add on its output).
+REPRESENTATIVE = {"mixtral", "deepseek_v3", "gpt_oss", "llama4"}
+
+
 def tokens(batch: int = 2, length: int = 8):
     return torch.randint(0, 64, (batch, length), generator=torch.Generator().manual_seed(1))
 
@@ -89,7 +103,7 @@ def test_every_family_with_experts_is_built_or_named():
     assert set(UNBUILT) <= set(FAMILIES)
 
 
-@pytest.mark.parametrize("family", BUILT)
+@pytest.mark.parametrize("family", every_family(REPRESENTATIVE))
 def test_full_rank_reproduces_the_dense_logits(family):
     model = build(family, FAMILIES[family])
     dense = copy.deepcopy(model)
@@ -108,7 +122,7 @@ def test_full_rank_reproduces_the_dense_logits(family):
         assert rel(model(tokens()).logits, dense(tokens()).logits) <= 1e-4
 
 
-@pytest.mark.parametrize("family", BUILT)
+@pytest.mark.parametrize("family", every_family(REPRESENTATIVE))
 def test_default_ranks_shrink_the_experts_and_state_dict_round_trips(family):
     sizes = dict(hidden_size=256, intermediate_size=256, moe_intermediate_size=256)
     model = build(family, FAMILIES[family], **sizes)
@@ -152,12 +166,16 @@ def test_gpt_oss_experts_keep_their_own_forward_exactly_in_float64():
         torch.testing.assert_close(model(tokens()).logits, dense(tokens()).logits, rtol=1e-9, atol=1e-10)
 
 
-@pytest.mark.parametrize("family", ["gpt_oss", "mixtral"])
+@pytest.mark.parametrize("family", every_family(REPRESENTATIVE))
 def test_rank_adaptive_trains_and_shrinks_the_experts(family):
     model = build(family, FAMILIES[family]).train()
     comera_fx.tensorize_(model, TensorizeConfig(max_rank=8, min_numel=0, min_dim=1, skip=(r"embed", r"lm_head")))
     banks = [m for m in model.modules() if isinstance(m, TTExpertBank)]
-    assert banks and (family != "mixtral" or any(isinstance(m, TTExperts) for m in model.modules()))
+    assert banks
+    if family in WEIGHT_SPACE:
+        assert any(is_bank_holder(m) for m in model.modules())
+    if family == "mixtral":
+        assert any(isinstance(m, TTExperts) for m in model.modules())
     before = sum(tt.layout.num_params for b in banks for tt in b)
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
     hook = RankAdaptive(model, optimizer, RankConfig(keep_fraction=0.5, total_steps=8, prunes=2))
@@ -174,8 +192,12 @@ def test_rank_adaptive_trains_and_shrinks_the_experts(family):
     assert losses[-1] < losses[0] and after < before
 
 
-def test_the_compiled_weight_space_step_equals_eager():
-    model = gpt_oss().train()
+@pytest.mark.parametrize("family", every_family({"gpt_oss"}))
+def test_the_compiled_step_equals_eager(family):
+    """One training step's loss and every gradient, compiled (aot_eager: Dynamo and AOT autograd, no Inductor)
+    against eager. Only gpt-oss in the default run: the contracted families' experts loop breaks the graph per
+    expert, 1-2 min of tracing each on a shared CPU."""
+    model = build(family, FAMILIES[family]).train()
     comera_fx.tensorize_(model, FULL.replace(max_rank=6))
     twin = copy.deepcopy(model)
     ids = tokens()
@@ -185,11 +207,14 @@ def test_the_compiled_weight_space_step_equals_eager():
     loss = compiled(ids, labels=ids).loss
     loss.backward()
     torch.testing.assert_close(loss, eager, rtol=1e-5, atol=1e-6)
-    grads = {n: p.grad for n, p in model.named_parameters() if "_tt" in n and p.grad is not None}
-    assert grads
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    assert any(g is not None for n, g in grads.items() if "_tt" in n or ".tt." in n)
     for name, p in twin.named_parameters():
-        if name in grads:
-            torch.testing.assert_close(p.grad, grads[name], rtol=1e-4, atol=1e-6)
+        want, got = grads[name], p.grad
+        if want is None or got is None:  # a parameter no op reached on one side: none or zero on the other
+            assert (want if got is None else got) is None or not bool((want if got is None else got).any()), name
+        else:
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_save_tensorized_round_trips_the_weight_space_form(tmp_path):

@@ -57,7 +57,8 @@ OVERRIDES: Mapping[str, Mapping[str, object]] = {
     "qwen3_next": dict(layer_types=["full_attention", "full_attention"]),
     "granitemoehybrid": dict(layer_types=["full_attention", "full_attention"]),
     "lfm2_moe": dict(num_dense_layers=1, layer_types=["conv", "full_attention"]),
-    "longcat_flash": dict(qk_head_dim=16),
+    # 2 zero-computation (identity) experts, not 256: with 4 real ones the router hardly ever picks a real expert
+    "longcat_flash": dict(qk_head_dim=16, zero_expert_num=2),
     "nemotron_h": dict(layer_types=["full_attention", "moe"]),
     "mistral4": dict(qk_head_dim=16, head_dim=16),
     "qwen3_5_moe": dict(layer_types=["full_attention", "full_attention"]),
