@@ -29,8 +29,6 @@ FAMILIES = dict(families())
 #: Families whose tiny config does not build or run in this transformers (the reason is theirs, not ours).
 UNBUILT = {
     "dbrx": "DbrxConfig: 'DbrxAttentionConfig' object has no attribute 'rope_theta' at model construction",
-    "dots3_note": "per-layer config attributes (AmbiguousGlobalPerLayerAttributeError)",
-    "gemma4": "per-layer config attributes (AmbiguousGlobalPerLayerAttributeError)",
     "qwen4_exp": "its indexer needs token_budget / compress_ratio, unset at the defaults",
 }
 BUILT = sorted(set(FAMILIES) - set(UNBUILT))

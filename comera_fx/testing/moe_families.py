@@ -60,6 +60,7 @@ OVERRIDES: Mapping[str, Mapping[str, object]] = {
     # 2 zero-computation (identity) experts, not 256: with 4 real ones the router hardly ever picks a real expert
     "longcat_flash": dict(qk_head_dim=16, zero_expert_num=2),
     "nemotron_h": dict(layer_types=["full_attention", "moe"]),
+    "gemma4": dict(enable_moe_block=True, top_k_experts=2),  # its MoE block is off by default
     "mistral4": dict(qk_head_dim=16, head_dim=16),
     "qwen3_5_moe": dict(layer_types=["full_attention", "full_attention"]),
 }
@@ -88,6 +89,8 @@ def tiny_config(family: str, class_name: str):
     """The family's default config with every size field of ``SIZES`` / ``OVERRIDES`` it has set."""
     module = importlib.import_module(f"transformers.models.{family}")
     config = getattr(module, class_name).config_class()
+    if getattr(config, "is_heterogeneous", False):  # per-layer values (Gemma 4, Dots3-Note): one value for all
+        config.per_layer_config = None  # layers, or the global size fields below are refused as ambiguous
     layers = SIZES["num_hidden_layers"]
     fitted = {}
     if isinstance(getattr(config, "mlp_layer_types", None), list):  # one dense layer, then sparse ones
