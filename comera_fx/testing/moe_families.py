@@ -61,6 +61,10 @@ OVERRIDES: Mapping[str, Mapping[str, object]] = {
     "longcat_flash": dict(qk_head_dim=16, zero_expert_num=2),
     "nemotron_h": dict(layer_types=["full_attention", "moe"]),
     "gemma4": dict(enable_moe_block=True, top_k_experts=2),  # its MoE block is off by default
+    # the QSA indexer has no defaults (its config's validation says what fits: one kv head, budget % ratio == 0)
+    "qwen4_exp": dict(
+        indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=8, indexer_budget=16, indexer_compress_ratio=4
+    ),
     "mistral4": dict(qk_head_dim=16, head_dim=16),
     "qwen3_5_moe": dict(layer_types=["full_attention", "full_attention"]),
 }
