@@ -201,9 +201,11 @@ def test_the_compiled_step_equals_eager(family):
     comera_fx.tensorize_(model, FULL.replace(max_rank=6))
     twin = copy.deepcopy(model)
     ids = tokens()
+    torch.manual_seed(0)  # PhiMoE's router samples in training (sparsemixer): the same draws both ways
     eager = model(ids, labels=ids).loss
     eager.backward()
     compiled = torch.compile(twin, backend="aot_eager")
+    torch.manual_seed(0)
     loss = compiled(ids, labels=ids).loss
     loss.backward()
     torch.testing.assert_close(loss, eager, rtol=1e-5, atol=1e-6)
