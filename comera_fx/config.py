@@ -208,7 +208,8 @@ class TensorizeConfig(LayerSettings):
             (ranks per layer and per bond, see ``comera_fx.tt.allocate``; needs ``init="svd"``).
         expert_form: how a transformers experts module's 3D weights become TT (docs/moe.md): ``"per_expert"``
             (default: each expert its own TT matrix) or ``"shared"`` (one TT chain over the experts side by side,
-            one small core per expert; TT-SVD only, without a size target).
+            one small core per expert; TT-SVD only; under a size target each shared chain is one layer of the
+            allocation).
         weight_space: also convert a large weight that some op reads in a way with no TT rule (``P * x``,
             ``P @ x``, ``weight.norm()``): it is held in TT form and rebuilt from the cores for those reads (exact
             at full rank, a dense rebuild per read). Off by default: such a layer stays dense, with the op named.
@@ -232,11 +233,10 @@ class TensorizeConfig(LayerSettings):
             raise ValueError(f"{owner}.weight_space must be True or False; got {self.weight_space!r}")
         if self.expert_form not in EXPERT_FORMS:
             raise ValueError(f"{owner}.expert_form must be one of {EXPERT_FORMS}; got {self.expert_form!r}")
-        if self.expert_form == "shared" and (self.init is not Init.SVD or self.size_target is not None):
+        if self.expert_form == "shared" and self.init is not Init.SVD:
             raise ValueError(
                 f"{owner}.expert_form='shared' is built by TT-SVD of the experts side by side: it needs "
-                f"init='svd' and no size_target (got init={self.init.value!r}, "
-                f"size_target={self.size_target!r}); use expert_form='per_expert' for those"
+                f"init='svd' (got init={self.init.value!r}); use expert_form='per_expert' for random init"
             )
         _check_size_target(owner, self.size_target)
         object.__setattr__(self, "allocation", _coerce_enum(owner, "allocation", self.allocation, Allocation))

@@ -149,6 +149,36 @@ def test_module_uses_the_function_and_matches_dense(monkeypatch, transposed, wit
         assert_rel_close(g, w)
 
 
+@pytest.mark.parametrize("randomized", [False, True])
+def test_the_output_may_be_modified_in_place(monkeypatch, randomized):
+    """A model may write into a layer's output (Llama 4's MoE block: ``out = shared_expert(x); out.add_(routed)``).
+    The planned product's y was a view made inside the custom Function, which autograd refuses to modify in place;
+    now y + z written in place has the gradients of the float64 reference's y + z (dX, and every core and gate
+    without the sketch; with it, dX is exact)."""
+    from comera_fx.rmm import rmm_tt_product
+
+    monkeypatch.setattr(layers, "CUSTOM_AUTOGRAD", True)
+    tt = TTMatrix.random(
+        30, 20, format=TTFormat.TT, row_modes=(3, 5, 2), col_modes=(4, 5), max_rank=4, std=1.0,
+        dtype=torch.float64, generator=torch.Generator().manual_seed(0),
+    )  # fmt: skip
+    x = torch.randn(6, 30, dtype=torch.float64, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    z = torch.randn(6, 20, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    params = [x] if randomized else [x, *tt.cores, *tt.gates]
+    y = rmm_tt_product(x, tt, rho=0.5) if randomized else TTLinear(tt)(x)
+    assert y.grad_fn.name().startswith("RandomizedTTProduct" if randomized else "PlannedProduct")
+    y.add_(z)
+    dy = torch.randn(y.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    got = torch.autograd.grad(y, params, dy)
+    leaves = [p.detach().requires_grad_() for p in [x, *tt.cores, *tt.gates]]
+    n = len(tt.cores)
+    want_y = leaves[0] @ dense_reference(leaves[1 : 1 + n], leaves[1 + n :], tt.layout) + z
+    want = torch.autograd.grad(want_y, leaves[: len(params)], dy)
+    assert_rel_close(y, want_y)
+    for g, w in zip(got, want):
+        assert_rel_close(g, w)
+
+
 @pytest.fixture(autouse=True)
 def planned_path_only(monkeypatch):
     """These tests are about the plan runners: no-grad calls of few tokens would take the cached two-factor form

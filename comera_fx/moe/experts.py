@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .bank import TTExpertBank
+from .unreached import expert_parameters, tie_unreached
 
 # Attributes transformers' ``use_experts_implementation`` decorator sets on every experts module it wraps.
 _DECORATOR_FLAGS = ("has_gate", "has_bias", "is_transposed", "is_concatenated", "has_post_expert_norm")
@@ -162,7 +163,14 @@ class TTExperts(nn.Module):
         return self.down_proj.project(expert, h, None if self.down_bias is None else self.down_bias[expert])
 
     def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
-        return route(hidden_states, top_k_index, top_k_weights, self.num_experts, self.expert_forward)
+        reached: list[int] = []
+        out = route(hidden_states, top_k_index, top_k_weights, self.num_experts, self.expert_forward, reached)
+        # the experts no token reached get zero gradients, as the dense 3D weight's rows do (moe/unreached.py)
+        missed = set(range(self.num_experts)) - set(reached)
+        params = [p for bank in (self.up, self.down_proj) for p in expert_parameters(bank, missed)]
+        if not reached:  # the biases (E × out, one parameter each) too
+            params += [b for b in (self.up_bias, self.down_bias) if b is not None]
+        return tie_unreached(out, params)
 
     def extra_repr(self) -> str:
         return f"num_experts={self.num_experts}, has_gate={self.has_gate}"
@@ -176,10 +184,15 @@ def _activate(h: Tensor, act_fn, has_gate: bool) -> Tensor:
 
 
 def route(
-    hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor, num_experts: int, expert_forward
+    hidden_states: Tensor,
+    top_k_index: Tensor,
+    top_k_weights: Tensor,
+    num_experts: int,
+    expert_forward,
+    reached: list[int] | None = None,
 ) -> Tensor:
     """transformers' eager experts loop: every expert some token chose runs ``expert_forward(e, its tokens)``,
-    weighted and added back."""
+    weighted and added back; ``reached`` (when given) gets the experts that ran."""
     out = torch.zeros_like(hidden_states)
     with torch.no_grad():
         # (experts, k, tokens): which (slot, token) pairs chose each expert; one extra class absorbs indices
@@ -189,6 +202,8 @@ def route(
     for expert in hit:
         if expert >= num_experts:
             continue
+        if reached is not None:
+            reached.append(expert)
         slot, token = torch.where(mask[expert])
         y = expert_forward(expert, hidden_states[token])
         y = y * top_k_weights[token, slot, None]

@@ -26,6 +26,8 @@ class LazyBank:
     def __init__(self, bank):
         self.bank = bank
         self._whole = None
+        #: The experts this forward read one by one (``P[e]``, ``P[ids]``); all of them once the whole bank is read.
+        self.reached: set[int] = set()
 
     @property
     def shape(self) -> torch.Size:
@@ -54,6 +56,7 @@ class LazyBank:
         """The whole bank (E × a × b), rebuilt at the first read that needs it and shared by the later ones."""
         if self._whole is None:
             self._whole = self.bank.dense()
+            self.reached = set(range(len(self)))
         return self._whole
 
     def __getitem__(self, index):
@@ -62,6 +65,7 @@ class LazyBank:
             expert = int(index)
             if not -experts <= expert < experts:
                 raise IndexError(f"index {expert} is out of bounds for the {experts} experts of this bank")
+            self.reached.add(expert % experts)
             slice_ = self.bank.dense_expert(expert % experts)
             return dense_view(slice_, self.bank, transposed=self.bank.slice_use == "linear")
         if isinstance(index, Tensor) and index.dim() == 1 and index.numel() and _is_integer(index):
@@ -71,12 +75,13 @@ class LazyBank:
                     f"index {low if low < -experts else high} is out of bounds for the {experts} experts of this bank"
                 )
             distinct, inverse = torch.unique(index % experts, return_inverse=True)
+            self.reached.update(int(e) for e in distinct)
             rebuilt = torch.stack([self.bank.dense_expert(int(e)) for e in distinct])
             return rebuilt[inverse]
         return self.whole()[index]
 
     def __getattr__(self, name: str):
-        if name.startswith("__") or name in ("bank", "_whole"):
+        if name.startswith("__") or name in ("bank", "_whole", "reached"):
             raise AttributeError(name)
         return getattr(self.whole(), name)  # P.transpose(...), P.T, P.to(...): the whole bank
 

@@ -25,6 +25,20 @@ from ..tt.layout import TTFormat, TTLayout
 from .bank import SLICE_USES, stored_matrix
 
 
+def stacked_experts(weight: Tensor, slice_use: str) -> Tensor:
+    """[M_0 | M_1 | … ] (in × E·out): the matrix whose TT chain is the shared form of ``weight`` (E × a × b)."""
+    return torch.cat([stored_matrix(p, slice_use) for p in weight.detach()], dim=1)
+
+
+def shared_modes(rows: int, cols: int, experts: int, max_pad_fraction: float = 0.25):
+    """(row modes, column modes) of the shared chain of ``experts`` matrices of rows × cols: the expert mode first
+    among the column modes. The per-expert output size must factor without padding (ValueError otherwise)."""
+    row_modes, col_modes = choose_layout_modes(rows, cols, TTFormat.TT, max_pad_fraction=max_pad_fraction)
+    if torch.Size(col_modes).numel() != cols:
+        raise ValueError(f"the shared form needs an output size that factors without padding; {cols} -> {col_modes}")
+    return tuple(row_modes), (experts, *col_modes)
+
+
 class SharedTTExpertBank(nn.Module):
     """E experts of one projection as one TT matrix with an expert mode (see the module docstring)."""
 
@@ -56,18 +70,13 @@ class SharedTTExpertBank(nn.Module):
         """TT-SVD of the experts of ``weight`` (E × a × b) side by side, the expert mode first among the column
         modes (the middle of the chain). The per-expert output size must factor without padding."""
         experts = weight.shape[0]
-        stacked = torch.cat([stored_matrix(p, slice_use) for p in weight.detach()], dim=1)  # in × E·out
-        rows, cols = stacked.shape[0], stacked.shape[1] // experts
-        row_modes, col_modes = choose_layout_modes(rows, cols, TTFormat.TT, max_pad_fraction=max_pad_fraction)
-        if torch.Size(col_modes).numel() != cols:
-            raise ValueError(
-                f"the shared form needs an output size that factors without padding; {cols} -> {col_modes}"
-            )
+        stacked = stacked_experts(weight, slice_use)
+        row_modes, col_modes = shared_modes(stacked.shape[0], stacked.shape[1] // experts, experts, max_pad_fraction)
         tt = TTMatrix.from_matrix(
             stacked,
             format=TTFormat.TT,
             row_modes=row_modes,
-            col_modes=(experts, *col_modes),
+            col_modes=col_modes,
             max_rank=max_rank,
             rank_ratio=rank_ratio,
             rel_tol=rel_tol,

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from ..tt.dense_view import dense_view
 from .lazy_bank import LazyBank, plain_eager
+from .unreached import expert_parameters, tie_unreached
 
 #: The attribute of an instance holding, during one eager forward, the banks rebuilt for it ({attr: tensor}).
 _CACHE = "_comera_fx_rebuilt"
@@ -88,12 +89,21 @@ def _forward(self, *args, **kwargs):
     base_forward = super(cls, self).forward
     if cls._comera_fx_bank_attrs and _can_cache(self):
         banks = {attr: self._modules[f"{attr}_tt"] for attr in cls._comera_fx_bank_attrs}
-        if plain_eager():  # P[e] rebuilds expert e alone; a read of the whole bank rebuilds it once (lazy_bank.py)
+        lazy = plain_eager()
+        if lazy:  # P[e] rebuilds expert e alone; a read of the whole bank rebuilds it once (lazy_bank.py)
             self.__dict__[_CACHE] = {attr: LazyBank(bank) for attr, bank in banks.items()}
         else:
             self.__dict__[_CACHE] = {attr: bank.dense() for attr, bank in banks.items()}
         try:
-            return base_forward(*args, **kwargs)
+            out = base_forward(*args, **kwargs)
+            if lazy:  # the experts no read reached get zero gradients, as the dense weight's rows do (unreached.py)
+                missed = [
+                    p
+                    for read in self.__dict__[_CACHE].values()
+                    for p in expert_parameters(read.bank, set(range(len(read))) - read.reached)
+                ]
+                out = tie_unreached(out, missed)
+            return out
         finally:
             self.__dict__.pop(_CACHE, None)
     return base_forward(*args, **kwargs)

@@ -86,6 +86,8 @@ class SharedLists:
             self.groups.append(group)
 
     def _problem(self, group: ListGroup, weight, filter_fn) -> str | None:
+        if self.config.size_target is not None:  # its linears are then sized by the allocation, as any linear
+            return "not under a size target (the shared chains of expert lists are not sized by it yet)"
         modules = [self.model.get_submodule(p) for p in group.paths]
         if any(type(m) is not nn.Linear for m in modules):
             return "its experts' linears are not all plain nn.Linear"

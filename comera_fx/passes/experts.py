@@ -22,7 +22,7 @@ from torch import nn
 
 from ..config import TensorizeConfig
 from ..moe.bank import TTExpertBank, stored_matrix
-from ..moe.shared import SharedTTExpertBank
+from ..moe.shared import SharedTTExpertBank, shared_modes, stacked_experts
 from ..tt.layers import TTMatrix
 from ..moe.experts import TTExperts, hf_experts_problem
 from ..moe.weight import ExpertWeight, attach_expert_weight
@@ -139,6 +139,17 @@ def expert_name(fqn: str, expert: int) -> str:
     return f"{fqn}.{expert}"
 
 
+def shared_name(fqn: str) -> str:
+    """The name the shared chain of a 3D parameter's experts goes by in the size target's allocation."""
+    return f"{fqn}.shared"
+
+
+def is_shared(plan: ExpertPlan, config: TensorizeConfig) -> bool:
+    """Does ``plan`` build the shared form (``expert_form="shared"``, a transformers experts module or the
+    weight-space form)? Otherwise each expert gets its own TT matrix."""
+    return config.expert_form == "shared" and (plan.layout == HF_EXPERTS or plan.weight_space)
+
+
 def build_banks(
     model: nn.Module,
     plans: list[ExpertPlan],
@@ -155,10 +166,14 @@ def build_banks(
         for i, cand in enumerate(plan.candidates):
             weight, first, index = params[cand.fqn], index, index + cand.num_experts  # experts first.. index - 1
             settings = config.settings_for(cand.fqn)
-            if plan.layer_plans is not None:
+            if plan.layer_plans is not None and is_shared(plan, config):  # one planned chain: the shared form
+                (layer_plan,) = plan.layer_plans[i]
+                tt = build_tt(stacked_experts(weight, cand.slice_use), layer_plan)[0]
+                plan.banks.append(SharedTTExpertBank(tt, cand.num_experts, cand.slice_use))
+            elif plan.layer_plans is not None:
                 matrices = [build_tt(weight[e], layer_plan)[0] for e, layer_plan in enumerate(plan.layer_plans[i])]
                 plan.banks.append(TTExpertBank(matrices, cand.slice_use))
-            elif config.expert_form == "shared" and (plan.layout == HF_EXPERTS or plan.weight_space):
+            elif is_shared(plan, config):
                 plan.banks.append(_shared_bank(weight, cand, settings))
             else:
                 if config.expert_form == "shared":
@@ -319,8 +334,9 @@ class ExpertStep:
         )
 
     def layer_inputs(self, first_index: int) -> list:
-        """Under a size target, one ``LayerInput`` per expert matrix (named by ``expert_name``), so that the
-        allocation sizes the experts with the other layers; nothing otherwise."""
+        """Under a size target, one ``LayerInput`` per expert matrix (named by ``expert_name``), or per shared chain
+        (``shared_name``: the experts side by side, the expert mode among the column modes), so that the allocation
+        sizes the experts with the other layers; nothing otherwise."""
         from .layer_plan import LayerInput
 
         if not self.planned:
@@ -330,6 +346,21 @@ class ExpertStep:
         for plan in self.plans:
             for cand in plan.candidates:
                 weight = params[cand.fqn].detach()
+                if is_shared(plan, self.config):
+                    stacked = stacked_experts(weight, cand.slice_use)
+                    pad = self.config.settings_for(cand.fqn).max_pad_fraction
+                    try:
+                        modes = shared_modes(
+                            stacked.shape[0], stacked.shape[1] // cand.num_experts, cand.num_experts, pad
+                        )
+                    except ValueError as exc:
+                        raise ValueError(
+                            f"cannot build the shared form of the experts {cand.fqn} {cand.shape}: {exc}; "
+                            f"TensorizeConfig(expert_form='per_expert') converts each expert on its own"
+                        ) from exc
+                    inputs.append(LayerInput(shared_name(cand.fqn), "linear", False, stacked, index, cand.fqn, modes))
+                    index += cand.num_experts
+                    continue
                 if plan.weight_space and self.calibration is not None:
                     cand.slice_use = _orientation(cand, self.calibration)
                 for e in range(cand.num_experts):
@@ -353,7 +384,12 @@ class ExpertStep:
             return
         kept = []
         for plan in self.plans:
-            names = [[expert_name(c.fqn, e) for e in range(c.num_experts)] for c in plan.candidates]
+            names = [
+                [shared_name(c.fqn)]
+                if is_shared(plan, self.config)
+                else [expert_name(c.fqn, e) for e in range(c.num_experts)]
+                for c in plan.candidates
+            ]
             missing = [n for group in names for n in group if n in decided.no_modes]
             if missing:
                 for d in plan.decisions:

@@ -9,6 +9,7 @@ never the config, so data flows one way: config -> plans -> TT matrices.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -16,6 +17,7 @@ from typing import Any
 from torch import Tensor
 
 from ..config import LayerSettings, TensorizeConfig
+from ..tt.layout import TTFormat
 from .sizing import LayerFit, SizeTargetInfo, plan_fits
 
 
@@ -24,7 +26,9 @@ class LayerInput:
     """What ``plan_layers`` needs of one selected layer: ``matrix`` is its TT matrix to be (rows × cols; Pᵀ when
     ``transposed``). ``index`` fixes its random-init seed (``config.seed + index``); None: its position among the
     planned layers. ``settings_fqn``: the FQN whose settings (overrides) apply, when ``fqn`` names a part of a
-    parameter (one expert of a 3D expert weight: ``<fqn>.<e>``)."""
+    parameter (one expert of a 3D expert weight: ``<fqn>.<e>``). ``modes``: (row modes, column modes) of a TT-format
+    chain the layer must have whatever its settings say (the shared form of experts: the expert mode among the
+    column modes)."""
 
     fqn: str
     kind: str
@@ -32,6 +36,7 @@ class LayerInput:
     matrix: Tensor
     index: int | None = None
     settings_fqn: str | None = None
+    modes: tuple[tuple[int, ...], tuple[int, ...]] | None = None
 
 
 @dataclass(frozen=True)
@@ -64,6 +69,12 @@ class LayerPlans:
 def plan_layers(layers: Sequence[LayerInput], config: TensorizeConfig, calibration=None) -> LayerPlans:
     """One ``LayerPlan`` per layer; ``config.settings_for`` is called once per layer, here only."""
     settings = {layer.fqn: config.settings_for(layer.settings_fqn or layer.fqn) for layer in layers}
+    for layer in layers:
+        if layer.modes is not None:
+            row_modes, col_modes = layer.modes
+            settings[layer.fqn] = dataclasses.replace(
+                settings[layer.fqn], linear_format=TTFormat.TT, row_modes=row_modes, col_modes=col_modes
+            )
     fits: dict[str, LayerFit | str] = {}
     size_info, notes = None, {layer.fqn: [] for layer in layers}
     if config.size_target is not None or calibration is not None:

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from ..tt import layers
 from ..tt import plan as planner
+from ..tt.plan.autograd import not_a_view
 from .sketch import check_sketch, draw_seed, projected_rows, rho_ratio, sketch_rows
 
 
@@ -142,7 +143,7 @@ class RandomizedTTProduct(torch.autograd.Function):
     def forward(ctx, x, x_sketch, seed, runners, kind, *cores):
         ctx.runners, ctx.kind = runners, kind
         ctx.save_for_backward(x_sketch, seed, *cores)
-        return runners[0].forward(x, cores, keep=False)[0]
+        return not_a_view(runners[0].forward(x, cores, keep=False)[0])  # in-place writes allowed (plan.autograd)
 
     @staticmethod
     def backward(ctx, dy):

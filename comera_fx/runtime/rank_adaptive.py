@@ -90,8 +90,9 @@ class RankAdaptive:
 
     **Under torch.compile** (budget schedule) the hook compiles once by itself: when the model runs compiled
     (``runtime.compiled``: comera_fx's backend saw its parameters, ``compile`` / ``compile_regions`` marked it, or a
-    stock ``torch.compile`` shows on the module tree it was handed; ``compiled_as`` says which), a prune writes the rounded cores into the stored ones in place, zero past the new
-    ranks (the zero slices get zero gradients), so the compiled graphs run on without a recompile; the schedule's
+    stock ``torch.compile`` shows on the module tree it was handed; ``compiled_as`` says which), a prune writes the
+    rounded cores into the stored ones in place, zero past the new ranks (the zero slices get zero gradients), so
+    the compiled graphs run on without a recompile; the schedule's
     last prune point shrinks every matrix physically at once (one recompile) if that frees at least
     ``MIN_FINAL_COMPACTION`` (10 %) of the stored size. Regionally compiled blocks also get one shape per matrix
     role at that shrink (``same_shape_blocks``), so one graph serves them all. Eagerly every prune shrinks

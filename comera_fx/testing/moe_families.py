@@ -57,8 +57,14 @@ OVERRIDES: Mapping[str, Mapping[str, object]] = {
     "qwen3_next": dict(layer_types=["full_attention", "full_attention"]),
     "granitemoehybrid": dict(layer_types=["full_attention", "full_attention"]),
     "lfm2_moe": dict(num_dense_layers=1, layer_types=["conv", "full_attention"]),
-    "longcat_flash": dict(qk_head_dim=16),
+    # 2 zero-computation (identity) experts, not 256: with 4 real ones the router hardly ever picks a real expert
+    "longcat_flash": dict(qk_head_dim=16, zero_expert_num=2),
     "nemotron_h": dict(layer_types=["full_attention", "moe"]),
+    "gemma4": dict(enable_moe_block=True, top_k_experts=2),  # its MoE block is off by default
+    # the QSA indexer has no defaults (its config's validation says what fits: one kv head, budget % ratio == 0)
+    "qwen4_exp": dict(
+        indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=8, indexer_budget=16, indexer_compress_ratio=4
+    ),
     "mistral4": dict(qk_head_dim=16, head_dim=16),
     "qwen3_5_moe": dict(layer_types=["full_attention", "full_attention"]),
 }
@@ -87,6 +93,8 @@ def tiny_config(family: str, class_name: str):
     """The family's default config with every size field of ``SIZES`` / ``OVERRIDES`` it has set."""
     module = importlib.import_module(f"transformers.models.{family}")
     config = getattr(module, class_name).config_class()
+    if getattr(config, "is_heterogeneous", False):  # per-layer values (Gemma 4, Dots3-Note): one value for all
+        config.per_layer_config = None  # layers, or the global size fields below are refused as ambiguous
     layers = SIZES["num_hidden_layers"]
     fitted = {}
     if isinstance(getattr(config, "mlp_layer_types", None), list):  # one dense layer, then sparse ones

@@ -297,7 +297,7 @@ def _make_function(chosen: Plan) -> type:
             out, lefts, rights = runner.forward(x, cores, bias=bias)
             ctx.save_for_backward(*lefts, *rights)
             ctx.bias_in_gemm = runner.bias_in_gemm(x, bias)
-            return out
+            return not_a_view(out)
 
         @staticmethod
         def backward(ctx, dy):
@@ -311,6 +311,17 @@ def _make_function(chosen: Plan) -> type:
 
     PlannedProduct.__name__ = PlannedProduct.__qualname__ = "PlannedProduct"
     return PlannedProduct
+
+
+def not_a_view(out: torch.Tensor) -> torch.Tensor:
+    """``out`` as a custom Function's output that the caller may modify in place, without a copy.
+
+    A planned product's y is a reshape (a view) of its last GEMM's result. Returned as is from
+    ``Function.forward``, autograd forbids any in-place write to it ("Output 0 of PlannedProduct is a view and is
+    being modified inplace"), so a model doing ``out = mlp(x); out.add_(...)`` (Llama 4's MoE block) failed under
+    grad. ``detach()`` gives the same memory as a tensor autograd does not count as a view; the GEMM result it
+    shares memory with is saved by no one, so no saved tensor can be overwritten."""
+    return out.detach()
 
 
 def execute_function(chosen: Plan, x, cores: Sequence, layout: TTLayout, bias=None):
