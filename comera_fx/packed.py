@@ -17,6 +17,12 @@ whole rows (one scale per row, repeated). Other group sizes are refused.
 
 ``state_dict`` holds the portable form (the codes as ``comera_fx.quantize.pack`` stores them, the scales per group),
 so ``save_tensorized`` / ``load_tensorized`` keep the layer packed (never building the fp32 weight on load).
+
+``PackedTTLinear`` does the same for a ``TTLinear`` whose cores ``quantize_`` put on a grid: each core is held as
+its stored codes and scales (exactly the bytes ``save_tensorized`` writes for it), the cores are dequantized on each
+call (they are small: a rank-64 TT layer of MiniLM has ~60 k core weights against the dense 590 k) and the product
+runs the planner's inference plan, as ``TTLinear`` does. It never uses ``tt.merged``'s cached fp32 forms, which would
+hold fp32 factors larger than the codes.
 """
 
 from __future__ import annotations
@@ -28,6 +34,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .quantize import SPEC_ATTR, QuantSpec, dequantize, pack, quantize_groups, unpack
+from .tt import ops
+from .tt import plan as planner
+from .tt.layers import TTLinear, TTMatrix, choose_plan, planned_envelope
+from .tt.layout import TTFormat, TTLayout
 
 SCALES_SUFFIX = "weight_scales"
 
@@ -152,6 +162,201 @@ class PackedLinear(nn.Module):
         )
 
 
+def _codes_width(numel: int, bits: int) -> int:
+    return numel if bits == 8 else (numel + 1) // 2
+
+
+def dequantize_stored(codes: Tensor, scales: Tensor, spec: QuantSpec, shape, dtype: torch.dtype) -> Tensor:
+    """The tensor of ``shape`` that ``pack``'s stored codes and the scales per group stand for, in ``dtype``: the
+    same values as ``comera_fx.quantize.dequantize`` (the same products, so bit for bit), in a few traceable ops
+    (bit masks, not ``unpack``'s int16 round trip)."""
+    numel = math.prod(shape)
+    if spec.bits == 8:
+        grid = codes.to(dtype)
+    else:
+        grid = torch.stack([codes & 0xF, codes >> 4], -1).reshape(-1).to(dtype) - 8
+    size = max(numel, 1) if spec.group_size is None else spec.group_size
+    whole = numel + (-numel) % size
+    grid = grid[:whole] if grid.numel() >= whole else F.pad(grid, (0, whole - grid.numel()))
+    return (grid.reshape(-1, size) * scales.to(dtype)[:, None]).reshape(-1)[:numel].reshape(shape)
+
+
+class PackedTTLinear(nn.Module):
+    """``TTLinear`` with each core held as int8 / int4 codes (``pack``'s stored form) and fp32 scales per group,
+    dequantized on each call: exactly the cores ``quantize_`` left in fp32, in their stored bytes. The gates (one
+    fp32 value per rank) and the bias stay float. Inference only: codes, scales and gates are buffers.
+
+    The product runs the planner's forward-only plan for the batch size (``planned_envelope(...,
+    backward=False)``), pinned at construction, so the module compiles and exports (``comera_fx.export`` pins one
+    plan per range through ``tt.layers.choose_plan``) without planning inside a trace."""
+
+    def __init__(
+        self,
+        layout: TTLayout,
+        specs,
+        bias: bool = True,
+        *,
+        transposed: bool = False,
+        device=None,
+        dtype: torch.dtype = torch.float32,
+    ):
+        super().__init__()
+        specs = tuple(specs)
+        if len(specs) != len(layout.core_shapes):
+            raise ValueError(f"{len(specs)} grids for {len(layout.core_shapes)} cores")
+        self.layout, self.specs, self.transposed, self.dtype = layout, specs, transposed, dtype
+        for k, (shape, spec) in enumerate(zip(layout.core_shapes, specs)):
+            numel = math.prod(shape)
+            code_dtype = torch.int8 if spec.bits == 8 else torch.uint8
+            self.register_buffer(
+                f"codes_{k}", torch.empty(_codes_width(numel, spec.bits), dtype=code_dtype, device=device)
+            )
+            self.register_buffer(f"scales_{k}", torch.empty(spec.groups(numel), device=device))
+        for k, rank in enumerate(layout.internal_ranks):
+            self.register_buffer(f"gates_{k}", torch.empty(rank, dtype=dtype, device=device))
+        self.bias = nn.Parameter(torch.empty(self.out_features, device=device, dtype=dtype)) if bias else None
+        self._plan()
+
+    @property
+    def op(self) -> str:
+        return "matmul_t" if self.transposed else "matmul"
+
+    @property
+    def in_features(self) -> int:
+        return self.layout.cols if self.transposed else self.layout.rows
+
+    @property
+    def out_features(self) -> int:
+        return self.layout.rows if self.transposed else self.layout.cols
+
+    @property
+    def stored_empty(self) -> bool:
+        return any(math.prod(shape) == 0 for shape in self.layout.core_shapes)
+
+    def _plan(self) -> None:
+        self._pins = {} if self.stored_empty else {self.op: planned_envelope(self.layout, self.op, backward=False)}
+
+    @classmethod
+    def from_tt_linear(cls, linear: TTLinear, specs=None) -> "PackedTTLinear":
+        """``linear``'s cores rounded onto ``specs`` (default: the grids ``quantize_`` recorded) and packed; cores
+        already on their grid are kept bit for bit. The stored (possibly wider, zero-gated) cores are packed as
+        they are."""
+        tt = linear.tt
+        specs = tuple(specs) if specs is not None else tt_core_specs(tt)
+        if specs is None or None in specs:
+            raise ValueError("every TT core needs a grid (quantize_ the TT matrix first, or pass specs)")
+        cores = [c.detach() for c in tt._stored_cores()]
+        layer = cls(
+            tt.layout,
+            specs,
+            linear.bias is not None,
+            transposed=linear.transposed,
+            device=cores[0].device,
+            dtype=cores[0].dtype,
+        )
+        with torch.no_grad():
+            for k, (core, spec) in enumerate(zip(cores, specs)):
+                codes, scales = quantize_groups(core, spec)
+                getattr(layer, f"codes_{k}").copy_(pack(codes, spec.bits))
+                getattr(layer, f"scales_{k}").copy_(scales)
+            for k, gate in enumerate(tt._stored_gates()):
+                getattr(layer, f"gates_{k}").copy_(gate.detach())
+            if linear.bias is not None:
+                layer.bias.copy_(linear.bias.detach())
+        layer.train(linear.training)
+        return layer
+
+    def cores(self, dtype: torch.dtype | None = None) -> list[Tensor]:
+        """The cores the codes stand for (ungated), in ``dtype`` (default: the cores' saved dtype)."""
+        dtype = dtype or self.dtype
+        return [
+            dequantize_stored(getattr(self, f"codes_{k}"), getattr(self, f"scales_{k}"), spec, shape, dtype)
+            for k, (shape, spec) in enumerate(zip(self.layout.core_shapes, self.specs))
+        ]
+
+    def gates(self) -> list[Tensor]:
+        return [getattr(self, f"gates_{k}") for k in range(len(self.layout.internal_ranks))]
+
+    def dequantized(self, dtype: torch.dtype | None = None) -> Tensor:
+        """The dense (out × in) weight: for checks, not for the hot path."""
+        dtype = dtype or self.dtype
+        gates = [g.to(dtype) for g in self.gates()]
+        dense = ops.to_dense(ops.gate_cores(self.cores(dtype), gates, self.layout), self.layout)
+        return dense if self.transposed else dense.t()
+
+    def forward(self, x: Tensor) -> Tensor:
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        if self.stored_empty:
+            out = x[..., :0] @ x.new_zeros(0, self.out_features)
+            return out if bias is None else out + bias
+        gates = [g.to(x.dtype) for g in self.gates()]
+        cores = ops.gate_cores(self.cores(x.dtype), gates, self.layout)
+        envelope = self._pins.get(self.op)
+        if envelope is None:  # a module whose pins were dropped and not remade (never in normal use)
+            envelope = planned_envelope(self.layout, self.op, backward=False)
+        chosen = choose_plan(envelope, x.numel() // self.in_features)
+        return planner.execute(chosen, x, cores, self.layout, bias)
+
+    def nbytes(self) -> int:
+        """Bytes held in memory by the codes and scales: the cores' stored bytes (gates and bias not counted, as
+        ``comera_fx.quantize.stored_bytes`` does not count them)."""
+        return sum(
+            t.numel() * t.element_size() for name, t in self.named_buffers() if name.startswith(("codes_", "scales_"))
+        )
+
+    def manifest_entry(self) -> dict:
+        layout = self.layout
+        return {
+            "format": layout.format.value,
+            "rows": layout.rows,
+            "cols": layout.cols,
+            "row_modes": list(layout.row_modes),
+            "col_modes": list(layout.col_modes),
+            "ranks": list(layout.ranks),
+            "specs": [[s.bits, s.group_size] for s in self.specs],
+            "bias": self.bias is not None,
+            "transposed": self.transposed,
+            "dtype": str(self.dtype).removeprefix("torch."),
+        }
+
+    @classmethod
+    def from_manifest_entry(cls, e: dict, device=None) -> "PackedTTLinear":
+        layout = TTLayout(
+            TTFormat(e["format"]),
+            e["rows"],
+            e["cols"],
+            tuple(e["row_modes"]),
+            tuple(e["col_modes"]),
+            tuple(e["ranks"]),
+        )
+        specs = [QuantSpec(bits, group) for bits, group in e["specs"]]
+        return cls(
+            layout, specs, e["bias"], transposed=e["transposed"], device=device, dtype=getattr(torch, e["dtype"])
+        )
+
+    def __getstate__(self):
+        state = super().__getstate__()
+        state["_pins"] = {}  # planner objects: a copy or a loaded module plans its own
+        return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._plan()
+
+    def extra_repr(self) -> str:
+        bits = sorted({f"int{s.bits} group {s.group_size}" for s in self.specs})
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, ranks={self.layout.ranks}, "
+            f"cores {', '.join(bits)}, bias={self.bias is not None}"
+        )
+
+
+def tt_core_specs(tt: TTMatrix) -> tuple[QuantSpec | None, ...]:
+    """The grid ``quantize_`` recorded for each core of ``tt`` (None where a core has none)."""
+    recorded = getattr(tt.cores, SPEC_ATTR, {})
+    return tuple(recorded.get(str(k)) for k in range(len(tt.cores)))
+
+
 def packable(module: nn.Module) -> QuantSpec | None:
     """The grid of an ``nn.Linear`` whose weight ``quantize_`` recorded and whose groups fit its rows, else None."""
     if type(module) is not nn.Linear:
@@ -167,18 +372,33 @@ def packable(module: nn.Module) -> QuantSpec | None:
 
 
 @torch.no_grad()
-def pack_linears_(model: nn.Module) -> dict[str, str]:
+def pack_linears_(model: nn.Module, *, tt: bool = True) -> dict[str, str]:
     """Swap every ``nn.Linear`` whose weight ``quantize_`` / ``apply_formats_`` put on an int grid for a
-    ``PackedLinear`` holding the same values as codes; returns {module path: why it stayed} for quantized linears
-    whose groups do not fit their rows (they stay fake-quantized fp32). Inference only: pack after training. A weight
-    shared with another module (tied) is left as it is."""
+    ``PackedLinear`` holding the same values as codes, and (``tt=True``) every ``TTLinear`` whose cores are all on
+    a grid for a ``PackedTTLinear``; returns {module path: why it stayed} for quantized layers that could not be
+    packed (they stay fake-quantized fp32). Inference only: pack after training. A weight or TT matrix shared with
+    another module (tied) is left as it is."""
     counts: dict[int, int] = {}
     for _, module in model.named_modules(remove_duplicate=False):
         for p in module._parameters.values():
             if p is not None:
                 counts[id(p)] = counts.get(id(p), 0) + 1
+        for child in module._modules.values():
+            if isinstance(child, TTMatrix):
+                counts[id(child)] = counts.get(id(child), 0) + 1
     left, swaps = {}, []
     for path, module in model.named_modules():
+        if tt and type(module) is TTLinear:
+            specs = tt_core_specs(module.tt)
+            if all(s is None for s in specs):
+                continue
+            if None in specs:
+                left[path] = "some of its TT cores are not quantized"
+            elif counts[id(module.tt)] > 1:
+                left[path] = "its TT matrix is shared with another module"
+            else:
+                swaps.append((path, module, PackedTTLinear.from_tt_linear))
+            continue
         if type(module) is not nn.Linear or "weight" not in getattr(module, SPEC_ATTR, {}):
             continue
         spec = getattr(module, SPEC_ATTR)["weight"]
@@ -190,17 +410,18 @@ def pack_linears_(model: nn.Module) -> dict[str, str]:
         except ValueError as exc:
             left[path] = str(exc)
             continue
-        swaps.append((path, module, spec))
-    for path, module, spec in swaps:
-        packed = PackedLinear.from_linear(module, spec).to(module.weight.device)
+        swaps.append((path, module, lambda m, spec=spec: PackedLinear.from_linear(m, spec).to(m.weight.device)))
+    for path, module, make in swaps:
+        packed = make(module)
         packed.train(module.training)
         parent, _, child = path.rpartition(".")
         setattr(model.get_submodule(parent), child, packed)
     return left
 
 
-def packed_modules(model: nn.Module) -> dict[str, PackedLinear]:
-    return {path: m for path, m in model.named_modules() if isinstance(m, PackedLinear)}
+def packed_modules(model: nn.Module) -> dict[str, PackedLinear | PackedTTLinear]:
+    """{path: module} of every packed layer (``PackedLinear`` and ``PackedTTLinear``; both have ``nbytes()``)."""
+    return {path: m for path, m in model.named_modules() if isinstance(m, (PackedLinear, PackedTTLinear))}
 
 
 def reference_weight(codes: Tensor, scales: Tensor, spec: QuantSpec, shape) -> Tensor:
@@ -228,11 +449,27 @@ def packed_manifest(model: nn.Module) -> dict[str, dict]:
             "bias": m.bias is not None,
         }
         for path, m in packed_modules(model).items()
+        if isinstance(m, PackedLinear)
     }
 
 
-def install_packed(model: nn.Module, entries: dict[str, dict]) -> None:
-    """Swap the modules at the manifest's paths for (unallocated) ``PackedLinear`` s; the state fills them."""
+def packed_tt_manifest(model: nn.Module) -> dict[str, dict]:
+    """{path: its layout, grids per core, ...} of every ``PackedTTLinear``."""
+    return {path: m.manifest_entry() for path, m in packed_modules(model).items() if isinstance(m, PackedTTLinear)}
+
+
+def _swap(model: nn.Module, path: str, new: nn.Module) -> None:
+    new.train(model.get_submodule(path).training)
+    parent, _, child = path.rpartition(".")
+    setattr(model.get_submodule(parent), child, new)
+
+
+def install_packed(model: nn.Module, entries: dict[str, dict], tt_entries: dict[str, dict] | None = None) -> None:
+    """Swap the modules at the manifest's paths for (unallocated) ``PackedLinear`` s and ``PackedTTLinear`` s; the
+    state fills them."""
+    for path, e in (tt_entries or {}).items():
+        old = model.get_submodule(path)
+        _swap(model, path, PackedTTLinear.from_manifest_entry(e, device=next(old.parameters(), torch.empty(0)).device))
     for path, e in entries.items():
         old = model.get_submodule(path)
         new = PackedLinear(
@@ -271,3 +508,40 @@ def packed_from_quantized(model: nn.Module, manifest: dict, tensors: dict[str, T
         }
         tensors[f"{path}.{SCALES_SUFFIX}"] = tensors.pop(scale_prefix + key)
         del quantized[key]
+
+
+def packed_tt_from_quantized(manifest: dict, tensors: dict[str, Tensor], scale_prefix: str) -> None:
+    """``load_tensorized(pack=True)``: turn each saved ``TTLinear`` whose cores are all quantized, and whose TT
+    matrix no other holder shares, into a ``packed_tt`` entry of the manifest; its stored codes and scales become
+    the ``PackedTTLinear``'s buffers as they are (no fp32 core is built)."""
+    quantized, packed = manifest.get("quantized", {}), manifest.setdefault("packed_tt", {})
+    aliases = manifest.get("aliases", {})
+    aliased = set(aliases.values()) | set(aliases)
+    matrices = {e["fqn"]: e for e in manifest["tt_matrices"]}
+    holders_of: dict[str, int] = {}
+    for holder in manifest["holders"]:
+        if "tt" in holder:
+            holders_of[holder["tt"]] = holders_of.get(holder["tt"], 0) + 1
+    for holder in manifest["holders"]:
+        if holder.get("type") != "linear" or holders_of[holder["tt"]] > 1:
+            continue
+        entry, path, fqn = matrices[holder["tt"]], holder["path"], holder["tt"]
+        n_cores = len(entry["ranks"]) - 1
+        cores = [f"{fqn}.cores.{k}" for k in range(n_cores)]
+        gates = [f"{fqn}.gates.{k}" for k in range(n_cores - 1)]
+        if any(k not in quantized or k in aliased for k in cores) or any(g in aliased for g in gates):
+            continue
+        bias = f"{path}.bias"
+        packed[path] = {
+            **{k: entry[k] for k in ("format", "rows", "cols", "row_modes", "col_modes", "ranks")},
+            "specs": [[quantized[k]["bits"], quantized[k]["group_size"]] for k in cores],
+            "bias": bias in tensors or bias in aliases,
+            "transposed": holder["transposed"],
+            "dtype": quantized[cores[0]]["dtype"],
+        }
+        for k, key in enumerate(cores):
+            tensors[f"{path}.codes_{k}"] = tensors.pop(key)
+            tensors[f"{path}.scales_{k}"] = tensors.pop(scale_prefix + key)
+            del quantized[key]
+        for k, key in enumerate(gates):
+            tensors[f"{path}.gates_{k}"] = tensors.pop(key)

@@ -131,7 +131,7 @@ def compress_(
     if config.pack:
         left = pack_linears_(student)
         notes += [f"{path} stays fake-quantized fp32: {why}" for path, why in left.items()]
-    if any(c.format.startswith("tt") for c in plan.choices.values()):
+    if not config.pack and any(c.format.startswith("tt") for c in plan.choices.values()):
         notes.append("TT cores are held in fp32 in memory (on their int grid); only the saved file stores codes")
     return CompressSummary(
         plan,
