@@ -220,3 +220,21 @@ def test_pack_linears_packs_tt_layers_and_leaves_shared_ones():
     left = pack_linears_(model)
     assert isinstance(model[0], PackedTTLinear) and set(left) == {"2", "5"} and "shared" in left["2"]
     assert isinstance(pack_linears_(tt_model(), tt=True), dict)  # nothing quantized: nothing to pack, no error
+
+
+def test_export_carries_packed_tt_codes():
+    """comera_fx.export of a model with PackedTTLinear layers: the program holds the cores' codes (no fp32 core),
+    and matches eager over the declared batch range."""
+    from torch.export import Dim
+
+    model = tt_model()
+    comera_fx.quantize_(model, 4, 32)
+    pack_linears_(model)
+    model.eval()
+    program = comera_fx.export(model, (torch.randn(4, 128),), dynamic_shapes=({0: Dim("b", max=64)},))
+    held = {**program.state_dict, **program.constants}
+    assert held["0.codes_0"].dtype == torch.uint8
+    assert not any(v.is_floating_point() and v.dim() >= 2 for v in held.values() if v.numel() > 40 * 48)
+    for rows in (1, 9, 64):
+        x = torch.randn(rows, 128)
+        torch.testing.assert_close(program.module()(x), model(x), rtol=0, atol=1e-5)
