@@ -28,6 +28,7 @@ hold fp32 factors larger than the codes.
 from __future__ import annotations
 
 import math
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +41,28 @@ from .tt.layers import TTLinear, TTMatrix, choose_plan, planned_envelope
 from .tt.layout import TTFormat, TTLayout
 
 SCALES_SUFFIX = "weight_scales"
+
+#: Rebuild each layer's fp32 weight in one buffer per thread (dtype, device) that all ``PackedLinear`` s share,
+#: grown to the largest layer, in eager calls that record no gradient. Why: a fresh 2.4 MB allocation per call
+#: came back as fresh pages, and the GEMM reading them ran 2.3x slower than from a reused buffer at 18 tokens
+#: (1.59 against 0.65 ms, fp32 weight 0.70 ms; benchmarks/history/2026-12-05-issue-46-session2.md). The buffer is
+#: the same peak memory a call needs anyway, kept between calls: ``workspace_bytes()`` reports it.
+REUSE_WORKSPACE = True
+_WORKSPACE = threading.local()
+
+
+def _workspace(numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    buffers = _WORKSPACE.__dict__.setdefault("buffers", {})
+    held = buffers.get((dtype, device))
+    if held is None or held.numel() < numel:
+        with torch.inference_mode(False):  # a normal tensor: written in place both inside and outside inference mode
+            held = buffers[(dtype, device)] = torch.empty(numel, dtype=dtype, device=device)
+    return held[:numel]
+
+
+def workspace_bytes() -> int:
+    """Bytes of this thread's shared ``PackedLinear`` workspaces (0 before any eager call)."""
+    return sum(t.numel() * t.element_size() for t in _WORKSPACE.__dict__.get("buffers", {}).values())
 
 
 def kernel_group(spec: QuantSpec, rows: int, cols: int) -> int:
@@ -107,27 +130,62 @@ class PackedLinear(nn.Module):
         self.scales = _row_scales(scales.reshape(-1).cpu(), spec, rows, cols, self.kgroup).to(device)
         if spec.bits == 8:
             self.codes = grid.contiguous().to(device)
-        else:
-            nibbles = (grid.to(torch.int16) + 8).to(torch.uint8)
-            self.codes = (nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)).contiguous().to(device)
+        else:  # in memory, byte j of a row holds input features j (low nibble) and j + in/2 (high nibble)
+            nibbles, half = (grid.to(torch.int16) + 8).to(torch.uint8), cols // 2
+            self.codes = (nibbles[:, :half] | (nibbles[:, half:] << 4)).contiguous().to(device)
 
     def stored(self) -> tuple[Tensor, Tensor]:
         """(``pack``'s stored codes, fp32 scales per group of ``spec``): the portable form."""
         codes, scales = quantize_groups(self.dequantized(), self.spec)
         return pack(codes, self.spec.bits), scales
 
-    def dequantized(self, dtype: torch.dtype = torch.float32) -> Tensor:
-        """The weight these codes stand for (out × in): what ``forward`` multiplies by."""
+    def _unsigned_grid(self, dtype: torch.dtype, shared: bool = False) -> Tensor:
+        """The codes as floats (out × in), unscaled; int4 codes + 8 (0..15: ``forward`` takes the 8 off the
+        product, not off every weight). ``shared``: written into the thread's workspace (valid until the next
+        call)."""
         rows, cols = self.out_features, self.in_features
-        if self.spec.bits == 8:
-            grid = self.codes.to(dtype)
+        if shared:
+            grid = _workspace(rows * cols, dtype, self.codes.device).view(rows, cols)
         else:
-            grid = torch.stack([self.codes & 0xF, self.codes >> 4], -1).reshape(rows, cols).to(dtype).sub_(8)
+            grid = self.codes.new_empty((rows, cols), dtype=dtype)
+        if self.spec.bits == 8:
+            return grid.copy_(self.codes) if shared else self.codes.to(dtype)
+        half = cols // 2
+        grid[:, :half] = self.codes & 0xF
+        grid[:, half:] = self.codes >> 4
+        return grid
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """The weight these codes stand for (out × in): ``forward``'s product is ``x`` times its transpose."""
+        rows, cols = self.out_features, self.in_features
+        grid = self._unsigned_grid(dtype)
+        if self.spec.bits == 4:
+            grid = grid.sub_(8)
         grid = grid.reshape(rows, -1, self.kgroup).mul_(self.scales.to(dtype)[..., None])
         return grid.reshape(rows, cols)
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.linear(x, self.dequantized(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        """``x Wᵀ + b`` with one pass over the weight: the codes converted to floats (int4: kept as code + 8). One
+        scale per output channel scales the output instead of the weight; int4's offset comes off the output as
+        ``8 · (x's sum over each group) · scales``, a (tokens × groups) by (groups × out) product."""
+        rows, cols, scales = self.out_features, self.in_features, self.scales.to(x.dtype)
+        shared = (
+            REUSE_WORKSPACE
+            and not torch.compiler.is_compiling()
+            and type(x) is torch.Tensor
+            and not (torch.is_grad_enabled() and x.requires_grad)
+        )
+        grid = self._unsigned_grid(x.dtype, shared)
+        per_row = self.kgroup == cols
+        if not per_row:
+            grid = grid.reshape(rows, -1, self.kgroup).mul_(scales[..., None]).reshape(rows, cols)
+        out = F.linear(x, grid)
+        if self.spec.bits == 4:
+            sums = x.sum(-1, keepdim=True) if per_row else x.unflatten(-1, (-1, self.kgroup)).sum(-1)
+            out = out - 8 * (sums if per_row else sums @ scales.t())
+        if per_row:
+            out = out * scales[:, 0]
+        return out if self.bias is None else out + self.bias.to(x.dtype)
 
     def nbytes(self) -> int:
         """Bytes held in memory by the codes and scales (the resident size of the weight)."""
@@ -205,13 +263,22 @@ class PackedTTLinear(nn.Module):
         if len(specs) != len(layout.core_shapes):
             raise ValueError(f"{len(specs)} grids for {len(layout.core_shapes)} cores")
         self.layout, self.specs, self.transposed, self.dtype = layout, specs, transposed, dtype
-        for k, (shape, spec) in enumerate(zip(layout.core_shapes, specs)):
+        # All cores' stored codes end to end in one byte buffer (int8 codes viewed as bytes), their scales in one
+        # fp32 buffer: one unpack per call for all cores when their groups line up (``_aligned``).
+        self._spans, code_at, scale_at, value_at = [], 0, 0, 0
+        for shape, spec in zip(layout.core_shapes, specs):
             numel = math.prod(shape)
-            code_dtype = torch.int8 if spec.bits == 8 else torch.uint8
-            self.register_buffer(
-                f"codes_{k}", torch.empty(_codes_width(numel, spec.bits), dtype=code_dtype, device=device)
-            )
-            self.register_buffer(f"scales_{k}", torch.empty(spec.groups(numel), device=device))
+            width, groups = _codes_width(numel, spec.bits), spec.groups(numel)
+            self._spans.append((code_at, code_at + width, scale_at, scale_at + groups, value_at, shape, spec))
+            code_at, scale_at, value_at = code_at + width, scale_at + groups, value_at + numel
+        unit = [s.group_size * (2 if s.bits == 4 and s.group_size % 2 else 1) for s in specs if s.group_size]
+        self._aligned = (
+            len(set(specs)) == 1
+            and len(unit) == len(specs)
+            and all(math.prod(shape) % unit[0] == 0 for shape in layout.core_shapes)
+        )
+        self.register_buffer("codes", torch.empty(code_at, dtype=torch.uint8, device=device))
+        self.register_buffer("scales", torch.empty(scale_at, device=device))
         for k, rank in enumerate(layout.internal_ranks):
             self.register_buffer(f"gates_{k}", torch.empty(rank, dtype=dtype, device=device))
         self.bias = nn.Parameter(torch.empty(self.out_features, device=device, dtype=dtype)) if bias else None
@@ -257,8 +324,8 @@ class PackedTTLinear(nn.Module):
         with torch.no_grad():
             for k, (core, spec) in enumerate(zip(cores, specs)):
                 codes, scales = quantize_groups(core, spec)
-                getattr(layer, f"codes_{k}").copy_(pack(codes, spec.bits))
-                getattr(layer, f"scales_{k}").copy_(scales)
+                layer.core_codes(k).copy_(pack(codes, spec.bits))
+                layer.core_scales(k).copy_(scales)
             for k, gate in enumerate(tt._stored_gates()):
                 getattr(layer, f"gates_{k}").copy_(gate.detach())
             if linear.bias is not None:
@@ -266,13 +333,34 @@ class PackedTTLinear(nn.Module):
         layer.train(linear.training)
         return layer
 
+    def core_codes(self, k: int) -> Tensor:
+        """Core ``k``'s stored codes (``pack``'s form: int8, or uint8 two to a byte): a view of ``codes``."""
+        start, end, *_, spec = self._spans[k]
+        codes = self.codes[start:end]
+        return codes.view(torch.int8) if spec.bits == 8 else codes
+
+    def core_scales(self, k: int) -> Tensor:
+        """Core ``k``'s scales, one per group: a view of ``scales``."""
+        _, _, start, end, *_ = self._spans[k]
+        return self.scales[start:end]
+
     def cores(self, dtype: torch.dtype | None = None) -> list[Tensor]:
         """The cores the codes stand for (ungated), in ``dtype`` (default: the cores' saved dtype)."""
         dtype = dtype or self.dtype
-        return [
-            dequantize_stored(getattr(self, f"codes_{k}"), getattr(self, f"scales_{k}"), spec, shape, dtype)
-            for k, (shape, spec) in enumerate(zip(self.layout.core_shapes, self.specs))
-        ]
+        if not self._aligned:
+            return [
+                dequantize_stored(self.core_codes(k), self.core_scales(k), span[-1], span[-2], dtype)
+                for k, span in enumerate(self._spans)
+            ]
+        spec = self.specs[0]  # every core on one grid, whole groups: unpack all cores at once, then cut
+        flat = dequantize_stored(
+            self.codes.view(torch.int8) if spec.bits == 8 else self.codes,
+            self.scales,
+            spec,
+            (self._spans[-1][4] + math.prod(self._spans[-1][5]),),
+            dtype,
+        )
+        return [flat[at : at + math.prod(shape)].view(shape) for *_, at, shape, _ in self._spans]
 
     def gates(self) -> list[Tensor]:
         return [getattr(self, f"gates_{k}") for k in range(len(self.layout.internal_ranks))]
@@ -300,8 +388,29 @@ class PackedTTLinear(nn.Module):
     def nbytes(self) -> int:
         """Bytes held in memory by the codes and scales: the cores' stored bytes (gates and bias not counted, as
         ``comera_fx.quantize.stored_bytes`` does not count them)."""
-        return sum(
-            t.numel() * t.element_size() for name, t in self.named_buffers() if name.startswith(("codes_", "scales_"))
+        return self.codes.numel() + self.scales.numel() * self.scales.element_size()
+
+    # ---- state_dict: per core, as save_tensorized stores a TT matrix's quantized cores
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        del destination[prefix + "codes"], destination[prefix + "scales"]
+        for k in range(len(self._spans)):
+            destination[f"{prefix}codes_{k}"] = self.core_codes(k).detach()
+            destination[f"{prefix}scales_{k}"] = self.core_scales(k).detach()
+
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ):
+        keys = [f"{prefix}{kind}_{k}" for k in range(len(self._spans)) for kind in ("codes", "scales")]
+        if all(key in state_dict for key in keys):
+            with torch.no_grad():
+                for k in range(len(self._spans)):
+                    self.core_codes(k).copy_(state_dict.pop(f"{prefix}codes_{k}"))
+                    self.core_scales(k).copy_(state_dict.pop(f"{prefix}scales_{k}"))
+            state_dict[prefix + "codes"], state_dict[prefix + "scales"] = self.codes, self.scales
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
 
     def manifest_entry(self) -> dict:

@@ -137,7 +137,7 @@ def tt_reference(layer, x: torch.Tensor) -> torch.Tensor:
     return x.double() @ weight.t() + layer.bias.detach().double()
 
 
-@pytest.mark.parametrize("bits,group", [(8, 64), (8, None), (4, 32), (4, 7), (4, None)])
+@pytest.mark.parametrize("bits,group", [(8, 64), (8, None), (8, 16), (4, 32), (4, 7), (4, None), (4, 16)])
 def test_packed_tt_forward_is_the_fake_quantized_tt_forward(bits, group):
     from comera_fx.packed import PackedTTLinear
     from comera_fx.tt.layers import TTLinear
@@ -146,6 +146,7 @@ def test_packed_tt_forward_is_the_fake_quantized_tt_forward(bits, group):
     comera_fx.quantize_(model, bits, group)  # the TT cores
     for layer in (model[0], model[2]):
         packed = PackedTTLinear.from_tt_linear(layer)
+        assert packed._aligned == (group == 16 or (group == 32 and layer is model[2]))  # all cores unpacked at once
         for core, held in zip(layer.tt.cores, packed.cores()):
             assert torch.equal(held, core.detach())  # the fake-quantized fp32 cores, bit for bit
         assert packed.nbytes() == comera_fx.quantize.stored_bytes(layer)  # held as its stored bytes
@@ -233,8 +234,39 @@ def test_export_carries_packed_tt_codes():
     model.eval()
     program = comera_fx.export(model, (torch.randn(4, 128),), dynamic_shapes=({0: Dim("b", max=64)},))
     held = {**program.state_dict, **program.constants}
-    assert held["0.codes_0"].dtype == torch.uint8
+    assert held["0.codes"].dtype == torch.uint8
     assert not any(v.is_floating_point() and v.dim() >= 2 for v in held.values() if v.numel() > 40 * 48)
     for rows in (1, 9, 64):
         x = torch.randn(rows, 128)
         torch.testing.assert_close(program.module()(x), model(x), rtol=0, atol=1e-5)
+
+
+def test_shared_workspace_gives_the_same_outputs_in_every_mode():
+    """Eager no-grad calls rebuild weights in one shared buffer; outputs of earlier layers stay valid, inference
+    mode and no_grad both work after each other, and a call recording a gradient builds its own weight."""
+    import comera_fx.packed as packed_mod
+
+    torch.manual_seed(5)
+    layers = [
+        PackedLinear.from_linear(nn.Linear(64, 96), QuantSpec(4, 32)),
+        PackedLinear.from_linear(nn.Linear(64, 32), QuantSpec(8, None)),
+    ]
+    x = torch.randn(5, 64)
+    packed_mod.REUSE_WORKSPACE = False
+    try:
+        with torch.no_grad():
+            expected = [layer(x) for layer in layers]
+    finally:
+        packed_mod.REUSE_WORKSPACE = True
+    with torch.inference_mode():
+        first = [layer(x) for layer in layers]
+    with torch.no_grad():
+        second = [layer(x) for layer in layers]
+    for a, b, c in zip(expected, first, second):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    assert packed_mod.workspace_bytes() >= 96 * 64 * 4
+    xg = x.clone().requires_grad_()
+    out = layers[0](xg)
+    layers[1](x)  # writes the shared buffer; the gradient below needs layer 0's own weight
+    out.sum().backward()
+    torch.testing.assert_close(xg.grad, layers[0].dequantized().sum(0).expand(5, 64), rtol=0, atol=1e-5)
