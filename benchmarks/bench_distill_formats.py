@@ -33,7 +33,7 @@ common.use_this_checkout()
 cp = common.load_example("compress_pretrained")
 
 import comera_fx  # noqa: E402
-from comera_fx.packed import packed_modules  # noqa: E402
+from comera_fx.packed import packed_modules, workspace_bytes  # noqa: E402
 
 
 def data(args):
@@ -215,6 +215,8 @@ def measure_serving(
         "teacher_encoder_bytes": teacher_bytes,
         "resident_over_stored": round(resident / stored, 3),
         "rss_delta_load_student": after_student - before,
+        "workspace_bytes": workspace_bytes(),  # PackedLinear's shared fp32 buffer (the largest layer), per thread
+        "resident_with_workspace_over_stored": round((resident + workspace_bytes()) / stored, 3),
         "packed_layers": len(packed_modules(loaded)),
         "packed_tt_layers": sum(hasattr(m, "layout") for m in packed_modules(loaded).values()),
         "latency_ms": ms,

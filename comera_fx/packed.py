@@ -2,7 +2,8 @@
 
 ``quantize_`` / ``apply_formats_`` round a weight onto a grid but keep it in fp32 (4 bytes a weight in RAM for a
 weight stored in 1 or ½). ``PackedLinear`` holds only the codes (int8; int4 two to a byte) and one fp32 scale per
-group, and rebuilds the fp32 weight of one layer at a time inside its forward (freed after the GEMM).
+group, and rebuilds the fp32 weight of one layer at a time inside its forward, in eager inference into one buffer
+per thread that every layer shares (``REUSE_WORKSPACE``; its size is the largest layer's fp32 weight).
 
 Why not torch's int kernels: ``aten._weight_int4pack_mm_for_cpu`` and ``aten._weight_int8pack_mm`` exist in the
 pinned torch 2.13 CPU build, give exactly these products, and were measured 6-74x slower than the fp32 GEMM with
@@ -20,9 +21,10 @@ so ``save_tensorized`` / ``load_tensorized`` keep the layer packed (never buildi
 
 ``PackedTTLinear`` does the same for a ``TTLinear`` whose cores ``quantize_`` put on a grid: each core is held as
 its stored codes and scales (exactly the bytes ``save_tensorized`` writes for it), the cores are dequantized on each
-call (they are small: a rank-64 TT layer of MiniLM has ~60 k core weights against the dense 590 k) and the product
-runs the planner's inference plan, as ``TTLinear`` does. It never uses ``tt.merged``'s cached fp32 forms, which would
-hold fp32 factors larger than the codes.
+call (they are small: a rank-64 TT layer of MiniLM's 384 x 384 attention has 57 k core weights, the dense one 147 k),
+all cores in one pass when they share a grid and whole groups, and the product runs the planner's inference plan,
+as ``TTLinear`` does. It never uses ``tt.merged``'s cached fp32 forms, which would hold fp32 factors larger than the
+codes.
 """
 
 from __future__ import annotations
