@@ -167,9 +167,11 @@ class PackedLinear(nn.Module):
         return grid.reshape(rows, cols)
 
     def forward(self, x: Tensor) -> Tensor:
-        """``x Wᵀ + b`` with one pass over the weight: the codes converted to floats (int4: kept as code + 8). One
-        scale per output channel scales the output instead of the weight; int4's offset comes off the output as
-        ``8 · (x's sum over each group) · scales``, a (tokens × groups) by (groups × out) product."""
+        """``x Wᵀ + b``. With fewer tokens than 2/3 of the input width (the output smaller than the weight), one
+        pass over the weight: the codes converted to floats (int4: kept as code + 8), one scale per output channel
+        applied to the output instead of the weight, int4's offset taken off the output as ``8 · (x's sum over each
+        group) · scales``, a (tokens × groups) by (groups × out) product. With more, and when compiled or exported,
+        the weight is finished (offset, scales) and the bias rides in the GEMM."""
         rows, cols, scales = self.out_features, self.in_features, self.scales.to(x.dtype)
         shared = (
             REUSE_WORKSPACE
@@ -178,6 +180,13 @@ class PackedLinear(nn.Module):
             and not (torch.is_grad_enabled() and x.requires_grad)
         )
         grid = self._unsigned_grid(x.dtype, shared)
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        # the output is the larger operand: finish the weight, not it (always when traced: a size test is a guard)
+        if torch.compiler.is_compiling() or 3 * (x.numel() // cols) >= 2 * cols:
+            if self.spec.bits == 4:
+                grid = grid.sub_(8)
+            grid = grid.reshape(rows, -1, self.kgroup).mul_(scales[..., None]).reshape(rows, cols)
+            return F.linear(x, grid, bias)
         per_row = self.kgroup == cols
         if not per_row:
             grid = grid.reshape(rows, -1, self.kgroup).mul_(scales[..., None]).reshape(rows, cols)
@@ -187,7 +196,7 @@ class PackedLinear(nn.Module):
             out = out - 8 * (sums if per_row else sums @ scales.t())
         if per_row:
             out = out * scales[:, 0]
-        return out if self.bias is None else out + self.bias.to(x.dtype)
+        return out if bias is None else out + bias
 
     def nbytes(self) -> int:
         """Bytes held in memory by the codes and scales (the resident size of the weight)."""
