@@ -85,8 +85,8 @@ def compress_(
     Calibrates on the first ``config.calibration_batches`` batches (padding left out), chooses a format per layer
     (int8 / int4 / TT with int8 or int4 cores, ``choose_formats`` scored at the output), builds it, distills for
     ``budget_seconds`` and/or ``steps`` (the last ``config.quant_aware`` share at the rounded weights), rounds the
-    weights onto their grids and, with ``config.pack``, holds the int layers packed (``PackedLinear``). The student
-    is ready for ``save_tensorized``. ``tensorize_config``: which layers count (``min_numel`` / ``skip``);
+    weights onto their grids and, with ``config.pack``, holds the layers packed (``PackedLinear``, ``PackedTTLinear``).
+    The student is ready for ``save_tensorized``. ``tensorize_config``: which layers count (``min_numel`` / ``skip``);
     ``calibration`` / ``plan``: reuse ones made on this model. Nothing changes in the student before every check
     has passed (a copy of the teacher, batches that run on it, a budget the smallest formats fit). Returns a
     ``CompressSummary``."""
