@@ -329,7 +329,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rows", type=int, nargs="+", default=[8, 2048], help="kernels: token counts")
     parser.add_argument("--student", default=None, help="serve: the student's file (built and saved if absent)")
-    parser.add_argument("--variants", default="eager", help="serve: eager and/or compiled, comma-separated")
+    parser.add_argument("--variants", default="eager", help="serve: eager, compiled, layers (comma-separated)")
     parser.add_argument("--torchao", default=None, help="serve: a torchao --target install to compare with")
     args = parser.parse_args()
     args.variants = tuple(args.variants.split(","))
