@@ -4,7 +4,7 @@ byte budget; and the packed student's resident memory and encode latency against
 
     flock /tmp/timing.lock python benchmarks/bench_distill_formats.py choose --scoring all --layers 2
     flock /tmp/timing.lock python benchmarks/bench_distill_formats.py choose --scoring fast
-    flock /tmp/timing.lock python benchmarks/bench_distill_formats.py serve
+    flock /tmp/timing.lock python benchmarks/bench_distill_formats.py serve --student s8.st --variants eager,compiled
     flock /tmp/timing.lock python benchmarks/bench_distill_formats.py compress --budget-seconds 600
     flock /tmp/timing.lock python benchmarks/bench_distill_formats.py kernels
 
@@ -33,7 +33,7 @@ common.use_this_checkout()
 cp = common.load_example("compress_pretrained")
 
 import comera_fx  # noqa: E402
-from comera_fx.packed import packed_modules  # noqa: E402
+from comera_fx.packed import packed_modules, workspace_bytes  # noqa: E402
 
 
 def data(args):
@@ -114,32 +114,61 @@ def rss() -> int:
 
 
 def serve(args) -> dict:
-    """Resident memory of the loaded models and encode latency at batch 1 and 64 (median of rotated repeats)."""
+    """Resident memory of the loaded models and encode latency at batch 1 and 64 (median of rotated repeats).
+    ``--student PATH``: the 8x student's file, built (calibration + fast format choice, no training: the formats and
+    bytes are what count here) and saved there on the first run, reused after."""
     teacher, builder, batches, encoded = data(args)
-    config = encoder_config(None)
-    calibration = comera_fx.calibrate(teacher, batches, token_mask=cp.real_tokens, config=config)
-    plan = comera_fx.choose_formats(teacher, calibration, args.budget, config=config, batches=batches[:2], fast=True)
-    student = copy.deepcopy(teacher)
-    comera_fx.apply_formats_(student, plan, calibration)
-    return measure_serving(teacher, student, builder, batches[0], encoded, args.repeats)
-
-
-def measure_serving(teacher, student, builder, batch, encoded, repeats: int) -> dict:
-    """Save ``student``, load it packed (``load_tensorized(pack=True)``), and compare with the fp32 ``teacher``:
-    bytes of the encoder linears stored / held, the process RSS the load added, latency at batch 1 and 64."""
-    path = Path(os.environ.get("TMPDIR", "/tmp")) / "i46_student.safetensors"
-    comera_fx.save_tensorized(student, path)
-    stored = comera_fx.quantize.stored_bytes(student, "bert.encoder.") + sum(  # packed layers hold buffers
-        m.spec.nbytes(m.in_features * m.out_features)
-        for p, m in packed_modules(student).items()
-        if p.startswith("bert.encoder.")
+    path = Path(args.student) if args.student else None
+    if path is None or not path.exists():
+        config = encoder_config(None)
+        calibration = comera_fx.calibrate(teacher, batches, token_mask=cp.real_tokens, config=config)
+        plan = comera_fx.choose_formats(
+            teacher, calibration, args.budget, config=config, batches=batches[:2], fast=True
+        )
+        student = copy.deepcopy(teacher)
+        comera_fx.apply_formats_(student, plan, calibration)
+    else:
+        student = None
+    return measure_serving(
+        teacher, student, builder, batches[0], encoded, args.repeats, path=path, variants=args.variants, ao=args.torchao
     )
+
+
+def torchao_int8(teacher, site: str):
+    """A copy of ``teacher`` with torchao's int8 weight-only quantization on its encoder linears (torchao from
+    ``site``, a --target install outside the project's environment)."""
+    sys.path.insert(0, site)
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+    model = copy.deepcopy(teacher)
+    quantize_(
+        model, Int8WeightOnlyConfig(), filter_fn=lambda m, fqn: isinstance(m, torch.nn.Linear) and "encoder" in fqn
+    )
+    return model
+
+
+def measure_serving(
+    teacher, student, builder, batch, encoded, repeats: int, *, path=None, variants=("eager",), ao=None
+) -> dict:
+    """Save ``student`` (unless ``student`` is None and ``path`` holds it), load it packed
+    (``load_tensorized(pack=True)``), and compare with the fp32 ``teacher``: bytes of the encoder linears stored /
+    held, the process RSS the load added, latency at batch 1 and 64. ``variants``: "eager", "compiled"
+    (``torch.compile`` of each whole model, timed after a warm-up call per shape) and "layers" (the student with each
+    packed layer compiled on its own, the rest eager); ``ao``: a torchao install to add its
+    int8 weight-only teacher (eager, and compiled with "compiled")."""
+    path = path or Path(os.environ.get("TMPDIR", "/tmp")) / "i46_student.safetensors"
+    if student is not None:
+        comera_fx.save_tensorized(student, path)
     del student
     gc.collect()
     before = rss()
     loaded = comera_fx.load_tensorized(path, builder, pack=True).eval()
     gc.collect()
     after_student = rss()
+    stored = comera_fx.quantize.stored_bytes(  # the file's figure: the unpacked load counts codes as stored
+        comera_fx.load_tensorized(path, builder), "bert.encoder."
+    )
+    gc.collect()
     fp32 = teacher.eval()
     teacher_bytes = sum(
         p.numel() * 4 for n, p in fp32.named_parameters() if n.startswith("bert.encoder.") and p.dim() >= 2
@@ -152,26 +181,50 @@ def measure_serving(teacher, student, builder, batch, encoded, repeats: int) -> 
     resident += sum(m.nbytes() for p, m in packed_modules(loaded).items() if p.startswith("bert.encoder."))
     one = {k: v[:1] for k, v in batch.items()}
     big = {k: v[:64] for k, v in cp.batch_sampler(encoded, 64, seed=1, by_length=True)().items()}
+    models = {"teacher": fp32, "student": loaded}
+    if ao:
+        models["torchao int8wo"] = torchao_int8(fp32, ao)
+    columns, compile_seconds = {}, {}
     with torch.inference_mode():
-        times = common.time_rotated(
-            {
-                "teacher b1": lambda: fp32(**one),
-                "student b1": lambda: loaded(**one),
-                "teacher b64": lambda: fp32(**big),
-                "student b64": lambda: loaded(**big),
-            },
-            repeats=repeats,
-            inner=1,
-        )
+        ref = {b: fp32(**inputs) for b, inputs in (("b1", one), ("b64", big))}
+        cosine = {}
+        for name, model in list(models.items()):
+            runs = {"eager": model}
+            if "compiled" in variants:
+                runs["compiled"] = torch.compile(model, dynamic=False)
+            if "layers" in variants and name == "student":
+                runs["layers"] = copy.deepcopy(model)
+                for module in packed_modules(runs["layers"]).values():
+                    module.compile(dynamic=False)
+            for kind, run in runs.items():
+                if kind not in variants:
+                    continue
+                for b, inputs in (("b1", one), ("b64", big)):
+                    start = time.perf_counter()
+                    out = run(**inputs)
+                    if kind != "eager":
+                        compile_seconds[f"{name} {b}"] = round(time.perf_counter() - start, 1)
+                    key = f"{name} {kind} {b}"
+                    cosine[key] = round(float(torch.nn.functional.cosine_similarity(out, ref[b], dim=-1).min()), 4)
+                    columns[key] = lambda run=run, inputs=inputs: run(**inputs)
+        times = common.time_rotated(columns, repeats=repeats, inner=1)
+    ms = {k: round(v * 1e3, 2) for k, v in times.items()}
     return {
         "stored_encoder_bytes": stored,
         "resident_encoder_bytes": resident,
         "teacher_encoder_bytes": teacher_bytes,
         "resident_over_stored": round(resident / stored, 3),
         "rss_delta_load_student": after_student - before,
+        "workspace_bytes": workspace_bytes(),  # PackedLinear's shared fp32 buffer (the largest layer), per thread
+        "resident_with_workspace_over_stored": round((resident + workspace_bytes()) / stored, 3),
         "packed_layers": len(packed_modules(loaded)),
-        "latency_ms": {k: round(v * 1e3, 2) for k, v in times.items()},
+        "packed_tt_layers": sum(hasattr(m, "layout") for m in packed_modules(loaded).values()),
+        "latency_ms": ms,
+        "over_teacher_eager": {k: round(v / ms[f"teacher eager {k.rsplit(' ', 1)[1]}"], 3) for k, v in ms.items()},
+        "min_cosine_to_teacher": cosine,
+        "compile_seconds": compile_seconds,
         "b64_shape": list(big["input_ids"].shape),
+        "b1_shape": list(one["input_ids"].shape),
         "threads": torch.get_num_threads(),
         "loadavg": common.loadavg(),
     }
@@ -235,14 +288,14 @@ def one_call(args) -> dict:
 @torch.no_grad()
 def kernels(args) -> dict:
     """One 384 -> 1536 linear (MiniLM's FFN-in): fp32 GEMM against torch's CPU int kernels (fp32 activations) and
-    against PackedLinear (codes unpacked per call, then the fp32 GEMM), at 8 and 2048 rows; median ms."""
+    against PackedLinear (codes unpacked per call, then the fp32 GEMM), at --rows token counts; median ms."""
     from comera_fx.packed import PackedLinear
     from comera_fx.quantize import QuantSpec, quantize_groups
 
     torch.manual_seed(0)
     linear = torch.nn.Linear(384, 1536)
     result = {}
-    for rows in (8, 2048):
+    for rows in args.rows:
         x = torch.randn(rows, 384)
         columns = {"fp32": lambda: linear(x)}
         codes, _ = quantize_groups(linear.weight.detach(), QuantSpec(8, None))
@@ -274,7 +327,12 @@ def main() -> None:
     parser.add_argument("--max-files", type=int, default=300)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rows", type=int, nargs="+", default=[8, 2048], help="kernels: token counts")
+    parser.add_argument("--student", default=None, help="serve: the student's file (built and saved if absent)")
+    parser.add_argument("--variants", default="eager", help="serve: eager, compiled, layers (comma-separated)")
+    parser.add_argument("--torchao", default=None, help="serve: a torchao --target install to compare with")
     args = parser.parse_args()
+    args.variants = tuple(args.variants.split(","))
     torch.set_num_threads(args.threads)
     result = {"choose": choose, "serve": serve, "compress": one_call, "kernels": kernels}[args.what](args)
     print(json.dumps({"argv": sys.argv[1:], **result}))

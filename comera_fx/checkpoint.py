@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from .moe.checkpoint import HOLDER_TYPES as EXPERT_HOLDER_TYPES
 from .moe.checkpoint import expert_holders, install_expert_holder
 from .passes.holders import attach_tt_property
-from .packed import install_packed, packed_from_quantized, packed_manifest
+from .packed import install_packed, packed_from_quantized, packed_manifest, packed_tt_from_quantized, packed_tt_manifest
 from .quantize import QuantSpec, dequantize, pack, quantize_groups, quantized_specs, set_spec, unpack
 from .tt.layers import TTEmbedding, TTLinear, TTMatrix, prepare_plans_under
 from .tt.layout import TTFormat, TTLayout
@@ -108,6 +108,7 @@ def manifest_of(model: nn.Module) -> dict:
         "tt_matrices": entries,
         "holders": holders,
         "packed": packed_manifest(model),
+        "packed_tt": packed_tt_manifest(model),
     }
 
 
@@ -211,8 +212,10 @@ def load_tensorized(
     holders, and the saved state is loaded onto ``device``. Dense versions of the converted weights are never
     allocated. The tensors come back with the state's dtypes; every parameter requires grad (as built). The TT
     matrices come back planned (``TTMatrix.prepare_plans``), so the model compiles before any eager call.
-    ``PackedLinear`` layers come back packed; ``pack=True`` also loads every ``nn.Linear`` weight ``quantize_`` put
-    on an int grid (whose groups fit its rows) as a ``PackedLinear``: codes in memory, no fp32 weight built."""
+    ``PackedLinear`` / ``PackedTTLinear`` layers come back packed; ``pack=True`` also loads every ``nn.Linear``
+    weight ``quantize_`` put on an int grid (whose groups fit its rows) as a ``PackedLinear``, and every ``TTLinear``
+    whose cores are all quantized (its TT matrix not shared) as a ``PackedTTLinear``: codes in memory, no fp32
+    weight or core built."""
     manifest, tensors = _read(path)
     if manifest.get("format_version") != FORMAT_VERSION:
         raise ValueError(
@@ -246,7 +249,8 @@ def load_tensorized(
             _install(model, holder, matrices[holder["tt"]])
     if pack:
         packed_from_quantized(model, manifest, tensors, _SCALE_PREFIX)
-    install_packed(model, manifest.get("packed", {}))
+        packed_tt_from_quantized(manifest, tensors, _SCALE_PREFIX)
+    install_packed(model, manifest.get("packed", {}), manifest.get("packed_tt", {}))
     model.to_empty(device=device)
     specs = _restore_quantized(tensors, manifest.get("quantized", {}))
     state = {k: v for k, v in tensors.items() if not k.startswith(_BUFFER_PREFIX)}

@@ -12,7 +12,7 @@ from torch import nn
 
 import comera_fx
 from comera_fx import TensorizeConfig
-from comera_fx.packed import PackedLinear
+from comera_fx.packed import PackedLinear, PackedTTLinear
 from comera_fx.pretrained import DistillConfig, compress_
 from comera_fx.pretrained.distill_config import repeated_blocks, resolved
 from comera_fx.tt.layers import TTLinear
@@ -51,6 +51,8 @@ def batches(n: int, seed: int, vocab: int = VOCAB) -> list[dict]:
 
 def layer_bytes(module: nn.Module) -> int:
     """Bytes of a built layer as stored, counted from its modules (codes + one fp32 scale per group)."""
+    if isinstance(module, PackedTTLinear):
+        return module.nbytes()  # the cores' codes and scales, as stored (tests/test_packed.py checks it)
     if isinstance(module, PackedLinear):
         n, spec = module.in_features * module.out_features, module.spec
         return math.ceil(n * spec.bits / 8) + 4 * (1 if spec.group_size is None else math.ceil(n / spec.group_size))
@@ -79,7 +81,7 @@ def test_one_call_builds_trains_rounds_and_packs(tmp_path):
     total = 0
     for fqn, choice in summary.plan.choices.items():
         module = student.get_submodule(fqn.removesuffix(".weight"))
-        kind = TTLinear if choice.format.startswith("tt") else PackedLinear
+        kind = PackedTTLinear if choice.format.startswith("tt") else PackedLinear
         assert isinstance(module, kind), fqn
         total += layer_bytes(module)
     assert total == summary.stored_bytes <= 0.2 * summary.dense_bytes
@@ -151,4 +153,4 @@ def test_bad_input_is_refused_before_any_weight_changes(case):
         compress_(student, teacher, data, **kwargs)
     assert student.state_dict().keys() == state.keys()
     assert all(torch.equal(student.state_dict()[k], v) for k, v in state.items())
-    assert not any(isinstance(m, (TTLinear, PackedLinear)) for m in student.modules())
+    assert not any(isinstance(m, (TTLinear, PackedLinear, PackedTTLinear)) for m in student.modules())

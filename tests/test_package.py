@@ -76,3 +76,25 @@ def test_aoti_package_runs_without_comera_fx_and_matches_eager(tmp_path):
     too_large, wrong_width = results[len(sizes) :]
     assert isinstance(too_large, str) and "too large at 0" in too_large and "256" in too_large, too_large
     assert isinstance(wrong_width, str) and "at 1" in wrong_width and "128" in wrong_width, wrong_width
+
+
+def test_aoti_package_of_a_packed_model_matches_eager(tmp_path):
+    """A model with PackedLinear (int4 codes) and PackedTTLinear (int8 cores) layers packages and runs from its
+    codes: the program holds no fp32 weight of a packed layer, and the package gives eager's outputs."""
+    from comera_fx.packed import pack_linears_
+
+    torch.manual_seed(1)
+    model = MLP().eval()
+    comera_fx.tensorize_(model, TensorizeConfig(max_rank=8, min_numel=0, skip=["fc2"]))
+    comera_fx.quantize_(model, 8, 16)  # fc1's TT cores
+    comera_fx.quantize_(model, 4, 32, dense_linears=True, include="fc2")
+    assert pack_linears_(model) == {}
+    assert [type(m).__name__ for m in (model.fc1, model.fc2)] == ["PackedTTLinear", "PackedLinear"]
+    program = comera_fx.export(model, (torch.randn(3, 128),), dynamic_shapes=({0: Dim("b", min=1, max=64)},))
+    held = {**program.state_dict, **program.constants}
+    assert {k for k, v in held.items() if v.is_floating_point() and v.dim() >= 2} == {"fc2.scales"}  # per group
+    run = torch._inductor.aoti_load_package(comera_fx.package(program, tmp_path / "packed.pt2"))
+    for rows in (1, 7, 64):
+        x = torch.randn(rows, 128)
+        with torch.no_grad():
+            torch.testing.assert_close(run(x), model(x), rtol=0, atol=1e-5)

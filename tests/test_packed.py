@@ -26,10 +26,12 @@ def test_packed_output_is_the_dequantized_weights_matmul(bits, group):
     linear = nn.Linear(128, 48)
     spec = QuantSpec(bits, group)
     packed = PackedLinear.from_linear(linear, spec)
-    x = torch.randn(3, 5, 128)
-    out = packed(x)
-    assert out.shape == (3, 5, 48)
-    torch.testing.assert_close(out.double(), reference(linear, spec, x), rtol=0, atol=2e-5)
+    for shape in [(3, 5, 128), (2, 100, 128)]:  # fewer tokens than the input width, and more: both products
+        x = torch.randn(shape)
+        with torch.no_grad():
+            out = packed(x)
+        assert out.shape == (*shape[:-1], 48)
+        torch.testing.assert_close(out.double(), reference(linear, spec, x), rtol=0, atol=2e-5)
     assert torch.equal(packed.dequantized(), fake_quant(linear.weight.detach(), bits, group))
     assert packed.nbytes() <= 1.3 * spec.nbytes(linear.weight.numel())  # held as codes, not fp32
 
@@ -100,5 +102,173 @@ def test_export_carries_the_codes_not_fp32_weights():
     held = {**program.state_dict, **program.constants}
     assert held["0.codes"].dtype == torch.uint8 and held["2.codes"].dtype == torch.int8
     assert not any(v.is_floating_point() and v.numel() >= 64 * 48 for v in held.values())
-    x = torch.randn(9, 128)
-    assert torch.equal(program.module()(x), model(x))
+    x = torch.randn(9, 128)  # eager takes the 8 and the scales off the output here, the program off the weight
+    torch.testing.assert_close(program.module()(x), model(x), rtol=0, atol=1e-5)
+
+
+# ---- PackedTTLinear: TT cores held as codes
+
+
+def tt_model(seed: int = 4) -> nn.Sequential:
+    """Two TT linears (TT and TTM formats, random gates, held quantized) around a plain one."""
+    from comera_fx.tt.layers import TTLinear
+
+    torch.manual_seed(seed)
+    first = TTLinear.from_dense(nn.Linear(128, 96), max_rank=12)
+    second = TTLinear.from_dense(nn.Linear(96, 48), max_rank=10, format="ttm")
+    for layer in (first, second):
+        with torch.no_grad():
+            for gate in layer.tt.gates:
+                gate.uniform_(0.5, 1.5)
+    return nn.Sequential(first, nn.ReLU(), second, nn.ReLU(), nn.Linear(48, 40))
+
+
+def tt_reference(layer, x: torch.Tensor) -> torch.Tensor:
+    """float64 x Wᵀ + b with W rebuilt from each core's codes and scales (``comera_fx.quantize.dequantize``)."""
+    from comera_fx.packed import tt_core_specs
+    from comera_fx.tt import ops
+
+    tt, specs = layer.tt, tt_core_specs(layer.tt)
+    cores = []
+    for core, spec in zip(tt.cores, specs):
+        codes, scales = quantize_groups(core.detach(), spec)
+        cores.append(dequantize(codes, scales, spec, tuple(core.shape), torch.float64))
+    gates = [g.detach().double() for g in tt.gates]
+    m = ops.to_dense(ops.gate_cores(cores, gates, tt.layout), tt.layout)
+    weight = m if layer.transposed else m.t()
+    return x.double() @ weight.t() + layer.bias.detach().double()
+
+
+@pytest.mark.parametrize("bits,group", [(8, 64), (8, None), (8, 16), (4, 32), (4, 7), (4, None), (4, 16)])
+def test_packed_tt_forward_is_the_fake_quantized_tt_forward(bits, group):
+    from comera_fx.packed import PackedTTLinear
+    from comera_fx.tt.layers import TTLinear
+
+    model = tt_model(bits + (group or 0))
+    comera_fx.quantize_(model, bits, group)  # the TT cores
+    for layer in (model[0], model[2]):
+        packed = PackedTTLinear.from_tt_linear(layer)
+        assert packed._aligned == (group == 16 or (group == 32 and layer is model[2]))  # all cores unpacked at once
+        for core, held in zip(layer.tt.cores, packed.cores()):
+            assert torch.equal(held, core.detach())  # the fake-quantized fp32 cores, bit for bit
+        assert packed.nbytes() == comera_fx.quantize.stored_bytes(layer)  # held as its stored bytes
+        assert packed.nbytes() * 3 < sum(c.numel() * 4 for c in layer.tt.cores)
+        for shape in [(5, layer.in_features), (2, 3, layer.in_features), (70, layer.in_features)]:
+            x = torch.randn(shape)
+            out = packed(x)
+            torch.testing.assert_close(out.double(), tt_reference(layer, x), rtol=0, atol=2e-5)
+            with torch.no_grad():
+                torch.testing.assert_close(out, layer(x), rtol=0, atol=2e-5)
+    # a tied head's product (x Mᵀ): a TT matrix used transposed
+    tt = model[0].tt
+    head = TTLinear(tt, torch.zeros(128), transposed=True)
+    x = torch.randn(4, 96)
+    torch.testing.assert_close(
+        PackedTTLinear.from_tt_linear(head)(x).double(), tt_reference(head, x), rtol=0, atol=2e-5
+    )
+
+
+def test_packed_tt_round_trips_state_dict_copy_and_torch_save(tmp_path):
+    from comera_fx.packed import PackedTTLinear
+
+    model = tt_model()
+    comera_fx.quantize_(model, 4, 32)
+    packed = PackedTTLinear.from_tt_linear(model[0])
+    state = packed.state_dict()
+    assert {k for k, v in state.items() if not v.is_floating_point()} == {f"codes_{k}" for k in range(4)}
+    fresh = PackedTTLinear.from_manifest_entry(packed.manifest_entry())
+    fresh.load_state_dict(state)
+    x = torch.randn(6, 128)
+    assert torch.equal(fresh(x), packed(x))
+    assert torch.equal(copy.deepcopy(packed)(x), packed(x))
+    torch.save(packed, tmp_path / "p.pt")
+    assert torch.equal(torch.load(tmp_path / "p.pt", weights_only=False)(x), packed(x))
+
+
+def test_load_tensorized_pack_holds_tt_cores_packed(tmp_path):
+    from comera_fx.packed import PackedTTLinear, packed_modules
+
+    model = tt_model()
+    comera_fx.quantize_(model, 4, 32)
+    comera_fx.quantize_(model, 8, 16, dense_linears=True, include="^4$")
+    x = torch.randn(7, 128)
+    with torch.no_grad():
+        expected = model(x)
+    comera_fx.save_tensorized(model, tmp_path / "tt.st")
+    loaded = comera_fx.load_tensorized(tmp_path / "tt.st", build_tt, pack=True)
+    assert [type(m).__name__ for m in loaded] == ["PackedTTLinear", "ReLU", "PackedTTLinear", "ReLU", "PackedLinear"]
+    assert not any(p.dim() >= 2 for p in loaded.parameters())  # no fp32 core or weight in memory
+    held = sum(m.nbytes() for m in packed_modules(loaded).values())
+    assert held <= 1.3 * comera_fx.quantize.stored_bytes(model)
+    torch.testing.assert_close(loaded(x), expected, rtol=0, atol=2e-5)
+    comera_fx.save_tensorized(loaded, tmp_path / "packed.st")  # a packed model saves and loads packed
+    again = comera_fx.load_tensorized(tmp_path / "packed.st", build_tt)
+    assert isinstance(again[0], PackedTTLinear) and isinstance(again[2], PackedTTLinear)
+    assert torch.equal(again(x), loaded(x))
+    plain = comera_fx.load_tensorized(tmp_path / "tt.st", build_tt)  # without pack: TT in fp32, as before
+    assert type(plain[0]).__name__ == "TTLinear"
+
+
+def build_tt():
+    return nn.Sequential(nn.Linear(128, 96), nn.ReLU(), nn.Linear(96, 48), nn.ReLU(), nn.Linear(48, 40))
+
+
+def test_pack_linears_packs_tt_layers_and_leaves_shared_ones():
+    from comera_fx.packed import PackedTTLinear
+    from comera_fx.tt.layers import TTLinear
+
+    model = tt_model()
+    comera_fx.quantize_(model, 8, 32)
+    model.append(TTLinear(model[2].tt, None))  # shares layer 2's TT matrix
+    left = pack_linears_(model)
+    assert isinstance(model[0], PackedTTLinear) and set(left) == {"2", "5"} and "shared" in left["2"]
+    assert isinstance(pack_linears_(tt_model(), tt=True), dict)  # nothing quantized: nothing to pack, no error
+
+
+def test_export_carries_packed_tt_codes():
+    """comera_fx.export of a model with PackedTTLinear layers: the program holds the cores' codes (no fp32 core),
+    and matches eager over the declared batch range."""
+    from torch.export import Dim
+
+    model = tt_model()
+    comera_fx.quantize_(model, 4, 32)
+    pack_linears_(model)
+    model.eval()
+    program = comera_fx.export(model, (torch.randn(4, 128),), dynamic_shapes=({0: Dim("b", max=64)},))
+    held = {**program.state_dict, **program.constants}
+    assert held["0.codes"].dtype == torch.uint8
+    assert not any(v.is_floating_point() and v.dim() >= 2 for v in held.values() if v.numel() > 40 * 48)
+    for rows in (1, 9, 64):
+        x = torch.randn(rows, 128)
+        torch.testing.assert_close(program.module()(x), model(x), rtol=0, atol=1e-5)
+
+
+def test_shared_workspace_gives_the_same_outputs_in_every_mode():
+    """Eager no-grad calls rebuild weights in one shared buffer; outputs of earlier layers stay valid, inference
+    mode and no_grad both work after each other, and a call recording a gradient builds its own weight."""
+    import comera_fx.packed as packed_mod
+
+    torch.manual_seed(5)
+    layers = [
+        PackedLinear.from_linear(nn.Linear(64, 96), QuantSpec(4, 32)),
+        PackedLinear.from_linear(nn.Linear(64, 32), QuantSpec(8, None)),
+    ]
+    x = torch.randn(5, 64)
+    packed_mod.REUSE_WORKSPACE = False
+    try:
+        with torch.no_grad():
+            expected = [layer(x) for layer in layers]
+    finally:
+        packed_mod.REUSE_WORKSPACE = True
+    with torch.inference_mode():
+        first = [layer(x) for layer in layers]
+    with torch.no_grad():
+        second = [layer(x) for layer in layers]
+    for a, b, c in zip(expected, first, second):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    assert packed_mod.workspace_bytes() >= 96 * 64 * 4
+    xg = x.clone().requires_grad_()
+    out = layers[0](xg)
+    layers[1](x)  # writes the shared buffer; the gradient below needs layer 0's own weight
+    out.sum().backward()
+    torch.testing.assert_close(xg.grad, layers[0].dequantized().sum(0).expand(5, 64), rtol=0, atol=1e-5)

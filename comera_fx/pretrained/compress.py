@@ -85,8 +85,8 @@ def compress_(
     Calibrates on the first ``config.calibration_batches`` batches (padding left out), chooses a format per layer
     (int8 / int4 / TT with int8 or int4 cores, ``choose_formats`` scored at the output), builds it, distills for
     ``budget_seconds`` and/or ``steps`` (the last ``config.quant_aware`` share at the rounded weights), rounds the
-    weights onto their grids and, with ``config.pack``, holds the int layers packed (``PackedLinear``). The student
-    is ready for ``save_tensorized``. ``tensorize_config``: which layers count (``min_numel`` / ``skip``);
+    weights onto their grids and, with ``config.pack``, holds the layers packed (``PackedLinear``, ``PackedTTLinear``).
+    The student is ready for ``save_tensorized``. ``tensorize_config``: which layers count (``min_numel`` / ``skip``);
     ``calibration`` / ``plan``: reuse ones made on this model. Nothing changes in the student before every check
     has passed (a copy of the teacher, batches that run on it, a budget the smallest formats fit). Returns a
     ``CompressSummary``."""
@@ -131,7 +131,7 @@ def compress_(
     if config.pack:
         left = pack_linears_(student)
         notes += [f"{path} stays fake-quantized fp32: {why}" for path, why in left.items()]
-    if any(c.format.startswith("tt") for c in plan.choices.values()):
+    if not config.pack and any(c.format.startswith("tt") for c in plan.choices.values()):
         notes.append("TT cores are held in fp32 in memory (on their int grid); only the saved file stores codes")
     return CompressSummary(
         plan,
