@@ -257,7 +257,8 @@ def test_fast_estimates_are_near_the_exact_errors_and_choose_alike():
 def test_fast_tt_estimates_share_svds_and_are_the_float64_output_error():
     """``LayerEstimator`` shares its column-side SVDs across ranks and keeps every rank's cores: asked the ranks in a
     mixed order it gives each rank's stand-in as a fresh estimator asked only that rank does, and ``tt_error`` of it
-    is the relative output error ||X (M - M̂)||² / ||X M||² of float64 forward passes over the calibration inputs."""
+    is the relative output error ||X (M - M̂)||² / ||X M||² of float64 forward passes over the calibration inputs, as
+    is ``tt_estimate`` (the same error from the cores, without the dense M̂)."""
     from comera_fx.pretrained.format_estimates import LayerEstimator
 
     model, batches, cal = calibrated()
@@ -272,6 +273,7 @@ def test_fast_tt_estimates_share_svds_and_are_the_float64_output_error():
             assert torch.allclose(mine, alone, rtol=1e-5, atol=1e-6), (name, rank)
             want = float((x @ (w.T - mine.double())).square().sum() / (x @ w.T).square().sum())
             assert shared.tt_error(mine) == pytest.approx(want, rel=1e-3, abs=1e-7), (name, rank)
+            assert shared.tt_estimate(rank, 4, 32) == pytest.approx(want, rel=1e-6, abs=1e-9), (name, rank)
 
 
 class Blocks(nn.Module):

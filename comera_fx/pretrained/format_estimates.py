@@ -65,6 +65,9 @@ class LayerEstimator:
         self.diag = torch.diagonal(self.gram).clamp_min(0)
         m_true = weight.t().float()
         self.total = float((m_true * (self.gram @ m_true)).sum()) or 1.0
+        self._gram64, self._m64 = stats.second_moment.double(), weight.t().double()
+        self._cm64 = self._gram64 @ self._m64  # C M (in × out, float64), shared by every TT candidate's error
+        self._total64 = float((self._m64 * self._cm64).sum())
         self._cores: dict[tuple[int, ...], list[Tensor]] = {}  # float cores per bond caps
         self._svds: dict[tuple[int, ...], tuple[Tensor, Tensor, Tensor]] = {}  # by the ranks kept to the right
 
@@ -79,16 +82,31 @@ class LayerEstimator:
     def _caps(self, rank: int) -> tuple[int, ...]:
         return capped_ranks(self.row_modes + self.col_modes, rank)
 
-    def tt_approx(self, rank: int, bits: int | None = None, group: int | None = 64) -> Tensor:
-        """M̂ (in × out, float32) of the whitened construction at ``rank`` without the ALS refit, its cores on the
-        ``bits``-bit grid with a scale per ``group`` weights (``None`` bits: float cores). The float cores of every
-        rank asked are kept (the int8 and int4 candidates of one rank and the short-list's stand-ins share them)."""
+    def _quantized_cores(self, rank: int, bits: int | None, group: int | None) -> list[Tensor]:
         caps = self._caps(rank)
         if caps not in self._cores:
             self._cores[caps] = self._tt_cores(rank)
         cores = self._cores[caps]
-        if bits is not None:
-            cores = [fake_quant(core, bits, group) for core in cores]
+        return cores if bits is None else [fake_quant(core, bits, group) for core in cores]
+
+    def tt_estimate(self, rank: int, bits: int | None = None, group: int | None = 64) -> float:
+        """``tt_error(tt_approx(rank, bits, group))`` without the dense stand-in: with M̂ = R Q (R: the input-side
+        cores' chain, in × r; Q: the output-side cores', r × out), tr(Eᵀ C E) = tr(Mᵀ C M) - 2 ⟨(C M) Qᵀ, R⟩
+        + ⟨Rᵀ C R, Q Qᵀ⟩, in float64: d_in² r + d_in r d_out products instead of d_in² d_out."""
+        cores = self._quantized_cores(rank, bits, group)
+        d = len(self.row_modes)
+        r_mid = cores[d].shape[0]
+        rows = _chain(cores[:d]).reshape(-1, r_mid)[: self.rows].double()
+        cols = _chain(cores[d:]).reshape(r_mid, -1)[:, : self.cols].double()
+        cross = float(((self._cm64 @ cols.T) * rows).sum())
+        quad = float(((rows.T @ (self._gram64 @ rows)) * (cols @ cols.T)).sum())
+        return max(self._total64 - 2 * cross + quad, 0.0) / self.total
+
+    def tt_approx(self, rank: int, bits: int | None = None, group: int | None = 64) -> Tensor:
+        """M̂ (in × out, float32) of the whitened construction at ``rank`` without the ALS refit, its cores on the
+        ``bits``-bit grid with a scale per ``group`` weights (``None`` bits: float cores). The float cores of every
+        rank asked are kept (the int8 and int4 candidates of one rank and the short-list's stand-ins share them)."""
+        cores = self._quantized_cores(rank, bits, group)
         rows = 1
         for n in self.row_modes:
             rows *= n

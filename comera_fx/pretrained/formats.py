@@ -560,7 +560,7 @@ def _estimate(holders, calibration, formats, ranks, group_sizes, core_group_size
                 continue
             seen.add(caps)
             for name in (f for f in CORE_BITS if f in formats):
-                error = est.tt_error(est.tt_approx(rank, CORE_BITS[name], core_group_size))
+                error = est.tt_estimate(rank, CORE_BITS[name], core_group_size)
                 nbytes = _tt_bytes_at_most(
                     module.in_features, module.out_features, rank, num_modes, CORE_BITS[name], core_group_size
                 )
