@@ -252,3 +252,74 @@ def test_fast_estimates_are_near_the_exact_errors_and_choose_alike():
                 assert mine.bytes >= e.bytes
     assert {k: c.format[:2] for k, c in fast.choices.items()} == {k: c.format[:2] for k, c in exact.choices.items()}
     assert fast.total_bytes <= fast.budget_bytes
+
+
+def test_fast_tt_estimates_share_svds_and_are_the_float64_output_error():
+    """``LayerEstimator`` shares its column-side SVDs across ranks and keeps every rank's cores: asked the ranks in a
+    mixed order it gives each rank's stand-in as a fresh estimator asked only that rank does, and ``tt_error`` of it
+    is the relative output error ||X (M - M̂)||² / ||X M||² of float64 forward passes over the calibration inputs, as
+    is ``tt_estimate`` (the same error from the cores, without the dense M̂)."""
+    from comera_fx.pretrained.format_estimates import LayerEstimator
+
+    model, batches, cal = calibrated()
+    inputs = layer_inputs(model, batches)
+    for name in ("low", "mid"):
+        layer, stats = getattr(model, name), cal[f"{name}.weight"]
+        shared = LayerEstimator(layer, stats, None)
+        x, w = inputs[name], layer.weight.detach().double()
+        for rank in (8, 2, 16, 4, 8):
+            mine = shared.tt_approx(rank, 4, 32)
+            alone = LayerEstimator(layer, stats, None).tt_approx(rank, 4, 32)
+            assert torch.allclose(mine, alone, rtol=1e-5, atol=1e-6), (name, rank)
+            want = float((x @ (w.T - mine.double())).square().sum() / (x @ w.T).square().sum())
+            assert shared.tt_error(mine) == pytest.approx(want, rel=1e-3, abs=1e-7), (name, rank)
+            assert shared.tt_estimate(rank, 4, 32) == pytest.approx(want, rel=1e-6, abs=1e-9), (name, rank)
+
+
+class Blocks(nn.Module):
+    """Three repeated residual blocks (an nn.ModuleList), called with a keyword argument as transformers do."""
+
+    def __init__(self):
+        super().__init__()
+        gen = torch.Generator().manual_seed(2)
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 32)) for _ in range(3))
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+
+    def forward(self, x, scale=1.0):
+        for block in self.layers:
+            x = x + scale * block(x)
+        return x
+
+
+def test_output_scoring_replays_the_blocks_before_the_layer_and_gets_the_whole_pass_result():
+    """A candidate in block k is scored with blocks 0..k-1 replayed from the reference pass: the same errors, bit
+    for bit, as running the whole model, for a layer in every block; the model comes back with its own blocks."""
+    from comera_fx.pretrained.formats import _OutputError
+
+    model = Blocks().eval()
+    gen = torch.Generator().manual_seed(3)
+    batches = [{"x": torch.randn(8, 32, generator=gen), "scale": 0.5} for _ in range(2)]
+    blocks = list(model.layers)
+    with torch.no_grad():
+        replayed = _OutputError(model, batches, None)
+        whole = _OutputError(model, batches, None)
+        whole._before = {}
+        assert replayed._before == {0: [], 1: [0], 2: [0, 1]}
+        for k in range(3):
+            for i in (0, 2):
+                linear = model.layers[k][i]
+                weight = fake_quant(linear.weight.detach(), 4, 32)
+                assert replayed(linear, weight) == whole(linear, weight) > 0, (k, i)
+                assert all(a is b for a, b in zip(model.layers, blocks))
+        # against float64 forward passes, independently of the scorer
+        linear = model.layers[1][2]
+        weight = fake_quant(linear.weight.detach(), 4, 32)
+        double = Blocks().double().eval()
+        double.load_state_dict(model.state_dict())
+        x = torch.cat([b["x"] for b in batches]).double()
+        ref = double(x, 0.5)
+        double.layers[1][2].weight.copy_(weight.double())
+        want = float((double(x, 0.5) - ref).square().sum() / ref.square().sum())
+        assert replayed(linear, weight) == pytest.approx(want, rel=1e-4)

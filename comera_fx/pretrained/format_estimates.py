@@ -5,7 +5,7 @@ ALS refit: an eigendecomposition of the layer's input second moment and a refit 
 1536-input layer on 2 busy cores) and each int candidate's error as tr(Eᵀ C E) (a d_in² × d_out product). Here,
 per layer and once for all candidates:
 
-    S = C^{1/2} (one eigendecomposition, float32) and the whitened matrix Sᵀ M;
+    S with S Sᵀ = C (one Cholesky factorisation, float32) and the whitened matrix Sᵀ M;
     int8 / int4: Σ_i C_ii ||E_i||² / tr(Mᵀ C M), the diagonal part of tr(Eᵀ C E) (rounding errors of different
                  weights are uncorrelated, so the off-diagonal part averages out);
     TT at rank r: the whitened construction of ``comera_fx.tt.whiten`` without its ALS refit (output-side cores from
@@ -54,14 +54,22 @@ class LayerEstimator:
             padded_cols *= n
         self.m = pad_matrix(weight.t().float(), padded_rows, padded_cols)
         c = regularized_gram(stats.second_moment, padded_rows, DEFAULT_EPS).float()
-        values, vectors = torch.linalg.eigh(c)
-        root = (vectors * values.clamp_min(0).sqrt()) @ vectors.T
+        # Any S with S Sᵀ = C gives the same column-side SVDs (the input index never leaves the left of their
+        # unfoldings), so the Cholesky factor, several times cheaper than the symmetric root, serves.
+        root, info = torch.linalg.cholesky_ex(c)
+        if int(info) != 0:
+            values, vectors = torch.linalg.eigh(c)
+            root = (vectors * values.clamp_min(0).sqrt()) @ vectors.T
         self.white = root.T @ self.m
         self.gram = stats.second_moment.float()
         self.diag = torch.diagonal(self.gram).clamp_min(0)
         m_true = weight.t().float()
         self.total = float((m_true * (self.gram @ m_true)).sum()) or 1.0
-        self._cores: tuple[int, list[Tensor]] | None = None
+        self._gram64, self._m64 = stats.second_moment.double(), weight.t().double()
+        self._cm64 = self._gram64 @ self._m64  # C M (in × out, float64), shared by every TT candidate's error
+        self._total64 = float((self._m64 * self._cm64).sum())
+        self._cores: dict[tuple[int, ...], list[Tensor]] = {}  # float cores per bond caps
+        self._svds: dict[tuple[int, ...], tuple[Tensor, Tensor, Tensor]] = {}  # by the ranks kept to the right
 
     def int_error(self, bits: int, group: int | None) -> float:
         """Σ_i C_ii ||(M - M̂)_i||² / tr(Mᵀ C M) for the int grid (rows i: input features)."""
@@ -74,15 +82,31 @@ class LayerEstimator:
     def _caps(self, rank: int) -> tuple[int, ...]:
         return capped_ranks(self.row_modes + self.col_modes, rank)
 
+    def _quantized_cores(self, rank: int, bits: int | None, group: int | None) -> list[Tensor]:
+        caps = self._caps(rank)
+        if caps not in self._cores:
+            self._cores[caps] = self._tt_cores(rank)
+        cores = self._cores[caps]
+        return cores if bits is None else [fake_quant(core, bits, group) for core in cores]
+
+    def tt_estimate(self, rank: int, bits: int | None = None, group: int | None = 64) -> float:
+        """``tt_error(tt_approx(rank, bits, group))`` without the dense stand-in: with M̂ = R Q (R: the input-side
+        cores' chain, in × r; Q: the output-side cores', r × out), tr(Eᵀ C E) = tr(Mᵀ C M) - 2 ⟨(C M) Qᵀ, R⟩
+        + ⟨Rᵀ C R, Q Qᵀ⟩, in float64: d_in² r + d_in r d_out products instead of d_in² d_out."""
+        cores = self._quantized_cores(rank, bits, group)
+        d = len(self.row_modes)
+        r_mid = cores[d].shape[0]
+        rows = _chain(cores[:d]).reshape(-1, r_mid)[: self.rows].double()
+        cols = _chain(cores[d:]).reshape(r_mid, -1)[:, : self.cols].double()
+        cross = float(((self._cm64 @ cols.T) * rows).sum())
+        quad = float(((rows.T @ (self._gram64 @ rows)) * (cols @ cols.T)).sum())
+        return max(self._total64 - 2 * cross + quad, 0.0) / self.total
+
     def tt_approx(self, rank: int, bits: int | None = None, group: int | None = 64) -> Tensor:
         """M̂ (in × out, float32) of the whitened construction at ``rank`` without the ALS refit, its cores on the
-        ``bits``-bit grid with a scale per ``group`` weights (``None`` bits: float cores). The float cores of the
-        last rank asked are kept, so the int8 and int4 candidates of one rank share their SVDs."""
-        if self._cores is None or self._cores[0] != rank:
-            self._cores = (rank, self._tt_cores(rank))
-        cores = self._cores[1]
-        if bits is not None:
-            cores = [fake_quant(core, bits, group) for core in cores]
+        ``bits``-bit grid with a scale per ``group`` weights (``None`` bits: float cores). The float cores of every
+        rank asked are kept (the int8 and int4 candidates of one rank and the short-list's stand-ins share them)."""
+        cores = self._quantized_cores(rank, bits, group)
         rows = 1
         for n in self.row_modes:
             rows *= n
@@ -90,13 +114,12 @@ class LayerEstimator:
 
     def _tt_cores(self, rank: int) -> list[Tensor]:
         d, caps = len(self.row_modes), self._caps(rank)
-        rest, right_rank, col_cores = self.white, 1, []
+        rest, right_rank, col_cores, kept = self.white, 1, [], ()
         for j in reversed(range(len(self.col_modes))):
-            unfolding = rest.reshape(-1, self.col_modes[j] * right_rank)
-            u, sv, vh = torch.linalg.svd(unfolding, full_matrices=False)
+            u, sv, vh = self._column_svd(kept, rest, right_rank)
             r = max(1, min(caps[d + j], sv.numel()))
             col_cores.insert(0, vh[:r].reshape(r, self.col_modes[j], right_rank))
-            rest, right_rank = u[:, :r] * sv[:r], r
+            rest, right_rank, kept = u[:, :r] * sv[:r], r, (*kept, r)
         q = _chain(col_cores).reshape(right_rank, -1)  # orthonormal rows
         b = self.m @ q.T
         if d == 1:
@@ -106,6 +129,15 @@ class LayerEstimator:
             row_cores = [core.float() for core in tt_svd(b.reshape(shape).double(), tuple(caps[:d]) + (1,))]
             row_cores[-1] = row_cores[-1].reshape(row_cores[-1].shape[0], self.row_modes[-1], right_rank)
         return row_cores + col_cores
+
+    def _column_svd(self, kept: tuple[int, ...], rest: Tensor, right_rank: int) -> tuple[Tensor, Tensor, Tensor]:
+        """The SVD of the right-to-left sweep's next unfolding, which depends only on the ranks ``kept`` at the
+        bonds to its right: every candidate rank that kept the same ones shares it (all share the first; ranks
+        whose column-side caps are all reached share every one and differ only in where the middle bond is cut)."""
+        if kept not in self._svds:
+            j = len(self.col_modes) - 1 - len(kept)
+            self._svds[kept] = torch.linalg.svd(rest.reshape(-1, self.col_modes[j] * right_rank), full_matrices=False)
+        return self._svds[kept]
 
     def tt_error(self, approx: Tensor) -> float:
         """tr((M - M̂)ᵀ C (M - M̂)) / tr(Mᵀ C M) of a dense stand-in (in × out), in float32."""
