@@ -83,8 +83,8 @@ class DistillConfig:
     for ``budget_seconds`` (default ``time.perf_counter``).
 
     ``compress_`` only: ``output_batches`` of the calibration batches (at most all of them) score the format
-    candidates at the output; ``pack`` swaps the int8 / int4 layers for ``PackedLinear`` (int kernels, codes in
-    memory) at the end."""
+    candidates at the output; ``pack`` swaps the int8 / int4 layers for ``PackedLinear`` and the TT layers with
+    quantized cores for ``PackedTTLinear`` at the end (codes in memory, rebuilt to fp32 per call)."""
 
     lr: float = 5e-4
     weight_decay: float = 0.0
