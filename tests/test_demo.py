@@ -125,7 +125,7 @@ def test_interleaved_runs_train_exactly_as_run_alone():
     """``training_steps`` (what benchmarks/bench_compile_ab.py interleaves) keeps each run's state to itself: two
     comera_fx runs of the tiny preset advanced step by step in turn take exactly the losses, ranks and validation of
     the same run trained alone by ``train`` (same seed and batches; the schedule's horizon in steps, so no prune
-    depends on the clock)."""
+    depends on the clock; validation only at the start and the end, where the clock cannot move it)."""
     import torch
 
     demo = load_demo()
@@ -141,6 +141,8 @@ def test_interleaved_runs_train_exactly_as_run_alone():
             "no",
             "--keep-fraction",
             "0.5",
+            "--eval-every",
+            "1000",  # validations are timed by the clock: only at the start and at the end here
             "--quiet",
         ]
     )
@@ -171,6 +173,8 @@ def test_interleaved_runs_train_exactly_as_run_alone():
     assert alone.steps == 12 and any(entry["shrunk"] for entry in alone.history)  # it pruned on the way
     for other in (first, second):
         assert other.train_losses == alone.train_losses
+        # by step: a validation's step depends on the clock, its value at a given step must not
+        assert [e[1] for e in other.evals] == [e[1] for e in alone.evals] == [0, 12]
         assert [e[2] for e in other.evals] == [e[2] for e in alone.evals]
         assert other.final_ranks == alone.final_ranks
 
