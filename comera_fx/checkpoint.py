@@ -72,12 +72,7 @@ def manifest_of(model: nn.Module) -> dict:
             entries.append(
                 {
                     "fqn": path,
-                    "format": layout.format.value,
-                    "rows": layout.rows,
-                    "cols": layout.cols,
-                    "row_modes": list(layout.row_modes),
-                    "col_modes": list(layout.col_modes),
-                    "ranks": list(layout.ranks),
+                    **layout.to_json(),
                     "made_with": _made_with_to_json(getattr(module, "made_with", None)),
                 }
             )
@@ -228,14 +223,7 @@ def load_tensorized(
         raise TypeError(f"build_fn must return an nn.Module, got {type(model).__name__}")
     matrices = {}
     for entry in manifest["tt_matrices"]:
-        layout = TTLayout(
-            TTFormat(entry["format"]),
-            entry["rows"],
-            entry["cols"],
-            tuple(entry["row_modes"]),
-            tuple(entry["col_modes"]),
-            tuple(entry["ranks"]),
-        )
+        layout = TTLayout.from_json(entry)
         cores = [torch.empty(shape, device="meta") for shape in layout.core_shapes]
         tt = TTMatrix(layout, cores)
         made_with = _made_with_from_json(entry.get("made_with"))

@@ -40,7 +40,7 @@ from .quantize import SPEC_ATTR, QuantSpec, dequantize, pack, quantize_groups, u
 from .tt import ops
 from .tt import plan as planner
 from .tt.layers import TTLinear, TTMatrix, choose_plan, planned_envelope
-from .tt.layout import TTFormat, TTLayout
+from .tt.layout import TTLayout
 
 SCALES_SUFFIX = "weight_scales"
 
@@ -427,12 +427,7 @@ class PackedTTLinear(nn.Module):
     def manifest_entry(self) -> dict:
         layout = self.layout
         return {
-            "format": layout.format.value,
-            "rows": layout.rows,
-            "cols": layout.cols,
-            "row_modes": list(layout.row_modes),
-            "col_modes": list(layout.col_modes),
-            "ranks": list(layout.ranks),
+            **layout.to_json(),
             "specs": [[s.bits, s.group_size] for s in self.specs],
             "bias": self.bias is not None,
             "transposed": self.transposed,
@@ -441,14 +436,7 @@ class PackedTTLinear(nn.Module):
 
     @classmethod
     def from_manifest_entry(cls, e: dict, device=None) -> "PackedTTLinear":
-        layout = TTLayout(
-            TTFormat(e["format"]),
-            e["rows"],
-            e["cols"],
-            tuple(e["row_modes"]),
-            tuple(e["col_modes"]),
-            tuple(e["ranks"]),
-        )
+        layout = TTLayout.from_json(e)
         specs = [QuantSpec(bits, group) for bits, group in e["specs"]]
         return cls(
             layout, specs, e["bias"], transposed=e["transposed"], device=device, dtype=getattr(torch, e["dtype"])

@@ -104,6 +104,29 @@ class TTLayout:
     def with_ranks(self, ranks: tuple[int, ...]) -> "TTLayout":
         return TTLayout(self.format, self.rows, self.cols, self.row_modes, self.col_modes, tuple(ranks))
 
+    def to_json(self) -> dict:
+        """The layout as the JSON fields a checkpoint manifest stores (``from_json`` inverts it)."""
+        return {
+            "format": self.format.value,
+            "rows": self.rows,
+            "cols": self.cols,
+            "row_modes": list(self.row_modes),
+            "col_modes": list(self.col_modes),
+            "ranks": list(self.ranks),
+        }
+
+    @classmethod
+    def from_json(cls, entry: dict) -> "TTLayout":
+        """The layout of a manifest entry written with ``to_json`` (other keys of the entry are ignored)."""
+        return cls(
+            TTFormat(entry["format"]),
+            entry["rows"],
+            entry["cols"],
+            tuple(entry["row_modes"]),
+            tuple(entry["col_modes"]),
+            tuple(entry["ranks"]),
+        )
+
     def describe_modes(self) -> str:
         """E.g. '768=12·8·8 | 50257→50336=13·11·11·8·4' — padding shown with an arrow."""
 
