@@ -97,9 +97,9 @@ def choose(args) -> dict:
 def exact_output_error(teacher, student, plan, batches) -> float:
     """The plan's error measured the old way on what apply_formats_ built: per layer, the relative squared change
     of the output with that layer alone replaced by its built weight, summed (what ``score_all`` sums)."""
-    from comera_fx.pretrained.formats import _OutputError
+    from comera_fx.pretrained.format_output import OutputError
 
-    scorer = _OutputError(teacher, batches, None)
+    scorer = OutputError(teacher, batches, None)
     total = 0.0
     for fqn in plan.choices:
         path = plan.module_paths[fqn]

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import comera_fx
-from comera_fx.pretrained.formats import FormatChoice, _hull, select, select_on_hulls
+from comera_fx.pretrained.format_select import FormatChoice, lower_hull, select, select_on_hulls
 from comera_fx.quantize import QuantSpec, fake_quant, quantized_specs, stored_bytes
 from comera_fx.tt.layers import TTLinear
 
@@ -31,7 +31,7 @@ def test_selection_fits_and_is_optimal_at_its_own_breakpoints(layers, budget_ext
     candidates = {
         f"l{i}": [FormatChoice(f"l{i}", "int8", None, b, e) for b, e in cands] for i, cands in enumerate(layers)
     }
-    hulls = {fqn: _hull(c) for fqn, c in candidates.items()}
+    hulls = {fqn: lower_hull(c) for fqn, c in candidates.items()}
     smallest = sum(h[0].bytes for h in hulls.values())
 
     def summed(chosen):
@@ -296,15 +296,15 @@ class Blocks(nn.Module):
 def test_output_scoring_replays_the_blocks_before_the_layer_and_gets_the_whole_pass_result():
     """A candidate in block k is scored with blocks 0..k-1 replayed from the reference pass: the same errors, bit
     for bit, as running the whole model, for a layer in every block; the model comes back with its own blocks."""
-    from comera_fx.pretrained.formats import _OutputError
+    from comera_fx.pretrained.format_output import OutputError
 
     model = Blocks().eval()
     gen = torch.Generator().manual_seed(3)
     batches = [{"x": torch.randn(8, 32, generator=gen), "scale": 0.5} for _ in range(2)]
     blocks = list(model.layers)
     with torch.no_grad():
-        replayed = _OutputError(model, batches, None)
-        whole = _OutputError(model, batches, None)
+        replayed = OutputError(model, batches, None)
+        whole = OutputError(model, batches, None)
         whole._before = {}
         assert replayed._before == {0: [], 1: [0], 2: [0, 1]}
         for k in range(3):

@@ -15,8 +15,11 @@ tensorizes through ``tensorize_``); nothing below imports it. Inside it, imports
     match_hooks.py     forward hooks of the training loop: hidden states to match, teacher inputs fed to blocks
     match.py           ``match_teacher``: the training loop (AdamW to the teacher's outputs, under DDP too)
     distill.py         ``distill_``: calibrate, tensorize at a target, then ``match_teacher``
+    format_select.py   ``FormatChoice`` and the knapsack over candidates: the least summed error that fits a budget
+    format_estimates.py  cheap per-layer error estimates of every candidate from calibration statistics
+    format_output.py   a candidate's error measured at the model's output, earlier blocks replayed
     formats.py         ``choose_formats`` / ``apply_formats_``: a storage format per layer (int8, int4, TT with int8
-                       cores) under one byte budget, from calibration error per byte
+                       or int4 cores) under one byte budget
     compress.py        ``compress_``: the whole recipe under a byte budget in one call (calibrate, choose formats,
                        build, distill with a quantization-aware tail, round, pack)
 """
