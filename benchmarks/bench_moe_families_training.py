@@ -16,7 +16,6 @@ between runs: no lock needed. One JSON line per family is appended to ``--out``.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import sys
 import time
@@ -27,51 +26,27 @@ import torch
 
 
 def train(build, config_cls, comera_fx) -> dict:
-    from comera_fx import RankAdaptive, BudgetConfig, TensorizeConfig
-    from comera_fx.moe import TTExpertBank
+    from comera_fx.testing.moe_families import train_with_rank_adaptive
 
     model = build().train()
-    comera_fx.tensorize_(model, TensorizeConfig(max_rank=8, min_numel=0, min_dim=1, skip=(r"embed", r"lm_head")))
-    banks = [m for m in model.modules() if isinstance(m, TTExpertBank)]
-    before = sum(tt.layout.num_params for b in banks for tt in b)
-    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
-    hook = RankAdaptive(model, optimizer, BudgetConfig(keep_fraction=0.5, total_steps=8, prunes=2))
+    comera_fx.tensorize_(model, config_cls(max_rank=8, min_numel=0, min_dim=1, skip=(r"embed", r"lm_head")))
     ids = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1))
-    losses = []
-    for _ in range(8):
-        loss = model(ids, labels=ids).loss
-        loss.backward()
-        hook.observe(loss)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    after = sum(tt.layout.num_params for b in banks for tt in b)
-    ok = bool(banks) and losses[-1] < losses[0] and after < before
-    return dict(banks=len(banks), before=before, after=after, first=losses[0], last=losses[-1], ok=ok)
+    run = train_with_rank_adaptive(model, ids)
+    losses = run.pop("losses")
+    ok = bool(run["banks"]) and losses[-1] < losses[0] and run["after"] < run["before"]
+    return dict(run, first=losses[0], last=losses[-1], ok=ok)
 
 
 def compiled(build, config_cls, comera_fx) -> dict:
+    from comera_fx.testing.moe_families import compiled_step_differences
+
     model = build().train()
     comera_fx.tensorize_(model, config_cls(max_rank=6, min_numel=0, min_dim=1, skip=(r"embed", r"lm_head")))
-    twin = copy.deepcopy(model)
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
-    eager = model(ids, labels=ids).loss
-    eager.backward()
-    loss = torch.compile(twin, backend="aot_eager")(ids, labels=ids).loss
-    loss.backward()
-    d_loss = abs(loss.item() - eager.item()) / abs(eager.item())
-    grads = dict(model.named_parameters())
-    worst, mismatched = 0.0, []
-    for name, p in twin.named_parameters():
-        want, got = grads[name].grad, p.grad
-        if want is None or got is None:
-            other = want if got is None else got
-            if other is not None and bool(other.any()):
-                mismatched.append(name)
-        elif want.norm() > 0:
-            worst = max(worst, ((got - want).norm() / want.norm()).item())
-    ok = d_loss < 1e-5 and worst < 1e-4 and not mismatched
-    return dict(d_loss=d_loss, worst_grad=worst, none_vs_nonzero=mismatched[:3], ok=ok)
+    found = compiled_step_differences(model, ids)
+    d_loss = abs(float(found["compiled"]) - float(found["eager"])) / abs(float(found["eager"]))
+    ok = d_loss < 1e-5 and found["worst_grad"] < 1e-4 and not found["mismatched"]
+    return dict(d_loss=d_loss, worst_grad=found["worst_grad"], none_vs_nonzero=found["mismatched"][:3], ok=ok)
 
 
 def main() -> None:

@@ -145,3 +145,54 @@ def expert_parameters(model: nn.Module) -> int:
         if p.dim() == 3 and id(p) not in in_tt and p.shape[-1] > 4:  # convolution weights (… × 1 × 4): not experts
             total += p.numel()
     return total
+
+
+def train_with_rank_adaptive(model: nn.Module, ids: torch.Tensor, steps: int = 8) -> dict:
+    """``steps`` training steps of a tensorized family model on ``ids`` (Adam 3e-3, ``RankAdaptive`` with
+    ``BudgetConfig(keep_fraction=0.5, total_steps=steps, prunes=2)``): the losses and the expert banks' TT
+    parameters before and after, what tests and ``bench_moe_families_training.py`` judge a family by."""
+    from ..moe.bank import TTExpertBank
+    from ..runtime.rank_adaptive import RankAdaptive
+    from ..runtime.rank_config import BudgetConfig
+
+    banks = [m for m in model.modules() if isinstance(m, TTExpertBank)]
+    before = sum(tt.layout.num_params for b in banks for tt in b)
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    hook = RankAdaptive(model, optimizer, BudgetConfig(keep_fraction=0.5, total_steps=steps, prunes=2))
+    losses = []
+    for _ in range(steps):
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        hook.observe(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss))
+    after = sum(tt.layout.num_params for b in banks for tt in b)
+    return dict(banks=len(banks), before=before, after=after, losses=losses)
+
+
+def compiled_step_differences(model: nn.Module, ids: torch.Tensor, backend: str = "aot_eager") -> dict:
+    """One training step of ``model`` eager and of a deep copy under ``torch.compile(backend=backend)``, the same
+    seed before each (a router that samples draws alike): both losses, the worst relative gradient difference over
+    the parameters both sides gave a gradient, and the parameters one side left without a gradient while the
+    other's is nonzero (None and zeros both mean "not reached")."""
+    import copy
+
+    twin = copy.deepcopy(model)
+    torch.manual_seed(0)
+    eager = model(ids, labels=ids).loss
+    eager.backward()
+    torch.manual_seed(0)
+    compiled = torch.compile(twin, backend=backend)(ids, labels=ids).loss
+    compiled.backward()
+    want = dict(model.named_parameters())
+    worst, mismatched = 0.0, []
+    for name, p in twin.named_parameters():
+        a, b = want[name].grad, p.grad
+        if a is None or b is None:
+            other = a if b is None else b
+            if other is not None and bool(other.any()):
+                mismatched.append(name)
+        elif a.norm() > 0:
+            worst = max(worst, float((b - a).norm() / a.norm()))
+    return dict(eager=eager.detach(), compiled=compiled.detach(), worst_grad=worst, mismatched=mismatched)
