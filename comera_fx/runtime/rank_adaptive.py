@@ -276,6 +276,7 @@ class RankAdaptive:
         """Remove every dead slice (|g| <= threshold) now (CoMERA's schedule does it every ``prune_every``)."""
         if self.distributed is not None:
             self.distributed.check()  # refuse before removing anything if the wrapper cannot be rebuilt
+        _ = self.shapes.compiled_as  # looked up before any parameter is replaced (the backend knows the old ones)
         records = []
         for m in self.matrices:
             if m.shrinkable:
@@ -571,6 +572,8 @@ class RankAdaptive:
                 records = self._prune_to(budget, None, final=due >= len(points))
         elif s.prune_every is not None and self.step % s.prune_every == 0:
             records = self.prune()
+            if records:  # compiled, a recompile at every scheduled prune: warned once
+                self.shapes.shrinks_at_every_prune()
         if records or (self.history_every is not None and self.step % self.history_every == 0):
             entry = self._entry(records, budget)
             self._history.append(entry() if records else entry)
