@@ -324,7 +324,7 @@ def build_rank_case(shape: str, rank: int, seed: int) -> RankCase:
     ranks = capped_ranks(rows + cols, rank)
     layout = TTLayout(TTFormat.TT, n_in, n_out, rows, cols, ranks)
     net = planner.build_network(layout, "matmul")
-    envelope = planned_envelope(layout, "matmul")
+    envelope = planned_envelope(layout, "matmul", device="cpu")
     gen = torch.Generator().manual_seed(seed)
     std = 1.0 / math.sqrt(3.0 * n_in)
     cores = [c.requires_grad_() for c in random_tt_cores(layout.core_shapes, std, generator=gen)]

@@ -84,7 +84,7 @@ def measure_shape(n_in: int, n_out: int, rank: int, tokens: int, repeats: int, s
     gen = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(tokens, n_in, generator=gen).requires_grad_()
     dy = torch.randn(tokens, n_out, generator=gen)
-    chosen = layers.choose_plan(layers.planned_envelope(tt.tt.layout, "matmul"), tokens)
+    chosen = layers.choose_plan(layers.planned_envelope(tt.tt.layout, "matmul", device=tt.tt.device), tokens)
     inner = 1 if n_in * n_out > 4_000_000 else 3
     times = time_rotated(
         {
@@ -121,7 +121,7 @@ def measure_pruned(ranks: list[int], tokens: int, repeats: int, seed: int) -> li
     dy = torch.randn(tokens, 768, generator=gen)
     for rank in ranks:
         _, tt, _ = tt_pair(768, 768, rank, seed)
-        chosen = layers.choose_plan(layers.planned_envelope(tt.tt.layout, "matmul"), tokens)
+        chosen = layers.choose_plan(layers.planned_envelope(tt.tt.layout, "matmul", device=tt.tt.device), tokens)
         for padded in (True, False):
             name = f"r{rank}" + ("" if padded else "_unpadded")
             columns[name] = step_fn(tt, x, dy, pad=padded, bias_in_gemm=padded)

@@ -312,7 +312,18 @@ class PackedTTLinear(nn.Module):
         return any(math.prod(shape) == 0 for shape in self.layout.core_shapes)
 
     def _plan(self) -> None:
-        self._pins = {} if self.stored_empty else {self.op: planned_envelope(self.layout, self.op, backward=False)}
+        """Pin the forward-only plans for the device the codes are on (its launch cost chooses them)."""
+        if self.stored_empty:
+            self._pins = {}
+            return
+        self._pins = {self.op: planned_envelope(self.layout, self.op, device=self.codes.device, backward=False)}
+
+    def _apply(self, fn, recurse=True):
+        """``nn.Module._apply`` (``.to``, ``.cuda``, ...), then the plans pinned again for the codes' new device."""
+        moved = super()._apply(fn, recurse)
+        if hasattr(self, "_pins"):  # not while __init__ registers the buffers
+            self._plan()
+        return moved
 
     @classmethod
     def from_tt_linear(cls, linear: TTLinear, specs=None) -> "PackedTTLinear":
@@ -392,7 +403,7 @@ class PackedTTLinear(nn.Module):
         cores = ops.gate_cores(self.cores(x.dtype), gates, self.layout)
         envelope = self._pins.get(self.op)
         if envelope is None:  # a module whose pins were dropped and not remade (never in normal use)
-            envelope = planned_envelope(self.layout, self.op, backward=False)
+            envelope = planned_envelope(self.layout, self.op, device=x.device, backward=False)
         chosen = choose_plan(envelope, x.numel() // self.in_features)
         return planner.execute(chosen, x, cores, self.layout, bias)
 

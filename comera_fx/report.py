@@ -189,7 +189,7 @@ def report(model: nn.Module, *, batch: int | None = None, gate_threshold: float 
     for entry, counts in zip(matrices, live_counts([m.tt for m in matrices], gate_threshold)):
         tt, layout = entry.tt, entry.tt.layout
         op = _product_op(model, tt) if batch is not None and not tt.is_zero else None
-        chosen = str(planned_envelope(layout, op).choose(batch)) if op is not None else None
+        chosen = str(planned_envelope(layout, op, device=tt.device).choose(batch)) if op is not None else None
         rows.append(
             LayerRow(
                 entry.name,

@@ -93,7 +93,8 @@ def batch_range(batch) -> tuple[int, int]:
 @contextlib.contextmanager
 def pinned_plans(model: nn.Module, chosen: dict | None = None):
     """While active, every TT product of ``model`` runs the ``plan_for_range`` plan of its batch size's range
-    instead of choosing per interval; ``chosen`` (a dict) collects ``{(layout, op, lo, hi): RangePlan}``."""
+    instead of choosing per interval; ``chosen`` (a dict) collects ``{(layout, op, lo, hi, launch): RangePlan}``
+    (``launch``: the launch cost of the device the product runs on, from the envelope it would have chosen in)."""
     for module in model.modules():
         if isinstance(module, layers.TTMatrix) and not module.is_zero:
             module.prepare_plans()  # a traced call reads the envelope cache, it does not fill it
@@ -101,9 +102,9 @@ def pinned_plans(model: nn.Module, chosen: dict | None = None):
 
     def pick(envelope: planner.PlanEnvelope, batch) -> planner.Plan:
         lo, hi = batch_range(batch)
-        key = (envelope.network.layout, envelope.network.op, lo, hi)
+        key = (envelope.network.layout, envelope.network.op, lo, hi, envelope.model.launch)
         if key not in chosen:
-            chosen[key] = plan_for_range(key[0], key[1], lo, hi)
+            chosen[key] = plan_for_range(*key[:4], launch=key[4])
         return chosen[key].plan
 
     before, layers.PLAN_OVERRIDE = layers.PLAN_OVERRIDE, pick

@@ -217,7 +217,7 @@ def test_bias_rides_in_the_last_gemm_when_the_plan_writes_y(monkeypatch, grad, i
             dense, max_rank=4, col_modes=(4, 4, 6) if writes_y else (2, 7, 7), row_modes=(4, 5, 6)
         )
         x = torch.randn(50, 120, dtype=torch.float64)
-        chosen = layers.choose_plan(layers.planned_envelope(linear.tt.layout, "matmul"), 50)
+        chosen = layers.choose_plan(layers.planned_envelope(linear.tt.layout, "matmul", device="cpu"), 50)
         assert planner.folds_bias(chosen) is writes_y
         assert planner.plan_runner(chosen).two_factor is not None  # rank 4 runs at 16: the bond has spare slices
         with torch.set_grad_enabled(grad):
@@ -279,7 +279,7 @@ def test_padding_saves_only_the_padded_slices_of_t(monkeypatch):
     layout = TTMatrix.random(
         120, 96, format=TTFormat.TT, row_modes=(4, 5, 6), col_modes=(4, 4, 6), max_rank=5, std=1.0, dtype=torch.float64
     ).layout
-    planned = layers.choose_plan(layers.planned_envelope(layout, "matmul"), 64)
+    planned = layers.choose_plan(layers.planned_envelope(layout, "matmul", device="cpu"), 64)
     chosen = planner.Plan.from_tree(planned.network, planned.tree, planner.CostModel(itemsize=8))
     first, _ = planner.plan_runner(chosen).two_factor
     rank = chosen.steps[first].n
@@ -381,7 +381,7 @@ def test_compiles_fullgraph_dynamic_with_planned_backward(monkeypatch, backend):
     monkeypatch.setattr(layers, "CUSTOM_AUTOGRAD", True)
     linear = _small_linear()
     linear.tt.prepare_plans()
-    envelope = layers.planned_envelope(linear.tt.layout, "matmul")
+    envelope = layers.planned_envelope(linear.tt.layout, "matmul", device="cpu")
     piece = envelope.pieces[-1]  # two sizes in the last interval share one graph
     torch._dynamo.reset()
     counter = CompileCounterWithBackend(backend)

@@ -82,7 +82,7 @@ def test_dynamic_compile_recompiles_only_at_breakpoints():
 
 def test_choose_plan_matches_the_envelope_everywhere():
     _, tt = _dense_and_tt()
-    envelope = planned_envelope(tt.tt.layout, "matmul")
+    envelope = planned_envelope(tt.tt.layout, "matmul", device="cpu")
     for batch in range(0, 300):
         expected = envelope.pieces[0].plan if batch == 0 else envelope.choose(batch)
         assert choose_plan(envelope, batch) == expected
@@ -104,7 +104,7 @@ def test_graph_pass_uses_the_plan_for_the_exported_batch():
         x = torch.randn(batch, 96, dtype=torch.float64)
         gm = comera_fx.passes.tensorize(torch.export.export(copy.deepcopy(net), (x,)).module(), config)
         tt = gm.get_submodule("comera_tt_fc_weight")
-        expected = planned_envelope(tt.layout, "matmul").choose(batch)
+        expected = planned_envelope(tt.layout, "matmul", device="cpu").choose(batch)
         mms = sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.mm)
         assert mms == len(expected.steps), (batch, str(expected))
         torch.testing.assert_close(gm(x), x @ tt.dense().detach() + net.fc.bias, rtol=1e-10, atol=1e-12)

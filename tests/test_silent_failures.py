@@ -103,15 +103,15 @@ def test_envelope_cache_is_bounded_lru_and_eviction_is_safe(monkeypatch):
     matrices[0].matmul(x)  # a hit: the first layout becomes the most recent
     matrices[3].matmul(x)  # a fourth layout evicts the least recent one, the second
     assert len(layers._ENVELOPES) == 3
-    assert (matrices[1].layout, "matmul") not in layers._ENVELOPES
-    assert (matrices[0].layout, "matmul") in layers._ENVELOPES
+    assert (matrices[1].layout, "matmul", "cpu") not in layers._ENVELOPES
+    assert (matrices[0].layout, "matmul", "cpu") in layers._ENVELOPES
 
     evicted = matrices[1]
     compiled = torch.compile(evicted.matmul, backend="eager", fullgraph=True)
     torch.testing.assert_close(compiled(x), x @ evicted.dense().detach(), rtol=1e-12, atol=1e-12)
-    assert (evicted.layout, "matmul") not in layers._ENVELOPES  # compiled code never plans
+    assert (evicted.layout, "matmul", "cpu") not in layers._ENVELOPES  # compiled code never plans
     torch.testing.assert_close(evicted.matmul(x), x @ evicted.dense().detach(), rtol=1e-12, atol=1e-12)
-    assert (evicted.layout, "matmul") in layers._ENVELOPES and len(layers._ENVELOPES) == 3
+    assert (evicted.layout, "matmul", "cpu") in layers._ENVELOPES and len(layers._ENVELOPES) == 3
 
 
 # ------------------------------------------------------------------------------------------------------ capture

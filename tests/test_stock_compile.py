@@ -6,6 +6,8 @@ Dynamo's ``aot_eager`` backend keeps the compiles cheap; ``CompileCounterWithBac
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -13,7 +15,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 import comera_fx
 from comera_fx.runtime import RankAdaptive
-from comera_fx.runtime.compiled import REGIONAL, WHOLE, compile_state, note_stock_compiles
+from comera_fx.runtime.compiled import REGIONAL, WHOLE, compile_state, note_stock_compiles, recompile_extras
 from comera_fx.tt import TTMatrix
 
 STEPS, PRUNES = 24, 4
@@ -166,3 +168,63 @@ def test_note_stock_compiles_marks_what_the_module_tree_shows():
     for block in blocks.blocks:
         block.compile(backend="aot_eager")
     assert note_stock_compiles(blocks) and compile_state(matrices(blocks)) == REGIONAL
+
+
+@pytest.mark.parametrize(
+    "compile_, expected",
+    [
+        (lambda m: torch.compile(m), ""),
+        (lambda m: torch.compile(m, backend="aot_eager"), ""),
+        (lambda m: torch.compile(m, mode="reduce-overhead"), "CUDA graphs"),
+        (lambda m: torch.compile(m, mode="max-autotune-no-cudagraphs"), "tunes its kernels"),
+        (lambda m: torch.compile(m, mode="max-autotune"), "CUDA graphs are recorded again; max-autotune tunes"),
+        (lambda m: m.compile(mode="max-autotune") or m, "CUDA graphs are recorded again; max-autotune tunes"),
+        (lambda m: torch.compile(m, backend="cudagraphs"), "CUDA graphs"),
+    ],
+    ids=["default", "aot_eager", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune", "in-place", "cg"],
+)
+def test_recompile_extras_reads_the_compile_mode(compile_, expected):
+    """Nothing is compiled here (torch.compile is lazy): only the wrappers are read."""
+    model = compile_(mlp())
+    cuda = recompile_extras(model, "cuda")
+    assert (expected in cuda) if expected else cuda == ""
+    assert "CUDA graphs" not in recompile_extras(model, "cpu")  # Inductor records none off CUDA
+
+
+def comera_run(hooked: nn.Module, called: nn.Module, prune_every) -> list[str]:
+    """Four CoMERA steps with one gate slice killed before each: the warnings the hook gave."""
+    optimizer = torch.optim.SGD(hooked.parameters(), lr=1e-3)
+    hook = RankAdaptive(hooked, optimizer, comera_fx.CoMERAConfig(prune_every=prune_every))
+    x = torch.randn(4, 32, dtype=torch.float64)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(4):
+            with torch.no_grad():
+                for m in hook.matrices:
+                    m.tt.gates[0][-1:] = 0  # a dead slice for every prune to remove
+            called(x).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        if prune_every is None:
+            hook.prune()
+    assert hook.matrices[0].tt.layout.ranks[1] < 8  # slices were removed
+    return [str(w.message) for w in caught if "RankAdaptive" in str(w.message)]
+
+
+def test_comera_prunes_of_a_compiled_model_warn_once_naming_the_fix():
+    """CoMERA shrinks physically at every scheduled prune: compiled, a recompile each (checked here: a graph per
+    prune). The hook says so once, naming BudgetConfig and prune_every=None; not for an eager model, and not for
+    the one ``prune()`` after training that the message recommends."""
+    model = mlp()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter)
+    messages = comera_run(compiled, compiled, prune_every=1)
+    assert counter.frame_count >= 3  # a graph per prune: what the warning is about
+    assert len(messages) == 1 and "BudgetConfig" in messages[0] and "prune_every=None" in messages[0]
+    assert "CUDA graphs" not in messages[0]  # aot_eager, on the CPU
+    eager = mlp()
+    assert comera_run(eager, eager, prune_every=1) == []
+    torch._dynamo.reset()
+    once = mlp()
+    compiled_once = torch.compile(once, backend="aot_eager")
+    assert comera_run(compiled_once, compiled_once, prune_every=None) == []

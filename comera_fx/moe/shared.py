@@ -126,7 +126,7 @@ class SharedTTExpertBank(nn.Module):
 
     def _planned(self, expert: int, x: Tensor, *, transposed: bool, bias: Tensor | None = None) -> Tensor:
         layout, op = self.expert_layout(), "matmul_t" if transposed else "matmul"
-        envelope = planned_envelope(layout, op)
+        envelope = planned_envelope(layout, op, device=x.device)
         batch = x.numel() // (layout.cols if transposed else layout.rows)
         chosen = choose_plan(envelope, batch)
         run = planner.execute_function if CUSTOM_AUTOGRAD else planner.execute
@@ -170,6 +170,10 @@ class ExpertChain:
     @property
     def stored_empty(self) -> bool:
         return self.bank.tt.stored_empty
+
+    @property
+    def device(self):
+        return self.bank.tt.device
 
     def parameters(self):
         return self.bank.tt.parameters()

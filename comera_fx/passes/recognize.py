@@ -201,7 +201,8 @@ def _replace_with_contraction(
     x = node.args[1] if is_addmm else node.args[0]
     # linear: x Wᵀ; matmul: x W. With W = M that is x Mᵀ / x M; with W = Mᵀ the other way round.
     op = "matmul_t" if (kind is UseKind.LINEAR) == (what == "M") else "matmul"
-    chosen = choose_plan(planned_envelope(layout, op), static_tokens(x, layout.rows if op == "matmul" else layout.cols))
+    envelope = planned_envelope(layout, op, device=tt.device)
+    chosen = choose_plan(envelope, static_tokens(x, layout.rows if op == "matmul" else layout.cols))
     with graph.inserting_before(node):
         gated = emit_traced(graph, lambda c, g: ops.gate_cores(c, g, layout), cores, gates)
         out = emit_traced(graph, lambda a, c: planner.execute(chosen, a, c, layout), x, gated)

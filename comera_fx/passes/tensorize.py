@@ -590,7 +590,8 @@ def _emit_use(gm, graph, node, kind, cores, layout, module_name, cand):
     # LINEAR computes x Pᵀ and MATMUL x P; M is Pᵀ or P (stores_transpose). When they differ, contract with Mᵀ:
     # a tied head on an embedding's M = P, or a square P read both by linear and by matmul.
     op = "matmul_t" if (kind is UseKind.LINEAR) != stores_transpose(cand) else "matmul"
-    chosen = choose_plan(planned_envelope(layout, op), static_tokens(x, layout.rows if op == "matmul" else layout.cols))
+    envelope = planned_envelope(layout, op, device=gm.get_submodule(module_name).device)
+    chosen = choose_plan(envelope, static_tokens(x, layout.rows if op == "matmul" else layout.cols))
     out = emit_traced(graph, lambda a, c: planner.execute(chosen, a, c, layout), x, cores)
     bias = None
     if kind is UseKind.LINEAR:

@@ -161,34 +161,36 @@ class RandomizedTTProduct(torch.autograd.Function):
         return (dx, None, None, None, None, *core_grads)
 
 
-def _envelope(layout, op: str):
-    """The planner's training envelope for (layout, op): the one every TT product uses (``tt.layers``)."""
+def _envelope(layout, op: str, device):
+    """The planner's training envelope for (layout, op) on ``device``: the one every TT product uses
+    (``tt.layers``)."""
     if torch.compiler.is_compiling():
-        envelope = layers.cached_envelope(layout, op)
+        envelope = layers.cached_envelope(layout, op, device=device)
         if envelope is None:
             raise RuntimeError(
                 f"no contraction plan for {layout} ({op}) inside torch.compile: call "
                 f"tt.prepare_plans() on every TT matrix before compiling (tensorize_ does)"
             )
         return envelope
-    return layers.planned_envelope(layout, op)
+    return layers.planned_envelope(layout, op, device=device)
 
 
-def _inference_envelope(layout, op: str):
+def _inference_envelope(layout, op: str, device):
     """Forward-only envelope: under RMM the full-batch forward and dX products save nothing, so they run orders
     planned for inference. Inside torch.compile, the training envelope when none was made eagerly (another order of
     the same exact product, never another result)."""
     if torch.compiler.is_compiling():
-        envelope = layers.cached_envelope(layout, op, backward=False)
-        return envelope if envelope is not None else _envelope(layout, op)
-    return layers.planned_envelope(layout, op, backward=False)
+        envelope = layers.cached_envelope(layout, op, device=device, backward=False)
+        return envelope if envelope is not None else _envelope(layout, op, device)
+    return layers.planned_envelope(layout, op, device=device, backward=False)
 
 
 def prepare_rmm_plans(tt) -> None:
-    """Plan what ``rmm_tt_product`` runs for ``tt``'s current ranks (both orientations), before ``torch.compile``."""
+    """Plan what ``rmm_tt_product`` runs for ``tt``'s current ranks (both orientations) on the device its cores
+    are on, before ``torch.compile``."""
     for op in ("matmul", "matmul_t"):
-        _inference_envelope(tt.layout, op)
-        _envelope(tt.layout, op)
+        _inference_envelope(tt.layout, op, tt.device)
+        _envelope(tt.layout, op, tt.device)
 
 
 def rmm_tt_product(
@@ -216,9 +218,9 @@ def rmm_tt_product(
     tokens = x2d.shape[0]
     rows = projected_rows(tokens, ratio)
     runners = (
-        planner.plan_runner(layers.choose_plan(_inference_envelope(layout, op), tokens)),
-        planner.plan_runner(layers.choose_plan(_inference_envelope(layout, other), tokens)),
-        planner.plan_runner(layers.choose_plan(_envelope(layout, op), rows)),
+        planner.plan_runner(layers.choose_plan(_inference_envelope(layout, op, x.device), tokens)),
+        planner.plan_runner(layers.choose_plan(_inference_envelope(layout, other, x.device), tokens)),
+        planner.plan_runner(layers.choose_plan(_envelope(layout, op, x.device), rows)),
     )
     x_sketch, seed = shared_sketch(x2d, rows, sketch, share_key)
     return RandomizedTTProduct.apply(x, x_sketch, seed, runners, sketch, *tt.gated_cores())

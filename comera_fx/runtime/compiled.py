@@ -73,6 +73,45 @@ def note_stock_compiles(model: nn.Module) -> bool:
     return bool(found)
 
 
+def recompile_extras(model: nn.Module, device_type: str) -> str:
+    """What a recompile of ``model``'s stock compiles costs besides compiling, in words for a warning: CUDA graphs
+    recorded again (``mode="reduce-overhead"`` or ``"max-autotune"``, ``options={"triton.cudagraphs": True}``,
+    ``backend="cudagraphs"``; on ``device_type`` "cuda" only, elsewhere Inductor skips them), kernels tuned again
+    (max-autotune); "" when none shows. Read from torch's private compile wrappers, best effort: where they look
+    otherwise (another torch), "" and the warnings say less."""
+    costs = set()
+    for backend in _stock_backends(model):
+        config = getattr(backend, "config", None)
+        config = config if isinstance(config, dict) else {}
+        graphs = config.get("triton.cudagraphs") or getattr(backend, "compiler_name", None) == "cudagraphs"
+        if graphs and device_type == "cuda":
+            costs.add("its CUDA graphs are recorded again")
+        if config.get("max_autotune"):
+            costs.add("max-autotune tunes its kernels again")
+    return "; ".join(sorted(costs))
+
+
+def _stock_backends(model: nn.Module) -> list:
+    """The backends (the ``torch.compile`` wrapper objects) of the stock compiles on ``model``'s module tree."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    callbacks = []
+    for module in model.modules():
+        if isinstance(module, OptimizedModule):
+            callbacks.append(getattr(getattr(module, "dynamo_ctx", None), "callback", None))
+        elif (compiled := getattr(module, "_compiled_call_impl", None)) is not None:
+            cells = [cell.cell_contents for cell in getattr(compiled, "__closure__", None) or ()]
+            callbacks += [c for c in cells if hasattr(c, "_torchdynamo_orig_backend")]
+    backends = []
+    for backend in callbacks:
+        for _ in range(8):  # ConvertFrame -> WrapBackendDebug -> the compile wrapper: a short chain
+            if not hasattr(backend, "_torchdynamo_orig_backend"):
+                break
+            backend = backend._torchdynamo_orig_backend
+        backends.append(backend)
+    return backends
+
+
 def compiled_module(model: nn.Module) -> nn.Module:
     """The module a ``torch.compile(module)`` wrapper runs (layer names without its ``_orig_mod.``), else ``model``."""
     from torch._dynamo.eval_frame import OptimizedModule
@@ -110,6 +149,7 @@ class ShapePolicy:
         self.eager = False  # shrink_eagerly(): the run no longer compiles
         self._found: str | None = None
         self._physical, self._warned = 0, False
+        self._warned_every_prune = False
 
     @property
     def compiled_as(self) -> str | None:
@@ -149,8 +189,29 @@ class ShapePolicy:
             f"a recompile each)"
         )
         warnings.warn(
-            f"RankAdaptive: the model runs compiled ({compiled}) and {why}; leave BudgetConfig.shrink_slack "
-            f"and same_shape_blocks unset (None): the hook then holds the shapes until the last prune "
-            f"point and recompiles once",
+            f"RankAdaptive: the model runs compiled ({compiled}{self._extras()}) and {why}; leave "
+            f"BudgetConfig.shrink_slack and same_shape_blocks unset (None): the hook then holds the shapes until "
+            f"the last prune point and recompiles once",
             stacklevel=5,
         )
+
+    def shrinks_at_every_prune(self) -> None:
+        """CoMERA's prunes always shrink physically: compiled, each is a recompile (and Dynamo falls back to eager
+        after ``recompile_limit`` of them). Warn once, at the first, naming the schedules that avoid it."""
+        compiled = self.compiled_as
+        if compiled is None or self._warned_every_prune:
+            return
+        self._warned_every_prune = True
+        warnings.warn(
+            f"RankAdaptive: the model runs compiled ({compiled}{self._extras()}) and CoMERA's prunes shrink the "
+            f"cores physically at every prune, each a recompile; use BudgetConfig (it holds the shapes until its "
+            f"last prune point: one recompile), or CoMERAConfig(prune_every=None) and hook.prune() once after "
+            f"training",
+            stacklevel=5,
+        )
+
+    def _extras(self) -> str:
+        model = self._model() if self._model is not None else None
+        device_type = self.matrices[0].device.type if self.matrices else "cpu"
+        extras = recompile_extras(model, device_type) if model is not None else ""
+        return f"; at each recompile {extras}" if extras else ""

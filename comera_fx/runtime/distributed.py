@@ -231,13 +231,18 @@ class RankSync:
         """Rank ``src``'s ``x`` (e.g. the clock of a ``budget_seconds`` horizon)."""
         return float(self._broadcast(torch.tensor([x], dtype=torch.float64, device=device))[0])
 
-    def mean(self, x: float, device: torch.device) -> float:
-        """The mean of ``x`` over the ranks (the observed loss)."""
+    def mean(self, x: float | torch.Tensor, device: torch.device) -> float | torch.Tensor:
+        """The mean of ``x`` over the ranks (the observed loss): a tensor's stays a 0-d float64 tensor on
+        ``device`` (all-reduced there, not read back), a float's is a float."""
         if self.size == 1:
             return x
-        t = torch.tensor([x], dtype=torch.float64, device=device)
+        t = (
+            x.detach().reshape(1).to(device, torch.float64)
+            if torch.is_tensor(x)
+            else torch.tensor([x], dtype=torch.float64, device=device)
+        )
         dist.all_reduce(t, group=self.group)
-        return float(t[0]) / self.size
+        return t[0] / self.size if torch.is_tensor(x) else float(t[0]) / self.size
 
     # -- after a prune -----------------------------------------------------------------------------------------
 

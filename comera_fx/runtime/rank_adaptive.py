@@ -30,9 +30,25 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..tt.inventory import MatrixEntry, live_counts, live_counts_later, physical_params, tt_matrices
+from ..tt.inventory import (
+    MatrixEntry,
+    live_count_tensor,
+    live_counts,
+    live_counts_later,
+    physical_params,
+    tt_matrices,
+)
 from .distributed import RankSync
-from .comera import EARLY, LATE, PlateauDetector, achievement_lambda, add_gate_penalty_, scale_grads_
+from .comera import (
+    EARLY,
+    LATE,
+    PlateauDetector,
+    achievement_lambda,
+    achievement_lambda_on_device,
+    add_gate_penalty_,
+    scale_grads_,
+    tt_params_at_counts,
+)
 from .compiled import ShapePolicy
 from .history import HistoryEntry, RankSummary, materialized
 from .importance import BondSensitivity
@@ -146,9 +162,10 @@ class RankAdaptive:
         self._history: list = []  # HistoryEntry, or a function giving it (gate counts still on the device)
         self.zeroed: dict[str, str] = {}  # layer -> why it went to rank 0
         self._start = time.perf_counter()
-        self._pending_loss: float | None = None
-        self._step_loss: float | None = None
-        self._step_lam: float | None = None
+        # the observed loss and the late stage's λ: tensors kept on the device, read when the history is
+        self._pending_loss: Tensor | float | None = None
+        self._step_loss: Tensor | float | None = None
+        self._step_lam: Tensor | float | None = None
         if s.schedule == BUDGET:
             self.schedule: BudgetSchedule | None = self._make_schedule()
             self.importance: BondSensitivity | None = BondSensitivity(s.importance_beta)
@@ -213,8 +230,10 @@ class RankAdaptive:
 
     def observe(self, loss: float | Tensor) -> None:
         """Pass this step's loss; call once per step, before ``optimizer.step()`` (it applies to that step).
-        Reads the value to the host (one synchronisation)."""
-        self._pending_loss = float(loss.detach()) if torch.is_tensor(loss) else float(loss)
+        A tensor is kept where it is, not read: the history reads it when asked, CoMERA's late-stage λ uses it on
+        the device. Only CoMERA's plateau detection (``plateau_patience``) reads it every step (one
+        synchronisation): its stage switch is a decision on the host."""
+        self._pending_loss = loss.detach() if torch.is_tensor(loss) else float(loss)
         if self.distributed is not None:  # CoMERA's λ and plateau read it: the same value on every rank
             self._pending_loss = self.distributed.mean(self._pending_loss, self._device())
 
@@ -257,6 +276,7 @@ class RankAdaptive:
         """Remove every dead slice (|g| <= threshold) now (CoMERA's schedule does it every ``prune_every``)."""
         if self.distributed is not None:
             self.distributed.check()  # refuse before removing anything if the wrapper cannot be rebuilt
+        _ = self.shapes.compiled_as  # looked up before any parameter is replaced (the backend knows the old ones)
         records = []
         for m in self.matrices:
             if m.shrinkable:
@@ -490,18 +510,26 @@ class RankAdaptive:
         """CoMERA: early → late at ``late_start_step`` or on a plateau of the observed loss; never back."""
         if self.stage == LATE or not self.settings.has_target:
             return
-        plateaued = self._plateau is not None and loss is not None and self._plateau.update(loss)
+        plateaued = self._plateau is not None and loss is not None and self._plateau.update(float(loss))
         start = self.settings.late_start_step
         if plateaued or (start is not None and self.step >= start):
             self.stage, self.switch_step = LATE, self.step
 
-    def _late_lambda(self, loss: float | None) -> float:
-        if self.settings.target_loss is not None and loss is None:
+    def _late_lambda(self, loss: Tensor | float | None) -> Tensor | float:
+        """CoMERA's λ for this step: a 0-d tensor computed on the gates' device from their live counts (no host
+        read)."""
+        s = self.settings
+        if s.target_loss is not None and loss is None:
             raise RuntimeError(
                 "RankAdaptive: target_loss is set, so call hook.observe(loss) before every "
                 "optimizer.step() in the late stage"
             )
-        return achievement_lambda(loss, self.settings.target_loss, self.tt_params_without_dead(), self.target_size)
+        counts = live_count_tensor([m.tt for m in self.matrices], s.threshold)
+        if counts is None:  # no gates at all: nothing to count on a device
+            loss = None if loss is None else float(loss)
+            return achievement_lambda(loss, s.target_loss, self.tt_params_without_dead(), self.target_size)
+        size = tt_params_at_counts([m.tt.layout for m in self.matrices], counts)
+        return achievement_lambda_on_device(loss, s.target_loss, size, self.target_size)
 
     def _pre_step(self, optimizer, args, kwargs) -> None:
         closure = args[1] if len(args) > 1 else kwargs.get("closure")  # args[0] is the optimizer itself
@@ -544,6 +572,8 @@ class RankAdaptive:
                 records = self._prune_to(budget, None, final=due >= len(points))
         elif s.prune_every is not None and self.step % s.prune_every == 0:
             records = self.prune()
+            if records:  # compiled, a recompile at every scheduled prune: warned once
+                self.shapes.shrinks_at_every_prune()
         if records or (self.history_every is not None and self.step % self.history_every == 0):
             entry = self._entry(records, budget)
             self._history.append(entry() if records else entry)
@@ -553,11 +583,10 @@ class RankAdaptive:
         when it is called."""
         counts = live_counts_later([m.tt for m in self.matrices], self.settings.threshold)
         names, tts = [m.name for m in self.matrices], [m.tt for m in self.matrices]
+        loss, lam = self._step_loss, self._step_lam  # tensors on the device, read with the gate counts
         fixed = dict(
             step=self.step,
             stage=self.stage,
-            loss=self._step_loss,
-            lam=self._step_lam,
             ranks={n: tt.ranks for n, tt in zip(names, tts)},
             tt_params=self.live_tt_params(),
             dense_params=sum(tt.layout.dense_params for tt in tts),
@@ -570,6 +599,8 @@ class RankAdaptive:
         def entry() -> HistoryEntry:
             alive = counts()
             return HistoryEntry(
+                loss=None if loss is None else float(loss),
+                lam=None if lam is None else float(lam),
                 gate_ranks={n: (1, *c, 1) for n, c in zip(names, alive)},
                 tt_params_without_dead=sum(params_at_ranks(tt, c) for tt, c in zip(tts, alive)),
                 **fixed,

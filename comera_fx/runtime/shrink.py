@@ -130,7 +130,7 @@ def remove_slices_(
     if counts == sizes:
         return None
     old_ranks, before, was_zero = tt.ranks, live_params(tt), tt.is_zero
-    was_planned = planned_ops(tt.layout)
+    was_planned = planned_ops(tt.layout, device=tt.device)
     zeroed = 0 in counts
     if zeroed:
         masks = [torch.zeros_like(m) for m in masks]
@@ -212,7 +212,7 @@ def resize_bonds_(
     stored = tt.layout.internal_ranks
     if widths == stored:
         return None
-    before, old_ranks, was_planned = live_params(tt), tt.ranks, planned_ops(tt.layout)
+    before, old_ranks, was_planned = live_params(tt), tt.ranks, planned_ops(tt.layout, device=tt.device)
     n = len(tt.cores)
     for k in range(n):
         first = widths[k - 1] if k > 0 and widths[k - 1] != stored[k - 1] else None
@@ -335,7 +335,7 @@ def round_to_ranks_(
         return remove_slices_(
             tt, [torch.zeros_like(g, dtype=torch.bool) for g in tt.gates], optimizer=optimizer, name=name
         )
-    was_planned = planned_ops(tt.layout)
+    was_planned = planned_ops(tt.layout, device=tt.device)
     with torch.no_grad():
         cores, _ = tt_round(_fold_gates(tt), internal_ranks)
     for plist, new_values in ((tt.cores, cores), (tt.gates, [c.new_ones(c.shape[-1]) for c in cores[:-1]])):

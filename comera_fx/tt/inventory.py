@@ -57,14 +57,19 @@ def tt_matrices(model: nn.Module) -> list[MatrixEntry]:
     return [MatrixEntry(users[key][0], tt, key not in frozen, tuple(users[key])) for key, tt in matrices.items()]
 
 
+def ints_on(device: torch.device, values: Sequence[int]) -> torch.Tensor:
+    """``values`` as a long tensor on ``device``. On CUDA they travel from pinned memory without blocking: a plain
+    host-to-device copy waits for the stream, which would stall every training step that sends them."""
+    ints = torch.tensor(list(values), dtype=torch.long)
+    if torch.device(device).type == "cuda":
+        ints = ints.pin_memory()
+    return ints.to(device, non_blocking=True)
+
+
 def segment_sums(flat: torch.Tensor, lengths: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     """Sums of ``flat``'s consecutive segments of ``lengths``, added in ``dtype``: one ``index_add_`` for many small
-    tensors concatenated. On CUDA the lengths travel from pinned memory without blocking: a plain host-to-device
-    copy waits for the stream, which would stall every training step that reads gates."""
-    counts = torch.tensor(list(lengths), dtype=torch.long)
-    if flat.device.type == "cuda":
-        counts = counts.pin_memory()
-    counts = counts.to(flat.device, non_blocking=True)
+    tensors concatenated; the lengths travel without a stream sync (``ints_on``)."""
+    counts = ints_on(flat.device, lengths)
     segment = torch.repeat_interleave(torch.arange(len(lengths), device=flat.device), counts, output_size=sum(lengths))
     return torch.zeros(len(lengths), dtype=dtype, device=flat.device).index_add_(0, segment, flat.to(dtype))
 
@@ -75,18 +80,27 @@ def live_counts(matrices: Sequence[TTMatrix], threshold: float = DEFAULT_GATE_TH
     return live_counts_later(matrices, threshold)()
 
 
-def live_counts_later(
-    matrices: Sequence[TTMatrix], threshold: float = DEFAULT_GATE_THRESHOLD
-) -> Callable[[], list[tuple[int, ...]]]:
-    """``live_counts`` of the gates as they are now, counted on their device now (one segmented sum per device and
-    dtype: a few kernels per gate would cost a GPU step more than its optimizer) and read back to the host when the
-    returned function is called: a history entry taken every step then costs no synchronisation until it is read."""
-    stored = [tt._stored_gates() for tt in matrices]
-    gates = [g.detach() for tt_gates in stored for g in tt_gates]
+def live_count_tensor(matrices: Sequence[TTMatrix], threshold: float = DEFAULT_GATE_THRESHOLD) -> torch.Tensor | None:
+    """``live_counts`` of every internal bond, in (matrix, bond) order, as one long tensor on the first gate's
+    device, never read back (None without gates): for sizes computed on the device (CoMERA's late stage)."""
+    gates = [g.detach() for tt in matrices for g in tt._stored_gates()]
+    if not gates:
+        return None
+    device = gates[0].device
+    counts = torch.zeros(len(gates), dtype=torch.long, device=device)
+    for members, alive in _count_groups(gates, threshold):
+        if len(members) == len(gates):  # one device and dtype, in order: the usual case
+            return alive.to(device)
+        counts.index_copy_(0, ints_on(device, members), alive.to(device))
+    return counts
+
+
+def _count_groups(gates: Sequence[torch.Tensor], threshold: float) -> list[tuple[list[int], torch.Tensor]]:
+    """(indices into ``gates``, their live counts on their device) per device and dtype: one segmented sum each."""
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, gate in enumerate(gates):  # the comparison in each gate's own dtype, as |g| > threshold reads it
         groups.setdefault((gate.device, gate.dtype), []).append(i)
-    pending = [
+    return [
         (
             members,
             segment_sums(
@@ -97,6 +111,17 @@ def live_counts_later(
         )
         for members in groups.values()
     ]
+
+
+def live_counts_later(
+    matrices: Sequence[TTMatrix], threshold: float = DEFAULT_GATE_THRESHOLD
+) -> Callable[[], list[tuple[int, ...]]]:
+    """``live_counts`` of the gates as they are now, counted on their device now (one segmented sum per device and
+    dtype: a few kernels per gate would cost a GPU step more than its optimizer) and read back to the host when the
+    returned function is called: a history entry taken every step then costs no synchronisation until it is read."""
+    stored = [tt._stored_gates() for tt in matrices]
+    gates = [g.detach() for tt_gates in stored for g in tt_gates]
+    pending = _count_groups(gates, threshold)
     shape = [len(tt_gates) for tt_gates in stored]
 
     def read() -> list[tuple[int, ...]]:

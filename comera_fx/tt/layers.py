@@ -19,6 +19,7 @@ from . import decompose, merged, ops
 from .dense_view import check_same_size, dense_view, source_of
 from . import plan as planner
 from .layout import TTFormat, TTLayout, chain_dims
+from .plan.cost import device_launch
 from .shapes import auto_num_modes, capped_ranks, choose_modes, feasible_ranks, order_for_chain
 
 
@@ -114,6 +115,11 @@ class TTMatrix(nn.Module):
         ranks = (1,) + tuple(core.shape[-1] for core in cores)
         return TTLayout(self.format, self.rows, self.cols, self.row_modes, self.col_modes, ranks)
 
+    @property
+    def device(self) -> torch.device:
+        """Where the stored cores live: the device whose launch cost the products' plans are chosen with."""
+        return self._stored_cores()[0].device
+
     def _stored_cores(self) -> list[Tensor]:
         """The core tensors themselves, for their shapes: read past ``nn.Module.__getattr__``, which
         ``torch.fx.symbolic_trace`` patches to hand out proxies (a proxy's shape cannot drive Python control flow)."""
@@ -207,19 +213,30 @@ class TTMatrix(nn.Module):
         """Plan the products (both by default) for the current ranks now. Call before ``torch.compile`` if the
         module has not run eagerly since its ranks last changed: a compiled graph reads plans, it does not make
         them."""
+        layout, device = self.layout, self.device
         for op in ops:
-            self._plan_pins[op] = planned_envelope(self.layout, op)
+            self._plan_pins[op] = planned_envelope(layout, op, device=device)
 
-    def _envelope(self, layout: TTLayout, op: str) -> "planner.PlanEnvelope | None":
-        """Eagerly: the planner's envelope (made if needed) and pinned. Compiling: the pinned one if it is for
-        ``layout``, else the global cache's (None when nothing was planned: the caller's fixed order)."""
+    def _envelope(self, layout: TTLayout, op: str, device: torch.device) -> "planner.PlanEnvelope | None":
+        """Eagerly: the planner's envelope for ``device`` (made if needed) and pinned. Compiling: the pinned one if
+        it is for ``layout`` and ``device``'s launch cost, else the global cache's (None when nothing was planned:
+        the caller's fixed order)."""
         if not torch.compiler.is_compiling():
-            envelope = self._plan_pins[op] = planned_envelope(layout, op)
+            envelope = self._plan_pins[op] = planned_envelope(layout, op, device=device)
             return envelope
         pinned = self._plan_pins.get(op)
-        if pinned is not None and pinned.network.layout == layout:
+        if pinned is not None and pinned.network.layout == layout and pinned.model.launch == device_launch(device):
             return pinned
-        return cached_envelope(layout, op)
+        return cached_envelope(layout, op, device=device)
+
+    def _apply(self, fn, recurse=True):
+        """``nn.Module._apply`` (``.to``, ``.cuda``, ``.cpu``, ...), then the pinned products planned again for
+        the device the cores are on now: a plan is chosen with its device's launch cost, and a model moved and
+        then compiled before any eager call must trace the new device's plans, not the old one's."""
+        moved = super()._apply(fn, recurse)
+        if getattr(self, "_plan_pins", None) and not self.stored_empty:
+            self.prepare_plans(list(self._plan_pins))
+        return moved
 
     def __deepcopy__(self, memo):
         """The default deep copy, with the plan pins carried in its state and shared, not copied (the envelopes are
@@ -249,7 +266,7 @@ class TTMatrix(nn.Module):
     def _planned_product(self, x: Tensor, op: str, bias: Tensor | None = None) -> Tensor:
         layout = self.layout
         cores = self.gated_cores()
-        envelope = self._envelope(layout, op)
+        envelope = self._envelope(layout, op, cores[0].device)
         if envelope is None:  # compiled before any plan was made: CoMERA's fixed order
             fixed = ops.matmul if op == "matmul" else ops.matmul_t
             return _with_bias(fixed(x, cores, layout), bias)
@@ -351,25 +368,27 @@ def _zero_product(x: Tensor, n_out: int) -> Tensor:
 CUSTOM_AUTOGRAD = True
 
 
-#: How many (layout, op) envelopes ``planned_envelope`` keeps. Every pruned layout is a new key, so an unbounded
-#: cache would grow for the whole of a rank-adaptive run; 1024 covers both products of 512 live layouts (a
-#: 24-layer transformer has ~150 TT matrices). The least recently planned or used entry goes first.
+#: How many (layout, op, device type) envelopes ``planned_envelope`` keeps. Every pruned layout is a new key, so
+#: an unbounded cache would grow for the whole of a rank-adaptive run; 1024 covers both products of 512 live
+#: layouts on one device type (a 24-layer transformer has ~150 TT matrices). The least recently planned or used
+#: entry goes first.
 ENVELOPE_CACHE_SIZE = 1024
 
-# Plans per (layout, op), shared by every TTMatrix of that layout. Planning runs a subset DP and sympy, which a
+# Plans per (layout, op, device type), shared by every TTMatrix of that layout on a device of that type (the
+# type sets the cost model's launch term, ``planner.DEVICE_LAUNCH``). Planning runs a subset DP and sympy, which a
 # compiled graph must not trace; eager calls (or ``prepare_plans``) fill this, compiled code only reads it.
 # Evicting is safe: an evicted layout is planned again on its next eager call, and a region compiled while its
 # layout is absent runs CoMERA's fixed order (``TTMatrix._planned_product``). Dynamo guards on this dict's keys,
 # so an insertion or eviction recompiles the regions that read it; a hit (``move_to_end``) does not.
-_ENVELOPES: "OrderedDict[tuple[TTLayout, str], planner.PlanEnvelope]" = OrderedDict()
+_ENVELOPES: "OrderedDict[tuple[TTLayout, str, str], planner.PlanEnvelope]" = OrderedDict()
 
 #: How many forward-only envelopes (``backward=False``) ``planned_envelope`` keeps: ``comera_fx.rmm`` runs its
 #: full-batch forward and dX products, which save nothing, in orders planned for inference. Every pruned layout adds
 #: entries here too.
 INFERENCE_ENVELOPE_CACHE_SIZE = 256
 
-# Forward-only envelopes per (layout, op), the same LRU as ``_ENVELOPES``.
-_INFERENCE_ENVELOPES: "OrderedDict[tuple[TTLayout, str], planner.PlanEnvelope]" = OrderedDict()
+# Forward-only envelopes per (layout, op, device type), the same LRU as ``_ENVELOPES``.
+_INFERENCE_ENVELOPES: "OrderedDict[tuple[TTLayout, str, str], planner.PlanEnvelope]" = OrderedDict()
 
 
 def prepare_plans_under(root: nn.Module) -> None:
@@ -379,19 +398,20 @@ def prepare_plans_under(root: nn.Module) -> None:
             module.prepare_plans()
 
 
-def planned_envelope(layout: TTLayout, op: str, *, backward: bool = True) -> "planner.PlanEnvelope":
-    """The planner's envelope for ``x @ M`` / ``x @ Mᵀ`` of this layout, made once and cached (LRU, at most
-    ``ENVELOPE_CACHE_SIZE`` entries; ``INFERENCE_ENVELOPE_CACHE_SIZE`` for the forward-only plans of
+def planned_envelope(layout: TTLayout, op: str, *, device, backward: bool = True) -> "planner.PlanEnvelope":
+    """The planner's envelope for ``x @ M`` / ``x @ Mᵀ`` of this layout on ``device`` (a ``torch.device`` or a
+    string; the cores' device: its type sets the launch cost, ``planner.DEVICE_LAUNCH``), made once and cached
+    (LRU, at most ``ENVELOPE_CACHE_SIZE`` entries; ``INFERENCE_ENVELOPE_CACHE_SIZE`` for the forward-only plans of
     ``backward=False``). Each plan's program, runner and autograd.Function are made with it."""
     cache, size = (
         (_ENVELOPES, ENVELOPE_CACHE_SIZE) if backward else (_INFERENCE_ENVELOPES, INFERENCE_ENVELOPE_CACHE_SIZE)
     )
-    key = (layout, op)
+    key = (layout, op, planner.device_type(device))
     envelope = cache.get(key)
     if envelope is not None:
         cache.move_to_end(key)
         return envelope
-    envelope = planner.plan(layout, op=op, backward=backward)
+    envelope = planner.plan(layout, op=op, backward=backward, launch=device_launch(device))
     for piece in envelope.pieces:
         planner.prepare_plan(piece.plan)  # its program, runner and autograd.Function now, outside any traced region
     cache[key] = envelope
@@ -400,15 +420,15 @@ def planned_envelope(layout: TTLayout, op: str, *, backward: bool = True) -> "pl
     return envelope
 
 
-def cached_envelope(layout: TTLayout, op: str, *, backward: bool = True) -> "planner.PlanEnvelope | None":
-    """The envelope ``planned_envelope`` made for (layout, op), or None. Never plans and leaves the LRU order
-    alone: what code running under ``torch.compile`` may read."""
-    return (_ENVELOPES if backward else _INFERENCE_ENVELOPES).get((layout, op))
+def cached_envelope(layout: TTLayout, op: str, *, device, backward: bool = True) -> "planner.PlanEnvelope | None":
+    """The envelope ``planned_envelope`` made for (layout, op) on a device of ``device``'s type, or None. Never
+    plans and leaves the LRU order alone: what code running under ``torch.compile`` may read."""
+    return (_ENVELOPES if backward else _INFERENCE_ENVELOPES).get((layout, op, planner.device_type(device)))
 
 
-def planned_ops(layout: TTLayout) -> list[str]:
-    """The products ("matmul", "matmul_t") already planned for ``layout``."""
-    return [op for op in planner.OPS if (layout, op) in _ENVELOPES]
+def planned_ops(layout: TTLayout, *, device) -> list[str]:
+    """The products ("matmul", "matmul_t") already planned for ``layout`` on a device of ``device``'s type."""
+    return [op for op in planner.OPS if (layout, op, planner.device_type(device)) in _ENVELOPES]
 
 
 #: ``(envelope, batch) -> Plan`` that replaces the choice by batch interval while set (a plain global: Dynamo

@@ -44,21 +44,22 @@ class RangePlan:
         )
 
 
-def plan_for_range(layout: TTLayout, op: str, lo: int, hi: int) -> RangePlan:
+def plan_for_range(layout: TTLayout, op: str, lo: int, hi: int, *, launch=0) -> RangePlan:
     """The one plan for ``x @ M`` (``op="matmul"``) or ``x @ Mᵀ`` over batch sizes ``lo..hi`` that minimises the
-    worst ratio of its cost to the best plan's cost, by the inference cost model (forward only).
+    worst ratio of its cost to the best plan's cost, by the inference cost model (forward only). ``launch``: a
+    kernel launch's cost on the device the product runs on (``planner.device_launch(device)``; 0 on a CPU).
 
     Exact, not sampled: every cost is linear in b and the best is their lower envelope, so on each envelope piece a
     candidate's ratio is monotone and its worst lies at a piece's integer ends.
     """
     lo = max(int(lo), 1)  # an empty batch costs nothing under any plan
     hi = max(int(hi), lo)
-    return _plan_for_range(layout, op, lo, hi)
+    return _plan_for_range(layout, op, lo, hi, launch)
 
 
 @functools.lru_cache(maxsize=1024)
-def _plan_for_range(layout: TTLayout, op: str, lo: int, hi: int) -> RangePlan:
-    envelope = planner.plan(layout, op=op, bounds=(lo, hi), backward=False)
+def _plan_for_range(layout: TTLayout, op: str, lo: int, hi: int, launch) -> RangePlan:
+    envelope = planner.plan(layout, op=op, bounds=(lo, hi), backward=False, launch=launch)
     ends = sorted(
         {end for piece in envelope.pieces for end in (piece.first, piece.last) if end is not None and lo <= end <= hi}
         | {lo, hi}
@@ -94,7 +95,8 @@ def symbolic_range(batch: torch.SymInt) -> tuple[int, int | None]:
 
 def export_plan(envelope: "planner.PlanEnvelope", batch: torch.SymInt) -> planner.Plan:
     """The plan a TT product runs for a symbolic batch size while ``torch.export`` traces it: ``plan_for_range``
-    over the size's declared range (to ``UNBOUNDED_BATCH`` without a max), so that no guard is emitted."""
+    over the size's declared range (to ``UNBOUNDED_BATCH`` without a max), so that no guard is emitted. The launch
+    cost is the envelope's: that of the device the product runs on."""
     lo, hi = symbolic_range(batch)
     layout, op = envelope.network.layout, envelope.network.op
-    return plan_for_range(layout, op, lo, UNBOUNDED_BATCH if hi is None else hi).plan
+    return plan_for_range(layout, op, lo, UNBOUNDED_BATCH if hi is None else hi, launch=envelope.model.launch).plan

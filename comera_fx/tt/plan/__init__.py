@@ -43,7 +43,16 @@ This package only re-exports them: ``from comera_fx.tt import plan as planner; p
 """
 
 from .autograd import PlanRunner, execute_function, folds_bias, plan_function, plan_runner, prepare_plan
-from .cost import DEFAULT_ALPHA, DEFAULT_BETA, DEFAULT_GAMMA, CostModel, CostTerms
+from .cost import (
+    DEFAULT_ALPHA,
+    DEFAULT_BETA,
+    DEFAULT_GAMMA,
+    DEVICE_LAUNCH,
+    CostModel,
+    CostTerms,
+    device_launch,
+    device_type,
+)
 from .envelope import EnvelopePiece, PlanEnvelope, plan
 from .execution import execute, plan_program
 from .network import OPS, Tree, TTNetwork, build_network
@@ -55,6 +64,7 @@ __all__ = [
     "DEFAULT_ALPHA",
     "DEFAULT_BETA",
     "DEFAULT_GAMMA",
+    "DEVICE_LAUNCH",
     "OPS",
     "CostModel",
     "CostTerms",
@@ -66,6 +76,8 @@ __all__ = [
     "TTNetwork",
     "Tree",
     "build_network",
+    "device_launch",
+    "device_type",
     "execute",
     "execute_function",
     "folds_bias",

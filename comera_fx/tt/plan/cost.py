@@ -93,9 +93,8 @@ class CostModel:
     @classmethod
     def for_device(cls, device, **fields) -> "CostModel":
         """The model for a device (a ``torch.device``, or its type as a string): ``launch`` from ``DEVICE_LAUNCH``
-        (0 for a type it does not list) unless given in ``fields``."""
-        kind = device if isinstance(device, str) else device.type
-        return cls(**{"launch": DEVICE_LAUNCH.get(kind.split(":")[0], 0), **fields})
+        (``device_launch``) unless given in ``fields``."""
+        return cls(**{"launch": device_launch(device), **fields})
 
     def describe(self) -> str:
         alpha, beta, gamma = self.weights
@@ -105,6 +104,17 @@ class CostModel:
             f"cost = FLOPs + {_num(alpha)}·(bytes moved + copied) + {_num(beta)}·bytes saved + "
             f"{_num(gamma)}·GEMMs{launches} ({what}, {self.itemsize}-byte elements)"
         )
+
+
+def device_type(device) -> str:
+    """The type of a device given as a ``torch.device`` or a string ("cuda:0" -> "cuda"): what plans are keyed by.
+    Read by duck typing, so this module imports no torch."""
+    return (device if isinstance(device, str) else device.type).split(":")[0]
+
+
+def device_launch(device):
+    """A kernel launch's cost on ``device`` (``DEVICE_LAUNCH``; 0 for a type it does not list)."""
+    return DEVICE_LAUNCH.get(device_type(device), 0)
 
 
 def _as_fraction(value, name: str) -> Fraction:

@@ -12,7 +12,7 @@ from fractions import Fraction
 import sympy
 
 from ..layout import TTLayout
-from .cost import DEFAULT_ALPHA, DEFAULT_BETA, DEFAULT_GAMMA, CostModel, _num
+from .cost import DEFAULT_ALPHA, DEFAULT_BETA, DEFAULT_GAMMA, CostModel, _num, device_launch
 from .network import TTNetwork, build_network
 from .plans import BATCH, Plan, _as_rational, _pretty
 from .subset_dp import _check_bounds, _crossing, search
@@ -130,17 +130,20 @@ def plan(
     x_requires_grad: bool = True,
     itemsize: int = 4,
     gamma=DEFAULT_GAMMA,
-    launch=0,
+    launch=None,
 ) -> PlanEnvelope:
     """Plan ``x @ M`` (or ``x @ Mᵀ``) of a TT layer for every batch size in ``bounds``.
 
     ``layer_or_spec``: a ``TTMatrix``, a ``TTLinear`` (its op follows ``transposed``) or a ``TTLayout``. ``op``:
     "matmul" or "matmul_t" (default: what a TTLinear runs, else "matmul"). ``batch``: an int to report the plan
     that wins there (the table also shows FLOPs at that size). ``alpha`` / ``beta`` / ``gamma`` / ``launch``: the
-    cost weights (``CostModel``; ``DEVICE_LAUNCH`` holds a launch's cost per device); ``backward=False`` plans
-    inference (forward only).
+    cost weights (``CostModel``); ``launch`` None: the launch cost of the device a layer's cores live on
+    (``DEVICE_LAUNCH``), what its products run; 0 for a TTLayout. ``backward=False`` plans inference (forward only).
     """
     layout, default_op = _layout_of(layer_or_spec)
+    if launch is None:
+        device = _device_of(layer_or_spec)
+        launch = 0 if device is None else device_launch(device)
     op = op if op is not None else default_op
     lo, hi = bounds
     _check_bounds(lo, hi)
@@ -185,6 +188,14 @@ def _as_int(value, name: str) -> int:
         return operator.index(value)
     except TypeError:
         raise ValueError(f"{name} must be an int, got {value!r}") from None
+
+
+def _device_of(obj):
+    """The device a TTMatrix's or TTLinear's cores live on (duck typing: ``.device`` of it or of its ``.tt``), or
+    None for a TTLayout."""
+    if isinstance(obj, TTLayout):
+        return None
+    return getattr(getattr(obj, "tt", obj), "device", None)
 
 
 def _layout_of(obj) -> tuple[TTLayout, str]:
