@@ -32,7 +32,7 @@ from torch import nn  # noqa: E402
 from torch._inductor.utils import run_and_get_code  # noqa: E402
 
 import comera_fx  # noqa: E402
-from comera_fx.tt import layers  # noqa: E402
+from comera_fx.tt import layers, plan_cache  # noqa: E402
 from comera_fx.tt.plan.cost import DEVICE_LAUNCH  # noqa: E402
 
 GEMM = re.compile(r"extern_kernels\.(mm|bmm|addmm|baddbmm)\(")
@@ -51,13 +51,13 @@ def parse_shape(text: str) -> tuple[int, int, int]:
 def cpu_plans_as(device_type: str):
     """While active, plans made for the CPU use ``device_type``'s launch cost, in a fresh plan cache (both restored
     after): the plan a layer on that device would run, made and compiled here."""
-    saved = DEVICE_LAUNCH["cpu"], layers._ENVELOPES, layers._INFERENCE_ENVELOPES
+    saved = DEVICE_LAUNCH["cpu"], plan_cache._ENVELOPES, plan_cache._INFERENCE_ENVELOPES
     DEVICE_LAUNCH["cpu"] = DEVICE_LAUNCH[device_type]
-    layers._ENVELOPES, layers._INFERENCE_ENVELOPES = OrderedDict(), OrderedDict()
+    plan_cache._ENVELOPES, plan_cache._INFERENCE_ENVELOPES = OrderedDict(), OrderedDict()
     try:
         yield
     finally:
-        DEVICE_LAUNCH["cpu"], layers._ENVELOPES, layers._INFERENCE_ENVELOPES = saved
+        DEVICE_LAUNCH["cpu"], plan_cache._ENVELOPES, plan_cache._INFERENCE_ENVELOPES = saved
 
 
 def inductor_counts(module: nn.Module, x: torch.Tensor, backend) -> tuple[dict[str, int], int]:

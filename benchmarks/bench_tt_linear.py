@@ -69,7 +69,7 @@ from torch import nn
 from comera_fx.tt import TTFormat, TTLayout, TTLinear
 from comera_fx.tt import plan as planner
 from comera_fx.tt.decompose import random_tt_cores
-from comera_fx.tt.layers import choose_plan, planned_envelope
+from comera_fx.tt.plan_cache import choose_plan, planned_envelope
 from comera_fx.tt.shapes import capped_ranks
 
 try:  # optional baseline

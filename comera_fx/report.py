@@ -13,7 +13,8 @@ from torch import nn
 from .rmm.modules import RandomizedBackward
 from .rmm.uses import RandomizedUses
 from .tt.inventory import DEFAULT_GATE_THRESHOLD, live_counts, physical_params, tt_matrices
-from .tt.layers import TTLinear, TTMatrix, planned_envelope
+from .tt.layers import TTLinear, TTMatrix
+from .tt.plan_cache import planned_envelope
 
 __all__ = ["DEFAULT_GATE_THRESHOLD", "LayerRow", "RandomizedRow", "Report", "report"]  # the threshold lives in tt
 

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
-from .tt import layers, merged
+from .tt import layers, merged, plan_cache
 from .tt import plan as planner
 from .tt.range_plan import RangePlan, finite as _finite, plan_for_range
 
@@ -107,11 +107,11 @@ def pinned_plans(model: nn.Module, chosen: dict | None = None):
             chosen[key] = plan_for_range(*key[:4], launch=key[4])
         return chosen[key].plan
 
-    before, layers.PLAN_OVERRIDE = layers.PLAN_OVERRIDE, pick
+    before, plan_cache.PLAN_OVERRIDE = plan_cache.PLAN_OVERRIDE, pick
     try:
         yield chosen
     finally:
-        layers.PLAN_OVERRIDE = before
+        plan_cache.PLAN_OVERRIDE = before
 
 
 def export(

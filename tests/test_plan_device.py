@@ -16,7 +16,7 @@ from test_plan_launch import TINY, brute_force
 import comera_fx
 from comera_fx.packed import PackedTTLinear
 from comera_fx.quantize import QuantSpec
-from comera_fx.tt import TTLinear, TTMatrix, layers
+from comera_fx.tt import TTLinear, TTMatrix, layers, plan_cache
 from comera_fx.tt import plan as planner
 from comera_fx.tt.decompose import random_tt_cores
 from comera_fx.tt.plan.cost import DEVICE_LAUNCH, CostModel
@@ -28,8 +28,8 @@ CPU_ORDER, CUDA_ORDER = "(((x·G1)·G2)·G3)·G4", "((x·(G1·G2))·G3)·G4"  # 
 @pytest.fixture
 def empty_caches(monkeypatch):
     """Both envelope caches empty, as in a fresh process."""
-    monkeypatch.setattr(layers, "_ENVELOPES", OrderedDict())
-    monkeypatch.setattr(layers, "_INFERENCE_ENVELOPES", OrderedDict())
+    monkeypatch.setattr(plan_cache, "_ENVELOPES", OrderedDict())
+    monkeypatch.setattr(plan_cache, "_INFERENCE_ENVELOPES", OrderedDict())
 
 
 @pytest.fixture
@@ -59,12 +59,12 @@ def test_the_cache_holds_both_devices_without_mixing(empty_caches):
     on_cpu = layers.planned_envelope(TINY, "matmul", device=torch.device("cpu"))
     assert layers.cached_envelope(TINY, "matmul", device="cuda") is None  # a CPU plan is never a CUDA one
     on_cuda = layers.planned_envelope(TINY, "matmul", device="cuda:0")
-    assert set(layers._ENVELOPES) == {(TINY, "matmul", "cpu"), (TINY, "matmul", "cuda")}
+    assert set(plan_cache._ENVELOPES) == {(TINY, "matmul", "cpu"), (TINY, "matmul", "cuda")}
     assert layers.cached_envelope(TINY, "matmul", device=torch.device("cuda", 1)) is on_cuda
     assert layers.cached_envelope(TINY, "matmul", device="cpu") is on_cpu
     assert layers.planned_envelope(TINY, "matmul", device="cpu") is on_cpu  # a hit, not a re-plan
     assert on_cpu.model.launch == 0 and on_cuda.model.launch == DEVICE_LAUNCH["cuda"]
-    assert layers.planned_ops(TINY, device="cpu") == layers.planned_ops(TINY, device="cuda") == ["matmul"]
+    assert plan_cache.planned_ops(TINY, device="cpu") == plan_cache.planned_ops(TINY, device="cuda") == ["matmul"]
     forward_only = layers.planned_envelope(TINY, "matmul", device="cuda", backward=False)
     assert layers.cached_envelope(TINY, "matmul", device="cuda", backward=False) is forward_only
     assert layers.cached_envelope(TINY, "matmul", device="cpu", backward=False) is None

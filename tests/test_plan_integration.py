@@ -11,7 +11,7 @@ from torch._dynamo.utils import counters
 
 import comera_fx
 from comera_fx import TensorizeConfig, TTLinear
-from comera_fx.tt.layers import choose_plan, planned_envelope
+from comera_fx.tt.plan_cache import choose_plan, planned_envelope
 
 
 def _dense_and_tt(d_in=96, d_out=80, rank=6):

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 import comera_fx
 from comera_fx.backend import make_backend
-from comera_fx.tt import layers
+from comera_fx.tt import layers, plan_cache
 from comera_fx.tt.layers import TTLinear, TTMatrix
 
 
@@ -42,7 +42,7 @@ def test_a_deep_copy_shares_the_pins_and_a_loaded_module_plans_its_own(monkeypat
     buffer = io.BytesIO()
     torch.save(clone, buffer)
     buffer.seek(0)
-    monkeypatch.setattr(layers, "_ENVELOPES", OrderedDict())  # as in a fresh process: nothing planned yet
+    monkeypatch.setattr(plan_cache, "_ENVELOPES", OrderedDict())  # as in a fresh process: nothing planned yet
     loaded = torch.load(buffer, weights_only=False)
     for original, reloaded in zip(matrices(clone), matrices(loaded)):
         assert set(reloaded._plan_pins) == {"matmul", "matmul_t"}

@@ -633,7 +633,7 @@ def test_compiled_model_after_shrinking_runs_the_planned_order(monkeypatch):
     """A compiled model retraces after pruning; the new ranks must already be planned (a traced graph cannot plan),
     else it would silently run the fixed fallback order."""
     from comera_fx.tt import ops
-    from comera_fx.tt.layers import planned_ops
+    from comera_fx.tt.plan_cache import planned_ops
 
     model = make_toy()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)

@@ -16,7 +16,7 @@ from torch import nn
 import comera_fx
 from comera_fx import TensorizeConfig, TTLinear, TTMatrix
 from comera_fx.passes.find import find_in_model as find
-from comera_fx.tt import layers
+from comera_fx.tt import plan_cache
 from comera_fx.tt.layers import make_tt_matrix
 from comera_fx.tt.layout import TTFormat
 from comera_fx.passes.holders import PROPERTY_MATRICES
@@ -91,8 +91,8 @@ def test_envelope_cache_is_bounded_lru_and_eviction_is_safe(monkeypatch):
     """Every pruned layout used to add an entry for good. Now at most ENVELOPE_CACHE_SIZE stay (least recently
     used first out); an evicted layout re-plans on its next eager call, and a region compiled while it is absent
     runs the fixed order — both still compute x @ M (checked against the dense float64 product)."""
-    monkeypatch.setattr(layers, "_ENVELOPES", OrderedDict())
-    monkeypatch.setattr(layers, "ENVELOPE_CACHE_SIZE", 3)
+    monkeypatch.setattr(plan_cache, "_ENVELOPES", OrderedDict())
+    monkeypatch.setattr(plan_cache, "ENVELOPE_CACHE_SIZE", 3)
     x = torch.randn(5, 8, dtype=torch.float64)
     matrices = [
         make_tt_matrix(dense_8x8(seed), kind="linear", max_rank=rank, row_modes=(2, 4), col_modes=(4, 2))
@@ -102,16 +102,16 @@ def test_envelope_cache_is_bounded_lru_and_eviction_is_safe(monkeypatch):
         tt.matmul(x)
     matrices[0].matmul(x)  # a hit: the first layout becomes the most recent
     matrices[3].matmul(x)  # a fourth layout evicts the least recent one, the second
-    assert len(layers._ENVELOPES) == 3
-    assert (matrices[1].layout, "matmul", "cpu") not in layers._ENVELOPES
-    assert (matrices[0].layout, "matmul", "cpu") in layers._ENVELOPES
+    assert len(plan_cache._ENVELOPES) == 3
+    assert (matrices[1].layout, "matmul", "cpu") not in plan_cache._ENVELOPES
+    assert (matrices[0].layout, "matmul", "cpu") in plan_cache._ENVELOPES
 
     evicted = matrices[1]
     compiled = torch.compile(evicted.matmul, backend="eager", fullgraph=True)
     torch.testing.assert_close(compiled(x), x @ evicted.dense().detach(), rtol=1e-12, atol=1e-12)
-    assert (evicted.layout, "matmul", "cpu") not in layers._ENVELOPES  # compiled code never plans
+    assert (evicted.layout, "matmul", "cpu") not in plan_cache._ENVELOPES  # compiled code never plans
     torch.testing.assert_close(evicted.matmul(x), x @ evicted.dense().detach(), rtol=1e-12, atol=1e-12)
-    assert (evicted.layout, "matmul", "cpu") in layers._ENVELOPES and len(layers._ENVELOPES) == 3
+    assert (evicted.layout, "matmul", "cpu") in plan_cache._ENVELOPES and len(plan_cache._ENVELOPES) == 3
 
 
 # ------------------------------------------------------------------------------------------------------ capture

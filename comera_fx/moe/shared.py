@@ -20,7 +20,8 @@ from torch import Tensor, nn
 
 from ..rmm.functions import rmm_tt_product
 from ..tt import plan as planner
-from ..tt.layers import CUSTOM_AUTOGRAD, TTMatrix, choose_layout_modes, choose_plan, planned_envelope
+from ..tt.layers import CUSTOM_AUTOGRAD, TTMatrix, choose_layout_modes
+from ..tt.plan_cache import choose_plan, planned_envelope
 from ..tt.layout import TTFormat, TTLayout
 from .bank import SLICE_USES, stored_matrix
 

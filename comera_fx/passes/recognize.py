@@ -21,7 +21,8 @@ from torch import Tensor, fx
 
 from ..tt import ops
 from ..tt import plan as planner
-from ..tt.layers import TTMatrix, choose_plan, planned_envelope
+from ..tt.layers import TTMatrix
+from ..tt.plan_cache import choose_plan, planned_envelope
 from .find import UseKind, classify_use, static_tokens
 from .holders import PROPERTY_MATRICES
 from .emit import emit_traced

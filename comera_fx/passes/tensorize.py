@@ -28,7 +28,8 @@ from .graph_experts import tensorize_experts
 from ..tt import ops
 from ..tt import plan as planner
 from ..tt.inventory import is_hf_conv1d
-from ..tt.layers import TTEmbedding, TTLinear, TTMatrix, choose_plan, make_tt_matrix, planned_envelope
+from ..tt.layers import TTEmbedding, TTLinear, TTMatrix, make_tt_matrix
+from ..tt.plan_cache import choose_plan, planned_envelope
 from ..tt.shapes import NoBalancedModes
 from .layer_plan import LayerInput, LayerPlan, plan_layers
 from .sizing import SizeTargetInfo, build_fitted

@@ -22,7 +22,8 @@ import torch
 from torch import Tensor, nn
 
 from ..tt.inventory import DEFAULT_GATE_THRESHOLD, physical_params
-from ..tt.layers import TTMatrix, planned_ops
+from ..tt.layers import TTMatrix
+from ..tt.plan_cache import planned_ops
 
 
 def params_at_ranks(tt: TTMatrix, internal_ranks: Sequence[int]) -> int:
