@@ -247,6 +247,7 @@ def test_shared_workspace_gives_the_same_outputs_in_every_mode():
     """Eager no-grad calls rebuild weights in one shared buffer; outputs of earlier layers stay valid, inference
     mode and no_grad both work after each other, and a call recording a gradient builds its own weight."""
     import comera_fx.packed as packed_mod
+    from comera_fx.packed import workspace
 
     torch.manual_seed(5)
     layers = [
@@ -254,12 +255,12 @@ def test_shared_workspace_gives_the_same_outputs_in_every_mode():
         PackedLinear.from_linear(nn.Linear(64, 32), QuantSpec(8, None)),
     ]
     x = torch.randn(5, 64)
-    packed_mod.REUSE_WORKSPACE = False
+    workspace.REUSE_WORKSPACE = False
     try:
         with torch.no_grad():
             expected = [layer(x) for layer in layers]
     finally:
-        packed_mod.REUSE_WORKSPACE = True
+        workspace.REUSE_WORKSPACE = True
     with torch.inference_mode():
         first = [layer(x) for layer in layers]
     with torch.no_grad():

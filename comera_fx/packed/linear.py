@@ -1,0 +1,203 @@
+"""``PackedLinear``: an ``nn.Linear`` held as int8 / int4 codes and fp32 scales per group."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..quantize import SPEC_ATTR, QuantSpec, dequantize, pack, quantize_groups, unpack
+from . import workspace
+
+SCALES_SUFFIX = "weight_scales"
+
+
+def kernel_group(spec: QuantSpec, rows: int, cols: int) -> int:
+    """Input features per scale within a row for ``spec`` on a rows × cols weight; ValueError if groups straddle
+    rows unevenly (int4 also needs an even number of input features)."""
+    group = rows * cols if spec.group_size is None else spec.group_size
+    if group % cols and cols % group:
+        raise ValueError(
+            f"a group of {group} weights neither divides nor spans whole rows of {cols} input "
+            f"features: no packed layout; use a group size that divides {cols}"
+        )
+    if spec.bits == 4 and cols % 2:
+        raise ValueError(f"int4 codes go two to a byte along a row: {cols} input features is odd")
+    return min(group, cols)
+
+
+def _row_scales(scales: Tensor, spec: QuantSpec, rows: int, cols: int, kgroup: int) -> Tensor:
+    """The scales as (rows, cols // kgroup): one per group of each row (repeated where a group spans rows)."""
+    group = rows * cols if spec.group_size is None else spec.group_size
+    start = torch.arange(rows)[:, None] * cols + torch.arange(0, cols, kgroup)[None, :]  # first weight of each
+    return scales[start // group].float()
+
+
+class PackedLinear(nn.Module):
+    """``y = x Wᵀ + b`` with W held as int8 / int4 codes and fp32 scales: exactly the weights
+    ``fake_quant(W, bits, group_size)`` gives, in 1 or ½ byte each (plus the scales). Inference only: the codes are
+    buffers, not parameters."""
+
+    def __init__(
+        self, in_features: int, out_features: int, spec: QuantSpec, bias: bool = True, device=None, dtype=None
+    ):
+        super().__init__()
+        self.in_features, self.out_features, self.spec = in_features, out_features, spec
+        self.kgroup = kernel_group(spec, out_features, in_features)
+        width = in_features if spec.bits == 8 else in_features // 2
+        self.register_buffer(
+            "codes",
+            torch.empty(out_features, width, device=device, dtype=torch.int8 if spec.bits == 8 else torch.uint8),
+        )
+        self.register_buffer("scales", torch.empty(out_features, in_features // self.kgroup, device=device))
+        self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
+
+    @classmethod
+    def from_codes(cls, codes: Tensor, scales: Tensor, spec: QuantSpec, shape, bias: Tensor | None = None):
+        """From ``quantize_groups``' int8 codes (or ``pack``'s stored form) and per-group scales of a weight."""
+        rows, cols = shape
+        layer = cls(cols, rows, spec, bias is not None, device="cpu")
+        layer._set_codes(codes, scales)
+        if bias is not None:
+            layer.bias.data = bias.detach().float().clone()
+        return layer
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, spec: QuantSpec) -> "PackedLinear":
+        """``linear`` rounded onto ``spec``'s grid and packed (its weight already on the grid stays bit for bit)."""
+        codes, scales = quantize_groups(linear.weight.detach().float().cpu(), spec)
+        return cls.from_codes(codes, scales, spec, tuple(linear.weight.shape), linear.bias)
+
+    def _set_codes(self, codes: Tensor, scales: Tensor) -> None:
+        rows, cols, spec = self.out_features, self.in_features, self.spec
+        if codes.dtype == torch.uint8 or codes.numel() != rows * cols:  # pack's stored form
+            codes = unpack(codes, spec.bits, rows * cols)
+        grid = codes.reshape(rows, cols)
+        device = self.codes.device
+        self.scales = _row_scales(scales.reshape(-1).cpu(), spec, rows, cols, self.kgroup).to(device)
+        if spec.bits == 8:
+            self.codes = grid.contiguous().to(device)
+        else:  # in memory, byte j of a row holds input features j (low nibble) and j + in/2 (high nibble)
+            nibbles, half = (grid.to(torch.int16) + 8).to(torch.uint8), cols // 2
+            self.codes = (nibbles[:, :half] | (nibbles[:, half:] << 4)).contiguous().to(device)
+
+    def stored(self) -> tuple[Tensor, Tensor]:
+        """(``pack``'s stored codes, fp32 scales per group of ``spec``): the portable form."""
+        codes, scales = quantize_groups(self.dequantized(), self.spec)
+        return pack(codes, self.spec.bits), scales
+
+    def _unsigned_grid(self, dtype: torch.dtype, shared: bool = False) -> Tensor:
+        """The codes as floats (out × in), unscaled; int4 codes + 8 (0..15: ``forward`` takes the 8 off the
+        product, not off every weight). ``shared``: written into the thread's workspace (valid until the next
+        call)."""
+        rows, cols = self.out_features, self.in_features
+        if shared:
+            grid = workspace.shared(rows * cols, dtype, self.codes.device).view(rows, cols)
+        else:
+            grid = self.codes.new_empty((rows, cols), dtype=dtype)
+        if self.spec.bits == 8:
+            return grid.copy_(self.codes) if shared else self.codes.to(dtype)
+        half = cols // 2
+        grid[:, :half] = self.codes & 0xF
+        grid[:, half:] = self.codes >> 4
+        return grid
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """The weight these codes stand for (out × in): ``forward``'s product is ``x`` times its transpose."""
+        rows, cols = self.out_features, self.in_features
+        grid = self._unsigned_grid(dtype)
+        if self.spec.bits == 4:
+            grid = grid.sub_(8)
+        grid = grid.reshape(rows, -1, self.kgroup).mul_(self.scales.to(dtype)[..., None])
+        return grid.reshape(rows, cols)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """``x Wᵀ + b``. With fewer tokens than 2/3 of the input width (the output smaller than the weight), one
+        pass over the weight: the codes converted to floats (int4: kept as code + 8), one scale per output channel
+        applied to the output instead of the weight, int4's offset taken off the output as ``8 · (x's sum over each
+        group) · scales``, a (tokens × groups) by (groups × out) product. With more, and when compiled or exported,
+        the weight is finished (offset, scales) and the bias rides in the GEMM."""
+        rows, cols, scales = self.out_features, self.in_features, self.scales.to(x.dtype)
+        shared = (
+            workspace.REUSE_WORKSPACE
+            and not torch.compiler.is_compiling()
+            and type(x) is torch.Tensor
+            and not (torch.is_grad_enabled() and x.requires_grad)
+        )
+        grid = self._unsigned_grid(x.dtype, shared)
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        # the output is the larger operand: finish the weight, not it (always when traced: a size test is a guard)
+        if torch.compiler.is_compiling() or 3 * (x.numel() // cols) >= 2 * cols:
+            if self.spec.bits == 4:
+                grid = grid.sub_(8)
+            grid = grid.reshape(rows, -1, self.kgroup).mul_(scales[..., None]).reshape(rows, cols)
+            return F.linear(x, grid, bias)
+        per_row = self.kgroup == cols
+        if not per_row:
+            grid = grid.reshape(rows, -1, self.kgroup).mul_(scales[..., None]).reshape(rows, cols)
+        out = F.linear(x, grid)
+        if self.spec.bits == 4:
+            sums = x.sum(-1, keepdim=True) if per_row else x.unflatten(-1, (-1, self.kgroup)).sum(-1)
+            out = out - 8 * (sums if per_row else sums @ scales.t())
+        if per_row:
+            out = out * scales[:, 0]
+        return out if bias is None else out + bias
+
+    def nbytes(self) -> int:
+        """Bytes held in memory by the codes and scales (the resident size of the weight)."""
+        return self.codes.numel() * self.codes.element_size() + self.scales.numel() * self.scales.element_size()
+
+    # ---- state_dict: the portable form
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        codes, scales = self.stored()
+        destination[prefix + "weight"] = codes
+        destination[prefix + SCALES_SUFFIX] = scales
+        if self.bias is not None:
+            destination[prefix + "bias"] = self.bias if keep_vars else self.bias.detach()
+
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ):
+        for key in ("weight", SCALES_SUFFIX) + (("bias",) if self.bias is not None else ()):
+            if prefix + key not in state_dict:
+                missing_keys.append(prefix + key)
+        if prefix + "weight" in state_dict and prefix + SCALES_SUFFIX in state_dict:
+            with torch.no_grad():
+                self._set_codes(state_dict[prefix + "weight"], state_dict[prefix + SCALES_SUFFIX])
+        if self.bias is not None and prefix + "bias" in state_dict:
+            with torch.no_grad():
+                self.bias.copy_(state_dict[prefix + "bias"])
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, int{self.spec.bits} "
+            f"group {self.spec.group_size}, bias={self.bias is not None}"
+        )
+
+
+def packable(module: nn.Module) -> QuantSpec | None:
+    """The grid of an ``nn.Linear`` whose weight ``quantize_`` recorded and whose groups fit its rows, else None."""
+    if type(module) is not nn.Linear:
+        return None
+    spec = getattr(module, SPEC_ATTR, {}).get("weight")
+    if spec is None:
+        return None
+    try:
+        kernel_group(spec, module.out_features, module.in_features)
+    except ValueError:
+        return None
+    return spec
+
+
+def reference_weight(codes: Tensor, scales: Tensor, spec: QuantSpec, shape) -> Tensor:
+    """The float64 weight of stored codes and scales (``comera_fx.quantize.dequantize``), for tests and checks."""
+    return dequantize(
+        unpack(codes, spec.bits, math.prod(shape)) if codes.dtype == torch.uint8 else codes,
+        scales,
+        spec,
+        tuple(shape),
+        torch.float64,
+    )
