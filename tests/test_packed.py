@@ -2,6 +2,7 @@
 dequantized weights (``comera_fx.quantize.dequantize``), and kept packed through state_dict and save/load."""
 
 import copy
+import math
 
 import pytest
 import torch
@@ -273,3 +274,57 @@ def test_shared_workspace_gives_the_same_outputs_in_every_mode():
     layers[1](x)  # writes the shared buffer; the gradient below needs layer 0's own weight
     out.sum().backward()
     torch.testing.assert_close(xg.grad, layers[0].dequantized().sum(0).expand(5, 64), rtol=0, atol=1e-5)
+
+
+def packed_tt_reference(packed, x: torch.Tensor) -> torch.Tensor:
+    """float64 x Wᵀ + b with W rebuilt from the packed layer's held codes, scales and gates
+    (``comera_fx.quantize.dequantize`` per core)."""
+    from comera_fx.packed import reference_weight
+    from comera_fx.tt import ops
+
+    layout = packed.layout
+    cores = [
+        reference_weight(packed.core_codes(k), packed.core_scales(k), spec, shape)
+        for k, (shape, spec) in enumerate(zip(layout.core_shapes, packed.specs))
+    ]
+    gates = [g.double() for g in packed.gates()]
+    m = ops.to_dense(ops.gate_cores(cores, gates, layout), layout)
+    weight = m if packed.transposed else m.t()
+    return x.double() @ weight.t() + packed.bias.detach().double()
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_packed_tt_shared_path_folds_gates_and_follows_their_changes(bits):
+    """Eager no-grad calls dequantize the cores into the shared workspace with the gates folded into the next
+    core's scales where its groups allow (here: every bond but the last); the result is the float64 product, and
+    a gate or scale written in place afterwards is seen by the next call."""
+    from comera_fx.packed import PackedTTLinear
+    from comera_fx.packed.tt import fold_gates_into_scales
+    from comera_fx.tt.layers import TTLinear
+
+    torch.manual_seed(11)
+    layer = TTLinear.from_dense(nn.Linear(384, 96), max_rank=16)
+    with torch.no_grad():
+        for gate in layer.tt.gates:
+            gate.uniform_(0.5, 1.5)
+    comera_fx.quantize_(layer, bits, 16)
+    packed = PackedTTLinear.from_tt_linear(layer)
+    assert packed._aligned
+    _, left = fold_gates_into_scales(packed.scales, packed.gates(), packed._spans, 16)
+    per_index = [math.prod(s) // s[0] for s in packed.layout.core_shapes[1:]]
+    assert left == tuple(k for k, n in enumerate(per_index) if n % 16)
+    assert 0 < len(left) < len(per_index)  # both kinds of bond are exercised
+    x = torch.randn(3, 5, 384)
+    for mode in (torch.inference_mode, torch.no_grad):
+        with mode():
+            torch.testing.assert_close(packed(x).double(), packed_tt_reference(packed, x), rtol=0, atol=2e-5)
+    with torch.no_grad():
+        packed.gates_0.mul_(1.7)
+        packed.get_buffer(f"gates_{left[0]}").mul_(0.6)
+        packed.scales[:4].mul_(2.0)
+        torch.testing.assert_close(packed(x).double(), packed_tt_reference(packed, x), rtol=0, atol=2e-5)
+    xg = x.clone().requires_grad_()  # a call recording a gradient builds its own cores
+    out = packed(xg)
+    torch.testing.assert_close(out.double(), packed_tt_reference(packed, x), rtol=0, atol=2e-5)
+    out.sum().backward()
+    assert xg.grad is not None

@@ -13,6 +13,33 @@ from ..tt import ops
 from ..tt import plan as planner
 from ..tt.layers import TTLinear, TTMatrix, choose_plan, planned_envelope
 from ..tt.layout import TTLayout
+from . import workspace
+
+
+def _versions(tensors) -> tuple | None:
+    """Where each tensor's storage is and how often it was written in place; None for inference tensors (they keep
+    no version counter)."""
+    try:
+        return tuple((t.data_ptr(), t._version) for t in tensors)
+    except RuntimeError:
+        return None
+
+
+def fold_gates_into_scales(scales: Tensor, gates, spans, group: int) -> tuple[Tensor, tuple[int, ...]]:
+    """(scales with each gate multiplied into the next core's groups, the bonds whose gate is not folded in).
+
+    Gate k weighs core k+1's first index; where each of core k+1's groups lies within one first index (its
+    other indices' count is a multiple of ``group``), gate k times those groups' scales gives the gated core
+    from the codes in the same pass that dequantizes them. Other gates stay a product over that core."""
+    folded, left = scales.clone(), []
+    for k, gate in enumerate(gates):
+        _, _, start, end, _, shape, _ = spans[k + 1]
+        per_index = math.prod(shape) // shape[0]
+        if per_index % group:
+            left.append(k)
+            continue
+        folded[start:end].view(shape[0], -1).mul_(gate.to(folded.dtype)[:, None])
+    return folded, tuple(left)
 
 
 def _codes_width(numel: int, bits: int) -> int:
@@ -167,13 +194,56 @@ class PackedTTLinear(nn.Module):
         dense = ops.to_dense(ops.gate_cores(self.cores(dtype), gates, self.layout), self.layout)
         return dense if self.transposed else dense.t()
 
+    def _folded(self) -> tuple[Tensor, tuple[int, ...]]:
+        """``fold_gates_into_scales`` of the held scales and gates, made again when either was written."""
+        key = _versions([self.scales, *self.gates()])
+        kept = self.__dict__.get("_folded_scales")
+        if key is None or kept is None or kept[0] != key:
+            spec = self.specs[0]
+            kept = (key, *fold_gates_into_scales(self.scales, self.gates(), self._spans, spec.group_size))
+            self.__dict__["_folded_scales"] = kept
+        return kept[1], kept[2]
+
+    def _gated_cores_shared(self, dtype: torch.dtype) -> list[Tensor]:
+        """The gated cores, dequantized in a few whole-buffer passes into the thread's shared workspace (valid
+        until the next packed layer's call): the codes' nibbles, the offset and the gate-folded scales per group,
+        then the gates that could not be folded."""
+        scales, left = self._folded()
+        spec, total = self.specs[0], self._spans[-1][4] + math.prod(self._spans[-1][5])
+        flat = workspace.shared(total, dtype, self.codes.device)
+        if spec.bits == 8:
+            flat.copy_(self.codes.view(torch.int8))
+        else:
+            pairs = flat.view(-1, 2)
+            pairs[:, 0] = self.codes & 0xF
+            pairs[:, 1] = self.codes >> 4
+            flat.sub_(8)
+        flat.view(-1, spec.group_size).mul_(scales.to(dtype)[:, None])
+        cores = [flat[at : at + math.prod(shape)].view(shape) for *_, at, shape, _ in self._spans]
+        for k in left:
+            cores[k].mul_(getattr(self, f"gates_{k}").to(dtype))
+        return cores
+
     def forward(self, x: Tensor) -> Tensor:
+        """The planner's forward-only plan for x's token count on the gated cores. In eager calls that record no
+        gradient, with all cores on one grid, the cores are dequantized into the shared workspace with the gates
+        folded in (``_gated_cores_shared``); otherwise built anew (traceable)."""
         bias = None if self.bias is None else self.bias.to(x.dtype)
         if self.stored_empty:
             out = x[..., :0] @ x.new_zeros(0, self.out_features)
             return out if bias is None else out + bias
-        gates = [g.to(x.dtype) for g in self.gates()]
-        cores = ops.gate_cores(self.cores(x.dtype), gates, self.layout)
+        shared = (
+            self._aligned
+            and workspace.REUSE_WORKSPACE
+            and not torch.compiler.is_compiling()
+            and type(x) is torch.Tensor
+            and not (torch.is_grad_enabled() and x.requires_grad)
+        )
+        if shared:
+            cores = self._gated_cores_shared(x.dtype)
+        else:
+            gates = [g.to(x.dtype) for g in self.gates()]
+            cores = ops.gate_cores(self.cores(x.dtype), gates, self.layout)
         envelope = self._pins.get(self.op)
         if envelope is None:  # a module whose pins were dropped and not remade (never in normal use)
             envelope = planned_envelope(self.layout, self.op, backward=False)
@@ -229,6 +299,7 @@ class PackedTTLinear(nn.Module):
     def __getstate__(self):
         state = super().__getstate__()
         state["_pins"] = {}  # planner objects: a copy or a loaded module plans its own
+        state.pop("_folded_scales", None)  # made again from the copy's own buffers
         return state
 
     def __setstate__(self, state):
