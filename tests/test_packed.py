@@ -328,3 +328,33 @@ def test_packed_tt_shared_path_folds_gates_and_follows_their_changes(bits):
     torch.testing.assert_close(out.double(), packed_tt_reference(packed, x), rtol=0, atol=2e-5)
     out.sum().backward()
     assert xg.grad is not None
+
+
+@pytest.mark.parametrize("bits,group", [(4, 32), (4, None), (8, 48), (4, 96)])
+def test_packed_linear_rebuilt_in_blocks_under_the_workspace_cap(bits, group, monkeypatch):
+    """With ``workspace.MAX_BYTES`` below the weight's fp32 size, eager no-grad calls rebuild it a block of output
+    rows at a time (blocks of unequal size here): the same float64 product at few tokens (scales on the output or
+    per group) and at many (weight finished, bias fused), with and without a bias, and a workspace under the cap."""
+    import threading
+
+    from comera_fx.packed import workspace
+
+    monkeypatch.setattr(workspace, "_WORKSPACE", threading.local())
+    monkeypatch.setattr(workspace, "MAX_BYTES", 96 * 4 * 23)  # 23 rows of 96 inputs at most
+    assert workspace.chunk_rows(101, 96 * 4) == 21  # five blocks: four of 21 rows, one of 17
+    torch.manual_seed(3)
+    for bias in (True, False):
+        linear = nn.Linear(96, 101, bias=bias)
+        if not bias:
+            linear.bias = None
+        spec = QuantSpec(bits, group)
+        layer = PackedLinear.from_linear(linear, spec)
+        codes, scales = quantize_groups(linear.weight.detach(), spec)
+        weight = dequantize(codes, scales, spec, (101, 96), torch.float64)
+        for tokens in (3, 90):
+            x = torch.randn(2, tokens, 96)
+            expected = x.double() @ weight.t() + (linear.bias.detach().double() if bias else 0)
+            for mode in (torch.inference_mode, torch.no_grad, torch.enable_grad):
+                with mode():
+                    torch.testing.assert_close(layer(x).double(), expected, rtol=0, atol=2e-5)
+    assert 0 < workspace.workspace_bytes() <= 96 * 4 * 23

@@ -88,17 +88,13 @@ class PackedLinear(nn.Module):
         codes, scales = quantize_groups(self.dequantized(), self.spec)
         return pack(codes, self.spec.bits), scales
 
-    def _unsigned_grid(self, dtype: torch.dtype, shared: bool = False) -> Tensor:
+    def _unsigned_grid(self, dtype: torch.dtype) -> Tensor:
         """The codes as floats (out × in), unscaled; int4 codes + 8 (0..15: ``forward`` takes the 8 off the
-        product, not off every weight). ``shared``: written into the thread's workspace (valid until the next
-        call)."""
+        product, not off every weight), in a tensor of its own."""
         rows, cols = self.out_features, self.in_features
-        if shared:
-            grid = workspace.shared(rows * cols, dtype, self.codes.device).view(rows, cols)
-        else:
-            grid = self.codes.new_empty((rows, cols), dtype=dtype)
         if self.spec.bits == 8:
-            return grid.copy_(self.codes) if shared else self.codes.to(dtype)
+            return self.codes.to(dtype)
+        grid = self.codes.new_empty((rows, cols), dtype=dtype)
         half = cols // 2
         grid[:, :half] = self.codes & 0xF
         grid[:, half:] = self.codes >> 4
@@ -126,8 +122,10 @@ class PackedLinear(nn.Module):
             and type(x) is torch.Tensor
             and not (torch.is_grad_enabled() and x.requires_grad)
         )
-        grid = self._unsigned_grid(x.dtype, shared)
         bias = None if self.bias is None else self.bias.to(x.dtype)
+        if shared:
+            return self._forward_in_chunks(x, scales, bias)
+        grid = self._unsigned_grid(x.dtype)
         # the output is the larger operand: finish the weight, not it (always when traced: a size test is a guard)
         if torch.compiler.is_compiling() or 3 * (x.numel() // cols) >= 2 * cols:
             if self.spec.bits == 4:
@@ -137,13 +135,55 @@ class PackedLinear(nn.Module):
         per_row = self.kgroup == cols
         if not per_row:
             grid = grid.reshape(rows, -1, self.kgroup).mul_(scales[..., None]).reshape(rows, cols)
-        out = F.linear(x, grid)
+        return self._finish_output(F.linear(x, grid), x, scales, bias)
+
+    def _finish_output(self, out: Tensor, x: Tensor, scales: Tensor, bias: Tensor | None) -> Tensor:
+        """``out`` = x times the unscaled (per-row scales) or scaled (per-group) codes + 8 → ``x Wᵀ + b``."""
+        per_row = self.kgroup == self.in_features
         if self.spec.bits == 4:
             sums = x.sum(-1, keepdim=True) if per_row else x.unflatten(-1, (-1, self.kgroup)).sum(-1)
             out = out - 8 * (sums if per_row else sums @ scales.t())
         if per_row:
             out = out * scales[:, 0]
         return out if bias is None else out + bias
+
+    def _forward_in_chunks(self, x: Tensor, scales: Tensor, bias: Tensor | None) -> Tensor:
+        """``forward`` in eager calls that record no gradient of x: the weight rebuilt a block of output rows at a
+        time into the shared workspace (``workspace.chunk_rows``: the workspace stays under
+        ``workspace.MAX_BYTES``), each block's product written into its columns of the output."""
+        rows, cols, kgroup = self.out_features, self.in_features, self.kgroup
+        x2 = x.reshape(-1, cols)
+        finish = 3 * x2.shape[0] >= 2 * cols  # as in ``forward``: finish the weight when the output is larger
+        scale_weight = finish or kgroup != cols
+        fused_bias = bias if finish and bias is not None and not torch.is_grad_enabled() else None
+        out = x2.new_empty(x2.shape[0], rows)
+        step = workspace.chunk_rows(rows, cols * x.element_size())
+        for start in range(0, rows, step):
+            end = min(rows, start + step)
+            grid = self._unsigned_rows(start, end, x.dtype)
+            if finish and self.spec.bits == 4:
+                grid.sub_(8)
+            if scale_weight:
+                grid.view(end - start, -1, kgroup).mul_(scales[start:end, :, None])
+            if fused_bias is None:
+                torch.mm(x2, grid.t(), out=out[:, start:end])
+            else:
+                torch.addmm(fused_bias[start:end], x2, grid.t(), out=out[:, start:end])
+        out = out.view(x.shape[:-1] + (rows,))
+        if not finish:
+            return self._finish_output(out, x, scales, bias)
+        return out if bias is None or fused_bias is not None else out + bias
+
+    def _unsigned_rows(self, start: int, end: int, dtype: torch.dtype) -> Tensor:
+        """Output rows start:end of ``_unsigned_grid``, written into the thread's shared workspace."""
+        cols, codes = self.in_features, self.codes[start:end]
+        grid = workspace.shared((end - start) * cols, dtype, codes.device).view(end - start, cols)
+        if self.spec.bits == 8:
+            return grid.copy_(codes)
+        half = cols // 2
+        grid[:, :half] = codes & 0xF
+        grid[:, half:] = codes >> 4
+        return grid
 
     def nbytes(self) -> int:
         """Bytes held in memory by the codes and scales (the resident size of the weight)."""

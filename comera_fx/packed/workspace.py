@@ -15,6 +15,21 @@ from torch import Tensor
 REUSE_WORKSPACE = True
 _WORKSPACE = threading.local()
 
+#: The most bytes a ``PackedLinear`` rebuilds at once (None: the whole weight). A larger weight is rebuilt and
+#: multiplied a block of output rows at a time, so the workspace a thread keeps is at most this (or one row, or
+#: a ``PackedTTLinear``'s cores, if larger). Why: the workspace counts in the memory a packed model holds; with
+#: MiniLM's 384 x 1536 layers it was 2.4 MB on 5.3 MB of codes.
+MAX_BYTES: int | None = 5 << 18
+
+
+def chunk_rows(rows: int, row_bytes: int) -> int:
+    """Rows of a weight of ``rows`` rows of ``row_bytes`` to rebuild at once: the fewest equal blocks under
+    ``MAX_BYTES`` (each block is a GEMM call of its own)."""
+    if MAX_BYTES is None or rows * row_bytes <= MAX_BYTES:
+        return rows
+    blocks = -(-rows * row_bytes // MAX_BYTES)
+    return max(1, -(-rows // blocks))
+
 
 def shared(numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
     buffers = _WORKSPACE.__dict__.setdefault("buffers", {})
