@@ -13,6 +13,9 @@ from . import workspace
 
 SCALES_SUFFIX = "weight_scales"
 
+#: What ``PackedLinear._code_grid`` multiplies the codes of each width by (the scales are divided by it).
+CODE_UNIT = {4: 16}
+
 
 def kernel_group(spec: QuantSpec, rows: int, cols: int) -> int:
     """Input features per scale within a row for ``spec`` on a rows × cols weight; ValueError if groups straddle
@@ -79,8 +82,9 @@ class PackedLinear(nn.Module):
         self.scales = _row_scales(scales.reshape(-1).cpu(), spec, rows, cols, self.kgroup).to(device)
         if spec.bits == 8:
             self.codes = grid.contiguous().to(device)
-        else:  # in memory, byte j of a row holds input features j (low nibble) and j + in/2 (high nibble)
-            nibbles, half = (grid.to(torch.int16) + 8).to(torch.uint8), cols // 2
+        else:  # in memory, byte j of a row holds input features j (low nibble) and j + in/2 (high nibble), each
+            # as a 4-bit two's complement code (see ``_code_grid``)
+            nibbles, half = (grid.to(torch.int16) & 0xF).to(torch.uint8), cols // 2
             self.codes = (nibbles[:, :half] | (nibbles[:, half:] << 4)).contiguous().to(device)
 
     def stored(self) -> tuple[Tensor, Tensor]:
@@ -88,102 +92,81 @@ class PackedLinear(nn.Module):
         codes, scales = quantize_groups(self.dequantized(), self.spec)
         return pack(codes, self.spec.bits), scales
 
-    def _unsigned_grid(self, dtype: torch.dtype) -> Tensor:
-        """The codes as floats (out × in), unscaled; int4 codes + 8 (0..15: ``forward`` takes the 8 off the
-        product, not off every weight), in a tensor of its own."""
-        rows, cols = self.out_features, self.in_features
+    def _code_grid(self, dtype: torch.dtype, start: int = 0, end: int | None = None, out: Tensor | None = None):
+        """Output rows start:end of the codes as floats, times ``CODE_UNIT`` (``out``: where to write them).
+
+        An int4 byte holds two 4-bit two's complement codes; as int8, the byte shifted left by 4 is 16 x its low
+        code and the byte with its low bits cleared is 16 x its high code: two byte-wide ops, no offset to take
+        off afterwards; ``_unit_scales`` divides the 16 back out of the scales (a power of two: exact)."""
+        codes = self.codes[start:end]
+        if out is None:
+            out = codes.new_empty((codes.shape[0], self.in_features), dtype=dtype)
         if self.spec.bits == 8:
-            return self.codes.to(dtype)
-        grid = self.codes.new_empty((rows, cols), dtype=dtype)
-        half = cols // 2
-        grid[:, :half] = self.codes & 0xF
-        grid[:, half:] = self.codes >> 4
-        return grid
+            return out.copy_(codes)
+        half = self.in_features // 2
+        out[:, :half] = (codes << 4).view(torch.int8)
+        out[:, half:] = (codes & 0xF0).view(torch.int8)
+        return out
+
+    def _unit_scales(self, dtype: torch.dtype) -> Tensor:
+        """The scales per (row, group) for ``_code_grid``'s floats."""
+        scales = self.scales.to(dtype)
+        return scales / CODE_UNIT[self.spec.bits] if self.spec.bits in CODE_UNIT else scales
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> Tensor:
         """The weight these codes stand for (out × in): ``forward``'s product is ``x`` times its transpose."""
         rows, cols = self.out_features, self.in_features
-        grid = self._unsigned_grid(dtype)
-        if self.spec.bits == 4:
-            grid = grid.sub_(8)
-        grid = grid.reshape(rows, -1, self.kgroup).mul_(self.scales.to(dtype)[..., None])
-        return grid.reshape(rows, cols)
+        grid = self._code_grid(dtype).view(rows, -1, self.kgroup).mul_(self._unit_scales(dtype)[..., None])
+        return grid.view(rows, cols)
 
     def forward(self, x: Tensor) -> Tensor:
-        """``x Wᵀ + b``. With fewer tokens than 2/3 of the input width (the output smaller than the weight), one
-        pass over the weight: the codes converted to floats (int4: kept as code + 8), one scale per output channel
-        applied to the output instead of the weight, int4's offset taken off the output as ``8 · (x's sum over each
-        group) · scales``, a (tokens × groups) by (groups × out) product. With more, and when compiled or exported,
-        the weight is finished (offset, scales) and the bias rides in the GEMM."""
-        rows, cols, scales = self.out_features, self.in_features, self.scales.to(x.dtype)
+        """``x Wᵀ + b`` from the codes converted to floats (``_code_grid``). With one scale per row and fewer
+        tokens than 2/3 of the input width (the output smaller than the weight), the scales go on the output;
+        otherwise, and always when compiled or exported, on the weight, and the bias rides in the GEMM. In eager
+        calls that record no gradient of x, the floats go into the shared workspace a block of rows at a time
+        (``_forward_in_blocks``)."""
+        rows, cols, scales = self.out_features, self.in_features, self._unit_scales(x.dtype)
+        bias = None if self.bias is None else self.bias.to(x.dtype)
         shared = (
             workspace.REUSE_WORKSPACE
             and not torch.compiler.is_compiling()
             and type(x) is torch.Tensor
             and not (torch.is_grad_enabled() and x.requires_grad)
         )
-        bias = None if self.bias is None else self.bias.to(x.dtype)
         if shared:
-            return self._forward_in_chunks(x, scales, bias)
-        grid = self._unsigned_grid(x.dtype)
+            return self._forward_in_blocks(x, scales, bias)
+        grid = self._code_grid(x.dtype)
         # the output is the larger operand: finish the weight, not it (always when traced: a size test is a guard)
-        if torch.compiler.is_compiling() or 3 * (x.numel() // cols) >= 2 * cols:
-            if self.spec.bits == 4:
-                grid = grid.sub_(8)
-            grid = grid.reshape(rows, -1, self.kgroup).mul_(scales[..., None]).reshape(rows, cols)
+        if self.kgroup != cols or torch.compiler.is_compiling() or 3 * (x.numel() // cols) >= 2 * cols:
+            grid = grid.view(rows, -1, self.kgroup).mul_(scales[..., None]).view(rows, cols)
             return F.linear(x, grid, bias)
-        per_row = self.kgroup == cols
-        if not per_row:
-            grid = grid.reshape(rows, -1, self.kgroup).mul_(scales[..., None]).reshape(rows, cols)
-        return self._finish_output(F.linear(x, grid), x, scales, bias)
-
-    def _finish_output(self, out: Tensor, x: Tensor, scales: Tensor, bias: Tensor | None) -> Tensor:
-        """``out`` = x times the unscaled (per-row scales) or scaled (per-group) codes + 8 → ``x Wᵀ + b``."""
-        per_row = self.kgroup == self.in_features
-        if self.spec.bits == 4:
-            sums = x.sum(-1, keepdim=True) if per_row else x.unflatten(-1, (-1, self.kgroup)).sum(-1)
-            out = out - 8 * (sums if per_row else sums @ scales.t())
-        if per_row:
-            out = out * scales[:, 0]
+        out = F.linear(x, grid) * scales[:, 0]
         return out if bias is None else out + bias
 
-    def _forward_in_chunks(self, x: Tensor, scales: Tensor, bias: Tensor | None) -> Tensor:
-        """``forward`` in eager calls that record no gradient of x: the weight rebuilt a block of output rows at a
-        time into the shared workspace (``workspace.chunk_rows``: the workspace stays under
-        ``workspace.MAX_BYTES``), each block's product written into its columns of the output."""
+    def _forward_in_blocks(self, x: Tensor, scales: Tensor, bias: Tensor | None) -> Tensor:
+        """``forward`` with the weight rebuilt a block of output rows at a time into the shared workspace
+        (``workspace.chunk_rows``: the workspace stays under ``workspace.MAX_BYTES``), each block's product
+        written into its columns of the output."""
         rows, cols, kgroup = self.out_features, self.in_features, self.kgroup
         x2 = x.reshape(-1, cols)
-        finish = 3 * x2.shape[0] >= 2 * cols  # as in ``forward``: finish the weight when the output is larger
-        scale_weight = finish or kgroup != cols
-        fused_bias = bias if finish and bias is not None and not torch.is_grad_enabled() else None
+        scale_output = kgroup == cols and 3 * x2.shape[0] < 2 * cols  # as in ``forward``
+        fused_bias = bias if not scale_output and not torch.is_grad_enabled() else None
         out = x2.new_empty(x2.shape[0], rows)
         step = workspace.chunk_rows(rows, cols * x.element_size())
         for start in range(0, rows, step):
             end = min(rows, start + step)
-            grid = self._unsigned_rows(start, end, x.dtype)
-            if finish and self.spec.bits == 4:
-                grid.sub_(8)
-            if scale_weight:
+            grid = workspace.shared((end - start) * cols, x.dtype, x.device).view(end - start, cols)
+            self._code_grid(x.dtype, start, end, out=grid)
+            if not scale_output:
                 grid.view(end - start, -1, kgroup).mul_(scales[start:end, :, None])
             if fused_bias is None:
                 torch.mm(x2, grid.t(), out=out[:, start:end])
             else:
                 torch.addmm(fused_bias[start:end], x2, grid.t(), out=out[:, start:end])
         out = out.view(x.shape[:-1] + (rows,))
-        if not finish:
-            return self._finish_output(out, x, scales, bias)
+        if scale_output:
+            out = out.mul_(scales[:, 0])
         return out if bias is None or fused_bias is not None else out + bias
-
-    def _unsigned_rows(self, start: int, end: int, dtype: torch.dtype) -> Tensor:
-        """Output rows start:end of ``_unsigned_grid``, written into the thread's shared workspace."""
-        cols, codes = self.in_features, self.codes[start:end]
-        grid = workspace.shared((end - start) * cols, dtype, codes.device).view(end - start, cols)
-        if self.spec.bits == 8:
-            return grid.copy_(codes)
-        half = cols // 2
-        grid[:, :half] = codes & 0xF
-        grid[:, half:] = codes >> 4
-        return grid
 
     def nbytes(self) -> int:
         """Bytes held in memory by the codes and scales (the resident size of the weight)."""
