@@ -330,18 +330,22 @@ def test_packed_tt_shared_path_folds_gates_and_follows_their_changes(bits):
     assert xg.grad is not None
 
 
-@pytest.mark.parametrize("bits,group", [(4, 32), (4, None), (8, 48), (4, 96)])
-def test_packed_linear_rebuilt_in_blocks_under_the_workspace_cap(bits, group, monkeypatch):
-    """With ``workspace.MAX_BYTES`` below the weight's fp32 size, eager no-grad calls rebuild it a block of output
-    rows at a time (blocks of unequal size here): the same float64 product at few tokens (scales on the output or
-    per group) and at many (weight finished, bias fused), with and without a bias, and a workspace under the cap."""
+@pytest.mark.parametrize("bits,group", [(4, 32), (4, 16), (4, None), (8, 48), (4, 96)])
+@pytest.mark.parametrize("cap_rows", [23, 101])
+def test_packed_linear_rebuilt_in_blocks_under_the_workspace_cap(bits, group, cap_rows, monkeypatch):
+    """With ``workspace.MAX_BYTES`` below the weight's fp32 size, eager no-grad calls rebuild it in blocks: of
+    output rows (unequal here), or, for int4 when half the weight fits and its groups allow, the low and the high
+    codes (two halves of the inputs). Either way the float64 product at few tokens (scales on the output or per
+    group) and at many (weight finished, bias fused), with and without a bias, and a workspace under the cap."""
     import threading
 
     from comera_fx.packed import workspace
 
+    cap = 96 * 4 * cap_rows // 2 if cap_rows == 101 else 96 * 4 * cap_rows  # 101: half of the weight
     monkeypatch.setattr(workspace, "_WORKSPACE", threading.local())
-    monkeypatch.setattr(workspace, "MAX_BYTES", 96 * 4 * 23)  # 23 rows of 96 inputs at most
-    assert workspace.chunk_rows(101, 96 * 4) == 21  # five blocks: four of 21 rows, one of 17
+    monkeypatch.setattr(workspace, "MAX_BYTES", cap)
+    if cap_rows == 23:
+        assert workspace.chunk_rows(101, 96 * 4) == 21  # five blocks: four of 21 rows, one of 17
     torch.manual_seed(3)
     for bias in (True, False):
         linear = nn.Linear(96, 101, bias=bias)
@@ -349,6 +353,8 @@ def test_packed_linear_rebuilt_in_blocks_under_the_workspace_cap(bits, group, mo
             linear.bias = None
         spec = QuantSpec(bits, group)
         layer = PackedLinear.from_linear(linear, spec)
+        halves = bits == 4 and cap_rows == 101 and group != 32  # 32 does not divide the 48 inputs of a half
+        assert layer._in_halves(4) == halves
         codes, scales = quantize_groups(linear.weight.detach(), spec)
         weight = dequantize(codes, scales, spec, (101, 96), torch.float64)
         for tokens in (3, 90):
@@ -357,4 +363,4 @@ def test_packed_linear_rebuilt_in_blocks_under_the_workspace_cap(bits, group, mo
             for mode in (torch.inference_mode, torch.no_grad, torch.enable_grad):
                 with mode():
                     torch.testing.assert_close(layer(x).double(), expected, rtol=0, atol=2e-5)
-    assert 0 < workspace.workspace_bytes() <= 96 * 4 * 23
+    assert 0 < workspace.workspace_bytes() <= cap

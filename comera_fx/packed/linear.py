@@ -152,6 +152,9 @@ class PackedLinear(nn.Module):
         scale_output = kgroup == cols and 3 * x2.shape[0] < 2 * cols  # as in ``forward``
         fused_bias = bias if not scale_output and not torch.is_grad_enabled() else None
         out = x2.new_empty(x2.shape[0], rows)
+        if self._in_halves(x.element_size()):
+            self._halves_into(out, x2, scales, fused_bias, scale_output)
+            return self._finish_blocks(out, x, scales, bias, fused_bias, scale_output)
         step = workspace.chunk_rows(rows, cols * x.element_size())
         for start in range(0, rows, step):
             end = min(rows, start + step)
@@ -163,10 +166,47 @@ class PackedLinear(nn.Module):
                 torch.mm(x2, grid.t(), out=out[:, start:end])
             else:
                 torch.addmm(fused_bias[start:end], x2, grid.t(), out=out[:, start:end])
-        out = out.view(x.shape[:-1] + (rows,))
+        return self._finish_blocks(out, x, scales, bias, fused_bias, scale_output)
+
+    @staticmethod
+    def _finish_blocks(out, x, scales, bias, fused_bias, scale_output: bool) -> Tensor:
+        out = out.view(x.shape[:-1] + (out.shape[-1],))
         if scale_output:
             out = out.mul_(scales[:, 0])
         return out if bias is None or fused_bias is not None else out + bias
+
+    def _in_halves(self, itemsize: int) -> bool:
+        """Whether an int4 weight over ``workspace.MAX_BYTES`` goes in two blocks of input features, its low and
+        high codes (each block's groups whole, each block under the cap): at 640 tokens a 1536 -> 384 layer's
+        two GEMMs over halves of the inputs ran as one (8.13 against 8.16 ms), over halves of the outputs 0.23 ms
+        slower (benchmarks/history/2026-12-05-issue-46-latency.md)."""
+        rows, cols, half = self.out_features, self.in_features, self.in_features // 2
+        return (
+            self.spec.bits == 4
+            and workspace.chunk_rows(rows, cols * itemsize) < rows
+            and workspace.chunk_rows(rows, half * itemsize) == rows
+            and (self.kgroup == cols or half % self.kgroup == 0)
+        )
+
+    def _halves_into(self, out: Tensor, x2: Tensor, scales: Tensor, fused_bias, scale_output: bool) -> None:
+        """``out`` = x2 times the weight (or its codes, when ``scale_output``) in two GEMMs, one per half of the
+        input features: the low codes, then the high codes accumulated onto it."""
+        rows, cols, half = self.out_features, self.in_features, self.in_features // 2
+        grid = workspace.shared(rows * half, x2.dtype, x2.device).view(rows, half)
+        group = min(self.kgroup, half)
+        for k, codes in enumerate(((self.codes << 4), (self.codes & 0xF0))):
+            grid.copy_(codes.view(torch.int8))
+            if not scale_output:
+                per_half = scales.shape[1] // 2
+                block = scales if self.kgroup == cols else scales[:, k * per_half : (k + 1) * per_half]
+                grid.view(rows, -1, group).mul_(block[..., None])
+            inputs = x2[:, k * half : (k + 1) * half]
+            if k:
+                out.addmm_(inputs, grid.t())
+            elif fused_bias is None:
+                torch.mm(inputs, grid.t(), out=out)
+            else:
+                torch.addmm(fused_bias, inputs, grid.t(), out=out)
 
     def nbytes(self) -> int:
         """Bytes held in memory by the codes and scales (the resident size of the weight)."""

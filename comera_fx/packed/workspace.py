@@ -27,8 +27,8 @@ def chunk_rows(rows: int, row_bytes: int) -> int:
     ``MAX_BYTES`` (each block is a GEMM call of its own)."""
     if MAX_BYTES is None or rows * row_bytes <= MAX_BYTES:
         return rows
-    blocks = -(-rows * row_bytes // MAX_BYTES)
-    return max(1, -(-rows // blocks))
+    most = max(1, MAX_BYTES // row_bytes)
+    return -(-rows // -(-rows // most))  # rows over the fewest blocks of at most ``most`` rows
 
 
 def shared(numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
