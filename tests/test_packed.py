@@ -2,6 +2,7 @@
 dequantized weights (``comera_fx.quantize.dequantize``), and kept packed through state_dict and save/load."""
 
 import copy
+import math
 
 import pytest
 import torch
@@ -247,6 +248,7 @@ def test_shared_workspace_gives_the_same_outputs_in_every_mode():
     """Eager no-grad calls rebuild weights in one shared buffer; outputs of earlier layers stay valid, inference
     mode and no_grad both work after each other, and a call recording a gradient builds its own weight."""
     import comera_fx.packed as packed_mod
+    from comera_fx.packed import workspace
 
     torch.manual_seed(5)
     layers = [
@@ -254,12 +256,12 @@ def test_shared_workspace_gives_the_same_outputs_in_every_mode():
         PackedLinear.from_linear(nn.Linear(64, 32), QuantSpec(8, None)),
     ]
     x = torch.randn(5, 64)
-    packed_mod.REUSE_WORKSPACE = False
+    workspace.REUSE_WORKSPACE = False
     try:
         with torch.no_grad():
             expected = [layer(x) for layer in layers]
     finally:
-        packed_mod.REUSE_WORKSPACE = True
+        workspace.REUSE_WORKSPACE = True
     with torch.inference_mode():
         first = [layer(x) for layer in layers]
     with torch.no_grad():
@@ -272,3 +274,93 @@ def test_shared_workspace_gives_the_same_outputs_in_every_mode():
     layers[1](x)  # writes the shared buffer; the gradient below needs layer 0's own weight
     out.sum().backward()
     torch.testing.assert_close(xg.grad, layers[0].dequantized().sum(0).expand(5, 64), rtol=0, atol=1e-5)
+
+
+def packed_tt_reference(packed, x: torch.Tensor) -> torch.Tensor:
+    """float64 x Wᵀ + b with W rebuilt from the packed layer's held codes, scales and gates
+    (``comera_fx.quantize.dequantize`` per core)."""
+    from comera_fx.packed import reference_weight
+    from comera_fx.tt import ops
+
+    layout = packed.layout
+    cores = [
+        reference_weight(packed.core_codes(k), packed.core_scales(k), spec, shape)
+        for k, (shape, spec) in enumerate(zip(layout.core_shapes, packed.specs))
+    ]
+    gates = [g.double() for g in packed.gates()]
+    m = ops.to_dense(ops.gate_cores(cores, gates, layout), layout)
+    weight = m if packed.transposed else m.t()
+    return x.double() @ weight.t() + packed.bias.detach().double()
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_packed_tt_shared_path_folds_gates_and_follows_their_changes(bits):
+    """Eager no-grad calls dequantize the cores into the shared workspace with the gates folded into the next
+    core's scales where its groups allow (here: every bond but the last); the result is the float64 product, and
+    a gate or scale written in place afterwards is seen by the next call."""
+    from comera_fx.packed import PackedTTLinear
+    from comera_fx.packed.tt import fold_gates_into_scales
+    from comera_fx.tt.layers import TTLinear
+
+    torch.manual_seed(11)
+    layer = TTLinear.from_dense(nn.Linear(384, 96), max_rank=16)
+    with torch.no_grad():
+        for gate in layer.tt.gates:
+            gate.uniform_(0.5, 1.5)
+    comera_fx.quantize_(layer, bits, 16)
+    packed = PackedTTLinear.from_tt_linear(layer)
+    assert packed._aligned
+    _, left = fold_gates_into_scales(packed.scales, packed.gates(), packed._spans, 16)
+    per_index = [math.prod(s) // s[0] for s in packed.layout.core_shapes[1:]]
+    assert left == tuple(k for k, n in enumerate(per_index) if n % 16)
+    assert 0 < len(left) < len(per_index)  # both kinds of bond are exercised
+    x = torch.randn(3, 5, 384)
+    for mode in (torch.inference_mode, torch.no_grad):
+        with mode():
+            torch.testing.assert_close(packed(x).double(), packed_tt_reference(packed, x), rtol=0, atol=2e-5)
+    with torch.no_grad():
+        packed.gates_0.mul_(1.7)
+        packed.get_buffer(f"gates_{left[0]}").mul_(0.6)
+        packed.scales[:4].mul_(2.0)
+        torch.testing.assert_close(packed(x).double(), packed_tt_reference(packed, x), rtol=0, atol=2e-5)
+    xg = x.clone().requires_grad_()  # a call recording a gradient builds its own cores
+    out = packed(xg)
+    torch.testing.assert_close(out.double(), packed_tt_reference(packed, x), rtol=0, atol=2e-5)
+    out.sum().backward()
+    assert xg.grad is not None
+
+
+@pytest.mark.parametrize("bits,group", [(4, 32), (4, 16), (4, None), (8, 48), (4, 96)])
+@pytest.mark.parametrize("cap_rows", [23, 101])
+def test_packed_linear_rebuilt_in_blocks_under_the_workspace_cap(bits, group, cap_rows, monkeypatch):
+    """With ``workspace.MAX_BYTES`` below the weight's fp32 size, eager no-grad calls rebuild it in blocks: of
+    output rows (unequal here), or, for int4 when half the weight fits and its groups allow, the low and the high
+    codes (two halves of the inputs). Either way the float64 product at few tokens (scales on the output or per
+    group) and at many (weight finished, bias fused), with and without a bias, and a workspace under the cap."""
+    import threading
+
+    from comera_fx.packed import workspace
+
+    cap = 96 * 4 * cap_rows // 2 if cap_rows == 101 else 96 * 4 * cap_rows  # 101: half of the weight
+    monkeypatch.setattr(workspace, "_WORKSPACE", threading.local())
+    monkeypatch.setattr(workspace, "MAX_BYTES", cap)
+    if cap_rows == 23:
+        assert workspace.chunk_rows(101, 96 * 4) == 21  # five blocks: four of 21 rows, one of 17
+    torch.manual_seed(3)
+    for bias in (True, False):
+        linear = nn.Linear(96, 101, bias=bias)
+        if not bias:
+            linear.bias = None
+        spec = QuantSpec(bits, group)
+        layer = PackedLinear.from_linear(linear, spec)
+        halves = bits == 4 and cap_rows == 101 and group != 32  # 32 does not divide the 48 inputs of a half
+        assert layer._in_halves(4) == halves
+        codes, scales = quantize_groups(linear.weight.detach(), spec)
+        weight = dequantize(codes, scales, spec, (101, 96), torch.float64)
+        for tokens in (3, 90):
+            x = torch.randn(2, tokens, 96)
+            expected = x.double() @ weight.t() + (linear.bias.detach().double() if bias else 0)
+            for mode in (torch.inference_mode, torch.no_grad, torch.enable_grad):
+                with mode():
+                    torch.testing.assert_close(layer(x).double(), expected, rtol=0, atol=2e-5)
+    assert 0 < workspace.workspace_bytes() <= cap

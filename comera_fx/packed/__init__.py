@@ -1,0 +1,63 @@
+"""Small where it runs: linear layers held as int8 / int4 codes in memory, not as fp32 weights on a grid.
+
+``quantize_`` / ``apply_formats_`` round a weight onto a grid but keep it in fp32 (4 bytes a weight in RAM for a
+weight stored in 1 or ½). ``PackedLinear`` holds only the codes (int8; int4 two to a byte) and one fp32 scale per
+group, and rebuilds the fp32 weight of one layer at a time inside its forward, in eager inference into one buffer
+per thread that every layer shares (``REUSE_WORKSPACE``; its size is the largest layer's fp32 weight).
+
+Why not torch's int kernels: ``aten._weight_int4pack_mm_for_cpu`` and ``aten._weight_int8pack_mm`` exist in the
+pinned torch 2.13 CPU build, give exactly these products, and were measured 6-74x slower than the fp32 GEMM with
+fp32 activations on this project's 2-core machine (benchmarks/history/2026-12-05-issue-46.md); unpacking the codes
+and calling the fp32 GEMM costs 1.07x the fp32 layer at 2048 rows and 1.6-2.2x at 8. torchao was not used: 0.18.0
+imports against the pinned torch, but its int4 weight-only path needs a further package (``mslk``). The module keeps
+one code path so that a faster kernel can replace ``forward`` alone.
+
+The grid is ``comera_fx.quantize``'s: row-major groups of ``group_size`` weights with symmetric codes. A group that
+divides the input width is a group of input features of one output channel; a group that is a multiple of it spans
+whole rows (one scale per row, repeated). Other group sizes are refused.
+
+``state_dict`` holds the portable form (the codes as ``comera_fx.quantize.pack`` stores them, the scales per group),
+so ``save_tensorized`` / ``load_tensorized`` keep the layer packed (never building the fp32 weight on load).
+
+``PackedTTLinear`` does the same for a ``TTLinear`` whose cores ``quantize_`` put on a grid: each core is held as
+its stored codes and scales (exactly the bytes ``save_tensorized`` writes for it), the cores are dequantized on each
+call (they are small: a rank-64 TT layer of MiniLM's 384 x 384 attention has 57 k core weights, the dense one 147 k),
+all cores in one pass when they share a grid and whole groups, and the product runs the planner's inference plan,
+as ``TTLinear`` does. It never uses ``tt.merged``'s cached fp32 forms, which would hold fp32 factors larger than the
+codes.
+
+The package: ``workspace`` (the shared per-thread buffers), ``linear`` (``PackedLinear``), ``tt``
+(``PackedTTLinear``), ``convert`` (swapping modules in a model, and the save / load manifests).
+"""
+
+from .convert import (
+    install_packed,
+    pack_linears_,
+    packed_from_quantized,
+    packed_manifest,
+    packed_modules,
+    packed_tt_from_quantized,
+    packed_tt_manifest,
+)
+from .linear import SCALES_SUFFIX, PackedLinear, kernel_group, packable, reference_weight
+from .tt import PackedTTLinear, dequantize_stored, tt_core_specs
+from .workspace import workspace_bytes
+
+__all__ = [
+    "SCALES_SUFFIX",
+    "PackedLinear",
+    "PackedTTLinear",
+    "dequantize_stored",
+    "install_packed",
+    "kernel_group",
+    "pack_linears_",
+    "packable",
+    "packed_from_quantized",
+    "packed_manifest",
+    "packed_modules",
+    "packed_tt_from_quantized",
+    "packed_tt_manifest",
+    "reference_weight",
+    "tt_core_specs",
+    "workspace_bytes",
+]

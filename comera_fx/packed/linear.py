@@ -1,0 +1,266 @@
+"""``PackedLinear``: an ``nn.Linear`` held as int8 / int4 codes and fp32 scales per group."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..quantize import SPEC_ATTR, QuantSpec, dequantize, pack, quantize_groups, unpack
+from . import workspace
+
+SCALES_SUFFIX = "weight_scales"
+
+#: What ``PackedLinear._code_grid`` multiplies the codes of each width by (the scales are divided by it).
+CODE_UNIT = {4: 16}
+
+
+def kernel_group(spec: QuantSpec, rows: int, cols: int) -> int:
+    """Input features per scale within a row for ``spec`` on a rows × cols weight; ValueError if groups straddle
+    rows unevenly (int4 also needs an even number of input features)."""
+    group = rows * cols if spec.group_size is None else spec.group_size
+    if group % cols and cols % group:
+        raise ValueError(
+            f"a group of {group} weights neither divides nor spans whole rows of {cols} input "
+            f"features: no packed layout; use a group size that divides {cols}"
+        )
+    if spec.bits == 4 and cols % 2:
+        raise ValueError(f"int4 codes go two to a byte along a row: {cols} input features is odd")
+    return min(group, cols)
+
+
+def _row_scales(scales: Tensor, spec: QuantSpec, rows: int, cols: int, kgroup: int) -> Tensor:
+    """The scales as (rows, cols // kgroup): one per group of each row (repeated where a group spans rows)."""
+    group = rows * cols if spec.group_size is None else spec.group_size
+    start = torch.arange(rows)[:, None] * cols + torch.arange(0, cols, kgroup)[None, :]  # first weight of each
+    return scales[start // group].float()
+
+
+class PackedLinear(nn.Module):
+    """``y = x Wᵀ + b`` with W held as int8 / int4 codes and fp32 scales: exactly the weights
+    ``fake_quant(W, bits, group_size)`` gives, in 1 or ½ byte each (plus the scales). Inference only: the codes are
+    buffers, not parameters."""
+
+    def __init__(
+        self, in_features: int, out_features: int, spec: QuantSpec, bias: bool = True, device=None, dtype=None
+    ):
+        super().__init__()
+        self.in_features, self.out_features, self.spec = in_features, out_features, spec
+        self.kgroup = kernel_group(spec, out_features, in_features)
+        width = in_features if spec.bits == 8 else in_features // 2
+        self.register_buffer(
+            "codes",
+            torch.empty(out_features, width, device=device, dtype=torch.int8 if spec.bits == 8 else torch.uint8),
+        )
+        self.register_buffer("scales", torch.empty(out_features, in_features // self.kgroup, device=device))
+        self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
+
+    @classmethod
+    def from_codes(cls, codes: Tensor, scales: Tensor, spec: QuantSpec, shape, bias: Tensor | None = None):
+        """From ``quantize_groups``' int8 codes (or ``pack``'s stored form) and per-group scales of a weight."""
+        rows, cols = shape
+        layer = cls(cols, rows, spec, bias is not None, device="cpu")
+        layer._set_codes(codes, scales)
+        if bias is not None:
+            layer.bias.data = bias.detach().float().clone()
+        return layer
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, spec: QuantSpec) -> "PackedLinear":
+        """``linear`` rounded onto ``spec``'s grid and packed (its weight already on the grid stays bit for bit)."""
+        codes, scales = quantize_groups(linear.weight.detach().float().cpu(), spec)
+        return cls.from_codes(codes, scales, spec, tuple(linear.weight.shape), linear.bias)
+
+    def _set_codes(self, codes: Tensor, scales: Tensor) -> None:
+        rows, cols, spec = self.out_features, self.in_features, self.spec
+        if codes.dtype == torch.uint8 or codes.numel() != rows * cols:  # pack's stored form
+            codes = unpack(codes, spec.bits, rows * cols)
+        grid = codes.reshape(rows, cols)
+        device = self.codes.device
+        self.scales = _row_scales(scales.reshape(-1).cpu(), spec, rows, cols, self.kgroup).to(device)
+        if spec.bits == 8:
+            self.codes = grid.contiguous().to(device)
+        else:  # in memory, byte j of a row holds input features j (low nibble) and j + in/2 (high nibble), each
+            # as a 4-bit two's complement code (see ``_code_grid``)
+            nibbles, half = (grid.to(torch.int16) & 0xF).to(torch.uint8), cols // 2
+            self.codes = (nibbles[:, :half] | (nibbles[:, half:] << 4)).contiguous().to(device)
+
+    def stored(self) -> tuple[Tensor, Tensor]:
+        """(``pack``'s stored codes, fp32 scales per group of ``spec``): the portable form."""
+        codes, scales = quantize_groups(self.dequantized(), self.spec)
+        return pack(codes, self.spec.bits), scales
+
+    def _code_grid(self, dtype: torch.dtype, start: int = 0, end: int | None = None, out: Tensor | None = None):
+        """Output rows start:end of the codes as floats, times ``CODE_UNIT`` (``out``: where to write them).
+
+        An int4 byte holds two 4-bit two's complement codes; as int8, the byte shifted left by 4 is 16 x its low
+        code and the byte with its low bits cleared is 16 x its high code: two byte-wide ops, no offset to take
+        off afterwards; ``_unit_scales`` divides the 16 back out of the scales (a power of two: exact)."""
+        codes = self.codes[start:end]
+        if out is None:
+            out = codes.new_empty((codes.shape[0], self.in_features), dtype=dtype)
+        if self.spec.bits == 8:
+            return out.copy_(codes)
+        half = self.in_features // 2
+        out[:, :half] = (codes << 4).view(torch.int8)
+        out[:, half:] = (codes & 0xF0).view(torch.int8)
+        return out
+
+    def _unit_scales(self, dtype: torch.dtype) -> Tensor:
+        """The scales per (row, group) for ``_code_grid``'s floats."""
+        scales = self.scales.to(dtype)
+        return scales / CODE_UNIT[self.spec.bits] if self.spec.bits in CODE_UNIT else scales
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """The weight these codes stand for (out × in): ``forward``'s product is ``x`` times its transpose."""
+        rows, cols = self.out_features, self.in_features
+        grid = self._code_grid(dtype).view(rows, -1, self.kgroup).mul_(self._unit_scales(dtype)[..., None])
+        return grid.view(rows, cols)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """``x Wᵀ + b`` from the codes converted to floats (``_code_grid``). With one scale per row and fewer
+        tokens than 2/3 of the input width (the output smaller than the weight), the scales go on the output;
+        otherwise, and always when compiled or exported, on the weight, and the bias rides in the GEMM. In eager
+        calls that record no gradient of x, the floats go into the shared workspace a block of rows at a time
+        (``_forward_in_blocks``)."""
+        rows, cols, scales = self.out_features, self.in_features, self._unit_scales(x.dtype)
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        shared = (
+            workspace.REUSE_WORKSPACE
+            and not torch.compiler.is_compiling()
+            and type(x) is torch.Tensor
+            and not (torch.is_grad_enabled() and x.requires_grad)
+        )
+        if shared:
+            return self._forward_in_blocks(x, scales, bias)
+        grid = self._code_grid(x.dtype)
+        # the output is the larger operand: finish the weight, not it (always when traced: a size test is a guard)
+        if self.kgroup != cols or torch.compiler.is_compiling() or 3 * (x.numel() // cols) >= 2 * cols:
+            grid = grid.view(rows, -1, self.kgroup).mul_(scales[..., None]).view(rows, cols)
+            return F.linear(x, grid, bias)
+        out = F.linear(x, grid) * scales[:, 0]
+        return out if bias is None else out + bias
+
+    def _forward_in_blocks(self, x: Tensor, scales: Tensor, bias: Tensor | None) -> Tensor:
+        """``forward`` with the weight rebuilt a block of output rows at a time into the shared workspace
+        (``workspace.chunk_rows``: the workspace stays under ``workspace.MAX_BYTES``), each block's product
+        written into its columns of the output."""
+        rows, cols, kgroup = self.out_features, self.in_features, self.kgroup
+        x2 = x.reshape(-1, cols)
+        scale_output = kgroup == cols and 3 * x2.shape[0] < 2 * cols  # as in ``forward``
+        fused_bias = bias if not scale_output and not torch.is_grad_enabled() else None
+        out = x2.new_empty(x2.shape[0], rows)
+        if self._in_halves(x.element_size()):
+            self._halves_into(out, x2, scales, fused_bias, scale_output)
+            return self._finish_blocks(out, x, scales, bias, fused_bias, scale_output)
+        step = workspace.chunk_rows(rows, cols * x.element_size())
+        for start in range(0, rows, step):
+            end = min(rows, start + step)
+            grid = workspace.shared((end - start) * cols, x.dtype, x.device).view(end - start, cols)
+            self._code_grid(x.dtype, start, end, out=grid)
+            if not scale_output:
+                grid.view(end - start, -1, kgroup).mul_(scales[start:end, :, None])
+            if fused_bias is None:
+                torch.mm(x2, grid.t(), out=out[:, start:end])
+            else:
+                torch.addmm(fused_bias[start:end], x2, grid.t(), out=out[:, start:end])
+        return self._finish_blocks(out, x, scales, bias, fused_bias, scale_output)
+
+    @staticmethod
+    def _finish_blocks(out, x, scales, bias, fused_bias, scale_output: bool) -> Tensor:
+        out = out.view(x.shape[:-1] + (out.shape[-1],))
+        if scale_output:
+            out = out.mul_(scales[:, 0])
+        return out if bias is None or fused_bias is not None else out + bias
+
+    def _in_halves(self, itemsize: int) -> bool:
+        """Whether an int4 weight over ``workspace.MAX_BYTES`` goes in two blocks of input features, its low and
+        high codes (each block's groups whole, each block under the cap): at 640 tokens a 1536 -> 384 layer's
+        two GEMMs over halves of the inputs ran as one (8.13 against 8.16 ms), over halves of the outputs 0.23 ms
+        slower (benchmarks/history/2026-12-05-issue-46-latency.md)."""
+        rows, cols, half = self.out_features, self.in_features, self.in_features // 2
+        return (
+            self.spec.bits == 4
+            and workspace.chunk_rows(rows, cols * itemsize) < rows
+            and workspace.chunk_rows(rows, half * itemsize) == rows
+            and (self.kgroup == cols or half % self.kgroup == 0)
+        )
+
+    def _halves_into(self, out: Tensor, x2: Tensor, scales: Tensor, fused_bias, scale_output: bool) -> None:
+        """``out`` = x2 times the weight (or its codes, when ``scale_output``) in two GEMMs, one per half of the
+        input features: the low codes, then the high codes accumulated onto it."""
+        rows, cols, half = self.out_features, self.in_features, self.in_features // 2
+        grid = workspace.shared(rows * half, x2.dtype, x2.device).view(rows, half)
+        group = min(self.kgroup, half)
+        for k, codes in enumerate(((self.codes << 4), (self.codes & 0xF0))):
+            grid.copy_(codes.view(torch.int8))
+            if not scale_output:
+                per_half = scales.shape[1] // 2
+                block = scales if self.kgroup == cols else scales[:, k * per_half : (k + 1) * per_half]
+                grid.view(rows, -1, group).mul_(block[..., None])
+            inputs = x2[:, k * half : (k + 1) * half]
+            if k:
+                out.addmm_(inputs, grid.t())
+            elif fused_bias is None:
+                torch.mm(inputs, grid.t(), out=out)
+            else:
+                torch.addmm(fused_bias, inputs, grid.t(), out=out)
+
+    def nbytes(self) -> int:
+        """Bytes held in memory by the codes and scales (the resident size of the weight)."""
+        return self.codes.numel() * self.codes.element_size() + self.scales.numel() * self.scales.element_size()
+
+    # ---- state_dict: the portable form
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        codes, scales = self.stored()
+        destination[prefix + "weight"] = codes
+        destination[prefix + SCALES_SUFFIX] = scales
+        if self.bias is not None:
+            destination[prefix + "bias"] = self.bias if keep_vars else self.bias.detach()
+
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ):
+        for key in ("weight", SCALES_SUFFIX) + (("bias",) if self.bias is not None else ()):
+            if prefix + key not in state_dict:
+                missing_keys.append(prefix + key)
+        if prefix + "weight" in state_dict and prefix + SCALES_SUFFIX in state_dict:
+            with torch.no_grad():
+                self._set_codes(state_dict[prefix + "weight"], state_dict[prefix + SCALES_SUFFIX])
+        if self.bias is not None and prefix + "bias" in state_dict:
+            with torch.no_grad():
+                self.bias.copy_(state_dict[prefix + "bias"])
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, int{self.spec.bits} "
+            f"group {self.spec.group_size}, bias={self.bias is not None}"
+        )
+
+
+def packable(module: nn.Module) -> QuantSpec | None:
+    """The grid of an ``nn.Linear`` whose weight ``quantize_`` recorded and whose groups fit its rows, else None."""
+    if type(module) is not nn.Linear:
+        return None
+    spec = getattr(module, SPEC_ATTR, {}).get("weight")
+    if spec is None:
+        return None
+    try:
+        kernel_group(spec, module.out_features, module.in_features)
+    except ValueError:
+        return None
+    return spec
+
+
+def reference_weight(codes: Tensor, scales: Tensor, spec: QuantSpec, shape) -> Tensor:
+    """The float64 weight of stored codes and scales (``comera_fx.quantize.dequantize``), for tests and checks."""
+    return dequantize(
+        unpack(codes, spec.bits, math.prod(shape)) if codes.dtype == torch.uint8 else codes,
+        scales,
+        spec,
+        tuple(shape),
+        torch.float64,
+    )
