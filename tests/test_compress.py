@@ -95,7 +95,7 @@ def test_one_call_builds_trains_rounds_and_packs(tmp_path):
 
 def test_distill_config_is_data_and_refuses_bad_fields():
     """Model-derived defaults resolve against the models: the teacher's repeated blocks at 1 / their number each,
-    no quantization-aware tail for a float student (test_quantize: 0.3 for a quantized one)."""
+    no quantization-aware tail for a float student (test_quantize: the whole run for a quantized one)."""
     teacher = tiny_bert()
     settings = resolved(DistillConfig(), copy.deepcopy(teacher), teacher)
     assert settings.hidden_modules == ("encoder.layer.0", "encoder.layer.1") and settings.hidden_weight == 0.5

@@ -220,9 +220,9 @@ def test_on_grid_rounds_inside_and_restores_the_float_weights_after():
 
 def test_quant_aware_distillation_steps_with_the_gradient_taken_on_the_grid():
     """One AdamW step (first step: update = -lr' · g / (|g| + eps), the sign of g) of a student whose weight is off
-    its int4 grid: with quant_aware the float weight moves against the gradient at the *rounded* weight (float64
-    reference), which differs in sign from the gradient at the float weight for some entries; without it, against
-    the latter."""
+    its int4 grid: with quant_aware, and by default (None: the whole run for a quantized student), the float weight
+    moves against the gradient at the *rounded* weight (float64 reference), which differs in sign from the gradient
+    at the float weight for some entries; with quant_aware=0, against the latter."""
     from comera_fx.pretrained import DistillConfig, match_teacher
 
     torch.manual_seed(1)
@@ -238,7 +238,7 @@ def test_quant_aware_distillation_steps_with_the_gradient_taken_on_the_grid():
         return w.grad
 
     signs = {}
-    for quant_aware in (1.0, 0.0):
+    for quant_aware in (None, 1.0, 0.0):
         student = off_grid_student()
         before = student[0].weight.detach().clone()
         at_grid = reference_gradient(rounded_reference(before, 4, 16), student)
@@ -254,19 +254,19 @@ def test_quant_aware_distillation_steps_with_the_gradient_taken_on_the_grid():
             ),
         )
         moved = (before - student[0].weight.detach()).double()
-        expected = at_grid if quant_aware else at_float
+        expected = at_float if quant_aware == 0.0 else at_grid
         clear = expected.abs() > 1e-6
         assert torch.equal(moved[clear].sign(), expected[clear].sign()), quant_aware
         signs[quant_aware] = (at_grid.sign() != at_float.sign()).sum().item()
     assert signs[1.0] > 0, "the test needs entries whose gradient sign differs between the grid and the float weight"
 
 
-def test_quant_aware_defaults_to_a_tail_only_for_quantized_students():
+def test_quant_aware_defaults_to_the_whole_run_only_for_quantized_students():
     from comera_fx.pretrained import DistillConfig
     from comera_fx.pretrained.distill_config import resolved
 
     teacher = nn.Sequential(nn.Linear(16, 8, bias=False), nn.Tanh(), nn.Linear(8, 4))
-    assert resolved(DistillConfig(), off_grid_student(), teacher).quant_aware == 0.3
+    assert resolved(DistillConfig(), off_grid_student(), teacher).quant_aware == 1.0
     assert resolved(DistillConfig(), teacher, teacher).quant_aware == 0.0
     assert resolved(DistillConfig(quant_aware=0.1), off_grid_student(), teacher).quant_aware == 0.1
 

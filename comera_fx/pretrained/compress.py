@@ -1,10 +1,10 @@
 """One call from a trained model to a small one under a byte budget: ``compress_``.
 
 The expert path is five calls (``calibrate`` → ``choose_formats(batches=)`` → ``apply_formats_`` →
-``match_teacher(config=DistillConfig(quant_aware=0.3))`` → ``requantize_``), then ``pack_linears_`` for int kernels.
+``match_teacher(config=DistillConfig(quant_aware=1.0))`` → ``requantize_``), then ``pack_linears_`` for int kernels.
 ``compress_`` runs them in that order with the defaults that measured best on all-MiniLM-L6-v2 (formats scored at
-the output, hidden states of the repeated blocks matched, the last 30 % of the budget trained at the rounded
-weights, padding left out of the statistics) and checks everything it can before the first weight changes: the
+the output, hidden states of the repeated blocks matched, the whole budget trained at the rounded weights,
+padding left out of the statistics) and checks everything it can before the first weight changes: the
 student is a copy of the teacher, the batches run on both, the budget fits the smallest formats.
 
 Distillation settings are data (``DistillConfig``); the budget and the byte target are the call's own arguments.
@@ -84,7 +84,7 @@ def compress_(
 
     Calibrates on the first ``config.calibration_batches`` batches (padding left out), chooses a format per layer
     (int8 / int4 / TT with int8 or int4 cores, ``choose_formats`` scored at the output), builds it, distills for
-    ``budget_seconds`` and/or ``steps`` (the last ``config.quant_aware`` share at the rounded weights), rounds the
+    ``budget_seconds`` and/or ``steps`` (``config.quant_aware``: by default all at the rounded weights), rounds the
     weights onto their grids and, with ``config.pack``, holds the layers packed (``PackedLinear``, ``PackedTTLinear``).
     The student is ready for ``save_tensorized``. ``tensorize_config``: which layers count (``min_numel`` / ``skip``);
     ``calibration`` / ``plan``: reuse ones made on this model. Nothing changes in the student before every check

@@ -1,0 +1,251 @@
+"""Issue 46 (quality): which training lever lifts ``compress_``'s cosine on text from another source than the
+training text, compared at a fixed number of steps (a 600 s budget gives another step count under every load).
+
+One process prepares the README recipe's data (bench_distill_formats.py ``compress``: stdlib docstrings, batches of
+32 by length, 64 tokens, word embedding frozen, ``loss_fn=distill_loss``), calibrates and chooses the formats once
+(cached in ``--cache`` per byte budget, so later runs skip the two minutes), then trains one fresh copy per variant
+from that same start and prints one JSON line each: cosine to the teacher on held-out stdlib text and on the
+other-source text (numpy + sympy docstrings), the latter also by token length.
+
+    flock /tmp/timing.lock python benchmarks/bench_compress_levers.py --budget 0.125 --steps 300 \\
+        --variants base qa=1.0 lr=1e-3 data=long
+
+A variant is ``key=value`` pairs joined by ``,`` (``base``: compress_'s defaults): ``lr``, ``qa`` (quant_aware),
+``hw`` (hidden_weight), ``warmup`` / ``floor`` (the schedule's warm-up share and final lr factor), ``data``
+(``base``: the recipe's rows; ``long``: consecutive training texts of a file joined to about ``--join-chars``
+characters, cut at 128 tokens; ``mix``: half of the batches each). ``baselines`` as a variant: int4 per output
+channel and int4 in groups of 64, rounded, no training.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+common.use_this_checkout()
+cp = common.load_example("compress_pretrained")
+
+import comera_fx  # noqa: E402
+from comera_fx.pretrained import DistillConfig, compress_  # noqa: E402
+from comera_fx.pretrained import match as match_module  # noqa: E402
+
+ENCODER_ONLY = comera_fx.TensorizeConfig(skip=[r"^(?!bert\.encoder\.)"])
+RECIPE = dict(
+    tiny=False,
+    quick=False,
+    max_files=None,
+    retrieval=500,
+    eval_texts=1000,
+    train_len=64,
+    code_fraction=0.0,
+    code_len=128,
+    other_texts=500,
+    batch_size=32,
+    by_length=True,
+    seed=0,
+    train_embedding=False,
+)
+LENGTH_BUCKETS = ((0, 32), (32, 64), (64, 129))
+
+
+def parse_variant(text: str) -> dict:
+    if text in ("base", "baselines"):
+        return {}
+    return dict(pair.split("=", 1) for pair in text.split(","))
+
+
+def joined_texts(texts: list[str], chars: int) -> list[str]:
+    """Consecutive texts (mine_stdlib keeps a file's texts together, in order) joined with a space until a row
+    reaches ``chars`` characters: rows as long as the other-source docstrings, from the same training text."""
+    rows, row = [], ""
+    for text in texts:
+        row = f"{row} {text}" if row else text
+        if len(row) >= chars:
+            rows.append(row[:chars])
+            row = ""
+    return rows + ([row] if row else [])
+
+
+def sampler(data: dict, long_enc: dict | None, kind: str, seed: int):
+    ns = argparse.Namespace(**RECIPE)
+    base = cp.training_sampler(data, ns, seed=seed)
+    if kind == "base":
+        return base
+    long = cp.batch_sampler(long_enc, RECIPE["batch_size"], seed=seed + 7, by_length=True)
+    if kind == "long":
+        return long
+    rng = random.Random(seed + 3)
+    return lambda: long() if rng.random() < 0.5 else base()
+
+
+def cosines(model, data, reference) -> dict:
+    """Mean cosine on held-out stdlib and other-source texts, and on the latter by token-length bucket."""
+    stdlib = (cp.embed(model, data["test_texts_enc"]) * reference["texts"]).sum(-1)
+    other = (cp.embed(model, data["other_texts_enc"]) * reference["other"]).sum(-1)
+    lengths = data["other_texts_enc"]["attention_mask"].sum(1)
+    result = {
+        "cosine_stdlib": round(float(stdlib.mean()), 4),
+        "cosine_other": round(float(other.mean()), 4),
+        "worst_other": round(float(other.min()), 4),
+    }
+    for lo, hi in LENGTH_BUCKETS:
+        inside = (lengths >= lo) & (lengths < hi)
+        result[f"other_len{lo}-{hi - 1}"] = round(float(other[inside].mean()), 4) if inside.any() else None
+    return result
+
+
+def start_of(teacher, data, budget: float, cache: Path | None):
+    """(calibration, plan) at ``budget``: from ``cache`` if there, else made as compress_ makes them."""
+    path = cache / f"start_{budget}.pt" if cache else None
+    if path is not None and path.exists():
+        return torch.load(path, weights_only=False)
+    ns = argparse.Namespace(**RECIPE)
+    draw = cp.training_sampler(data, ns, seed=0)
+    drawn = [draw() for _ in range(DistillConfig().calibration_batches)]
+    calibration = comera_fx.calibrate(teacher, drawn, config=ENCODER_ONLY, token_mask=cp.real_tokens)
+    plan = comera_fx.choose_formats(teacher, calibration, budget, config=ENCODER_ONLY, batches=drawn[:2], fast=True)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save((calibration, plan), path)
+    return calibration, plan
+
+
+def schedule(warmup: float, floor: float):
+    import math
+
+    def factor(progress: float) -> float:
+        if progress < warmup:
+            return (progress + 1e-3) / warmup
+        p = min(1.0, (progress - warmup) / (1 - warmup))
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * p))
+
+    return factor
+
+
+def run_variant(name, teacher, data, long_enc, start, args) -> dict:
+    spec = parse_variant(name)
+    student = copy.deepcopy(teacher)
+    cp.freeze_word_embedding(student, argparse.Namespace(**RECIPE))
+    config = DistillConfig(loss_fn=cp.distill_loss, progress=False)
+    if "lr" in spec:
+        config = config.replace(lr=float(spec["lr"]))
+    if "qa" in spec:
+        config = config.replace(quant_aware=float(spec["qa"]))
+    if "hw" in spec:
+        config = config.replace(hidden_weight=float(spec["hw"]))
+    original = match_module.lr_factor
+    match_module.lr_factor = schedule(float(spec.get("warmup", 0.05)), float(spec.get("floor", 0.1)))
+    calibration, plan = copy.deepcopy(start)
+    load_before = common.loadavg()
+    try:
+        summary = compress_(
+            student,
+            teacher,
+            sampler(data, long_enc, spec.get("data", "base"), args.seed),
+            byte_budget=args.budget,
+            budget_seconds=args.budget_seconds,
+            steps=args.steps,
+            config=config,
+            tensorize_config=ENCODER_ONLY,
+            calibration=calibration,
+            plan=plan,
+        )
+    finally:
+        match_module.lr_factor = original
+    return {
+        "variant": name,
+        "budget": args.budget,
+        "steps": summary.steps,
+        "distill_seconds": round(summary.seconds["distill"], 1),
+        "stored_over_dense": round(summary.stored_bytes / summary.dense_bytes, 4),
+        "loss_last10": round(sum(summary.losses[-10:]) / len(summary.losses[-10:]), 4),
+        **cosines(student.eval(), data, reference_box[0]),
+        "counts": summary.plan.counts(),
+        "load_before": load_before,
+        "load_after": common.loadavg(),
+    }
+
+
+def baselines(teacher, data) -> list[dict]:
+    rows = []
+    for group in (None, 64):
+        student = copy.deepcopy(teacher)
+        linears = [m for n, m in student.named_modules() if n.startswith("bert.encoder.") and hasattr(m, "weight")]
+        dense = sum(m.weight.numel() * 4 for m in linears if m.weight.dim() == 2)
+        stored = 0
+        with torch.no_grad():
+            for m in linears:
+                if m.weight.dim() != 2:
+                    continue
+                rows_out = m.weight.shape[0]
+                w = m.weight.reshape(rows_out, -1)
+                size = w.shape[1] if group is None else group  # per output channel: one group per row
+                m.weight.copy_(comera_fx.quantize.fake_quant(w, 4, size).reshape(m.weight.shape))
+                stored += comera_fx.quantize.quantized_bytes(m.weight.numel(), 4, size)
+        label = "int4 per output channel" if group is None else f"int4 g{group}"
+        rows.append(
+            {
+                "variant": label,
+                "stored_over_dense": round(stored / dense, 4),
+                **cosines(student, data, reference_box[0]),
+            }
+        )
+    return rows
+
+
+reference_box: list = []
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--budget", type=float, default=0.125)
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--budget-seconds", type=float, default=None)
+    parser.add_argument("--variants", nargs="+", default=["base"])
+    parser.add_argument("--cache", default=os.environ.get("I46Q_CACHE", "/tmp/i46q_cache"))
+    parser.add_argument("--join-chars", type=int, default=600)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.steps is None and args.budget_seconds is None:
+        parser.error("give --steps and/or --budget-seconds")
+    begin = time.perf_counter()
+    ns = argparse.Namespace(**RECIPE)
+    teacher, _, _, data, reference = cp.prepare(ns)
+    reference_box.append(reference)
+    long_enc = None
+    if any(parse_variant(v).get("data", "base") != "base" for v in args.variants):
+        texts = cp.mine_stdlib()["train"]
+        long_enc = cp.tokenize_all(teacher_tokenizer(), joined_texts(texts, args.join_chars), max_length=128)
+    print(json.dumps({"prepared_seconds": round(time.perf_counter() - begin, 1), "load": common.loadavg()}), flush=True)
+    start = None
+    for name in args.variants:
+        if name == "baselines":
+            for row in baselines(teacher, data):
+                print(json.dumps({**row, "load": common.loadavg()}), flush=True)
+            continue
+        if start is None:
+            t0 = time.perf_counter()
+            start = start_of(teacher, data, args.budget, Path(args.cache) if args.cache else None)
+            print(json.dumps({"start_seconds": round(time.perf_counter() - t0, 1)}), flush=True)
+        print(json.dumps(run_variant(name, teacher, data, long_enc, start, args)), flush=True)
+
+
+def teacher_tokenizer():
+    return cp.load_teacher(False)[1]
+
+
+if __name__ == "__main__":
+    main()
