@@ -7,6 +7,7 @@ byte budget; and the packed student's resident memory and encode latency against
     flock /tmp/timing.lock python benchmarks/bench_distill_formats.py serve --student s8.st --variants eager,compiled
     flock /tmp/timing.lock python benchmarks/bench_distill_formats.py compress --budget-seconds 600
     flock /tmp/timing.lock python benchmarks/bench_distill_formats.py kernels
+    flock /tmp/timing.lock python benchmarks/bench_distill_formats.py breakdown --student s8.st --rows 1 --threads 1
 
 Calibration: 32 batches of 32 stdlib docstrings cut to 64 tokens (as benchmarks/bench_distill.py); the output
 scoring uses the first 2 of them. ``--layers n`` restricts the choice to the first n encoder layers (the old scoring
@@ -315,9 +316,77 @@ def kernels(args) -> dict:
     return {"ms": result, "threads": torch.get_num_threads(), "loadavg": common.loadavg()}
 
 
+def layer_kind(module) -> str | None:
+    """A packed encoder linear's kind ("TT 384x384", "int4 g128 384x1536"), None for other modules."""
+    from comera_fx.packed import PackedLinear, PackedTTLinear
+
+    if isinstance(module, PackedTTLinear):
+        return f"TT {module.in_features}x{module.out_features}"
+    if isinstance(module, PackedLinear):
+        return f"int{module.spec.bits} g{module.spec.group_size} {module.in_features}x{module.out_features}"
+    return None
+
+
+def time_by_kind(model, kinds: dict[str, str], inputs, calls: int) -> tuple[float, dict[str, float]]:
+    """(median ms of a whole call without hooks, {kind: ms a call spent in the modules at ``kinds``' paths, timed
+    by forward pre/post hooks})."""
+    for _ in range(3):
+        model(**inputs)
+    whole = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        model(**inputs)
+        whole.append(time.perf_counter() - start)
+    spent, hooks = dict.fromkeys(kinds.values(), 0.0), []
+    for path, kind in kinds.items():
+        module = model.get_submodule(path)
+
+        def pre(m, args):
+            m._bench_start = time.perf_counter()
+
+        def post(m, args, out, kind=kind):
+            spent[kind] += time.perf_counter() - m._bench_start
+
+        hooks += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+    for _ in range(calls):
+        model(**inputs)
+    for hook in hooks:
+        hook.remove()
+    return sorted(whole)[calls // 2] * 1e3, {k: round(v / calls * 1e3, 3) for k, v in spent.items()}
+
+
+@torch.inference_mode()
+def breakdown(args) -> dict:
+    """Where the packed student's time goes against the teacher's, one batch size (--rows 1 or 64), warm (no other
+    model runs between calls): ms a call in each kind of packed layer and in the teacher's linears at the same
+    paths, and the median whole call of each (without hooks)."""
+    teacher, builder, batches, encoded = data(args)
+    student = comera_fx.load_tensorized(args.student, builder, pack=True).eval()
+    teacher.eval()
+    rows = args.rows[0]
+    if rows == 1:
+        inputs = {k: v[:1] for k, v in batches[0].items()}
+    else:
+        inputs = {k: v[:rows] for k, v in cp.batch_sampler(encoded, rows, seed=1, by_length=True)().items()}
+    kinds = {p: layer_kind(m) for p, m in packed_modules(student).items() if p.startswith("bert.encoder.")}
+    calls = 30 if rows == 1 else 6
+    teacher_ms, teacher_kinds = time_by_kind(teacher, kinds, inputs, calls)
+    student_ms, student_kinds = time_by_kind(student, kinds, inputs, calls)
+    return {
+        "shape": list(inputs["input_ids"].shape),
+        "whole_ms": {"teacher": round(teacher_ms, 2), "student": round(student_ms, 2)},
+        "layers": {
+            k: {"count": list(kinds.values()).count(k), "teacher": teacher_kinds[k], "student": v}
+            for k, v in sorted(student_kinds.items())
+        },
+        "threads": torch.get_num_threads(),
+        "loadavg": common.loadavg(),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("what", choices=["choose", "serve", "compress", "kernels"])
+    parser.add_argument("what", choices=["choose", "serve", "compress", "kernels", "breakdown"])
     parser.add_argument("--budget-seconds", type=float, default=600.0)
     parser.add_argument("--scoring", choices=["all", "shortlist", "fast"], default="fast")
     parser.add_argument("--layers", type=int, default=None)
@@ -327,14 +396,22 @@ def main() -> None:
     parser.add_argument("--max-files", type=int, default=300)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--rows", type=int, nargs="+", default=[8, 2048], help="kernels: token counts")
-    parser.add_argument("--student", default=None, help="serve: the student's file (built and saved if absent)")
+    parser.add_argument(
+        "--rows", type=int, nargs="+", default=[8, 2048], help="kernels: token counts; breakdown: the batch size"
+    )
+    parser.add_argument(
+        "--student",
+        default=None,
+        help="serve: the student's file (built and saved if absent); breakdown: the saved student",
+    )
     parser.add_argument("--variants", default="eager", help="serve: eager, compiled, layers (comma-separated)")
     parser.add_argument("--torchao", default=None, help="serve: a torchao --target install to compare with")
     args = parser.parse_args()
     args.variants = tuple(args.variants.split(","))
     torch.set_num_threads(args.threads)
-    result = {"choose": choose, "serve": serve, "compress": one_call, "kernels": kernels}[args.what](args)
+    result = {"choose": choose, "serve": serve, "compress": one_call, "kernels": kernels, "breakdown": breakdown}[
+        args.what
+    ](args)
     print(json.dumps({"argv": sys.argv[1:], **result}))
 
 
