@@ -52,6 +52,27 @@ def test_state_dict_round_trip_and_portable_form(bits, group):
         PackedLinear(64, 32, QuantSpec(bits, group)).load_state_dict({"weight": state["weight"], "bias": state["bias"]})
 
 
+@pytest.mark.parametrize("bits,group", [(8, 64), (4, 32)])
+def test_a_module_pickled_whole_by_older_code_loads_its_int4_codes_right(bits, group, tmp_path):
+    """Before ``code_format`` an int4 nibble held code + 8; such a pickle, rebuilt here from the codes' definition
+    (nibble = code + 8, low nibble input j, high nibble input j + in/2), must load to the weight it stood for."""
+    torch.manual_seed(2)
+    linear = nn.Linear(64, 32)
+    spec = QuantSpec(bits, group)
+    packed = PackedLinear.from_linear(linear, spec)
+    codes = quantize_groups(linear.weight.detach().float(), spec)[0].reshape(32, 64)  # signed codes, out x in
+    if bits == 4:
+        offset = (codes.to(torch.int16) + 8).to(torch.uint8)
+        packed.codes = offset[:, :32] | (offset[:, 32:] << 4)
+    del packed.code_format
+    torch.save(packed, tmp_path / "old.pt")
+    loaded = torch.load(tmp_path / "old.pt", weights_only=False)
+    assert torch.equal(loaded.dequantized(), fake_quant(linear.weight.detach(), bits, group))
+    x = torch.randn(5, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x).double(), reference(linear, spec, x), rtol=0, atol=2e-5)
+
+
 def test_groups_without_a_kernel_layout_are_refused():
     with pytest.raises(ValueError, match="divides"):
         kernel_group(QuantSpec(8, 40), 32, 64)

@@ -16,6 +16,10 @@ SCALES_SUFFIX = "weight_scales"
 #: What ``PackedLinear._code_grid`` multiplies the codes of each width by (the scales are divided by it).
 CODE_UNIT = {4: 16}
 
+#: How ``PackedLinear`` holds int4 codes in memory: 2 = 4-bit two's complement. Objects pickled whole
+#: (``torch.save(module)``) before the attribute existed held them offset by 8; ``__setstate__`` converts them.
+CODE_FORMAT = 2
+
 
 def kernel_group(spec: QuantSpec, rows: int, cols: int) -> int:
     """Input features per scale within a row for ``spec`` on a rows × cols weight; ValueError if groups straddle
@@ -56,6 +60,17 @@ class PackedLinear(nn.Module):
         )
         self.register_buffer("scales", torch.empty(out_features, in_features // self.kgroup, device=device))
         self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
+        self.code_format = CODE_FORMAT
+
+    def __setstate__(self, state):
+        """A module pickled whole by older code held int4 codes offset by 8 (nibble = code + 8); in two's complement
+        the nibble is code & 15 = (code + 8) ^ 8, so one XOR per byte converts both nibbles. Without it such a
+        file would load silently wrong weights."""
+        if "code_format" not in state:
+            if state["spec"].bits == 4:
+                state["_buffers"]["codes"] = state["_buffers"]["codes"] ^ 0x88
+            state["code_format"] = CODE_FORMAT
+        super().__setstate__(state)
 
     @classmethod
     def from_codes(cls, codes: Tensor, scales: Tensor, spec: QuantSpec, shape, bias: Tensor | None = None):
