@@ -41,21 +41,7 @@ from comera_fx.pretrained import DistillConfig, compress_  # noqa: E402
 from comera_fx.pretrained import match as match_module  # noqa: E402
 
 ENCODER_ONLY = comera_fx.TensorizeConfig(skip=[r"^(?!bert\.encoder\.)"])
-RECIPE = dict(
-    tiny=False,
-    quick=False,
-    max_files=None,
-    retrieval=500,
-    eval_texts=1000,
-    train_len=64,
-    code_fraction=0.0,
-    code_len=128,
-    other_texts=500,
-    batch_size=32,
-    by_length=True,
-    seed=0,
-    train_embedding=False,
-)
+RECIPE = common.COMPRESS_RECIPE
 LENGTH_BUCKETS = ((0, 32), (32, 64), (64, 129))
 
 

@@ -235,21 +235,7 @@ def one_call(args) -> dict:
     """compress_ on the README recipe's data (examples/compress_pretrained.py defaults), scored as there."""
     from comera_fx.pretrained import DistillConfig, compress_
 
-    ns = argparse.Namespace(
-        tiny=False,
-        quick=False,
-        max_files=None,
-        retrieval=500,
-        eval_texts=1000,
-        train_len=64,
-        code_fraction=0.0,
-        code_len=128,
-        other_texts=500,
-        batch_size=32,
-        by_length=True,
-        seed=0,
-        train_embedding=False,
-    )
+    ns = argparse.Namespace(**common.COMPRESS_RECIPE)
     teacher, builder, _, prepared, reference = cp.prepare(ns)
     student = copy.deepcopy(teacher)
     cp.freeze_word_embedding(student, ns)

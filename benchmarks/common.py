@@ -28,6 +28,26 @@ REPO = Path(__file__).resolve().parents[1]
 # ---------------------------------------------------------------------------------------------------- paths
 
 
+#: examples/compress_pretrained.py's settings for the README's compression recipe (stdlib docstrings by length, cut to
+#: 64 tokens, batches of 32, word embedding frozen; 1000 held-out stdlib texts and 500 numpy + sympy docstrings as the
+#: other source): what the issue-46 benches score ``compress_`` on (``argparse.Namespace(**COMPRESS_RECIPE)``).
+COMPRESS_RECIPE = dict(
+    tiny=False,
+    quick=False,
+    max_files=None,
+    retrieval=500,
+    eval_texts=1000,
+    train_len=64,
+    code_fraction=0.0,
+    code_len=128,
+    other_texts=500,
+    batch_size=32,
+    by_length=True,
+    seed=0,
+    train_embedding=False,
+)
+
+
 def use_this_checkout() -> None:
     """Put this checkout's root and ``examples/`` first on ``sys.path``: a script's path starts at its own folder,
     and an editable install of another checkout would otherwise lend its ``comera_fx``; the demo's modules live in
