@@ -237,7 +237,7 @@ class RankSync:
         if self.size == 1:
             return x
         t = (
-            x.detach().reshape(1).to(device, torch.float64)
+            x.detach().reshape(1).to(device, torch.float64, copy=True)  # all_reduce is in place: never the loss
             if torch.is_tensor(x)
             else torch.tensor([x], dtype=torch.float64, device=device)
         )
