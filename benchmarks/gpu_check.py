@@ -20,7 +20,10 @@ short by its time limit still has issue 30's figure):
    ``ttm_merge(gate_cores(...))`` on the embedding's two halves;
 4. linear 4096×4096 (TT, r = 32, planner's order, ``TTLinear``) vs dense ``nn.Linear``, bf16, 16384 tokens,
    forward + backward, eager and ``torch.compile``d;
-5. rank padding on the GPU: a 768×3072 ``TTLinear`` with bias at r = 30, bf16, forward + backward with the bond
+5. the fused low-rank chain (issue 44 item 5): TT linears 4096² r 32 at ``--tokens``, 768² and 768×3072 r 16 at
+   2048 tokens, bf16, forward + backward with ``kernels.FUSED_CHAIN`` off and on, eager and compiled; outputs must
+   agree (decides whether FUSED_CHAIN may be on by default on CUDA);
+5b. rank padding on the GPU: a 768×3072 ``TTLinear`` with bias at r = 30, bf16, forward + backward with the bond
    padded to ``kernel_rank`` (32) and the bias in its spare slice, against unpadded (padding is CPU-only until this
    says it pays on CUDA: ``comera_fx.tt.plan.autograd.PAD_DEVICES``); outputs must agree;
 6. compile once (issue 30): ``bench_recompile.py``'s 2-block TT LM on the device under
@@ -374,6 +377,49 @@ def linear(device, size, tokens, rank, dtype, compile_too):
             ratio(f"linear fwd+bwd {tag}", RESULTS["timings"][f"linear fwd+bwd {base}"], both, base)
 
 
+@part("TT linear: the fused low-rank chain (issue 44 item 5)")
+def fused_chain(device, shapes, dtype, compile_too):
+    """TT linears with ``kernels.FUSED_CHAIN`` off (the planner's aten GEMMs) and on (x·L·R in one Triton kernel
+    forward, the same kernel + two GEMMs backward): outputs must agree; ratio = planned time / fused time."""
+    gen = torch.Generator().manual_seed(7)
+    x64 = torch.randn(37, 200, generator=gen, dtype=torch.float64)
+    left64, right64 = torch.randn(200, 24, generator=gen, dtype=torch.float64), torch.randn(24, 300, generator=gen)
+    out = kernels.lowrank_product(*(t.to(device, torch.float32) for t in (x64, left64, right64)))
+    err = max_rel_err(out, x64 @ left64 @ right64.double())
+    record_check("fused chain fp32 vs float64", err < 1e-5, f"max rel err {err:.2e}")
+    previous = kernels.FUSED_CHAIN
+    try:
+        for n_in, n_out, rank, tokens in shapes:
+            tag = f"{n_in}x{n_out} r{rank} {tokens} tok"
+            dense = nn.Linear(n_in, n_out)
+            layer = TTLinear.from_dense(dense, init="random", max_rank=rank).to(device, dtype)
+            x = torch.randn(tokens, n_in, generator=gen).to(device, dtype).requires_grad_()
+            grad = torch.randn(tokens, n_out, generator=gen).to(device, dtype)
+            variants = {"planned": (False, layer), "fused": (True, layer)}
+            if compile_too:
+                layer.tt.prepare_plans()
+                variants["planned compiled"] = (False, torch.compile(layer))
+                variants["fused compiled"] = (True, torch.compile(layer))
+            outputs, times = {}, {}
+            for name, (fused, module) in variants.items():
+                kernels.FUSED_CHAIN = fused
+                with torch.no_grad():
+                    outputs[name] = module(x).float()
+
+                def fwd_bwd(module=module):
+                    module(x).backward(grad)
+
+                times[name] = timing(f"chain {tag} fwd+bwd {name}", bench(fwd_bwd, device))
+            for name in outputs:
+                if name.startswith("fused"):
+                    base = name.replace("fused", "planned")
+                    err = max_rel_err(outputs[name], outputs[base])
+                    record_check(f"chain {tag} {name}", err < (3e-2 if dtype == torch.bfloat16 else 1e-4), f"{err:.2e}")
+                    ratio(f"chain {tag} fwd+bwd {name}", times[base], times[name], base)
+    finally:
+        kernels.FUSED_CHAIN = previous
+
+
 @part("TT linear: rank padding on the device")
 def rank_padding(device, n_in, n_out, tokens, rank, dtype):
     from comera_fx.tt.plan import autograd as planned
@@ -520,6 +566,14 @@ def main() -> int:
         lin_size,
         lin_tokens,
         args.rank,
+        torch.bfloat16 if device.type == "cuda" else torch.float32,
+        compile_too=not args.no_compile and not args.smoke,
+    )
+    fused_chain(
+        device,
+        [(64, 96, 8, 32)]
+        if args.smoke
+        else [(4096, 4096, 32, args.tokens), (768, 768, 16, 2048), (768, 3072, 16, 2048)],
         torch.bfloat16 if device.type == "cuda" else torch.float32,
         compile_too=not args.no_compile and not args.smoke,
     )

@@ -249,6 +249,155 @@ def test_the_lookup_merges_its_halves_with_aten_by_default(device, monkeypatch):
     _close(out.detach(), fused.detach(), 1e-5)
 
 
+# ------------------------------------------------------------------------------------------ low-rank chain
+
+
+def _chain_reference(x, left, right, bias):
+    """float64 leaves on CPU and x @ left @ right (+ bias): the independent reference of the fused chain."""
+    leaves = [t.detach().double().cpu().requires_grad_() for t in (x, left, right)]
+    if bias is not None:
+        leaves.append(bias.detach().double().cpu().requires_grad_())
+    out = leaves[0] @ leaves[1] @ leaves[2]
+    return (out + leaves[3] if bias is not None else out), leaves
+
+
+@pytest.mark.triton
+@given(
+    m=st.integers(0, 70),
+    k=st.integers(1, 40),
+    r=st.integers(1, 40),
+    n=st.integers(1, 140),
+    with_bias=st.booleans(),
+    programs=st.sampled_from([0, 1, 3, 8]),
+    seed=st.integers(0, 2**16),
+)
+def test_lowrank_chain_matches_float64(m, k, r, n, with_bias, programs, seed):
+    """x @ L @ R (+ bias) and its gradients, against float64: row tiles, column splits (``programs`` above the
+    row tiles) and ranks under and over one 16-wide tile; m = 0 is an empty batch."""
+    device = _kernel_device()
+    generator = torch.Generator().manual_seed(seed)
+    shapes = [(m, k), (k, r), (r, n)] + ([(n,)] if with_bias else [])
+    tensors = [(torch.randn(shape, generator=generator)).to(device).requires_grad_() for shape in shapes]
+    x, left, right = tensors[:3]
+    bias = tensors[3] if with_bias else None
+    out = kernels.lowrank_product(x, left, right, bias, programs=programs)
+    ref, ref_leaves = _chain_reference(x, left, right, bias)
+    assert out.shape == (m, n) and out.dtype == torch.float32
+    _close(out.detach().double().cpu(), ref.detach())
+    grad = torch.randn((m, n), dtype=torch.float64, generator=generator)
+    expected = torch.autograd.grad(ref, ref_leaves, grad)
+    actual = torch.autograd.grad(out, tensors, grad.to(device, torch.float32))
+    for name, a, e in zip(("x", "left", "right", "bias"), actual, expected):
+        try:
+            _close(a.double().cpu(), e)
+        except AssertionError as err:
+            raise AssertionError(f"gradient of {name}: {err}") from None
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_lowrank_chain_half_precision(device, dtype):
+    """Low precision accumulates in float32, the intermediate rounded to the dtype as aten's two GEMMs store it."""
+    generator = torch.Generator().manual_seed(11)
+    x, left, right, bias = (
+        (torch.randn(shape, generator=generator) / 4).to(device, dtype).requires_grad_()
+        for shape in ((33, 48), (48, 20), (20, 70), (70,))
+    )
+    out = kernels.lowrank_product(x, left, right, bias)
+    ref, ref_leaves = _chain_reference(x, left, right, bias)
+    assert out.dtype == dtype
+    _close(out.detach().double().cpu(), ref.detach(), 3e-2)
+    for a, e in zip(torch.autograd.grad(out.sum(), (x, left, right, bias)), torch.autograd.grad(ref.sum(), ref_leaves)):
+        _close(a.double().cpu(), e, 3e-2)
+
+
+@pytest.mark.triton
+@given(spec=tt_specs(dtype=torch.float32, formats=(TTFormat.TT,), max_modes=3, max_rank=6), data=st.data())
+def test_tt_layers_run_the_fused_chain(spec, data):
+    """With FUSED_CHAIN on, TTMatrix.matmul / matmul_t (gates folded, padded layouts, any batch shape) run the fused
+    kernel, and values and the gradients of x, cores, gates and bias match float64 dense."""
+    device = _kernel_device()
+    impl = kernels._load()
+    layout = spec.layout
+    op = data.draw(st.sampled_from(["matmul", "matmul_t"]), label="op")
+    n_in, n_out = (layout.rows, layout.cols) if op == "matmul" else (layout.cols, layout.rows)
+    batch = data.draw(batch_shapes(max_dims=2, max_side=5), label="batch")
+    generator = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
+    x = torch.randn(*batch, n_in, generator=generator).to(device).requires_grad_()
+    bias = torch.randn(n_out, generator=generator).to(device).requires_grad_()
+    matrix = spec.matrix().to(device)
+    calls = []
+    original = impl and kernels._chain_impl.lowrank_chain
+
+    def counted(*args):
+        calls.append(1)
+        return original(*args)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(kernels, "FUSED_CHAIN", True)
+        patch.setattr(kernels._chain_impl, "lowrank_chain", counted)
+        out = getattr(matrix, op)(x, bias)
+    assert calls, "the fused chain did not run"
+    params = [x, *matrix.cores, *matrix.gates, bias]
+    ref_params = [p.detach().double().cpu().requires_grad_() for p in params]
+    ref_x, ref_cores, ref_gates, ref_bias = (
+        ref_params[0],
+        ref_params[1 : 1 + len(matrix.cores)],
+        ref_params[1 + len(matrix.cores) : -1],
+        ref_params[-1],
+    )
+    dense = ops.to_dense(ops.gate_cores(ref_cores, ref_gates, layout), layout)
+    ref = ref_x @ (dense if op == "matmul" else dense.t()) + ref_bias
+    _close(out.detach().double().cpu(), ref.detach())
+    grad = torch.randn(ref.shape, dtype=torch.float64, generator=generator)
+    for a, e in zip(
+        torch.autograd.grad(out, params, grad.to(device, out.dtype)), torch.autograd.grad(ref, ref_params, grad)
+    ):
+        _close(a.double().cpu(), e)
+
+
+@pytest.mark.triton
+def test_tt_linear_chain_compiles_fullgraph(device, monkeypatch):
+    """Under torch.compile(fullgraph=True) a TT linear with FUSED_CHAIN on calls comera_fx::lowrank_chain forward
+    and backward; values and gradients equal eager's."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    from comera_fx.tt.layers import TTLinear
+
+    monkeypatch.setattr(kernels, "FUSED_CHAIN", True)
+    torch.manual_seed(12)
+    layer = TTLinear.from_dense(torch.nn.Linear(48, 40), max_rank=6).to(device)
+    assert layer.tt.layout.format is TTFormat.TT
+    x = torch.randn(3, 7, 48, device=device, requires_grad=True)
+    graphs = {}
+
+    def record(kind):
+        def compiler(gm, example_inputs):
+            graphs[kind] = gm.code
+            return make_boxed_func(gm.forward)
+
+        return compiler
+
+    torch._dynamo.reset()
+    compiled = torch.compile(
+        layer, fullgraph=True, backend=aot_autograd(fw_compiler=record("forward"), bw_compiler=record("backward"))
+    )
+    params = [x, *layer.parameters()]
+    interpret = device.type == "cpu"  # see test_take_rows_compiles_fullgraph
+    with torch._functorch.config.patch(decompose_custom_triton_ops=not interpret):
+        out = compiled(x)
+        grads = torch.autograd.grad(out.square().sum(), params)
+    eager = layer(x)
+    for a, e in zip([out, *grads], [eager, *torch.autograd.grad(eager.square().sum(), params)]):
+        _close(a.detach(), e.detach(), 1e-5)
+    if interpret:
+        assert "comera_fx.lowrank_chain.default" in graphs["forward"]
+        assert "comera_fx.lowrank_chain.default" in graphs["backward"]
+    else:
+        assert "triton_kernel_wrapper" in graphs["forward"] and "triton_kernel_wrapper" in graphs["backward"]
+
+
 # ------------------------------------------------------------------------------------ aten fallback (no triton)
 
 
@@ -277,6 +426,26 @@ def test_fallback_matches_ops(monkeypatch):
         kernels.gated_ttm_merge(cores, gates, layout.row_modes, layout.col_modes, layout.ranks),
         ops.ttm_merge(ops.gate_cores(cores, gates, layout), layout.row_modes, layout.col_modes, layout.ranks),
     )
+
+
+def test_chain_is_opt_in_and_falls_back_to_aten(monkeypatch):
+    """FUSED_CHAIN is off by default; on, CPU tensors without the interpreter and TTM layouts still take aten, and
+    ``lowrank_product``'s fallback is exactly x @ L @ R + bias."""
+    assert kernels.FUSED_CHAIN is False
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(kernels, "FUSED_CHAIN", True)
+    generator = torch.Generator().manual_seed(13)
+    tt = TTLayout(TTFormat.TT, 30, 20, (5, 6), (4, 5), (1, 3, 4, 2, 1))
+    ttm = TTLayout(TTFormat.TTM, 45, 20, (3, 4, 4), (2, 3, 4), (1, 3, 5, 1))
+    x = torch.randn(4, 30, generator=generator)
+    assert not kernels.chain_applies(x, random_tt_cores(tt.core_shapes, 1.0, generator=generator), tt)
+    monkeypatch.setattr(kernels, "kernel_path", lambda *tensors: "triton")
+    assert kernels.chain_applies(x, random_tt_cores(tt.core_shapes, 1.0, generator=generator), tt)
+    assert not kernels.chain_applies(x, random_tt_cores(ttm.core_shapes, 1.0, generator=generator), ttm)
+    assert not kernels.chain_applies(x, [], tt, fused=False)
+    monkeypatch.undo()
+    left, right, bias = torch.randn(30, 3, generator=generator), torch.randn(3, 7, generator=generator), torch.randn(7)
+    torch.testing.assert_close(kernels.lowrank_product(x, left, right, bias), x @ left @ right + bias)
 
 
 def test_cpu_tensors_take_aten_path_without_interpreter(monkeypatch):

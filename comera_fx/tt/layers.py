@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from . import decompose, merged, ops
+from . import decompose, kernels, merged, ops
 from .dense_view import check_same_size, dense_view, source_of
 from . import plan as planner
 from .layout import TTFormat, TTLayout, chain_dims
@@ -266,6 +266,8 @@ class TTMatrix(nn.Module):
     def _planned_product(self, x: Tensor, op: str, bias: Tensor | None = None) -> Tensor:
         layout = self.layout
         cores = self.gated_cores()
+        if kernels.chain_applies(x, cores, layout):  # opt-in (kernels.FUSED_CHAIN): x·L·R in one Triton kernel
+            return kernels.tt_chain_product(x, cores, layout, op, bias)
         envelope = self._envelope(layout, op, cores[0].device)
         if envelope is None:  # compiled before any plan was made: CoMERA's fixed order
             fixed = ops.matmul if op == "matmul" else ops.matmul_t
@@ -283,8 +285,6 @@ class TTMatrix(nn.Module):
             return merged.rows(index, *found)
         # The kernels run on CUDA when triton is there (the gates folded into the merges, never as a separate
         # pass); everywhere else this is ops.take_rows.
-        from . import kernels
-
         return kernels.take_rows(index, list(self.cores), self.layout, list(self.gates))
 
     # -- checkpoints ---------------------------------------------------------------------------------------------

@@ -1,16 +1,20 @@
-"""Optional Triton fast paths for TT-matrix embedding lookups and gated core merges, with an aten fallback.
+"""Optional Triton fast paths for TT-matrix embedding lookups, gated core merges and the low-rank chain of a TT
+linear, with an aten fallback.
 
 Entry points (same results as the functions of ``comera_fx.tt.ops`` they replace)::
 
     take_rows(index, cores, layout, gates=None, dedup=False)      # ops.take_rows(index, gate_cores(...), layout)
     gated_ttm_merge(cores, gates, row_modes, col_modes, ranks)    # ops.ttm_merge(gate_cores(...) ...)
+    lowrank_product(x, left, right, bias=None)                     # x @ left @ right + bias
+    tt_chain_product(x, cores, layout, op, bias=None)              # a TT-format matrix's product via the above
 
 The fused merge is off by default (``FUSED_MERGE``; aten's gate + merge was faster on an H200); pass
-``fused=True`` to run it.
+``fused=True`` to run it. TT linears use the fused chain only with ``FUSED_CHAIN`` on (not yet timed on a GPU).
 
 Each call picks a path with ``kernel_path``: the Triton kernels (registered as ``torch.library.triton_op`` ops
-``comera_fx::ttm_lookup`` / ``ttm_lookup_backward`` / ``gated_merge``, so Inductor sees and inlines them) run when
-triton imports and every tensor is on CUDA, or, for tests, on CPU under ``TRITON_INTERPRET=1``. Everywhere else
+``comera_fx::ttm_lookup`` / ``ttm_lookup_backward`` / ``gated_merge`` / ``lowrank_chain``, so Inductor sees and
+inlines them) run when triton imports and every tensor is on CUDA, or, for tests, on CPU under
+``TRITON_INTERPRET=1``. Everywhere else
 (CPU, no triton, unsupported dtype or layout, ``ENABLED = False`` / ``COMERA_FX_KERNELS=0``) the aten code of
 ``comera_fx.tt.ops`` runs. Importing this package imports neither triton nor the kernels: ``_load`` does that on
 the first call that could use them. See docs/kernels.md.
@@ -30,7 +34,18 @@ from torch import Tensor
 from .. import ops
 from ..layout import TTFormat, TTLayout
 
-__all__ = ["ENABLED", "FUSED_MERGE", "gated_ttm_merge", "kernel_path", "take_rows", "triton_available"]
+__all__ = [
+    "ENABLED",
+    "FUSED_CHAIN",
+    "FUSED_MERGE",
+    "chain_applies",
+    "gated_ttm_merge",
+    "kernel_path",
+    "lowrank_product",
+    "take_rows",
+    "triton_available",
+    "tt_chain_product",
+]
 
 #: Master switch; also off when the environment sets COMERA_FX_KERNELS=0.
 ENABLED = os.environ.get("COMERA_FX_KERNELS", "1") != "0"
@@ -40,25 +55,35 @@ ENABLED = os.environ.get("COMERA_FX_KERNELS", "1") != "0"
 #: r 32, 1.24 vs 0.87 ms for 50257×1024 r 64; benchmarks/RESULTS.md, the H200 section). The lookup kernel stays.
 FUSED_MERGE = False
 
+#: Whether TT linears run ``x @ L @ R`` as the fused Triton chain (``tt_chain_product``) where it can run. Off until
+#: a GPU timing shows it pays: it saves a launch forward and one backward per TT linear, which only matters where a
+#: step is launch-bound, and no GPU has timed it yet (benchmarks/gpu_check.py does). Tests switch it on.
+FUSED_CHAIN = False
+
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Beyond these half-chain sizes one (B_L × r)(r × B_R) GEMM per token no longer fits a few tiles; aten then runs.
 _MAX_HALF_COLS = 4096
 _MAX_RANK = 1024
+# The fused chain holds a (64 × r) tile of x @ L in registers; _lowrank.MAX_RANK, kept here so that deciding
+# never imports triton.
+_MAX_CHAIN_RANK = 128
 
 _impl: ModuleType | None = None
+_chain_impl: ModuleType | None = None
 _impl_error: str | None = None
 
 
 def _load() -> ModuleType | None:
-    """Import triton and define the ops, once; None (with the reason in ``_impl_error``) if that fails."""
-    global _impl, _impl_error
+    """Import triton and define the ops, once; None (with the reason in ``_impl_error``) if that fails. Returns the
+    lookup / merge module; the low-rank chain's module is ``_chain_impl``, loaded with it."""
+    global _impl, _chain_impl, _impl_error
     if _impl is None and _impl_error is None:
         try:
-            from . import _triton
+            from . import _lowrank, _triton
         except Exception as exc:  # ImportError without triton; anything else triton raises on a broken install
             _impl_error = f"{type(exc).__name__}: {exc}"
         else:
-            _impl = _triton
+            _impl, _chain_impl = _triton, _lowrank
     return _impl
 
 
@@ -90,6 +115,43 @@ def kernel_path(*tensors: Tensor) -> str:
     if len(devices) != 1 or any(t.is_floating_point() and t.dtype not in _SUPPORTED_DTYPES for t in tensors):
         return "aten"
     return _path_for_device(devices.pop())
+
+
+# ------------------------------------------------------------------------------------------ low-rank chain
+
+
+def chain_applies(x: Tensor, cores: Sequence[Tensor], layout: TTLayout, *, fused: bool | None = None) -> bool:
+    """Whether a TT product of ``layout`` on ``x`` runs as the fused chain: ``FUSED_CHAIN`` (or ``fused``), the TT
+    format (row cores then column cores, so the chain is ``x @ L @ R``), a middle rank the kernel holds in
+    registers, and the Triton path for these tensors."""
+    if not (FUSED_CHAIN if fused is None else fused) or layout.format is not TTFormat.TT:
+        return False
+    return layout.ranks[len(layout.row_modes)] <= _MAX_CHAIN_RANK and kernel_path(x, *cores) == "triton"
+
+
+def tt_chain_product(x: Tensor, cores: Sequence[Tensor], layout: TTLayout, op: str, bias: Tensor | None = None):
+    """``x @ M`` (op "matmul") or ``x @ Mᵀ`` ("matmul_t") (+ bias) of a TT-format matrix with (gated) ``cores``:
+    each half of the chain merged by aten (weight-sized, batch-free), then ``lowrank_product``."""
+    left, right = ops.tt_factors(cores, layout)
+    if op == "matmul_t":
+        left, right = right.t(), left.t()
+    elif op != "matmul":
+        raise ValueError(f"op must be 'matmul' or 'matmul_t', got {op!r}")
+    return lowrank_product(x, left, right, bias)
+
+
+def lowrank_product(x: Tensor, left: Tensor, right: Tensor, bias: Tensor | None = None, *, programs: int = 0):
+    """``x @ left @ right (+ bias)`` over the last dim of ``x``: one fused Triton kernel (``comera_fx::lowrank_chain``)
+    where the kernels run on these tensors and the rank fits, else aten's two GEMMs with the bias in the second.
+    ``programs``: the least number of Triton programs (0: twice the device's multiprocessors)."""
+    tensors = (x, left, right) + ((bias,) if bias is not None else ())
+    same_dtype = len({t.dtype for t in tensors}) == 1
+    if not same_dtype or left.shape[1] > _MAX_CHAIN_RANK or kernel_path(*tensors) != "triton":
+        return F.linear(x @ left, right.t(), bias)
+    _load()
+    flat = x.reshape(-1, x.shape[-1])
+    out, _ = _chain_impl.lowrank_chain(flat, left, right, bias, programs)
+    return out.reshape(*x.shape[:-1], right.shape[1])
 
 
 # ------------------------------------------------------------------------------------------- gated core merge
