@@ -39,6 +39,7 @@ cp = common.load_example("compress_pretrained")
 import comera_fx  # noqa: E402
 from comera_fx.pretrained import DistillConfig, compress_  # noqa: E402
 from comera_fx.pretrained import match as match_module  # noqa: E402
+from comera_fx.pretrained.formats import FORMATS  # noqa: E402
 
 ENCODER_ONLY = comera_fx.TensorizeConfig(skip=[r"^(?!bert\.encoder\.)"])
 RECIPE = common.COMPRESS_RECIPE
@@ -91,16 +92,23 @@ def cosines(model, data, reference) -> dict:
     return result
 
 
-def start_of(teacher, data, budget: float, cache: Path | None):
-    """(calibration, plan) at ``budget``: from ``cache`` if there, else made as compress_ makes them."""
-    path = cache / f"start_{budget}.pt" if cache else None
+def start_of(teacher, data, budget: float, cache: Path | None, choose_options: dict | None = None):
+    """(calibration, plan) at ``budget``: from ``cache`` if there, else made as compress_ makes them
+    (``choose_options``: extra ``choose_formats`` arguments, part of the cache's file name)."""
+    choose_options = choose_options or {}
+    suffix = "".join(
+        f"_{key}{'-'.join(map(str, v)) if isinstance(v, tuple) else v}" for key, v in choose_options.items()
+    )
+    path = cache / f"start_{budget}{suffix}.pt" if cache else None
     if path is not None and path.exists():
         return torch.load(path, weights_only=False)
     ns = argparse.Namespace(**RECIPE)
     draw = cp.training_sampler(data, ns, seed=0)
     drawn = [draw() for _ in range(DistillConfig().calibration_batches)]
     calibration = comera_fx.calibrate(teacher, drawn, config=ENCODER_ONLY, token_mask=cp.real_tokens)
-    plan = comera_fx.choose_formats(teacher, calibration, budget, config=ENCODER_ONLY, batches=drawn[:2], fast=True)
+    plan = comera_fx.choose_formats(
+        teacher, calibration, budget, config=ENCODER_ONLY, batches=drawn[:2], fast=True, **choose_options
+    )
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save((calibration, plan), path)
@@ -149,6 +157,9 @@ def run_variant(name, teacher, data, long_enc, start, args) -> dict:
         )
     finally:
         match_module.lr_factor = original
+    if args.save:
+        Path(args.save).mkdir(parents=True, exist_ok=True)
+        comera_fx.save_tensorized(student, Path(args.save) / f"{args.budget}_{name.replace('=', '-')}.st")
     return {
         "variant": name,
         "budget": args.budget,
@@ -203,6 +214,12 @@ def main() -> None:
     parser.add_argument("--join-chars", type=int, default=600)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--save", default=None, help="a folder: save_tensorized each variant's student there")
+    parser.add_argument("--num-modes", default=None, help="choose_formats' num_modes (e.g. 1: low-rank TT)")
+    parser.add_argument("--ranks", default=None, help="choose_formats' ranks, comma-separated")
+    parser.add_argument(
+        "--formats", default=",".join(FORMATS), help="choose_formats' candidate formats, comma-separated"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.steps is None and args.budget_seconds is None:
@@ -224,7 +241,12 @@ def main() -> None:
             continue
         if start is None:
             t0 = time.perf_counter()
-            start = start_of(teacher, data, args.budget, Path(args.cache) if args.cache else None)
+            options = {"formats": tuple(args.formats.split(","))}
+            if args.num_modes is not None:
+                options["num_modes"] = int(args.num_modes)
+            if args.ranks is not None:
+                options["ranks"] = tuple(int(r) for r in args.ranks.split(","))
+            start = start_of(teacher, data, args.budget, Path(args.cache) if args.cache else None, options)
             print(json.dumps({"start_seconds": round(time.perf_counter() - t0, 1)}), flush=True)
         print(json.dumps(run_variant(name, teacher, data, long_enc, start, args)), flush=True)
 

@@ -15,6 +15,7 @@ from comera_fx import TensorizeConfig
 from comera_fx.packed import PackedLinear, PackedTTLinear
 from comera_fx.pretrained import DistillConfig, compress_
 from comera_fx.pretrained.distill_config import repeated_blocks, resolved
+from comera_fx.pretrained.format_select import CORE_BITS
 from comera_fx.tt.layers import TTLinear
 
 SMALL = TensorizeConfig(min_numel=1, min_dim=1)
@@ -81,7 +82,7 @@ def test_one_call_builds_trains_rounds_and_packs(tmp_path):
     total = 0
     for fqn, choice in summary.plan.choices.items():
         module = student.get_submodule(fqn.removesuffix(".weight"))
-        kind = PackedTTLinear if choice.format.startswith("tt") else PackedLinear
+        kind = PackedTTLinear if choice.format in CORE_BITS else PackedLinear
         assert isinstance(module, kind), fqn
         total += layer_bytes(module)
     assert total == summary.stored_bytes <= 0.2 * summary.dense_bytes

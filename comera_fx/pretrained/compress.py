@@ -23,6 +23,7 @@ from ..quantize import requantize_
 from .batches import Batches, BatchStream
 from .calibrate import Calibration, calibrate
 from .distill_config import DistillConfig, check_distill_config, resolved
+from .format_select import CORE_BITS
 from .formats import FormatPlan, apply_formats_, choose_formats
 from .match import match_teacher
 from .student_checks import check_batches_run, check_budget, check_same_weights, check_student_copy
@@ -131,7 +132,7 @@ def compress_(
     if config.pack:
         left = pack_linears_(student)
         notes += [f"{path} stays fake-quantized fp32: {why}" for path, why in left.items()]
-    if not config.pack and any(c.format.startswith("tt") for c in plan.choices.values()):
+    if not config.pack and any(c.format in CORE_BITS for c in plan.choices.values()):
         notes.append("TT cores are held in fp32 in memory (on their int grid); only the saved file stores codes")
     return CompressSummary(
         plan,

@@ -7,13 +7,22 @@ import heapq
 from dataclasses import dataclass
 
 #: the TT formats' core grids (bits per core entry)
-CORE_BITS = {"tt": 8, "tt4": 4}
+CORE_BITS = {"tt": 8, "tt4": 4, "lr": 8, "lr4": 4}
+#: TT formats whose chain has a fixed number of modes per side: "lr" / "lr4" are the low-rank product
+#: (in × r)(r × out), a TT with one mode per side; "tt" / "tt4" take the plan's ``num_modes``.
+FIXED_MODES = {"lr": 1, "lr4": 1}
+
+
+def modes_of(format: str, num_modes: int | None) -> int | None:
+    """The modes per side a TT format is built with (``num_modes``: the plan's, for "tt" / "tt4")."""
+    return FIXED_MODES.get(format, num_modes)
 
 
 @dataclass(frozen=True)
 class FormatChoice:
     """One way to store one layer: ``format`` (``"int8"``, ``"int4"``, ``"tt"`` / ``"tt4"``: TT at ``max_rank``
-    with int8 / int4 cores), its grid's ``group_size``, the bytes it takes and its relative output error."""
+    with int8 / int4 cores, ``"lr"`` / ``"lr4"``: the same with one mode per side, a rank-``max_rank`` product),
+    its grid's ``group_size``, the bytes it takes and its relative output error."""
 
     fqn: str
     format: str
@@ -24,7 +33,8 @@ class FormatChoice:
 
     def label(self) -> str:
         if self.format in CORE_BITS:
-            return f"tt r{self.max_rank} int{CORE_BITS[self.format]}"
+            shape = "lr" if self.format in FIXED_MODES else "tt"
+            return f"{shape} r{self.max_rank} int{CORE_BITS[self.format]}"
         return f"{self.format} g{self.group_size}"
 
 
