@@ -3,7 +3,8 @@ training text, compared at a fixed number of steps (a 600 s budget gives another
 
 One process prepares the README recipe's data (bench_distill_formats.py ``compress``: stdlib docstrings, batches of
 32 by length, 64 tokens, word embedding frozen, ``loss_fn=distill_loss``), calibrates and chooses the formats once
-(cached in ``--cache`` per byte budget, so later runs skip the two minutes), then trains one fresh copy per variant
+(cached in ``--cache`` per byte budget and ``choose_formats`` options, so later runs skip the two minutes: ``--formats``,
+``--num-modes``, ``--ranks``), then trains one fresh copy per variant
 from that same start and prints one JSON line each: cosine to the teacher on held-out stdlib text and on the
 other-source text (numpy + sympy docstrings), the latter also by token length.
 
@@ -13,8 +14,9 @@ other-source text (numpy + sympy docstrings), the latter also by token length.
 A variant is ``key=value`` pairs joined by ``,`` (``base``: compress_'s defaults): ``lr``, ``qa`` (quant_aware),
 ``hw`` (hidden_weight), ``warmup`` / ``floor`` (the schedule's warm-up share and final lr factor), ``data``
 (``base``: the recipe's rows; ``long``: consecutive training texts of a file joined to about ``--join-chars``
-characters, cut at 128 tokens; ``mix``: half of the batches each). ``baselines`` as a variant: int4 per output
-channel and int4 in groups of 64, rounded, no training.
+characters, cut at 128 tokens; ``mix``: half of the batches each). ``baselines`` as a variant: int8 and int4 per
+output channel and int4 in groups of 64, rounded, no training. ``--save DIR`` keeps each variant's student
+(``save_tensorized``), e.g. for ``bench_distill_formats.py serve --student``.
 """
 
 from __future__ import annotations
@@ -175,8 +177,10 @@ def run_variant(name, teacher, data, long_enc, start, args) -> dict:
 
 
 def baselines(teacher, data) -> list[dict]:
+    """Dense grids of the teacher's encoder linears, rounded, no training: int8 per output channel (the 4x
+    goal's bar), int4 per output channel and int4 in groups of 64."""
     rows = []
-    for group in (None, 64):
+    for bits, group in ((8, None), (4, None), (4, 64)):
         student = copy.deepcopy(teacher)
         linears = [m for n, m in student.named_modules() if n.startswith("bert.encoder.") and hasattr(m, "weight")]
         dense = sum(m.weight.numel() * 4 for m in linears if m.weight.dim() == 2)
@@ -188,9 +192,9 @@ def baselines(teacher, data) -> list[dict]:
                 rows_out = m.weight.shape[0]
                 w = m.weight.reshape(rows_out, -1)
                 size = w.shape[1] if group is None else group  # per output channel: one group per row
-                m.weight.copy_(comera_fx.quantize.fake_quant(w, 4, size).reshape(m.weight.shape))
-                stored += comera_fx.quantize.quantized_bytes(m.weight.numel(), 4, size)
-        label = "int4 per output channel" if group is None else f"int4 g{group}"
+                m.weight.copy_(comera_fx.quantize.fake_quant(w, bits, size).reshape(m.weight.shape))
+                stored += comera_fx.quantize.quantized_bytes(m.weight.numel(), bits, size)
+        label = f"int{bits} per output channel" if group is None else f"int{bits} g{group}"
         rows.append(
             {
                 "variant": label,
