@@ -2,21 +2,21 @@
 training text, compared at a fixed number of steps (a 600 s budget gives another step count under every load).
 
 One process prepares the README recipe's data (bench_distill_formats.py ``compress``: stdlib docstrings, batches of
-32 by length, 64 tokens, word embedding frozen, ``loss_fn=distill_loss``), calibrates and chooses the formats once
-(cached in ``--cache`` per byte budget and ``choose_formats`` options, so later runs skip the two minutes: ``--formats``,
-``--num-modes``, ``--ranks``), then trains one fresh copy per variant
+32 by length, 64 tokens, half the batches of joined 128-token rows, word embedding frozen, ``loss_fn=distill_loss``),
+calibrates and chooses the formats once (cached in ``--cache`` per byte budget and ``choose_formats`` options:
+``--formats``, ``--num-modes``, ``--ranks``; later runs skip the two minutes), then trains one fresh copy per variant
 from that same start and prints one JSON line each: cosine to the teacher on held-out stdlib text and on the
 other-source text (numpy + sympy docstrings), the latter also by token length.
 
     flock /tmp/timing.lock python benchmarks/bench_compress_levers.py --budget 0.125 --steps 300 \\
-        --variants base qa=1.0 lr=1e-3 data=long
+        --variants base qa=1.0 lr=1e-3 data=short
 
 A variant is ``key=value`` pairs joined by ``,`` (``base``: compress_'s defaults): ``lr``, ``qa`` (quant_aware),
-``hw`` (hidden_weight), ``warmup`` / ``floor`` (the schedule's warm-up share and final lr factor), ``data``
-(``base``: the recipe's rows; ``long``: consecutive training texts of a file joined to about ``--join-chars``
-characters, cut at 128 tokens; ``mix``: half of the batches each). ``baselines`` as a variant: int8 and int4 per
-output channel and int4 in groups of 64, rounded, no training. ``--save DIR`` keeps each variant's student
-(``save_tensorized``), e.g. for ``bench_distill_formats.py serve --student``.
+``hw`` (hidden_weight), ``warmup`` / ``floor`` (the schedule's warm-up share and final lr factor), ``data`` (the
+share of the batches made of consecutive training texts joined into long rows, ``examples/compress_pretrained.py
+--long-fraction``: ``base`` the recipe's 0.5; ``short`` 0, ``mix`` 0.5, ``long`` 1, or a number). ``baselines`` as a
+variant: int8 and int4 per output channel and int4 in groups of 64, rounded, no training. ``--save DIR`` keeps each
+variant's student (``save_tensorized``), e.g. for ``bench_distill_formats.py serve --student``.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import argparse
 import copy
 import json
 import os
-import random
 import sys
 import time
 from pathlib import Path
@@ -54,28 +53,16 @@ def parse_variant(text: str) -> dict:
     return dict(pair.split("=", 1) for pair in text.split(","))
 
 
-def joined_texts(texts: list[str], chars: int) -> list[str]:
-    """Consecutive texts (mine_stdlib keeps a file's texts together, in order) joined with a space until a row
-    reaches ``chars`` characters: rows as long as the other-source docstrings, from the same training text."""
-    rows, row = [], ""
-    for text in texts:
-        row = f"{row} {text}" if row else text
-        if len(row) >= chars:
-            rows.append(row[:chars])
-            row = ""
-    return rows + ([row] if row else [])
+#: ``data=`` variants: the share of the batches made of joined long rows (the recipe's is RECIPE["long_fraction"])
+DATA_SHARES = {"short": 0.0, "mix": 0.5, "long": 1.0}
 
 
-def sampler(data: dict, long_enc: dict | None, kind: str, seed: int):
-    ns = argparse.Namespace(**RECIPE)
-    base = cp.training_sampler(data, ns, seed=seed)
-    if kind == "base":
-        return base
-    long = cp.batch_sampler(long_enc, RECIPE["batch_size"], seed=seed + 7, by_length=True)
-    if kind == "long":
-        return long
-    rng = random.Random(seed + 3)
-    return lambda: long() if rng.random() < 0.5 else base()
+def sampler(data: dict, kind: str, seed: int):
+    """The recipe's batches (``kind`` "base") or those with another share of long rows (a ``DATA_SHARES`` name or
+    a number)."""
+    share = RECIPE["long_fraction"] if kind == "base" else DATA_SHARES.get(kind)
+    share = float(kind) if share is None else share
+    return cp.training_sampler(data, argparse.Namespace(**{**RECIPE, "long_fraction": share}), seed=seed)
 
 
 def cosines(model, data, reference) -> dict:
@@ -101,6 +88,8 @@ def start_of(teacher, data, budget: float, cache: Path | None, choose_options: d
     suffix = "".join(
         f"_{key}{'-'.join(map(str, v)) if isinstance(v, tuple) else v}" for key, v in choose_options.items()
     )
+    if RECIPE["long_fraction"]:  # the calibration batches are the recipe's, long rows among them
+        suffix += f"_long{RECIPE['long_fraction']}"
     path = cache / f"start_{budget}{suffix}.pt" if cache else None
     if path is not None and path.exists():
         return torch.load(path, weights_only=False)
@@ -129,7 +118,7 @@ def schedule(warmup: float, floor: float):
     return factor
 
 
-def run_variant(name, teacher, data, long_enc, start, args) -> dict:
+def run_variant(name, teacher, data, start, args) -> dict:
     spec = parse_variant(name)
     student = copy.deepcopy(teacher)
     cp.freeze_word_embedding(student, argparse.Namespace(**RECIPE))
@@ -148,7 +137,7 @@ def run_variant(name, teacher, data, long_enc, start, args) -> dict:
         summary = compress_(
             student,
             teacher,
-            sampler(data, long_enc, spec.get("data", "base"), args.seed),
+            sampler(data, spec.get("data", "base"), args.seed),
             byte_budget=args.budget,
             budget_seconds=args.budget_seconds,
             steps=args.steps,
@@ -215,7 +204,6 @@ def main() -> None:
     parser.add_argument("--budget-seconds", type=float, default=None)
     parser.add_argument("--variants", nargs="+", default=["base"])
     parser.add_argument("--cache", default=os.environ.get("I46Q_CACHE", "/tmp/i46q_cache"))
-    parser.add_argument("--join-chars", type=int, default=600)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--save", default=None, help="a folder: save_tensorized each variant's student there")
@@ -232,10 +220,6 @@ def main() -> None:
     ns = argparse.Namespace(**RECIPE)
     teacher, _, _, data, reference = cp.prepare(ns)
     reference_box.append(reference)
-    long_enc = None
-    if any(parse_variant(v).get("data", "base") != "base" for v in args.variants):
-        texts = cp.mine_stdlib()["train"]
-        long_enc = cp.tokenize_all(teacher_tokenizer(), joined_texts(texts, args.join_chars), max_length=128)
     print(json.dumps({"prepared_seconds": round(time.perf_counter() - begin, 1), "load": common.loadavg()}), flush=True)
     start = None
     for name in args.variants:
@@ -252,11 +236,7 @@ def main() -> None:
                 options["ranks"] = tuple(int(r) for r in args.ranks.split(","))
             start = start_of(teacher, data, args.budget, Path(args.cache) if args.cache else None, options)
             print(json.dumps({"start_seconds": round(time.perf_counter() - t0, 1)}), flush=True)
-        print(json.dumps(run_variant(name, teacher, data, long_enc, start, args)), flush=True)
-
-
-def teacher_tokenizer():
-    return cp.load_teacher(False)[1]
+        print(json.dumps(run_variant(name, teacher, data, start, args)), flush=True)
 
 
 if __name__ == "__main__":

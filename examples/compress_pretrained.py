@@ -235,16 +235,44 @@ def batch_sampler(encoded: dict, batch_size: int, seed: int, by_length: bool = F
     return draw
 
 
+def joined_texts(texts: list[str], chars: int) -> list[str]:
+    """Consecutive texts (mine_stdlib keeps a file's texts together, in order) joined with a space until a row
+    reaches ``chars`` characters: rows as long as the texts the student will embed, from the same training text."""
+    rows, row = [], ""
+    for text in texts:
+        row = f"{row} {text}" if row else text
+        if len(row) >= chars:
+            rows.append(row[:chars])
+            row = ""
+    return rows + ([row] if row else [])
+
+
 def training_sampler(data: dict, args, seed: int):
-    """The distillation's batches: prose (docstrings and comments), and with ``--code-fraction`` that share of the
-    batches from the training files' function sources (the retrieval check embeds code, which prose alone never
-    shows the student). A batch is all prose or all code: their lengths differ too much to share padding."""
+    """The distillation's batches: prose (docstrings and comments); with ``--long-fraction`` that share of the
+    batches from rows of consecutive prose joined to ``--long-chars`` (the single texts average 17 tokens, the text
+    the student is scored on 79: a student that never sees long rows loses most there; at 8x, half long batches
+    lifted other-source cosine 0.951 -> 0.962 in 600 s, benchmarks/history/2026-12-06-issue-46-lowrank.md); with
+    ``--code-fraction`` that share from the training files' function sources (the retrieval check embeds code,
+    which prose alone never shows the student). A batch is all one kind: their lengths differ too much to share
+    padding."""
     prose = batch_sampler(data["train_enc"], args.batch_size, seed=seed, by_length=args.by_length)
-    if not args.code_fraction:
+    code_share, long_share = args.code_fraction, getattr(args, "long_fraction", 0.0)
+    if not code_share and not long_share:
         return prose
-    code = batch_sampler(data["train_code_enc"], args.batch_size, seed=seed + 1, by_length=args.by_length)
+    code = long = None
+    if code_share:
+        code = batch_sampler(data["train_code_enc"], args.batch_size, seed=seed + 1, by_length=args.by_length)
+    if long_share:
+        long = batch_sampler(data["train_long_enc"], args.batch_size, seed=seed + 7, by_length=args.by_length)
     rng = random.Random(seed + 2)
-    return lambda: code() if rng.random() < args.code_fraction else prose()
+
+    def draw():
+        u = rng.random()
+        if u < code_share:
+            return code()
+        return long() if u < code_share + long_share else prose()
+
+    return draw
 
 
 @torch.no_grad()
@@ -321,6 +349,11 @@ def prepare(args) -> tuple:
         "train_enc": tokenize_all(tokenizer, mined["train"], max_length=args.train_len),
         "train_code_enc": tokenize_all(tokenizer, mined["train_code"], max_length=args.code_len)
         if args.code_fraction
+        else None,
+        "train_long_enc": tokenize_all(
+            tokenizer, joined_texts(mined["train"], args.long_chars), max_length=args.long_len
+        )
+        if getattr(args, "long_fraction", 0.0)
         else None,
         "test_texts_enc": tokenize_all(tokenizer, test_texts),
         "queries_enc": tokenize_all(tokenizer, [q for q, _ in pairs]),
@@ -502,6 +535,14 @@ def main(argv=None, extra: dict | None = None) -> dict:
         help="share of the training batches drawn from the training files' function sources",
     )
     parser.add_argument("--code-len", type=int, default=128, help="training code is cut to this many tokens")
+    parser.add_argument(
+        "--long-fraction",
+        type=float,
+        default=0.5,
+        help="share of the training batches of consecutive texts joined into long rows (0: single texts only)",
+    )
+    parser.add_argument("--long-chars", type=int, default=600, help="characters per joined row")
+    parser.add_argument("--long-len", type=int, default=128, help="joined rows are cut to this many tokens")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (1 is faster on a busy machine)")
     parser.add_argument("--max-files", type=int, default=None, help="mine only this many stdlib files")
     parser.add_argument("--eval-texts", type=int, default=1000)
