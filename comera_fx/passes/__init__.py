@@ -5,7 +5,8 @@ from .find import Candidate, FindResult, Use, UseKind, capture_graphs, find
 from .find_experts import ExpertCandidate, ExpertScan, find_experts
 from .recognize import contract_reconstructed_tt
 from .randomize import RandomizeSummary, randomize_backward, randomize_backward_, restore_backward_, share_sketches
-from .tensorize import TensorizeSummary, tensorize
+from .tensorize import TensorizeSummary
+from .tensorize_graph import tensorize
 
 __all__ = [
     "Candidate",
