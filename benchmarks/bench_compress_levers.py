@@ -12,11 +12,12 @@ other-source text (numpy + sympy docstrings), the latter also by token length.
         --variants base qa=1.0 lr=1e-3 data=short
 
 A variant is ``key=value`` pairs joined by ``,`` (``base``: compress_'s defaults): ``lr``, ``qa`` (quant_aware),
-``hw`` (hidden_weight), ``warmup`` / ``floor`` (the schedule's warm-up share and final lr factor), ``data`` (the
-share of the batches made of consecutive training texts joined into long rows, ``examples/compress_pretrained.py
---long-fraction``: ``base`` the recipe's 0.5; ``short`` 0, ``mix`` 0.5, ``long`` 1, or a number). ``baselines`` as a
-variant: int8 and int4 per output channel and int4 in groups of 64, rounded, no training. ``--save DIR`` keeps each
-variant's student (``save_tensorized``), e.g. for ``bench_distill_formats.py serve --student``.
+``hw`` (hidden_weight), ``val`` (validation_batches; 0: the last step's weights are returned), ``warmup`` /
+``floor`` (the schedule's warm-up share and final lr factor), ``data`` (the share of the batches made of
+consecutive training texts joined into long rows, ``examples/compress_pretrained.py --long-fraction``: ``base`` the
+recipe's 0.5; ``short`` 0, ``mix`` 0.5, ``long`` 1, or a number). ``baselines`` as a variant: int8 and int4 per
+output channel and int4 in groups of 64, rounded, no training. ``--save DIR`` keeps each variant's student
+(``save_tensorized``), e.g. for ``bench_distill_formats.py serve --student``.
 """
 
 from __future__ import annotations
@@ -129,6 +130,8 @@ def run_variant(name, teacher, data, start, args) -> dict:
         config = config.replace(quant_aware=float(spec["qa"]))
     if "hw" in spec:
         config = config.replace(hidden_weight=float(spec["hw"]))
+    if "val" in spec:
+        config = config.replace(validation_batches=int(spec["val"]))
     original = match_module.lr_factor
     match_module.lr_factor = schedule(float(spec.get("warmup", 0.05)), float(spec.get("floor", 0.1)))
     calibration, plan = copy.deepcopy(start)
@@ -158,6 +161,8 @@ def run_variant(name, teacher, data, start, args) -> dict:
         "distill_seconds": round(summary.seconds["distill"], 1),
         "stored_over_dense": round(summary.stored_bytes / summary.dense_bytes, 4),
         "loss_last10": round(sum(summary.losses[-10:]) / len(summary.losses[-10:]), 4),
+        "validation": [(step, round(loss, 5)) for step, loss in summary.validation],
+        "notes": summary.notes,
         **cosines(student.eval(), data, reference_box[0]),
         "counts": summary.plan.counts(),
         "load_before": load_before,

@@ -88,7 +88,10 @@ class DistillConfig:
 
     ``compress_`` only: ``output_batches`` of the calibration batches (at most all of them) score the format
     candidates at the output; ``pack`` swaps the int8 / int4 layers for ``PackedLinear`` and the TT layers with
-    quantized cores for ``PackedTTLinear`` at the end (codes in memory, rebuilt to fp32 per call)."""
+    quantized cores for ``PackedTTLinear`` at the end (codes in memory, rebuilt to fp32 per call);
+    ``validation_batches`` of the user's batches (the last ones of a list or tuple longer than 4 times as many; else
+    drawn after the calibration batches) are not trained on: their loss is checked every 5 % of the run and the
+    weights at its lowest are the ones returned (``match_teacher(validation=)``; 0: the last step's weights)."""
 
     lr: float = 5e-4
     weight_decay: float = 0.0
@@ -103,6 +106,7 @@ class DistillConfig:
     augment: Augmentation | None = None
     output_batches: int = 2
     pack: bool = True
+    validation_batches: int = 2
     progress: bool = True
     clock: Callable[[], float] | None = None
 
@@ -139,6 +143,12 @@ class DistillConfig:
             or (self.calibration_batches and self.output_batches > self.calibration_batches)
         ):
             raise ValueError(f"output_batches must be an int in [0, calibration_batches]; got {self.output_batches!r}")
+        if (
+            isinstance(self.validation_batches, bool)
+            or not isinstance(self.validation_batches, int)
+            or self.validation_batches < 0
+        ):
+            raise ValueError(f"validation_batches must be an int >= 0; got {self.validation_batches!r}")
         if self.augment is not None and not isinstance(self.augment, Augmentation):
             raise ValueError(
                 f"augment must be a comera_fx.pretrained.Augmentation (e.g. augment=Augmentation()) or None; "

@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -21,6 +21,7 @@ from .augment import Augmenter
 from .batches import Batches, BatchStream
 from .calling import call_model, default_output, eval_modes
 from .distill_config import DistillConfig, check_distill_config, refuse_loose_settings, relative_mse, resolved
+from .keep_best import BestWeights
 from .match_hooks import HiddenCapture, TeacherInputs
 from .student_checks import check_budget
 
@@ -36,6 +37,8 @@ def match_teacher(
     on_optimizer: Callable[[torch.optim.Optimizer, nn.Module], Callable[[], nn.Module] | None] | None = None,
     observe: Callable[[Tensor], Any] | None = None,
     postfix: Callable[[], dict] | None = None,
+    validation: Sequence[Any] | None = None,
+    validation_curve: list[tuple[int, float]] | None = None,
     **removed: Any,
 ) -> tuple[list[float], float, list[str]]:
     """Train ``student`` (any model: no tensorization here) to reproduce ``teacher`` on ``batches`` until
@@ -51,6 +54,12 @@ def match_teacher(
     (``comera_fx.quantize.on_grid``), and the step updates their float values; ``requantize_`` the student
     afterwards.
 
+    ``validation``: batches not trained on; their loss is measured at the start and every 5 % of the budget (at the
+    rounded weights when the student has quantized ones), and the weights at the lowest one are put back at the end
+    (a note says so), so the run never returns a student worse on them than it started (``keep_best``). Not with
+    ``on_optimizer`` (rank adaptation changes the shapes a snapshot would restore). ``validation_curve``: a list
+    that receives (step, validation loss) of every check.
+
     Under ``torch.distributed`` (an initialized group of several ranks; every rank calls it with its own batches)
     the student is wrapped in ``DistributedDataParallel(student, find_unused_parameters=True)`` for the loop (its
     constructor broadcasts rank 0's parameters and buffers), rank 0's clock decides the end of a
@@ -58,6 +67,11 @@ def match_teacher(
     the mean over the ranks, the seconds rank 0's."""
     refuse_loose_settings("match_teacher", removed)
     check_budget("match_teacher", budget_seconds, steps)
+    if validation is not None and on_optimizer is not None:
+        raise ValueError(
+            "match_teacher(validation=...) restores a snapshot of the best weights at the end, and on_optimizer "
+            "(e.g. a RankAdaptive hook) may change their shapes; pass one or the other"
+        )
     config = resolved(check_distill_config("match_teacher", config), student, teacher)
     _check_blockwise(config)
     _check_quant_aware(config.quant_aware, student)
@@ -86,8 +100,22 @@ def match_teacher(
     feed = TeacherInputs(teacher, student, hidden_modules) if blockwise else None
     bar = _progress_bar(config.progress and (sync is None or dist.get_rank() == 0), steps, budget_seconds)
     losses: list[float] = []
+    keeper = None
+    if validation is not None:
+        keeper = BestWeights(
+            student,
+            teacher,
+            validation,
+            loss_fn=config.loss_fn,
+            output_fn=output_fn,
+            hidden=(t_capture, s_capture) if t_capture else None,
+            hidden_weight=config.hidden_weight or 0.0,
+            reduce=(lambda value: sync.mean(value, device)) if sync is not None else None,
+        )
     start = clock()
     try:
+        if keeper is not None:
+            _validate(keeper, feed, 0, 0.0)
         while True:
             elapsed = clock() - start
             if sync is not None and budget_seconds:
@@ -123,9 +151,21 @@ def match_teacher(
                 observe(loss)
             optimizer.step()
             losses.append(float(loss.detach()))
+            if keeper is not None:
+                progress = max(
+                    len(losses) / steps if steps else 0.0, (clock() - start) / budget_seconds if budget_seconds else 0.0
+                )
+                if keeper.due(progress):
+                    _validate(keeper, feed, len(losses), progress)
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(loss=f"{losses[-1]:.4f}", **(postfix() if postfix else {}))
+        if keeper is not None:
+            if not keeper.curve or keeper.curve[-1][0] != len(losses):
+                _validate(keeper, feed, len(losses), 1.0)
+            notes += keeper.restore(len(losses))
+            if validation_curve is not None:
+                validation_curve.extend(keeper.curve)
     finally:
         if t_capture:
             t_capture.remove()
@@ -144,6 +184,18 @@ def match_teacher(
         dist.all_reduce(mean)
         losses = (mean / sync.size).tolist()
     return losses, seconds, notes
+
+
+def _validate(keeper: BestWeights, feed: TeacherInputs | None, step: int, progress: float) -> None:
+    """A validation check with every block on its own predecessor's output (block-wise feeding off)."""
+    active = feed.active if feed is not None else False
+    if feed is not None:
+        feed.active = False
+    try:
+        keeper.check(step, progress)
+    finally:
+        if feed is not None:
+            feed.active = active
 
 
 def lr_factor(progress: float, warmup: float = 0.05) -> float:
