@@ -86,6 +86,7 @@ def test_one_call_builds_trains_rounds_and_packs(tmp_path):
         assert isinstance(module, kind), fqn
         total += layer_bytes(module)
     assert total == summary.stored_bytes <= 0.2 * summary.dense_bytes
+    assert comera_fx.quantize.stored_bytes(student, "encoder.") == total  # packed layers count as stored
     assert str(summary).startswith("comera_fx.compress_: 12 layers")
     comera_fx.save_tensorized(student, tmp_path / "s.st")
     loaded = comera_fx.load_tensorized(tmp_path / "s.st", tiny_bert)
