@@ -260,11 +260,8 @@ def set_spec(model: nn.Module, full_name: str, spec: QuantSpec) -> None:
 def stored_bytes(model: nn.Module, prefix: str = "", *, only: dict | None = None) -> int:
     """Bytes of the weights (parameters with two or more dimensions, each tensor once) under ``prefix`` as
     ``save_tensorized`` stores them: quantized ones at their grid's bytes, the rest at their dtype's size, and the
-    packed layers (``PackedLinear`` / ``PackedTTLinear``, whose weights are codes, not parameters) at their codes'
-    and scales' bytes as stored (in memory a ``PackedLinear`` may hold more scales: one per row at least).
-    ``only``: count just these parameters (by ``id``; packed layers then do not count)."""
-    from .packed import PackedLinear, packed_modules  # packed builds on this module: imported on use
-
+    modules whose weight is not a parameter (``PackedLinear`` / ``PackedTTLinear``: codes and scales) at what their
+    ``stored_nbytes()`` says. ``only``: count just these parameters (by ``id``; such modules then do not count)."""
     specs = {}
     for module, name, _, param in _owners(model):
         spec = getattr(module, SPEC_ATTR, {}).get(name)
@@ -280,8 +277,7 @@ def stored_bytes(model: nn.Module, prefix: str = "", *, only: dict | None = None
         spec = specs.get(id(param))
         total += spec.nbytes(param.numel()) if spec is not None else param.numel() * param.element_size()
     if only is None:
-        for path, m in packed_modules(model).items():
-            if f"{path}.".startswith(prefix):
-                linear = isinstance(m, PackedLinear)
-                total += m.spec.nbytes(m.in_features * m.out_features) if linear else m.nbytes()
+        for path, m in model.named_modules():
+            if hasattr(m, "stored_nbytes") and f"{path}.".startswith(prefix):
+                total += m.stored_nbytes()
     return total

@@ -227,6 +227,11 @@ class PackedLinear(nn.Module):
         """Bytes held in memory by the codes and scales (the resident size of the weight)."""
         return self.codes.numel() * self.codes.element_size() + self.scales.numel() * self.scales.element_size()
 
+    def stored_nbytes(self) -> int:
+        """Bytes of the weight as ``save_tensorized`` stores it (its grid's codes and one scale per group; in memory
+        the scales may be more: one per row at least); ``comera_fx.quantize.stored_bytes`` counts it."""
+        return self.spec.nbytes(self.in_features * self.out_features)
+
     # ---- state_dict: the portable form
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):

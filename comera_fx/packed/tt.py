@@ -269,6 +269,10 @@ class PackedTTLinear(nn.Module):
         ``comera_fx.quantize.stored_bytes`` does not count them)."""
         return self.codes.numel() + self.scales.numel() * self.scales.element_size()
 
+    def stored_nbytes(self) -> int:
+        """Bytes of the cores as ``save_tensorized`` stores them: the same as in memory (``nbytes``)."""
+        return self.nbytes()
+
     # ---- state_dict: per core, as save_tensorized stores a TT matrix's quantized cores
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
