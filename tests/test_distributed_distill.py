@@ -168,7 +168,39 @@ def scenario_refit(rank, world):
     return run_distill([local_batch(s, rank) for s in range(4)], **REFIT)
 
 
+def scenario_validation(rank, world):
+    """match_teacher(validation=) under DDP with rank 1's clock three times faster and a learning rate that only
+    hurts: the checks fall at rank 0's steps on both ranks (their loss is all-reduced) and both keep the start."""
+    from comera_fx.pretrained import match_teacher
+
+    now = [0.0]
+
+    def clock():
+        now[0] += 1.0 + 2.0 * rank
+        return now[0]
+
+    teacher = make_teacher()
+    student = copy.deepcopy(teacher)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in student.parameters():
+            p.add_(0.01 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+    start = {k: v.detach().clone() for k, v in student.state_dict().items()}
+    curve = []
+    losses, _, notes = match_teacher(
+        student,
+        teacher,
+        [local_batch(s, rank) for s in range(4)],
+        100.0,  # rank 0's clock: 1 s a reading, about 50 steps, a check every 5 % (each rank alone: other steps)
+        config=QUIET.replace(loss_fn=mse, lr=0.5, clock=clock),
+        validation=[local_batch(10 + v, rank) for v in range(2)],
+        validation_curve=curve,
+    )
+    return {"params": dict(student.state_dict()), "start": start, "curve": curve, "notes": notes, "steps": len(losses)}
+
+
 SCENARIOS = {
+    "validation": scenario_validation,
     "direct": scenario_direct,
     "shrink": scenario_shrink,
     "clock": scenario_clock,
@@ -280,3 +312,12 @@ def test_all_reduce_without_a_group_is_a_no_op():
     assert cal.all_reduce_() is cal
     for k, (c, n) in before.items():
         assert torch.equal(cal[k].second_moment, c) and cal[k].tokens == n
+
+
+def test_validation_checks_at_the_same_steps_on_every_rank(group):
+    res = scenario_results(group, "validation")
+    assert res[0]["steps"] == res[1]["steps"] > 5
+    assert res[0]["curve"] == res[1]["curve"] and res[0]["curve"][0][0] == 0 and 10 < len(res[0]["curve"]) < 30
+    assert res[0]["notes"] == res[1]["notes"] and any("kept the weights after step 0" in n for n in res[0]["notes"])
+    assert_params(res[1]["params"], res[0]["params"], tol=0.0, what="validation rank 1 vs 0")
+    assert_params(res[0]["params"], res[0]["start"], tol=0.0, what="validation: the start kept")
