@@ -32,6 +32,21 @@ def relative_mse(student: Tensor, teacher: Tensor) -> Tensor:
     return (student - teacher).pow(2).mean() / teacher.pow(2).mean().clamp_min(1e-12)
 
 
+def matched_loss(
+    config: DistillConfig,
+    student_out: Tensor,
+    teacher_out: Tensor,
+    student_hidden: Mapping[str, Tensor],
+    teacher_hidden: Mapping[str, Tensor],
+) -> Tensor:
+    """The distillation loss of a resolved ``config``: ``loss_fn`` on the outputs plus ``hidden_weight`` × the
+    relative MSE of each matched hidden state (training steps and validation checks score the same thing)."""
+    loss = config.loss_fn(student_out, teacher_out)
+    for name, target in teacher_hidden.items():
+        loss = loss + config.hidden_weight * relative_mse(student_hidden[name], target)
+    return loss
+
+
 def attention_mask_of(batch: Any) -> Tensor | None:
     """``batch["attention_mask"]`` of a dict batch, else None (every token counts): the default token mask."""
     return batch.get("attention_mask") if isinstance(batch, Mapping) else None

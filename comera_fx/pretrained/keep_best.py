@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from ..quantize import on_grid, quantized_specs
 from .calling import call_model
-from .distill_config import relative_mse
+from .distill_config import DistillConfig, matched_loss
 from .match_hooks import HiddenCapture
 
 
@@ -36,10 +36,10 @@ def split_validation(batches: Any, count: int) -> tuple[Any, list[Any], bool]:
 class BestWeights:
     """The validation loss at chosen points of a run, and a copy of the student's state at the lowest one.
 
-    The loss is the training loss (``loss_fn`` on the outputs + ``hidden_weight`` × the hidden states' relative
-    MSE) at the weights the run would return: rounded onto their grids when the student has quantized weights
-    (what ``requantize_`` makes of them). The teacher's side is computed once. ``reduce(value)``: the mean over
-    ranks under ``torch.distributed`` (every rank then keeps the same step)."""
+    The loss is the training loss (``matched_loss`` of the resolved ``config``) at the weights the run would
+    return: rounded onto their grids when the student has quantized weights (what ``requantize_`` makes of them).
+    The teacher's side is computed once. ``reduce(value)``: the mean over ranks under ``torch.distributed`` (every
+    rank then keeps the same step)."""
 
     def __init__(
         self,
@@ -47,18 +47,16 @@ class BestWeights:
         teacher: nn.Module,
         batches: Sequence[Any],
         *,
-        loss_fn: Callable[[Tensor, Tensor], Tensor],
+        config: DistillConfig,
         output_fn: Callable[[Any], Tensor],
         hidden: tuple[HiddenCapture, HiddenCapture] | None,
-        hidden_weight: float,
         checks: int = 20,
         reduce: Callable[[float], float] | None = None,
     ):
         if not batches:
             raise ValueError("validation needs at least one batch")
         self.student, self.batches = student, list(batches)
-        self.loss_fn, self.output_fn = loss_fn, output_fn
-        self.hidden, self.hidden_weight = hidden, hidden_weight
+        self.config, self.output_fn, self.hidden = config, output_fn, hidden
         self.checks, self.reduce = checks, reduce
         self.rounded = bool(quantized_specs(student))
         self.targets: list[tuple[Tensor, dict[str, Tensor]]] = []
@@ -79,10 +77,9 @@ class BestWeights:
         grid = on_grid(self.student) if self.rounded else contextlib.nullcontext()
         with torch.no_grad(), grid:
             for batch, (target, states) in zip(self.batches, self.targets):
-                value = self.loss_fn(self.output_fn(call_model(self.student, batch)), target)
-                for name, state in states.items():
-                    value = value + self.hidden_weight * relative_mse(self.hidden[1].outputs[name], state)
-                total += float(value)
+                out = self.output_fn(call_model(self.student, batch))
+                student_states = self.hidden[1].outputs if self.hidden else {}
+                total += float(matched_loss(self.config, out, target, student_states, states))
         mean = total / len(self.batches)
         return self.reduce(mean) if self.reduce is not None else mean
 

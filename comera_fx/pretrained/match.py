@@ -20,7 +20,7 @@ from ..runtime.distributed import RankSync, world_size
 from .augment import Augmenter
 from .batches import Batches, BatchStream
 from .calling import call_model, default_output, eval_modes
-from .distill_config import DistillConfig, check_distill_config, refuse_loose_settings, relative_mse, resolved
+from .distill_config import DistillConfig, check_distill_config, matched_loss, refuse_loose_settings, resolved
 from .keep_best import BestWeights
 from .match_hooks import HiddenCapture, TeacherInputs
 from .student_checks import check_budget
@@ -106,10 +106,9 @@ def match_teacher(
             student,
             teacher,
             validation,
-            loss_fn=config.loss_fn,
+            config=config,
             output_fn=output_fn,
             hidden=(t_capture, s_capture) if t_capture else None,
-            hidden_weight=config.hidden_weight or 0.0,
             reduce=(lambda value: sync.mean(value, device)) if sync is not None else None,
         )
     start = clock()
@@ -142,9 +141,8 @@ def match_teacher(
                 target = output_fn(call_model(teacher, batch)).detach()
                 t_hidden = {k: v.detach() for k, v in t_capture.outputs.items()} if t_capture else {}
             with on_grid(student) if quant_aware and max(done) >= 1 - quant_aware else contextlib.nullcontext():
-                loss = config.loss_fn(output_fn(call_model(model, batch)), target)
-                for name, value in t_hidden.items():
-                    loss = loss + config.hidden_weight * relative_mse(s_capture.outputs[name], value)
+                out = output_fn(call_model(model, batch))
+                loss = matched_loss(config, out, target, s_capture.outputs if s_capture else {}, t_hidden)
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
             if observe is not None:
