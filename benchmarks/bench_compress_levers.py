@@ -15,9 +15,11 @@ A variant is ``key=value`` pairs joined by ``,`` (``base``: compress_'s defaults
 ``hw`` (hidden_weight), ``val`` (validation_batches; 0: the last step's weights are returned), ``warmup`` /
 ``floor`` (the schedule's warm-up share and final lr factor), ``data`` (the share of the batches made of
 consecutive training texts joined into long rows, ``examples/compress_pretrained.py --long-fraction``: ``base`` the
-recipe's 0.5; ``short`` 0, ``mix`` 0.5, ``long`` 1, or a number). ``baselines`` as a variant: int8 and int4 per
-output channel and int4 in groups of 64, rounded, no training. ``--save DIR`` keeps each variant's student
-(``save_tensorized``), e.g. for ``bench_distill_formats.py serve --student``.
+recipe's 0.5; ``short`` 0, ``mix`` 0.5, ``long`` 1, or a number), ``ref`` (the share of the batches from the Python
+reference topics, ``examples/compress_pretrained.py --reference-fraction``; taken from the single texts' share).
+``baselines`` as a variant: int8 and int4 per output channel and int4 in groups of 64, rounded, no training.
+``--save DIR`` keeps each variant's student (``save_tensorized``), e.g. for ``bench_distill_formats.py serve
+--student``.
 """
 
 from __future__ import annotations
@@ -58,12 +60,14 @@ def parse_variant(text: str) -> dict:
 DATA_SHARES = {"short": 0.0, "mix": 0.5, "long": 1.0}
 
 
-def sampler(data: dict, kind: str, seed: int):
+def sampler(data: dict, kind: str, seed: int, reference: float = 0.0):
     """The recipe's batches (``kind`` "base") or those with another share of long rows (a ``DATA_SHARES`` name or
-    a number)."""
+    a number); ``reference``: that share of the batches from the Python reference topics (the rest stays
+    single texts)."""
     share = RECIPE["long_fraction"] if kind == "base" else DATA_SHARES.get(kind)
     share = float(kind) if share is None else share
-    return cp.training_sampler(data, argparse.Namespace(**{**RECIPE, "long_fraction": share}), seed=seed)
+    ns = argparse.Namespace(**{**RECIPE, "long_fraction": share, "reference_fraction": reference})
+    return cp.training_sampler(data, ns, seed=seed)
 
 
 def cosines(model, data, reference) -> dict:
@@ -140,7 +144,7 @@ def run_variant(name, teacher, data, start, args) -> dict:
         summary = compress_(
             student,
             teacher,
-            sampler(data, spec.get("data", "base"), args.seed),
+            sampler(data, spec.get("data", "base"), args.seed, float(spec.get("ref", 0.0))),
             byte_budget=args.budget,
             budget_seconds=args.budget_seconds,
             steps=args.steps,
@@ -222,7 +226,9 @@ def main() -> None:
     if args.steps is None and args.budget_seconds is None:
         parser.error("give --steps and/or --budget-seconds")
     begin = time.perf_counter()
-    ns = argparse.Namespace(**RECIPE)
+    # the reference topics are tokenized only where a variant draws from them
+    uses_reference = any("ref" in parse_variant(name) for name in args.variants)
+    ns = argparse.Namespace(**{**RECIPE, "reference_fraction": 1.0 if uses_reference else 0.0})
     teacher, _, _, data, reference = cp.prepare(ns)
     reference_box.append(reference)
     print(json.dumps({"prepared_seconds": round(time.perf_counter() - begin, 1), "load": common.loadavg()}), flush=True)

@@ -44,6 +44,7 @@ COMPRESS_RECIPE = dict(
     long_fraction=0.5,
     long_chars=600,
     long_len=128,
+    reference_fraction=0.0,
     other_texts=500,
     batch_size=32,
     by_length=True,

@@ -29,6 +29,7 @@ import io
 import json
 import os
 import random
+import re
 import sys
 import sysconfig
 import time
@@ -95,6 +96,32 @@ def mine_stdlib(max_files: int | None = None, held_out_every: int = 5) -> dict:
             train += texts
             train_code += [code for _, code in file_pairs]
     return {"train": train, "train_code": train_code, "test_texts": test_texts, "test_pairs": pairs}
+
+
+def mine_reference(chars: int = 600) -> list[str]:
+    """Prose of another kind than docstrings: the Python reference topics that ship with every Python
+    (``pydoc_data.topics``, ~460 kB of the language reference and the built-in types' pages: full sentences,
+    definitions, small examples). Paragraphs in topic order, underlines and grammar blocks dropped, whitespace
+    normalised (tables keep their cells' words), consecutive paragraphs of a topic joined until a row reaches
+    ``chars`` characters."""
+    from pydoc_data.topics import topics
+
+    rows = []
+    for name in sorted(topics):
+        row = ""
+        # heading underlines and table borders go; table cells keep their words
+        lines = [line for line in topics[name].splitlines() if not re.fullmatch(r"\s*[-*=~^+|]{3,}\s*", line)]
+        for paragraph in re.split(r"\n\s*\n", "\n".join(lines)):
+            text = " ".join(paragraph.replace("|", " ").split())
+            if len(text) < 40 or "::=" in text:
+                continue
+            row = f"{row} {text}" if row else text
+            if len(row) >= chars:
+                rows.append(row[:chars])
+                row = ""
+        if len(row) >= 40:
+            rows.append(row)
+    return rows
 
 
 def mine_other_source(
@@ -253,24 +280,37 @@ def training_sampler(data: dict, args, seed: int):
     the student is scored on 79: a student that never sees long rows loses most there; at 8x, half long batches
     lifted other-source cosine 0.951 -> 0.962 in 600 s, benchmarks/history/2026-12-06-issue-46-lowrank.md); with
     ``--code-fraction`` that share from the training files' function sources (the retrieval check embeds code,
-    which prose alone never shows the student). A batch is all one kind: their lengths differ too much to share
-    padding."""
+    which prose alone never shows the student); with ``--reference-fraction`` that share from the Python reference
+    topics (``mine_reference``: prose of another kind than docstrings). A batch is all one kind: their lengths
+    differ too much to share padding."""
     prose = batch_sampler(data["train_enc"], args.batch_size, seed=seed, by_length=args.by_length)
     code_share, long_share = args.code_fraction, getattr(args, "long_fraction", 0.0)
-    if not code_share and not long_share:
+    reference_share = getattr(args, "reference_fraction", 0.0)
+    if code_share + long_share + reference_share > 1 + 1e-9:
+        raise ValueError(
+            f"--code-fraction + --long-fraction + --reference-fraction must be at most 1; got "
+            f"{code_share} + {long_share} + {reference_share}"
+        )
+    if not code_share and not long_share and not reference_share:
         return prose
-    code = long = None
+    code = long = reference = None
     if code_share:
         code = batch_sampler(data["train_code_enc"], args.batch_size, seed=seed + 1, by_length=args.by_length)
     if long_share:
         long = batch_sampler(data["train_long_enc"], args.batch_size, seed=seed + 7, by_length=args.by_length)
+    if reference_share:
+        reference = batch_sampler(
+            data["train_reference_enc"], args.batch_size, seed=seed + 11, by_length=args.by_length
+        )
     rng = random.Random(seed + 2)
 
     def draw():
         u = rng.random()
         if u < code_share:
             return code()
-        return long() if u < code_share + long_share else prose()
+        if u < code_share + long_share:
+            return long()
+        return reference() if u < code_share + long_share + reference_share else prose()
 
     return draw
 
@@ -354,6 +394,9 @@ def prepare(args) -> tuple:
             tokenizer, joined_texts(mined["train"], args.long_chars), max_length=args.long_len
         )
         if getattr(args, "long_fraction", 0.0)
+        else None,
+        "train_reference_enc": tokenize_all(tokenizer, mine_reference(args.long_chars), max_length=args.long_len)
+        if getattr(args, "reference_fraction", 0.0)
         else None,
         "test_texts_enc": tokenize_all(tokenizer, test_texts),
         "queries_enc": tokenize_all(tokenizer, [q for q, _ in pairs]),
@@ -541,6 +584,12 @@ def main(argv=None, extra: dict | None = None) -> dict:
         default=0.5,
         help="share of the training batches of consecutive texts joined into long rows (0: single texts only)",
     )
+    parser.add_argument(
+        "--reference-fraction",
+        type=float,
+        default=0.0,
+        help="share of the training batches from the Python reference topics (pydoc_data; rows of --long-chars)",
+    )
     parser.add_argument("--long-chars", type=int, default=600, help="characters per joined row")
     parser.add_argument("--long-len", type=int, default=128, help="joined rows are cut to this many tokens")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (1 is faster on a busy machine)")
@@ -558,6 +607,8 @@ def main(argv=None, extra: dict | None = None) -> dict:
     args = parser.parse_args(argv)
     if not 0 <= args.code_fraction < 1:
         parser.error(f"--code-fraction must be in [0, 1); got {args.code_fraction}")
+    if not 0 <= args.reference_fraction <= 1 or args.code_fraction + args.long_fraction + args.reference_fraction > 1:
+        parser.error("--code-fraction + --long-fraction + --reference-fraction must lie in [0, 1]")
     if args.quick:
         args.max_files, args.eval_texts, args.retrieval = args.max_files or 40, 64, 48
         args.other_texts = min(args.other_texts, 32)

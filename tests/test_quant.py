@@ -107,3 +107,32 @@ def test_other_source_text_deterministic_and_disjoint():
     stdlib = cp.mine_stdlib(max_files=20)
     train = set(stdlib["train"])
     assert not train & set(cp.mine_other_source(train, limit=50, packages=("numpy",), max_files=40))
+
+
+def test_reference_text_rows_and_sampler_share():
+    """The Python reference topics as training rows: every row at most ``chars`` long, none a heading underline or
+    a grammar block, none a numpy docstring (the evaluation text); a sampler with reference share 1 draws only
+    reference rows, share 0 none, and shares that add past 1 are refused."""
+    import argparse
+
+    cp = load_example()
+    rows = cp.mine_reference(200)
+    assert len(rows) > 500 and all(40 <= len(r) <= 200 for r in rows)
+    assert not any("::=" in r or "*****" in r or "=====" in r for r in rows)
+    assert not set(rows) & set(cp.mine_other_source(limit=50, packages=("numpy",), max_files=40))
+    data = {
+        "train_enc": {"input_ids": torch.zeros(8, 4, dtype=torch.long), "attention_mask": torch.ones(8, 4)},
+        "train_reference_enc": {"input_ids": torch.ones(8, 6, dtype=torch.long), "attention_mask": torch.ones(8, 6)},
+    }
+
+    def shares(reference, long=0.0):
+        ns = argparse.Namespace(
+            batch_size=2, by_length=False, code_fraction=0.0, long_fraction=long, reference_fraction=reference
+        )
+        draw = cp.training_sampler(data, ns, seed=0)
+        return [int(draw()["input_ids"][0, 0]) for _ in range(20)]
+
+    assert shares(1.0) == [1] * 20 and shares(0.0) == [0] * 20
+    assert 0 < sum(shares(0.5)) < 20
+    with pytest.raises(ValueError, match="at most 1"):
+        shares(0.6, long=0.5)
