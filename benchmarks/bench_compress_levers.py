@@ -13,7 +13,8 @@ other-source text (numpy + sympy docstrings), the latter also by token length.
 
 A variant is ``key=value`` pairs joined by ``,`` (``base``: compress_'s defaults): ``lr``, ``qa`` (quant_aware),
 ``hw`` (hidden_weight), ``val`` (validation_batches; 0: the last step's weights are returned), ``warmup`` /
-``floor`` (the schedule's warm-up share and final lr factor), ``data`` (the share of the batches made of
+``floor`` (the schedule's warm-up share and final lr factor), ``bal`` (1: ``balance_cores_`` on the built student,
+every TT chain's cores at one RMS entry), ``data`` (the share of the batches made of
 consecutive training texts joined into long rows, ``examples/compress_pretrained.py --long-fraction``: ``base`` the
 recipe's 0.5; ``short`` 0, ``mix`` 0.5, ``long`` 1, or a number), ``ref`` (the share of the batches from the Python
 reference topics, ``examples/compress_pretrained.py --reference-fraction``; taken from the single texts' share).
@@ -42,8 +43,10 @@ cp = common.load_example("compress_pretrained")
 
 import comera_fx  # noqa: E402
 from comera_fx.pretrained import DistillConfig, compress_  # noqa: E402
+from comera_fx.pretrained import compress as compress_module  # noqa: E402
 from comera_fx.pretrained import match as match_module  # noqa: E402
 from comera_fx.pretrained.formats import FORMATS  # noqa: E402
+from comera_fx.tt.balance import balance_cores_  # noqa: E402
 
 ENCODER_ONLY = comera_fx.TensorizeConfig(skip=[r"^(?!bert\.encoder\.)"])
 RECIPE = common.COMPRESS_RECIPE
@@ -138,6 +141,14 @@ def run_variant(name, teacher, data, start, args) -> dict:
         config = config.replace(validation_batches=int(spec["val"]))
     original = match_module.lr_factor
     match_module.lr_factor = schedule(float(spec.get("warmup", 0.05)), float(spec.get("floor", 0.1)))
+    original_match = compress_module.match_teacher
+    if int(spec.get("bal", 0)):
+
+        def balanced_match(trained, *a, **k):
+            balance_cores_(trained)  # after building, before the first step
+            return original_match(trained, *a, **k)
+
+        compress_module.match_teacher = balanced_match
     calibration, plan = copy.deepcopy(start)
     load_before = common.loadavg()
     try:
@@ -155,6 +166,7 @@ def run_variant(name, teacher, data, start, args) -> dict:
         )
     finally:
         match_module.lr_factor = original
+        compress_module.match_teacher = original_match
     if args.save:
         Path(args.save).mkdir(parents=True, exist_ok=True)
         comera_fx.save_tensorized(student, Path(args.save) / f"{args.budget}_{name.replace('=', '-')}.st")
