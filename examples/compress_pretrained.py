@@ -12,7 +12,8 @@ for TT-SVD only (uniform ranks; calibrated + energy-allocated ranks; the same re
 model's own inputs with ``refit_sequential_``), after distillation (both rank choices), and for a whitened low-rank
 student through the same code (``TensorizeConfig(num_modes=1)``: two cores per weight), then saves the best
 student with ``save_tensorized`` and loads it back without the dense weights. ``--code-fraction`` mixes function
-sources of the training files into the distillation batches.
+sources of the training files into the distillation batches, ``--reference-fraction`` rows of the Python reference
+topics that ship with Python (``pydoc_data``).
 Writes ``report.md`` and plots to ``--out``.
 
     python examples/compress_pretrained.py --budget-seconds 600 --ratios 0.25 0.125
