@@ -35,8 +35,9 @@ def balancing_factors(rms: Sequence[float]) -> list[float]:
 def balance_cores_(model: nn.Module) -> int:
     """Rescale the cores of every TT matrix in ``model`` (modules with ``cores`` and ``gates`` parameter lists) in
     place to one RMS entry per chain (``balancing_factors``); the matrices are unchanged up to float rounding.
-    Returns how many chains were rescaled. Meant for a student about to be trained (``compress_`` calls it after
-    building); optimizer state of the cores, if any, no longer fits them."""
+    Returns how many chains were rescaled. Meant for a student about to be trained; ``compress_`` does not call it
+    (in the 8× and 16× MiniLM runs of 2026-12-06 it tied the unbalanced start: benchmarks/history). Optimizer state
+    of the cores, if any, no longer fits them."""
     count = 0
     for module in model.modules():
         cores = getattr(module, "cores", None)
