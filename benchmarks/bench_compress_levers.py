@@ -17,7 +17,9 @@ A variant is ``key=value`` pairs joined by ``,`` (``base``: compress_'s defaults
 every TT chain's cores at one RMS entry), ``data`` (the share of the batches made of
 consecutive training texts joined into long rows, ``examples/compress_pretrained.py --long-fraction``: ``base`` the
 recipe's 0.5; ``short`` 0, ``mix`` 0.5, ``long`` 1, or a number), ``ref`` (the share of the batches from the Python
-reference topics, ``examples/compress_pretrained.py --reference-fraction``; taken from the single texts' share).
+reference topics, ``examples/compress_pretrained.py --reference-fraction``; taken from the single texts' share),
+``clip`` (0: int grids at max|w| scales, for the format choice and the build, as before 2026-12-06; 1, the default:
+scales searched with the calibrated input importance, ``comera_fx.quantize.CLIP_RATIOS``; each its own cached start).
 ``baselines`` as a variant: int8 and int4 per output channel and int4 in groups of 64, rounded, no training.
 ``--save DIR`` keeps each variant's student (``save_tensorized``), e.g. for ``bench_distill_formats.py serve
 --student``.
@@ -26,6 +28,7 @@ reference topics, ``examples/compress_pretrained.py --reference-fraction``; take
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import os
@@ -42,6 +45,7 @@ common.use_this_checkout()
 cp = common.load_example("compress_pretrained")
 
 import comera_fx  # noqa: E402
+from comera_fx import quantize as quantize_module  # noqa: E402
 from comera_fx.pretrained import DistillConfig, compress_  # noqa: E402
 from comera_fx.pretrained import compress as compress_module  # noqa: E402
 from comera_fx.pretrained import match as match_module  # noqa: E402
@@ -98,6 +102,8 @@ def start_of(teacher, data, budget: float, cache: Path | None, choose_options: d
     )
     if RECIPE["long_fraction"]:  # the calibration batches are the recipe's, long rows among them
         suffix += f"_long{RECIPE['long_fraction']}"
+    if quantize_module.CLIP_RATIOS != (1.0,):  # int candidates measured on searched scales
+        suffix += f"_clip{len(quantize_module.CLIP_RATIOS)}"
     path = cache / f"start_{budget}{suffix}.pt" if cache else None
     if path is not None and path.exists():
         return torch.load(path, weights_only=False)
@@ -112,6 +118,18 @@ def start_of(teacher, data, budget: float, cache: Path | None, choose_options: d
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save((calibration, plan), path)
     return calibration, plan
+
+
+@contextlib.contextmanager
+def rounding(clip: str):
+    """``clip=0``: int grids at max|w| scales (what the format choice and ``apply_formats_`` did before their
+    scales were searched); ``1`` (default): ``quantize.CLIP_RATIOS`` as shipped."""
+    original = quantize_module.CLIP_RATIOS
+    quantize_module.CLIP_RATIOS = original if int(clip) else (1.0,)
+    try:
+        yield
+    finally:
+        quantize_module.CLIP_RATIOS = original
 
 
 def schedule(warmup: float, floor: float):
@@ -244,22 +262,25 @@ def main() -> None:
     teacher, _, _, data, reference = cp.prepare(ns)
     reference_box.append(reference)
     print(json.dumps({"prepared_seconds": round(time.perf_counter() - begin, 1), "load": common.loadavg()}), flush=True)
-    start = None
+    starts = {}  # one per grid rounding (``clip``): the format choice measures the grids it would build
     for name in args.variants:
         if name == "baselines":
             for row in baselines(teacher, data):
                 print(json.dumps({**row, "load": common.loadavg()}), flush=True)
             continue
-        if start is None:
-            t0 = time.perf_counter()
-            options = {"formats": tuple(args.formats.split(","))}
-            if args.num_modes is not None:
-                options["num_modes"] = int(args.num_modes)
-            if args.ranks is not None:
-                options["ranks"] = tuple(int(r) for r in args.ranks.split(","))
-            start = start_of(teacher, data, args.budget, Path(args.cache) if args.cache else None, options)
-            print(json.dumps({"start_seconds": round(time.perf_counter() - t0, 1)}), flush=True)
-        print(json.dumps(run_variant(name, teacher, data, start, args)), flush=True)
+        clip = parse_variant(name).get("clip", "1")
+        with rounding(clip):
+            if clip not in starts:
+                t0 = time.perf_counter()
+                options = {"formats": tuple(args.formats.split(","))}
+                if args.num_modes is not None:
+                    options["num_modes"] = int(args.num_modes)
+                if args.ranks is not None:
+                    options["ranks"] = tuple(int(r) for r in args.ranks.split(","))
+                cache = Path(args.cache) if args.cache else None
+                starts[clip] = start_of(teacher, data, args.budget, cache, options)
+                print(json.dumps({"start_seconds": round(time.perf_counter() - t0, 1), "clip": clip}), flush=True)
+            print(json.dumps(run_variant(name, teacher, data, starts[clip], args)), flush=True)
 
 
 if __name__ == "__main__":

@@ -212,23 +212,27 @@ def test_output_errors_are_measured_at_the_output_and_leave_the_model_as_it_was(
 
 
 def test_the_output_short_list_chooses_what_scoring_every_candidate_chooses():
-    """Default output scoring runs only a short-list at the output; on these layers it picks what running every
-    candidate picks, with the same measured errors for the chosen ones, in fewer passes."""
+    """Default output scoring runs only a short-list at the output; on these layers it picks a plan whose summed
+    output error is within 5 % of what running every candidate picks (the short-list is a heuristic: since the int
+    grids' scales are searched it settles on int4 g64 + low-rank r2 for 6.20e-5 against int4 g128 + r4's 6.05e-5),
+    with every chosen candidate's error the one measured at the output, in fewer passes."""
     model, batches, cal = calibrated()
     every = comera_fx.choose_formats(
         model, cal, 0.15, ranks=(1, 2, 4, 8), config=CONFIG, batches=batches[:2], score_all=True
     )
     short = comera_fx.choose_formats(model, cal, 0.15, ranks=(1, 2, 4, 8), config=CONFIG, batches=batches[:2])
     assert (every.scoring, short.scoring) == ("output", "shortlist")
-    assert {k: c.label() for k, c in short.choices.items()} == {k: c.label() for k, c in every.choices.items()}
+    assert short.total_error <= 1.05 * every.total_error
     for fqn, c in short.choices.items():
-        assert c.error == pytest.approx(every.choices[fqn].error, rel=1e-9, abs=1e-15)
+        (same,) = [o for o in every.candidates[fqn] if o.label() == c.label() and o.group_size == c.group_size]
+        assert c.error == pytest.approx(same.error, rel=1e-9, abs=1e-15)
     assert short.output_passes < every.output_passes == sum(len(v) for v in every.candidates.values())
     assert short.total_bytes <= short.budget_bytes
 
 
 def test_fast_estimates_are_near_the_exact_errors_and_choose_alike():
-    """``fast=True``: int errors from the diagonal of C within 10 % of tr(Eᵀ C E) (float64, from the weights), TT
+    """``fast=True``: int errors from the diagonal of C within 10 % of tr(Eᵀ C E) (float64, from the weights, on the
+    grid whose scales were searched with C's diagonal), TT
     candidates' bytes an upper bound of the built TT's (ranks at their caps); the same formats chosen."""
     from comera_fx.pretrained.format_estimates import LayerEstimator
 
@@ -239,7 +243,9 @@ def test_fast_estimates_are_near_the_exact_errors_and_choose_alike():
         w, c = layer.weight.detach().double(), cal[f"{name}.weight"].second_moment.double()
         total = float((w @ c @ w.T).trace())
         for bits, group in ((8, 64), (4, 32)):
-            e = w - fake_quant(layer.weight.detach(), bits, group).double()
+            # the grid with searched scales (checked against a brute-force search in tests/test_quantize.py)
+            grid = fake_quant(layer.weight.detach(), bits, group, c.diagonal().float())
+            e = w - grid.double()
             exact = float((e @ c @ e.T).trace()) / total
             assert est.int_error(bits, group) == pytest.approx(exact, rel=0.1), (name, bits)
     exact = comera_fx.choose_formats(

@@ -7,7 +7,8 @@ per layer and once for all candidates:
 
     S with S Sᵀ = C (one Cholesky factorisation, float32) and the whitened matrix Sᵀ M;
     int8 / int4: Σ_i C_ii ||E_i||² / tr(Mᵀ C M), the diagonal part of tr(Eᵀ C E) (rounding errors of different
-                 weights are uncorrelated, so the off-diagonal part averages out);
+                 weights are uncorrelated, so the off-diagonal part averages out), on the grid whose scales
+                 minimize it (``quantize_groups`` with importance C_ii, what ``apply_formats_`` builds);
     TT at rank r: the whitened construction of ``comera_fx.tt.whiten`` without its ALS refit (output-side cores from
                  SVDs of Sᵀ M, input-side cores a plain TT-SVD of B = M Qᵀ), its error tr(Eᵀ C E) measured exactly
                  (float32).
@@ -73,7 +74,7 @@ class LayerEstimator:
 
     def int_error(self, bits: int, group: int | None) -> float:
         """Σ_i C_ii ||(M - M̂)_i||² / tr(Mᵀ C M) for the int grid (rows i: input features)."""
-        diff = (self.weight - fake_quant(self.weight, bits, group)).float()  # out × in
+        diff = (self.weight - fake_quant(self.weight, bits, group, self.diag)).float()  # out × in
         return float((diff.square().sum(0) * self.diag).sum()) / self.total
 
     def int_candidate(self, bits: int, group: int | None) -> tuple[int, float]:

@@ -85,6 +85,11 @@ class FormatPlan:
         return "\n".join(lines)
 
 
+def input_importance(stats: InputStats) -> Tensor:
+    """Each input feature's mean square: the weights of an int grid's scale search (``quantize_groups``)."""
+    return torch.diagonal(stats.second_moment).clamp_min(0).float()
+
+
 def relative_error(matrix: Tensor, approx: Tensor, gram: Tensor) -> float:
     """tr((M - M̂)ᵀ C (M - M̂)) / tr(Mᵀ C M) in float64 (M, M̂: in × out; C: in × in)."""
     m, diff = matrix.double(), (matrix - approx).double()
@@ -348,7 +353,7 @@ def _estimate(holders, calibration, formats, ranks, group_sizes, core_group_size
             est = estimators[c.fqn, modes_of(c.format, num_modes)]
             return est.tt_approx(c.max_rank, CORE_BITS[c.format], c.group_size)
         est = next(e for (fqn, _), e in estimators.items() if fqn == c.fqn)
-        return fake_quant(est.weight, int(c.format[3:]), c.group_size).t()
+        return fake_quant(est.weight, int(c.format[3:]), c.group_size, est.diag).t()
 
     return candidates, paths, approx
 
@@ -359,7 +364,7 @@ def _approx(module: nn.Linear, stats: InputStats, choice: FormatChoice, num_mode
         return _tt_candidates(
             module, stats, choice.max_rank, choice.group_size, num_modes, choice.fqn, (choice.format,)
         )[0][1]
-    return fake_quant(module.weight.detach(), int(choice.format[3:]), choice.group_size).t()
+    return fake_quant(module.weight.detach(), int(choice.format[3:]), choice.group_size, input_importance(stats)).t()
 
 
 FAMILIES = ("int", "tt", "lr")
@@ -433,7 +438,7 @@ def _measure(model, holders, calibration, formats, ranks, group_sizes, core_grou
         found = []
         for bits in (8, 4):
             for group in group_sizes if f"int{bits}" in formats else ():
-                approx = fake_quant(weight, bits, group)
+                approx = fake_quant(weight, bits, group, input_importance(stats))
                 found.append(
                     FormatChoice(
                         fqn, f"int{bits}", None, QuantSpec(bits, group).nbytes(weight.numel()), score(approx.t()), group
@@ -461,8 +466,9 @@ class FormatSummary:
 
 def apply_formats_(model: nn.Module, plan: FormatPlan, calibration: Calibration) -> FormatSummary:
     """Build ``plan`` in ``model`` (the model ``choose_formats`` read) in place: its TT layers by ``tensorize_``
-    with the calibration at their ranks, TT cores and int layers by ``quantize_``. Build the optimizer after this
-    call (the TT cores are new parameters)."""
+    with the calibration at their ranks, TT cores and int layers by ``quantize_`` (the int layers' scales searched
+    with their inputs' mean squares, as ``choose_formats`` measured them). Build the optimizer after this call (the
+    TT cores are new parameters)."""
     _check_plan_fits(model, plan, calibration)
     tt = {fqn: c for fqn, c in plan.choices.items() if c.format in CORE_BITS}
     summary = None
@@ -477,8 +483,12 @@ def apply_formats_(model: nn.Module, plan: FormatPlan, calibration: Calibration)
         )
         summary = tensorize_(model, config, calibration=Calibration({f: calibration[f] for f in tt}))
     for fqn, c in plan.choices.items():  # TT cores and dense int grids, each layer on its own grid
-        bits = CORE_BITS[c.format] if c.format in CORE_BITS else int(c.format[3:])
-        quantize_(model, bits, c.group_size, dense_linears=c.format not in CORE_BITS, include=_paths_regex(plan, [fqn]))
+        include = _paths_regex(plan, [fqn])
+        if c.format in CORE_BITS:
+            quantize_(model, CORE_BITS[c.format], c.group_size, include=include)
+        else:  # the scales that minimize the calibrated error, as choose_formats measured them
+            weights = input_importance(calibration[fqn])
+            quantize_(model, int(c.format[3:]), c.group_size, dense_linears=True, include=include, importance=weights)
     return FormatSummary(plan, summary, stored_bytes(model, only=_planned_params(model, plan)))
 
 
