@@ -20,7 +20,8 @@ recipe's 0.5; ``short`` 0, ``mix`` 0.5, ``long`` 1, or a number), ``ref`` (the s
 reference topics, ``examples/compress_pretrained.py --reference-fraction``; taken from the single texts' share),
 ``clip`` (0: int grids at max|w| scales, for the format choice and the build, as before 2026-12-06; 1, the default:
 scales searched with the calibrated input importance, ``comera_fx.quantize.CLIP_RATIOS``; each its own cached start).
-``baselines`` as a variant: int8 and int4 per output channel and int4 in groups of 64, rounded, no training.
+``baselines`` as a variant: int8 and int4 per output channel and int4 in groups of 64, rounded, no training, with
+max|w| scales and with searched ones.
 ``--save DIR`` keeps each variant's student (``save_tensorized``), e.g. for ``bench_distill_formats.py serve
 --student``.
 """
@@ -30,6 +31,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import itertools
 import json
 import os
 import sys
@@ -49,7 +51,7 @@ from comera_fx import quantize as quantize_module  # noqa: E402
 from comera_fx.pretrained import DistillConfig, compress_  # noqa: E402
 from comera_fx.pretrained import compress as compress_module  # noqa: E402
 from comera_fx.pretrained import match as match_module  # noqa: E402
-from comera_fx.pretrained.formats import FORMATS  # noqa: E402
+from comera_fx.pretrained.formats import FORMATS, input_importance  # noqa: E402
 from comera_fx.tt.balance import balance_cores_  # noqa: E402
 
 ENCODER_ONLY = comera_fx.TensorizeConfig(skip=[r"^(?!bert\.encoder\.)"])
@@ -206,26 +208,30 @@ def run_variant(name, teacher, data, start, args) -> dict:
 
 def baselines(teacher, data) -> list[dict]:
     """Dense grids of the teacher's encoder linears, rounded, no training: int8 per output channel (the 4x
-    goal's bar), int4 per output channel and int4 in groups of 64."""
+    goal's bar), int4 per output channel and int4 in groups of 64, each with max|w| scales (torchao's and torch's
+    weight-only grids are max-scaled) and with the scales searched on the recipe's calibration (what
+    ``apply_formats_`` builds)."""
+    draw = cp.training_sampler(data, argparse.Namespace(**RECIPE), seed=0)
+    drawn = [draw() for _ in range(DistillConfig().calibration_batches)]
+    calibration = comera_fx.calibrate(teacher, drawn, config=ENCODER_ONLY, token_mask=cp.real_tokens)
     rows = []
-    for bits, group in ((8, None), (4, None), (4, 64)):
+    for (bits, group), searched in itertools.product(((8, None), (4, None), (4, 64)), (False, True)):
         student = copy.deepcopy(teacher)
-        linears = [m for n, m in student.named_modules() if n.startswith("bert.encoder.") and hasattr(m, "weight")]
-        dense = sum(m.weight.numel() * 4 for m in linears if m.weight.dim() == 2)
+        linears = {n: m for n, m in student.named_modules() if n.startswith("bert.encoder.") and hasattr(m, "weight")}
+        dense = sum(m.weight.numel() * 4 for m in linears.values() if m.weight.dim() == 2)
         stored = 0
         with torch.no_grad():
-            for m in linears:
+            for name, m in linears.items():
                 if m.weight.dim() != 2:
                     continue
-                rows_out = m.weight.shape[0]
-                w = m.weight.reshape(rows_out, -1)
-                size = w.shape[1] if group is None else group  # per output channel: one group per row
-                m.weight.copy_(comera_fx.quantize.fake_quant(w, bits, size).reshape(m.weight.shape))
+                size = m.weight.shape[1] if group is None else group  # per output channel: one group per row
+                importance = input_importance(calibration[f"{name}.weight"]) if searched else None
+                m.weight.copy_(comera_fx.quantize.fake_quant(m.weight, bits, size, importance))
                 stored += comera_fx.quantize.quantized_bytes(m.weight.numel(), bits, size)
         label = f"int{bits} per output channel" if group is None else f"int{bits} g{group}"
         rows.append(
             {
-                "variant": label,
+                "variant": label + (", searched scales" if searched else ""),
                 "stored_over_dense": round(stored / dense, 4),
                 **cosines(student, data, reference_box[0]),
             }
