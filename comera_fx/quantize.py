@@ -99,9 +99,13 @@ def clipped_scales(groups: Tensor, importance: Tensor, qmax: int, ratios=None) -
     ``CLIP_RATIOS``) that minimizes Σ importance · (w - q(w))² (``importance``: the same shape, ≥ 0): the part of
     a linear layer's output error that rounding each weight independently adds, when ``importance`` holds each
     weight's input mean square."""
+    ratios = CLIP_RATIOS if ratios is None else ratios
+    if not ratios or not all(0 < r <= 1 for r in ratios):
+        # a ratio above 1 leaves a group's largest code below qmax: re-rounding by max|w| (a save) would move it
+        raise ValueError(f"clipping ratios must lie in (0, 1], got {tuple(ratios)!r}")
     amax = groups.abs().amax(1, keepdim=True)
     best_scale, best_error = None, None
-    for ratio in CLIP_RATIOS if ratios is None else ratios:
+    for ratio in ratios:
         scale = _nonzero(amax * ratio / qmax)
         error = ((_round(groups, scale, qmax) * scale - groups).square() * importance).sum(1, keepdim=True)
         if best_scale is None:

@@ -16,6 +16,7 @@ from comera_fx import TensorizeConfig
 from comera_fx.quantize import (
     CLIP_RATIOS,
     QuantSpec,
+    clipped_scales,
     dequantize,
     fake_quant,
     pack,
@@ -369,3 +370,5 @@ def test_importance_refusals_name_the_fix_before_any_weight_changes():
     with pytest.raises(ValueError, match="non-negative"):
         comera_fx.quantize_(model, 4, 4, dense_linears=True, include=r"^0$", importance=-torch.ones(8))
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    with pytest.raises(ValueError, match=r"\(0, 1\]"):
+        clipped_scales(torch.randn(2, 4), torch.ones(2, 4), 7, ratios=(1.0, 1.1))
