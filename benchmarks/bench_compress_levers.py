@@ -95,6 +95,14 @@ def cosines(model, data, reference) -> dict:
     return result
 
 
+def recipe_calibration(teacher, data):
+    """(calibration, its batches) as ``compress_`` makes them: the recipe's first ``calibration_batches`` batches
+    (seed 0), padding masked."""
+    draw = cp.training_sampler(data, argparse.Namespace(**RECIPE), seed=0)
+    drawn = [draw() for _ in range(DistillConfig().calibration_batches)]
+    return comera_fx.calibrate(teacher, drawn, config=ENCODER_ONLY, token_mask=cp.real_tokens), drawn
+
+
 def start_of(teacher, data, budget: float, cache: Path | None, choose_options: dict | None = None):
     """(calibration, plan) at ``budget``: from ``cache`` if there, else made as compress_ makes them
     (``choose_options``: extra ``choose_formats`` arguments, part of the cache's file name)."""
@@ -109,10 +117,7 @@ def start_of(teacher, data, budget: float, cache: Path | None, choose_options: d
     path = cache / f"start_{budget}{suffix}.pt" if cache else None
     if path is not None and path.exists():
         return torch.load(path, weights_only=False)
-    ns = argparse.Namespace(**RECIPE)
-    draw = cp.training_sampler(data, ns, seed=0)
-    drawn = [draw() for _ in range(DistillConfig().calibration_batches)]
-    calibration = comera_fx.calibrate(teacher, drawn, config=ENCODER_ONLY, token_mask=cp.real_tokens)
+    calibration, drawn = recipe_calibration(teacher, data)
     plan = comera_fx.choose_formats(
         teacher, calibration, budget, config=ENCODER_ONLY, batches=drawn[:2], fast=True, **choose_options
     )
@@ -211,9 +216,7 @@ def baselines(teacher, data) -> list[dict]:
     goal's bar), int4 per output channel and int4 in groups of 64, each with max|w| scales (torchao's and torch's
     weight-only grids are max-scaled) and with the scales searched on the recipe's calibration (what
     ``apply_formats_`` builds)."""
-    draw = cp.training_sampler(data, argparse.Namespace(**RECIPE), seed=0)
-    drawn = [draw() for _ in range(DistillConfig().calibration_batches)]
-    calibration = comera_fx.calibrate(teacher, drawn, config=ENCODER_ONLY, token_mask=cp.real_tokens)
+    calibration, _ = recipe_calibration(teacher, data)
     rows = []
     for (bits, group), searched in itertools.product(((8, None), (4, None), (4, 64)), (False, True)):
         student = copy.deepcopy(teacher)

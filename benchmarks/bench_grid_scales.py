@@ -2,7 +2,7 @@
 
 For every encoder linear of the README recipe's teacher (calibrated as ``compress_`` calibrates it: the recipe's
 first 32 batches, padding masked) and each grid, the relative calibrated error tr(Eᵀ C E) / tr(Mᵀ C M) (float64,
-computed here from the weights and C) of the grid with max|w| / qmax scales and of the grid whose scales
+``formats.relative_error``) of the grid with max|w| / qmax scales and of the grid whose scales
 ``quantize_groups(..., importance=diag C)`` searched; one JSON line per grid with the sums over the 36 layers, their
 ratio and the search's time, and per layer with ``--per-layer``.
 
@@ -27,16 +27,11 @@ cp = common.load_example("compress_pretrained")
 
 import comera_fx  # noqa: E402
 from comera_fx.pretrained import DistillConfig  # noqa: E402
+from comera_fx.pretrained.formats import relative_error  # noqa: E402
 from comera_fx.quantize import fake_quant  # noqa: E402
 
 ENCODER_ONLY = comera_fx.TensorizeConfig(skip=[r"^(?!bert\.encoder\.)"])
 GRIDS = ((4, 64), (4, 128), (4, None), (8, 64), (8, None))  # None: one scale per output row (the layer's width)
-
-
-def relative_error(weight: torch.Tensor, approx: torch.Tensor, gram: torch.Tensor) -> float:
-    """tr(Eᵀ C E) / tr(Mᵀ C M) with M = Wᵀ, E = M - M̂, in float64."""
-    m, e = weight.double().t(), (weight.double() - approx.double()).t()
-    return float((e * (gram @ e)).sum()) / float((m * (gram @ m)).sum())
 
 
 def main() -> None:
@@ -55,11 +50,11 @@ def main() -> None:
         for fqn, module in linears.items():
             weight, gram = module.weight.detach(), calibration[fqn].second_moment.double()
             size = group or weight.shape[1]
-            plain = relative_error(weight, fake_quant(weight, bits, size), gram)
+            plain = relative_error(weight.t(), fake_quant(weight, bits, size).t(), gram)
             t0 = time.perf_counter()
             searched_grid = fake_quant(weight, bits, size, torch.diagonal(gram).float())
             search_seconds += time.perf_counter() - t0
-            searched = relative_error(weight, searched_grid, gram)
+            searched = relative_error(weight.t(), searched_grid.t(), gram)
             sums[0] += plain
             sums[1] += searched
             rows.append({"layer": fqn, "max_scales": plain, "searched": searched})

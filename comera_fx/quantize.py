@@ -116,7 +116,7 @@ def clipped_scales(groups: Tensor, importance: Tensor, qmax: int, ratios=None) -
     return best_scale
 
 
-def _importance_groups(weight: Tensor, importance: Tensor, spec: QuantSpec) -> Tensor:
+def _check_importance(weight: Tensor, importance: Tensor) -> None:
     if weight.dim() < 1 or importance.shape != weight.shape[-1:]:
         raise ValueError(
             f"importance must hold one weight per input feature ({weight.shape[-1:]}), got shape "
@@ -124,6 +124,10 @@ def _importance_groups(weight: Tensor, importance: Tensor, spec: QuantSpec) -> T
         )
     if not bool(torch.isfinite(importance).all()) or bool((importance < 0).any()):
         raise ValueError("importance must be finite and non-negative (input mean squares)")
+
+
+def _importance_groups(weight: Tensor, importance: Tensor, spec: QuantSpec) -> Tensor:
+    _check_importance(weight, importance)
     return _grouped(importance.detach().float().to(weight.device).expand(weight.shape), spec)
 
 
@@ -251,7 +255,7 @@ def quantize_(
             raise ValueError("importance weighs nn.Linear inputs: pass dense_linears=True with it")
         for param in chosen.values():  # all checked before any weight changes
             if id(param) in linear_weights:
-                _importance_groups(param, importance, spec)
+                _check_importance(param, importance)
     before = stored_bytes(model, only=chosen)
     names = []
     for module, name, full, param in _owners(model):
