@@ -34,7 +34,7 @@ common.use_this_checkout()
 cp = common.load_example("compress_pretrained")
 
 import comera_fx  # noqa: E402
-from comera_fx.packed import packed_modules, workspace_bytes  # noqa: E402
+from comera_fx.packed import packed_modules, set_compute_dtype_, workspace_bytes  # noqa: E402
 
 
 def data(args):
@@ -148,14 +148,26 @@ def torchao_int8(teacher, site: str):
     return model
 
 
+def autocast_bf16(model):
+    """``model`` called under CPU autocast to bf16 (its GEMMs and attention in bf16): the teacher at the student's
+    ``bf16`` precision, so that the bf16 student is compared with a bf16 teacher too."""
+
+    def run(**inputs):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return model(**inputs).float()
+
+    return run
+
+
 def measure_serving(
     teacher, student, builder, batch, encoded, repeats: int, *, path=None, variants=("eager",), ao=None
 ) -> dict:
     """Save ``student`` (unless ``student`` is None and ``path`` holds it), load it packed
     (``load_tensorized(pack=True)``), and compare with the fp32 ``teacher``: bytes of the encoder linears stored /
     held, the process RSS the load added, latency at batch 1 and 64. ``variants``: "eager", "compiled"
-    (``torch.compile`` of each whole model, timed after a warm-up call per shape) and "layers" (the student with each
-    packed layer compiled on its own, the rest eager); ``ao``: a torchao install to add its
+    (``torch.compile`` of each whole model, timed after a warm-up call per shape), "layers" (the student with each
+    packed layer compiled on its own, the rest eager) and "bf16" (the student's packed layers multiplying in bf16,
+    ``set_compute_dtype_``; the teacher under bf16 autocast); ``ao``: a torchao install to add its
     int8 weight-only teacher (eager, and compiled with "compiled")."""
     path = path or Path(os.environ.get("TMPDIR", "/tmp")) / "i46_student.safetensors"
     if student is not None:
@@ -193,6 +205,10 @@ def measure_serving(
             runs = {"eager": model}
             if "compiled" in variants:
                 runs["compiled"] = torch.compile(model, dynamic=False)
+            if "bf16" in variants:  # the student's packed GEMMs in bf16; the teacher's linears under autocast
+                runs["bf16"] = copy.deepcopy(model) if name == "student" else autocast_bf16(model)
+                if name == "student":
+                    set_compute_dtype_(runs["bf16"], torch.bfloat16)
             if "layers" in variants and name == "student":
                 runs["layers"] = copy.deepcopy(model)
                 for module in packed_modules(runs["layers"]).values():
@@ -390,7 +406,7 @@ def main() -> None:
         default=None,
         help="serve: the student's file (built and saved if absent); breakdown: the saved student",
     )
-    parser.add_argument("--variants", default="eager", help="serve: eager, compiled, layers (comma-separated)")
+    parser.add_argument("--variants", default="eager", help="serve: eager, compiled, layers, bf16 (comma-separated)")
     parser.add_argument("--torchao", default=None, help="serve: a torchao --target install to compare with")
     args = parser.parse_args()
     args.variants = tuple(args.variants.split(","))

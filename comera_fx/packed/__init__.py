@@ -26,10 +26,17 @@ all cores in one pass when they share a grid and whole groups, and the product r
 as ``TTLinear`` does. It never uses ``tt.merged``'s cached fp32 forms, which would hold fp32 factors larger than the
 codes.
 
+``set_compute_dtype_(model, torch.bfloat16)`` (or ``"auto"``: bf16 where the CPU multiplies it natively) makes the
+packed layers rebuild their weights in bf16 and multiply in bf16 (fp32 accumulation, fp32 output) for calls of at
+least ``linear.LOW_PRECISION_MIN_ROWS`` tokens; the default multiplies in the input's dtype (fp32: exact products of
+the stored weights).
+
 The package: ``workspace`` (the shared per-thread buffers), ``linear`` (``PackedLinear``), ``tt``
-(``PackedTTLinear``), ``convert`` (swapping modules in a model, and the save / load manifests).
+(``PackedTTLinear``), ``convert`` (swapping modules in a model, and the save / load manifests), ``compute`` (the
+compute dtype).
 """
 
+from .compute import bf16_native, set_compute_dtype_
 from .convert import (
     install_packed,
     pack_linears_,
@@ -47,6 +54,7 @@ __all__ = [
     "SCALES_SUFFIX",
     "PackedLinear",
     "PackedTTLinear",
+    "bf16_native",
     "dequantize_stored",
     "install_packed",
     "kernel_group",
@@ -58,6 +66,7 @@ __all__ = [
     "packed_tt_from_quantized",
     "packed_tt_manifest",
     "reference_weight",
+    "set_compute_dtype_",
     "tt_core_specs",
     "workspace_bytes",
 ]

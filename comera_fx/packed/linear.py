@@ -16,9 +16,21 @@ SCALES_SUFFIX = "weight_scales"
 #: What ``PackedLinear._code_grid`` multiplies the codes of each width by (the scales are divided by it).
 CODE_UNIT = {4: 16}
 
+#: The fewest rows (tokens) a call needs for a packed layer's ``compute_dtype`` to apply; fewer run in the input's
+#: dtype. Why: at 13 tokens rebuilding the weight in bf16 and the bf16 GEMM cost as much as in fp32 or more (a
+#: grouped 384 x 1536 int4 layer 413 against 357 us; the 8x MiniLM student 13.9 against 11.3 ms), at 640 tokens
+#: 2.5-3x less (benchmarks/history/2026-12-06-issue-46-session9.md).
+LOW_PRECISION_MIN_ROWS = 64
+
 #: How ``PackedLinear`` holds int4 codes in memory: 2 = 4-bit two's complement. Objects pickled whole
 #: (``torch.save(module)``) before the attribute existed held them offset by 8; ``__setstate__`` converts them.
 CODE_FORMAT = 2
+
+
+def low_precision(compute_dtype: torch.dtype | None, x: Tensor, in_features: int) -> bool:
+    """Whether a packed layer with ``compute_dtype`` multiplies ``x`` in it: another dtype than x's, and at least
+    ``LOW_PRECISION_MIN_ROWS`` rows."""
+    return compute_dtype is not None and compute_dtype != x.dtype and x.numel() >= LOW_PRECISION_MIN_ROWS * in_features
 
 
 def kernel_group(spec: QuantSpec, rows: int, cols: int) -> int:
@@ -61,6 +73,9 @@ class PackedLinear(nn.Module):
         self.register_buffer("scales", torch.empty(out_features, in_features // self.kgroup, device=device))
         self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
         self.code_format = CODE_FORMAT
+
+    #: The dtype the GEMM runs in (``set_compute_dtype_``); None: the input's. A runtime choice, not saved.
+    compute_dtype: torch.dtype | None = None
 
     def __setstate__(self, state):
         """A module pickled whole by older code held int4 codes offset by 8 (nibble = code + 8); in two's complement
@@ -140,6 +155,8 @@ class PackedLinear(nn.Module):
         otherwise, and always when compiled or exported, on the weight, and the bias rides in the GEMM. In eager
         calls that record no gradient of x, the floats go into the shared workspace a block of rows at a time
         (``_forward_in_blocks``)."""
+        if low_precision(self.compute_dtype, x, self.in_features):
+            return self._forward_low_precision(x, self.compute_dtype)
         rows, cols, scales = self.out_features, self.in_features, self._unit_scales(x.dtype)
         bias = None if self.bias is None else self.bias.to(x.dtype)
         shared = (
@@ -157,6 +174,37 @@ class PackedLinear(nn.Module):
             return F.linear(x, grid, bias)
         out = F.linear(x, grid) * scales[:, 0]
         return out if bias is None else out + bias
+
+    def _forward_low_precision(self, x: Tensor, dtype: torch.dtype) -> Tensor:
+        """``forward`` with the GEMM in ``dtype`` (bf16 / fp16) and the result in x's dtype: x is rounded to
+        ``dtype``, the codes are exact in it (at most 8 bits), the products accumulate in fp32 and the output is
+        rounded to ``dtype``. One scale per row goes on the output in x's dtype (the weight exact); scales per group
+        go on the weight in ``dtype`` (the scale and its product with the code each rounded to it). A block of
+        output rows at a time in the shared workspace in eager calls that record no gradient
+        (``workspace.chunk_rows``)."""
+        rows, cols, kgroup = self.out_features, self.in_features, self.kgroup
+        scales = self._unit_scales(x.dtype)
+        low_scales = scales.to(dtype) if kgroup != cols else None
+        x2 = x.reshape(-1, cols).to(dtype)
+        shared = workspace.REUSE_WORKSPACE and not torch.compiler.is_compiling() and not torch.is_grad_enabled()
+        step = workspace.chunk_rows(rows, cols * x2.element_size()) if shared else rows
+        blocks = []
+        for start in range(0, rows, step):
+            end = min(rows, start + step)
+            out = None
+            if shared:
+                out = workspace.shared((end - start) * cols, dtype, x.device).view(end - start, cols)
+            grid = self._code_grid(dtype, start, end, out=out)
+            if kgroup != cols:  # in ``dtype`` (a mixed-dtype in-place multiply converts the whole grid: 15x slower)
+                grid.view(end - start, -1, kgroup).mul_(low_scales[start:end, :, None])
+            blocks.append(torch.mm(x2, grid.t()))
+        product = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        if kgroup == cols:
+            out = product * scales[:, 0] if bias is None else torch.addcmul(bias, product, scales[:, 0])
+        else:
+            out = product.to(x.dtype) if bias is None else torch.add(bias, product)
+        return out.view(x.shape[:-1] + (rows,))
 
     def _forward_in_blocks(self, x: Tensor, scales: Tensor, bias: Tensor | None) -> Tensor:
         """``forward`` with the weight rebuilt a block of output rows at a time into the shared workspace
@@ -258,6 +306,7 @@ class PackedLinear(nn.Module):
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, int{self.spec.bits} "
             f"group {self.spec.group_size}, bias={self.bias is not None}"
+            + ("" if self.compute_dtype is None else f", compute_dtype={self.compute_dtype}")
         )
 
 

@@ -15,6 +15,7 @@ from ..tt.layers import TTLinear, TTMatrix
 from ..tt.plan_cache import choose_plan, planned_envelope
 from ..tt.layout import TTLayout
 from . import workspace
+from .linear import low_precision
 
 
 def _versions(tensors) -> tuple | None:
@@ -70,6 +71,9 @@ class PackedTTLinear(nn.Module):
     The product runs the planner's forward-only plan for the batch size (``planned_envelope(...,
     backward=False)``), pinned at construction, so the module compiles and exports (``comera_fx.export`` pins one
     plan per range through ``tt.layers.choose_plan``) without planning inside a trace."""
+
+    #: The dtype the cores and the product run in (``set_compute_dtype_``); None: the input's. Not saved.
+    compute_dtype: torch.dtype | None = None
 
     def __init__(
         self,
@@ -242,7 +246,10 @@ class PackedTTLinear(nn.Module):
         """The planner's forward-only plan for x's token count on the gated cores. In eager calls that record no
         gradient, with all cores on one grid, the cores are dequantized into the shared workspace with the gates
         folded in (``_gated_cores_shared``); otherwise built anew (traceable)."""
-        bias = None if self.bias is None else self.bias.to(x.dtype)
+        low = low_precision(self.compute_dtype, x, self.in_features) and not self.stored_empty
+        if low:  # the plan on cores and input rounded to compute_dtype; the bias added in x's dtype after
+            result, x = x, x.to(self.compute_dtype)
+        bias = None if self.bias is None or low else self.bias.to(x.dtype)
         if self.stored_empty:
             out = x[..., :0] @ x.new_zeros(0, self.out_features)
             return out if bias is None else out + bias
@@ -262,7 +269,10 @@ class PackedTTLinear(nn.Module):
         if envelope is None:  # a module whose pins were dropped and not remade (never in normal use)
             envelope = planned_envelope(self.layout, self.op, device=x.device, backward=False)
         chosen = choose_plan(envelope, x.numel() // self.in_features)
-        return planner.execute(chosen, x, cores, self.layout, bias)
+        out = planner.execute(chosen, x, cores, self.layout, bias)
+        if not low:
+            return out
+        return out.to(result.dtype) if self.bias is None else torch.add(self.bias.to(result.dtype), out)
 
     def nbytes(self) -> int:
         """Bytes held in memory by the codes and scales: the cores' stored bytes (gates and bias not counted, as
@@ -329,6 +339,7 @@ class PackedTTLinear(nn.Module):
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, ranks={self.layout.ranks}, "
             f"cores {', '.join(bits)}, bias={self.bias is not None}"
+            + ("" if self.compute_dtype is None else f", compute_dtype={self.compute_dtype}")
         )
 
 
