@@ -12,7 +12,7 @@ from torch import nn
 
 import comera_fx
 from comera_fx import TensorizeConfig
-from comera_fx.packed import PackedLinear, PackedTTLinear
+from comera_fx.packed import PackedLinear, PackedTTLinear, bf16_native
 from comera_fx.pretrained import DistillConfig, compress_
 from comera_fx.pretrained.distill_config import repeated_blocks, resolved
 from comera_fx.pretrained.format_select import CORE_BITS
@@ -88,6 +88,8 @@ def test_one_call_builds_trains_rounds_and_packs(tmp_path):
     assert total == summary.stored_bytes <= 0.2 * summary.dense_bytes
     assert comera_fx.quantize.stored_bytes(student, "encoder.") == total  # packed layers count as stored
     assert str(summary).startswith("comera_fx.compress_: 12 layers")
+    # the bf16 hint appears exactly where this CPU has native bf16 (comera_fx.packed.set_compute_dtype_)
+    assert any("set_compute_dtype_" in note for note in summary.notes) == bf16_native()
     comera_fx.save_tensorized(student, tmp_path / "s.st")
     loaded = comera_fx.load_tensorized(tmp_path / "s.st", tiny_bert)
     with torch.no_grad():
