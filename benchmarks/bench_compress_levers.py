@@ -19,7 +19,8 @@ consecutive training texts joined into long rows, ``examples/compress_pretrained
 recipe's 0.5; ``short`` 0, ``mix`` 0.5, ``long`` 1, or a number), ``ref`` (the share of the batches from the Python
 reference topics, ``examples/compress_pretrained.py --reference-fraction``; taken from the single texts' share),
 ``clip`` (0: int grids at max|w| scales, for the format choice and the build, as before 2026-12-06; 1, the default:
-scales searched with the calibrated input importance, ``comera_fx.quantize.CLIP_RATIOS``; each its own cached start).
+scales searched with the calibrated input importance, ``comera_fx.quantize.CLIP_RATIOS``; each its own cached start),
+``bs`` (rows a training batch; the recipe's 32; the calibration batches stay the recipe's).
 ``baselines`` as a variant: int8 and int4 per output channel and int4 in groups of 64, rounded, no training, with
 max|w| scales and with searched ones.
 ``--save DIR`` keeps each variant's student (``save_tensorized``), e.g. for ``bench_distill_formats.py serve
@@ -69,13 +70,20 @@ def parse_variant(text: str) -> dict:
 DATA_SHARES = {"short": 0.0, "mix": 0.5, "long": 1.0}
 
 
-def sampler(data: dict, kind: str, seed: int, reference: float = 0.0):
+def sampler(data: dict, kind: str, seed: int, reference: float = 0.0, batch_size: int | None = None):
     """The recipe's batches (``kind`` "base") or those with another share of long rows (a ``DATA_SHARES`` name or
     a number); ``reference``: that share of the batches from the Python reference topics (the rest stays
-    single texts)."""
+    single texts); ``batch_size``: rows a batch (the recipe's 32 by default)."""
     share = RECIPE["long_fraction"] if kind == "base" else DATA_SHARES.get(kind)
     share = float(kind) if share is None else share
-    ns = argparse.Namespace(**{**RECIPE, "long_fraction": share, "reference_fraction": reference})
+    ns = argparse.Namespace(
+        **{
+            **RECIPE,
+            "long_fraction": share,
+            "reference_fraction": reference,
+            "batch_size": batch_size or RECIPE["batch_size"],
+        }
+    )
     return cp.training_sampler(data, ns, seed=seed)
 
 
@@ -180,7 +188,7 @@ def run_variant(name, teacher, data, start, args) -> dict:
         summary = compress_(
             student,
             teacher,
-            sampler(data, spec.get("data", "base"), args.seed, float(spec.get("ref", 0.0))),
+            sampler(data, spec.get("data", "base"), args.seed, float(spec.get("ref", 0.0)), int(spec.get("bs", 0))),
             byte_budget=args.budget,
             budget_seconds=args.budget_seconds,
             steps=args.steps,

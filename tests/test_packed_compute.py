@@ -13,6 +13,7 @@ import comera_fx
 from comera_fx.packed import PackedLinear, PackedTTLinear, pack_linears_, set_compute_dtype_, workspace
 from comera_fx.packed import compute as compute_module
 from comera_fx.packed.linear import LOW_PRECISION_MIN_ROWS
+from comera_fx.packed.tt import LOW_PRECISION_MIN_ROWS as TT_MIN_ROWS
 from comera_fx.quantize import QuantSpec, dequantize, quantize_groups
 
 #: Relative (Frobenius) error of a product whose input and output are rounded to bf16 (2^-9 each, relative): a few
@@ -81,13 +82,13 @@ def test_packed_tt_in_low_precision_is_the_stored_cores_product():
     for layer in (model[0], model[2]):
         packed = PackedTTLinear.from_tt_linear(layer)
         packed.compute_dtype = torch.bfloat16
-        x = torch.randn(LOW_PRECISION_MIN_ROWS + 6, packed.in_features)
+        x = torch.randn(TT_MIN_ROWS + 6, packed.in_features)
         for mode in (torch.inference_mode, torch.enable_grad):
             with mode():
                 out = packed(x)
             assert out.dtype == torch.float32
             assert 1e-5 < relative_error(out.detach(), packed_tt_reference(packed, x)) < BF16_TOLERANCE
-        few = torch.randn(5, packed.in_features)
+        few = torch.randn(TT_MIN_ROWS - 1, packed.in_features)  # one row short of the floor: fp32, exact
         torch.testing.assert_close(packed(few).double(), packed_tt_reference(packed, few), rtol=0, atol=2e-5)
 
 

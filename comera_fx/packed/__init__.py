@@ -28,8 +28,8 @@ codes.
 
 ``set_compute_dtype_(model, torch.bfloat16)`` (or ``"auto"``: bf16 where the CPU multiplies it natively) makes the
 packed layers rebuild their weights in bf16 and multiply in bf16 (fp32 accumulation, fp32 output) for calls of at
-least ``linear.LOW_PRECISION_MIN_ROWS`` tokens; the default multiplies in the input's dtype (fp32: exact products of
-the stored weights).
+least ``linear.LOW_PRECISION_MIN_ROWS`` tokens (``tt.LOW_PRECISION_MIN_ROWS`` for TT layers); the default
+multiplies in the input's dtype (fp32: exact products of the stored weights).
 
 The package: ``workspace`` (the shared per-thread buffers), ``linear`` (``PackedLinear``), ``tt``
 (``PackedTTLinear``), ``convert`` (swapping modules in a model, and the save / load manifests), ``compute`` (the

@@ -27,14 +27,14 @@ def bf16_native() -> bool:
 def set_compute_dtype_(model: nn.Module, dtype: torch.dtype | str | None) -> torch.dtype | None:
     """Make every packed layer of ``model`` run its GEMM in ``dtype`` and return the dtype set.
 
-    ``torch.bfloat16`` / ``torch.float16``: in calls of at least ``linear.LOW_PRECISION_MIN_ROWS`` tokens each
-    layer's input is rounded to it, the rebuilt weight is in it (the codes exactly; where a row has several groups,
-    the scale and its product with the code each rounded), the products accumulate in fp32 and the output (rounded
-    to ``dtype``) comes back in the input's dtype, bias and per-row scale applied in it: with bf16 about 3e-3 of
-    the output's norm (2^-9 per rounding), far below the int4 grid's error. ``None``: the input's dtype (fp32: the
-    exact products of the stored weights; the default). ``"auto"``: bf16 if ``bf16_native()``, else None. The
-    rest of the model is untouched; the setting is not in the ``state_dict`` (set it again after
-    ``load_tensorized``)."""
+    ``torch.bfloat16`` / ``torch.float16``: in calls of at least ``linear.LOW_PRECISION_MIN_ROWS`` tokens (64;
+    ``tt.LOW_PRECISION_MIN_ROWS``, 384, for TT / low-rank layers: below them bf16 measured slower) each layer's
+    input is rounded to it, the rebuilt weight is in it (the codes exactly; where a row has several groups, the
+    scale and its product with the code each rounded), the products accumulate in fp32 and the output (rounded to
+    ``dtype``) comes back in the input's dtype, bias and per-row scale applied in it: with bf16 about 3e-3 of the
+    output's norm (2^-9 per rounding), far below the int4 grid's error. ``None``: the input's dtype (fp32: the
+    exact products of the stored weights; the default). ``"auto"``: bf16 if ``bf16_native()``, else None. The rest
+    of the model is untouched; the setting is not in the ``state_dict`` (set it again after ``load_tensorized``)."""
     if isinstance(dtype, str):
         if dtype != "auto":
             raise ValueError(f'dtype must be torch.bfloat16, torch.float16, None or "auto"; got {dtype!r}')

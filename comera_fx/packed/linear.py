@@ -16,10 +16,10 @@ SCALES_SUFFIX = "weight_scales"
 #: What ``PackedLinear._code_grid`` multiplies the codes of each width by (the scales are divided by it).
 CODE_UNIT = {4: 16}
 
-#: The fewest rows (tokens) a call needs for a packed layer's ``compute_dtype`` to apply; fewer run in the input's
-#: dtype. Why: at 13 tokens rebuilding the weight in bf16 and the bf16 GEMM cost as much as in fp32 or more (a
-#: grouped 384 x 1536 int4 layer 413 against 357 us; the 8x MiniLM student 13.9 against 11.3 ms), at 640 tokens
-#: 2.5-3x less (benchmarks/history/2026-12-06-issue-46-session9.md).
+#: The fewest rows (tokens) a call needs for a ``PackedLinear``'s ``compute_dtype`` to apply; fewer run in the
+#: input's dtype. Why: bf16 over fp32 time of MiniLM's int4 layers on an AMX CPU was 0.85-1.37x at 13 tokens,
+#: 0.70-1.05x at 32, 0.59-0.94x at 64 and 0.31-0.76x at 640 (the weight's rebuild decides at few tokens; the 8x
+#: student at 13 tokens 13.9 against 11.3 ms; benchmarks/history/2026-12-06-issue-46-session9.md).
 LOW_PRECISION_MIN_ROWS = 64
 
 #: How ``PackedLinear`` holds int4 codes in memory: 2 = 4-bit two's complement. Objects pickled whole
@@ -27,10 +27,10 @@ LOW_PRECISION_MIN_ROWS = 64
 CODE_FORMAT = 2
 
 
-def low_precision(compute_dtype: torch.dtype | None, x: Tensor, in_features: int) -> bool:
+def low_precision(compute_dtype: torch.dtype | None, x: Tensor, in_features: int, min_rows: int) -> bool:
     """Whether a packed layer with ``compute_dtype`` multiplies ``x`` in it: another dtype than x's, and at least
-    ``LOW_PRECISION_MIN_ROWS`` rows."""
-    return compute_dtype is not None and compute_dtype != x.dtype and x.numel() >= LOW_PRECISION_MIN_ROWS * in_features
+    ``min_rows`` rows."""
+    return compute_dtype is not None and compute_dtype != x.dtype and x.numel() >= min_rows * in_features
 
 
 def kernel_group(spec: QuantSpec, rows: int, cols: int) -> int:
@@ -155,7 +155,7 @@ class PackedLinear(nn.Module):
         otherwise, and always when compiled or exported, on the weight, and the bias rides in the GEMM. In eager
         calls that record no gradient of x, the floats go into the shared workspace a block of rows at a time
         (``_forward_in_blocks``)."""
-        if low_precision(self.compute_dtype, x, self.in_features):
+        if low_precision(self.compute_dtype, x, self.in_features, LOW_PRECISION_MIN_ROWS):
             return self._forward_low_precision(x, self.compute_dtype)
         rows, cols, scales = self.out_features, self.in_features, self._unit_scales(x.dtype)
         bias = None if self.bias is None else self.bias.to(x.dtype)

@@ -18,6 +18,13 @@ from . import workspace
 from .linear import low_precision
 
 
+#: The fewest rows (tokens) a call needs for a ``PackedTTLinear``'s ``compute_dtype`` to apply (``PackedLinear``'s
+#: is ``linear.LOW_PRECISION_MIN_ROWS``). Why: a rank-96 low-rank 384 x 384 layer with int4 cores ran 1.83x slower
+#: in bf16 at 13 tokens, 1.21x at 128, 1.04x at 256, 0.89x at 384, 0.72x at 640 (its cores are small, its casts
+#: and two skinny GEMMs are not; benchmarks/history/2026-12-06-issue-46-session9.md).
+LOW_PRECISION_MIN_ROWS = 384
+
+
 def _versions(tensors) -> tuple | None:
     """Where each tensor's storage is and how often it was written in place; None for inference tensors (they keep
     no version counter)."""
@@ -246,7 +253,7 @@ class PackedTTLinear(nn.Module):
         """The planner's forward-only plan for x's token count on the gated cores. In eager calls that record no
         gradient, with all cores on one grid, the cores are dequantized into the shared workspace with the gates
         folded in (``_gated_cores_shared``); otherwise built anew (traceable)."""
-        low = low_precision(self.compute_dtype, x, self.in_features) and not self.stored_empty
+        low = low_precision(self.compute_dtype, x, self.in_features, LOW_PRECISION_MIN_ROWS) and not self.stored_empty
         if low:  # the plan on cores and input rounded to compute_dtype; the bias added in x's dtype after
             result, x = x, x.to(self.compute_dtype)
         bias = None if self.bias is None or low else self.bias.to(x.dtype)
