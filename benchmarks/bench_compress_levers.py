@@ -20,7 +20,8 @@ recipe's 0.5; ``short`` 0, ``mix`` 0.5, ``long`` 1, or a number), ``ref`` (the s
 reference topics, ``examples/compress_pretrained.py --reference-fraction``; taken from the single texts' share),
 ``clip`` (0: int grids at max|w| scales, for the format choice and the build, as before 2026-12-06; 1, the default:
 scales searched with the calibrated input importance, ``comera_fx.quantize.CLIP_RATIOS``; each its own cached start),
-``bs`` (rows a training batch; the recipe's 32; the calibration batches stay the recipe's).
+``bs`` (rows a training batch; the recipe's 32; the calibration batches stay the recipe's), ``amp`` (``bf16``:
+``DistillConfig(autocast=torch.bfloat16)``).
 ``baselines`` as a variant: int8 and int4 per output channel and int4 in groups of 64, rounded, no training, with
 max|w| scales and with searched ones.
 ``--save DIR`` keeps each variant's student (``save_tensorized``), e.g. for ``bench_distill_formats.py serve
@@ -172,6 +173,8 @@ def run_variant(name, teacher, data, start, args) -> dict:
         config = config.replace(hidden_weight=float(spec["hw"]))
     if "val" in spec:
         config = config.replace(validation_batches=int(spec["val"]))
+    if "amp" in spec:  # amp=bf16: DistillConfig.autocast
+        config = config.replace(autocast={"bf16": torch.bfloat16, "fp16": torch.float16}[spec["amp"]])
     original = match_module.lr_factor
     match_module.lr_factor = schedule(float(spec.get("warmup", 0.05)), float(spec.get("floor", 0.1)))
     original_match = compress_module.match_teacher

@@ -25,7 +25,7 @@ QUICK = DistillConfig(calibration_batches=4, output_batches=2, progress=False)
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def tiny_bert(seed: int = 0) -> nn.Module:
+def tiny_bert(seed: int = 0, attention: str = "eager") -> nn.Module:
     torch.manual_seed(seed)
     cfg = transformers.BertConfig(
         vocab_size=VOCAB,
@@ -34,7 +34,7 @@ def tiny_bert(seed: int = 0) -> nn.Module:
         num_attention_heads=2,
         intermediate_size=64,
         max_position_embeddings=SEQ,
-        attn_implementation="eager",
+        attn_implementation=attention,
         initializer_range=0.2,
     )
     return transformers.BertModel(cfg, add_pooling_layer=False).eval()
@@ -158,3 +158,38 @@ def test_bad_input_is_refused_before_any_weight_changes(case):
     assert student.state_dict().keys() == state.keys()
     assert all(torch.equal(student.state_dict()[k], v) for k, v in state.items())
     assert not any(isinstance(m, (TTLinear, PackedLinear, PackedTTLinear)) for m in student.modules())
+
+
+def test_autocast_distills_in_bf16_with_attention_in_fp32():
+    """``DistillConfig(autocast=torch.bfloat16)``: the forward passes under autocast, attention kept in fp32
+    (``FullPrecisionAttention``), the loss close to the fp32 one from the same weights, the weights and their
+    optimizer in fp32; a dtype autocast cannot run is refused."""
+    import torch.nn.functional as F
+
+    from comera_fx.pretrained.match import FullPrecisionAttention, match_teacher
+
+    q, k, v = (torch.randn(2, 2, 8, 16) for _ in range(3))
+    with torch.autocast("cpu", dtype=torch.bfloat16), FullPrecisionAttention():
+        attended = F.scaled_dot_product_attention(q.bfloat16(), k.bfloat16(), v.bfloat16())
+        projected = F.linear(q, torch.randn(16, 16))  # everything else still autocasts
+    assert attended.dtype == torch.float32 and projected.dtype == torch.bfloat16
+    expected = F.scaled_dot_product_attention(*(t.bfloat16().float() for t in (q, k, v)))
+    torch.testing.assert_close(attended, expected, rtol=0, atol=0)
+
+    teacher = tiny_bert(attention="sdpa")
+    data = batches(4, 1)
+    start = copy.deepcopy(teacher)
+    with torch.no_grad():
+        for p in start.parameters():
+            p.add_(0.05 * torch.randn_like(p))  # a student that is not the teacher yet
+    losses = {}
+    for dtype in (None, torch.bfloat16):
+        student = copy.deepcopy(start)
+        config = DistillConfig(progress=False, autocast=dtype, lr=1e-3)
+        losses[dtype], _, _ = match_teacher(student, teacher, data, steps=3, config=config)
+        assert all(p.dtype == torch.float32 for p in student.parameters())
+    assert all(math.isfinite(x) for x in losses[torch.bfloat16])
+    assert losses[torch.bfloat16][0] == pytest.approx(losses[None][0], rel=0.05)  # the same weights, bf16 GEMMs
+    assert losses[torch.bfloat16][0] != losses[None][0]  # it did run in bf16
+    with pytest.raises(ValueError, match="autocast must be torch.bfloat16"):
+        DistillConfig(autocast=torch.float64)

@@ -416,3 +416,30 @@ def test_backward_under_cpu_autocast_matches_float32():
     )
     reference = copy.deepcopy(model)
     assert_bf16_autocast_grads_close(model, reference, torch.randn(32, 64))
+
+
+def test_backward_gemms_run_in_the_forwards_autocast_dtype():
+    """Under bf16 autocast the planned backward's GEMMs run in bf16 as autocast runs a built-in op's backward in its
+    forward's dtype (they ran in fp32 before: the operands were promoted), and the cores still get fp32 gradients."""
+    import comera_fx
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class GemmDtypes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+                self.seen.append(args[-1].dtype)
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    layer = comera_fx.TTLinear.from_dense(torch.nn.Linear(128, 64), max_rank=4)
+    x = torch.randn(32, 128, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(x)
+    with GemmDtypes() as backward:
+        y.float().sum().backward()
+    assert backward.seen and set(backward.seen) == {torch.bfloat16}
+    assert all(p.grad.dtype == torch.float32 for p in layer.parameters()) and x.grad.dtype == torch.float32

@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from ..checks import check_config_type
@@ -25,6 +26,9 @@ LossFn = Callable[[Tensor, Tensor], Tensor]
 # lifted other-source cosine from 0.943 (last 30 %) to 0.953 (benchmarks/history/2026-12-05-issue-46-quality.md);
 # the weights never drift to float values that rounding then undoes.
 QUANT_AWARE_SHARE = 1.0
+
+#: The dtypes ``DistillConfig(autocast=)`` takes.
+AUTOCAST_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def relative_mse(student: Tensor, teacher: Tensor) -> Tensor:
@@ -101,6 +105,11 @@ class DistillConfig:
     batches stay as given). ``progress``: a tqdm bar (rank 0 only under ``torch.distributed``). ``clock``: seconds
     for ``budget_seconds`` (default ``time.perf_counter``).
 
+    ``autocast``: both models' forward passes under ``torch.autocast`` in this dtype, so their GEMMs (and the TT
+    layers' backward GEMMs) run in it, attention (``scaled_dot_product_attention``) kept in fp32; the weights, the
+    optimizer and the loss stay fp32. Pays where the CPU multiplies bf16 natively (``comera_fx.packed.bf16_native()``:
+    AMX); elsewhere bf16 GEMMs are slower than fp32. None (default): fp32 throughout.
+
     ``compress_`` only: ``output_batches`` of the calibration batches (at most all of them) score the format
     candidates at the output; ``pack`` swaps the int8 / int4 layers for ``PackedLinear`` and the TT layers with
     quantized cores for ``PackedTTLinear`` at the end (codes in memory, rebuilt to fp32 per call);
@@ -124,6 +133,7 @@ class DistillConfig:
     validation_batches: int = 2
     progress: bool = True
     clock: Callable[[], float] | None = None
+    autocast: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         if not (_is_number(self.lr) and self.lr > 0):
@@ -164,6 +174,10 @@ class DistillConfig:
             or self.validation_batches < 0
         ):
             raise ValueError(f"validation_batches must be an int >= 0; got {self.validation_batches!r}")
+        if self.autocast is not None and self.autocast not in AUTOCAST_DTYPES:
+            raise ValueError(
+                f"autocast must be torch.bfloat16, torch.float16 or None (fp32 throughout); got {self.autocast!r}"
+            )
         if self.augment is not None and not isinstance(self.augment, Augmentation):
             raise ValueError(
                 f"augment must be a comera_fx.pretrained.Augmentation (e.g. augment=Augmentation()) or None; "

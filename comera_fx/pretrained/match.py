@@ -12,7 +12,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 from torch.nn.parallel import DistributedDataParallel
 
 from ..quantize import on_grid, quantized_specs
@@ -79,6 +81,7 @@ def match_teacher(
     augmenter = Augmenter(config.augment) if config.augment is not None else None
     output_fn = config.output_fn or default_output
     clock = config.clock or time.perf_counter
+    autocast = autocast_context(config.autocast, model_device(student))
     hidden_modules, quant_aware, blockwise = config.hidden_modules, config.quant_aware, config.blockwise_fraction
     notes: list[str] = []
     trainable = [p for p in student.parameters() if p.requires_grad]
@@ -137,12 +140,14 @@ def match_teacher(
             if feed is not None:
                 feed.active = max(done) < blockwise
                 feed.new_step()
-            with torch.no_grad():
-                target = output_fn(call_model(teacher, batch)).detach()
-                t_hidden = {k: v.detach() for k, v in t_capture.outputs.items()} if t_capture else {}
+            with torch.no_grad(), autocast():
+                target = output_fn(call_model(teacher, batch)).detach().float()
+                t_hidden = {k: v.detach().float() for k, v in t_capture.outputs.items()} if t_capture else {}
             with on_grid(student) if quant_aware and max(done) >= 1 - quant_aware else contextlib.nullcontext():
-                out = output_fn(call_model(model, batch))
-                loss = matched_loss(config, out, target, s_capture.outputs if s_capture else {}, t_hidden)
+                with autocast():
+                    out = output_fn(call_model(model, batch))
+                s_hidden = {k: v.float() for k, v in s_capture.outputs.items()} if s_capture else {}
+                loss = matched_loss(config, out.float(), target, s_hidden, t_hidden)
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
             if observe is not None:
@@ -202,6 +207,38 @@ def lr_factor(progress: float, warmup: float = 0.05) -> float:
         return (progress + 1e-3) / warmup
     p = min(1.0, (progress - warmup) / (1 - warmup))
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * p))
+
+
+class FullPrecisionAttention(TorchFunctionMode):
+    """Inside autocast, ``scaled_dot_product_attention`` in fp32: its CPU backward in bf16 took 26 ms a call against
+    5.3 ms in fp32 (MiniLM, 32 x 128 tokens; benchmarks/history/2026-12-06-issue-46-session9.md), and the
+    softmax keeps its precision."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        device = args[0].device.type
+        with torch.autocast(device, enabled=False):
+            args = [a.float() if isinstance(a, Tensor) and a.is_floating_point() else a for a in args]
+            kwargs = {k: v.float() if isinstance(v, Tensor) and v.is_floating_point() else v for k, v in kwargs.items()}
+            return func(*args, **kwargs)
+
+
+def autocast_context(
+    dtype: torch.dtype | None, device: torch.device
+) -> Callable[[], contextlib.AbstractContextManager]:
+    """A factory of the forward passes' context for ``DistillConfig.autocast``: autocast to ``dtype`` with attention
+    in fp32 (``FullPrecisionAttention``); a no-op for None."""
+    if dtype is None:
+        return contextlib.nullcontext
+
+    @contextlib.contextmanager
+    def context():
+        with torch.autocast(device.type, dtype=dtype), FullPrecisionAttention():
+            yield
+
+    return context
 
 
 def model_device(model: nn.Module) -> torch.device:

@@ -180,9 +180,19 @@ class PlanRunner:
             out = out + (bias.to(out.dtype) if _autocasting(out) else bias)
         return out.reshape(x.shape[:-1] + (self.n_out,)), lefts, rights
 
-    def backward(self, lefts: Sequence, rights: Sequence, dy, need_x: bool = True, bias_in_gemm: bool = False):
+    def backward(
+        self,
+        lefts: Sequence,
+        rights: Sequence,
+        dy,
+        need_x: bool = True,
+        bias_in_gemm: bool = False,
+        gemm_dtype: torch.dtype | None = None,
+    ):
         """(dx or None, [d core_k], d_bias or None) from the kept operands and the output gradient dy (..., n_out);
-        d_bias only when the forward carried the bias in the padded bond (``bias_in_gemm``)."""
+        d_bias only when the forward carried the bias in the padded bond (``bias_in_gemm``). ``gemm_dtype``: the
+        forward's autocast dtype, in which the backward's GEMMs run too (as autocast runs a built-in op's backward in
+        its forward's dtype); None: each GEMM in the wider of its operands' dtypes."""
         steps, instructions = self.steps, self.instructions
         n_steps = len(steps)
         grad = dy.reshape(-1, self.n_out)
@@ -201,12 +211,12 @@ class PlanRunner:
             d_out = grads[step.result].reshape(-1 if step.batched else step.m, width)
             grads[step.result] = None
             if step.left != 0 or need_x:
-                d_left = _mm(d_out, rights[i].t())
+                d_left = _mm(d_out, rights[i].t(), gemm_dtype)
                 grads[step.left] = _unview(d_left, inst.left_view, inst.left_dims, step.m, step.k, step.batched)
             if width < _NARROW_GRADIENT:  # Aᵀ·dC with few columns: as (dCᵀ·A)ᵀ, the same numbers
-                d_right = _mm(d_out.t(), lefts[i]).t()
+                d_right = _mm(d_out.t(), lefts[i], gemm_dtype).t()
             else:
-                d_right = _mm(lefts[i].t(), d_out)
+                d_right = _mm(lefts[i].t(), d_out, gemm_dtype)
             if bias_in_gemm and i == n_steps - 1:
                 d_bias = d_right[step.k]
             if tuple(d_right.shape) != (step.k, step.n):  # drop the padded slices' gradients
@@ -256,9 +266,12 @@ def _autocasting(t) -> bool:
     return torch.is_autocast_enabled(t.device.type)
 
 
-def _mm(a, b):
-    """torch.mm in the wider of the two dtypes: under autocast the forward's GEMMs ran in bf16 on fp32 cores, so
-    backward meets a bf16 gradient and fp32 operands (autograd casts each gradient back to its input's dtype)."""
+def _mm(a, b, dtype: torch.dtype | None = None):
+    """torch.mm in ``dtype`` (the forward's autocast dtype), else in the wider of the two dtypes: under autocast
+    the forward's GEMMs ran in bf16 on fp32 cores, so backward meets a bf16 gradient and fp32 operands (autograd
+    casts each gradient back to its input's dtype)."""
+    if dtype is not None:
+        return torch.mm(a.to(dtype), b.to(dtype))
     if a.dtype != b.dtype:
         dtype = torch.promote_types(a.dtype, b.dtype)
         a, b = a.to(dtype), b.to(dtype)
@@ -297,13 +310,14 @@ def _make_function(chosen: Plan) -> type:
             out, lefts, rights = runner.forward(x, cores, bias=bias)
             ctx.save_for_backward(*lefts, *rights)
             ctx.bias_in_gemm = runner.bias_in_gemm(x, bias)
+            ctx.gemm_dtype = torch.get_autocast_dtype(x.device.type) if _autocasting(x) else None
             return not_a_view(out)
 
         @staticmethod
         def backward(ctx, dy):
             saved = ctx.saved_tensors
             dx, core_grads, d_bias = runner.backward(
-                saved[:n_steps], saved[n_steps:], dy, ctx.needs_input_grad[0], ctx.bias_in_gemm
+                saved[:n_steps], saved[n_steps:], dy, ctx.needs_input_grad[0], ctx.bias_in_gemm, ctx.gemm_dtype
             )
             if ctx.needs_input_grad[1] and d_bias is None:
                 d_bias = dy.reshape(-1, dy.shape[-1]).sum(0)
