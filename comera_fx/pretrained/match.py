@@ -141,13 +141,13 @@ def match_teacher(
                 feed.active = max(done) < blockwise
                 feed.new_step()
             with torch.no_grad(), autocast():
-                target = output_fn(call_model(teacher, batch)).detach().float()
-                t_hidden = {k: v.detach().float() for k, v in t_capture.outputs.items()} if t_capture else {}
+                target = widened(output_fn(call_model(teacher, batch)).detach())
+                t_hidden = {k: widened(v.detach()) for k, v in t_capture.outputs.items()} if t_capture else {}
             with on_grid(student) if quant_aware and max(done) >= 1 - quant_aware else contextlib.nullcontext():
                 with autocast():
                     out = output_fn(call_model(model, batch))
-                s_hidden = {k: v.float() for k, v in s_capture.outputs.items()} if s_capture else {}
-                loss = matched_loss(config, out.float(), target, s_hidden, t_hidden)
+                s_hidden = {k: widened(v) for k, v in s_capture.outputs.items()} if s_capture else {}
+                loss = matched_loss(config, widened(out), target, s_hidden, t_hidden)
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
             if observe is not None:
@@ -207,6 +207,12 @@ def lr_factor(progress: float, warmup: float = 0.05) -> float:
         return (progress + 1e-3) / warmup
     p = min(1.0, (progress - warmup) / (1 - warmup))
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * p))
+
+
+def widened(t: Tensor) -> Tensor:
+    """``t`` in fp32 if autocast left it in bf16 / fp16 (the loss in full precision), else as it is (a float64
+    model stays float64)."""
+    return t.float() if t.dtype in (torch.bfloat16, torch.float16) else t
 
 
 class FullPrecisionAttention(TorchFunctionMode):

@@ -266,6 +266,13 @@ def _autocasting(t) -> bool:
     return torch.is_autocast_enabled(t.device.type)
 
 
+def _autocast_dtype(t) -> torch.dtype | None:
+    """The autocast dtype on t's device, None where autocast is off or has no such device (meta: asking raises)."""
+    if t.device.type == "meta" or not _autocasting(t):
+        return None
+    return torch.get_autocast_dtype(t.device.type)
+
+
 def _mm(a, b, dtype: torch.dtype | None = None):
     """torch.mm in ``dtype`` (the forward's autocast dtype), else in the wider of the two dtypes: under autocast
     the forward's GEMMs ran in bf16 on fp32 cores, so backward meets a bf16 gradient and fp32 operands (autograd
@@ -310,7 +317,7 @@ def _make_function(chosen: Plan) -> type:
             out, lefts, rights = runner.forward(x, cores, bias=bias)
             ctx.save_for_backward(*lefts, *rights)
             ctx.bias_in_gemm = runner.bias_in_gemm(x, bias)
-            ctx.gemm_dtype = torch.get_autocast_dtype(x.device.type) if _autocasting(x) else None
+            ctx.gemm_dtype = _autocast_dtype(x)
             return not_a_view(out)
 
         @staticmethod
