@@ -217,8 +217,8 @@ def widened(t: Tensor) -> Tensor:
 
 class FullPrecisionAttention(TorchFunctionMode):
     """Inside autocast, ``scaled_dot_product_attention`` in fp32: its CPU backward in bf16 took 26 ms a call against
-    5.3 ms in fp32 (MiniLM, 32 x 128 tokens; benchmarks/history/2026-12-06-issue-46-session9.md), and the
-    softmax keeps its precision."""
+    5.3 ms in fp32 (MiniLM's distillation batches of 32 rows; benchmarks/history/2026-12-06-issue-46-session9.md),
+    and the softmax keeps its precision."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -226,8 +226,8 @@ class FullPrecisionAttention(TorchFunctionMode):
             return func(*args, **kwargs)
         device = args[0].device.type
         with torch.autocast(device, enabled=False):
-            args = [a.float() if isinstance(a, Tensor) and a.is_floating_point() else a for a in args]
-            kwargs = {k: v.float() if isinstance(v, Tensor) and v.is_floating_point() else v for k, v in kwargs.items()}
+            args = [widened(a) if isinstance(a, Tensor) else a for a in args]
+            kwargs = {k: widened(v) if isinstance(v, Tensor) else v for k, v in kwargs.items()}
             return func(*args, **kwargs)
 
 
