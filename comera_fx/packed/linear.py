@@ -159,13 +159,7 @@ class PackedLinear(nn.Module):
             return self._forward_low_precision(x, self.compute_dtype)
         rows, cols, scales = self.out_features, self.in_features, self._unit_scales(x.dtype)
         bias = None if self.bias is None else self.bias.to(x.dtype)
-        shared = (
-            workspace.REUSE_WORKSPACE
-            and not torch.compiler.is_compiling()
-            and type(x) is torch.Tensor
-            and not (torch.is_grad_enabled() and x.requires_grad)
-        )
-        if shared:
+        if workspace.reusable(x):
             return self._forward_in_blocks(x, scales, bias)
         grid = self._code_grid(x.dtype)
         # the output is the larger operand: finish the weight, not it (always when traced: a size test is a guard)
@@ -180,13 +174,13 @@ class PackedLinear(nn.Module):
         ``dtype``, the codes are exact in it (at most 8 bits), the products accumulate in fp32 and the output is
         rounded to ``dtype``. One scale per row goes on the output in x's dtype (the weight exact); scales per group
         go on the weight in ``dtype`` (the scale and its product with the code each rounded to it). A block of
-        output rows at a time in the shared workspace in eager calls that record no gradient
-        (``workspace.chunk_rows``)."""
+        output rows at a time in the shared workspace in eager calls that record no gradient of x
+        (``workspace.reusable``, ``workspace.chunk_rows``)."""
         rows, cols, kgroup = self.out_features, self.in_features, self.kgroup
         scales = self._unit_scales(x.dtype)
         low_scales = scales.to(dtype) if kgroup != cols else None
         x2 = x.reshape(-1, cols).to(dtype)
-        shared = workspace.REUSE_WORKSPACE and not torch.compiler.is_compiling() and not torch.is_grad_enabled()
+        shared = workspace.reusable(x)
         step = workspace.chunk_rows(rows, cols * x2.element_size()) if shared else rows
         blocks = []
         for start in range(0, rows, step):

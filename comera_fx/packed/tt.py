@@ -260,14 +260,7 @@ class PackedTTLinear(nn.Module):
         if self.stored_empty:
             out = x[..., :0] @ x.new_zeros(0, self.out_features)
             return out if bias is None else out + bias
-        shared = (
-            self._aligned
-            and workspace.REUSE_WORKSPACE
-            and not torch.compiler.is_compiling()
-            and type(x) is torch.Tensor
-            and not (torch.is_grad_enabled() and x.requires_grad)
-        )
-        if shared:
+        if self._aligned and workspace.reusable(x):
             cores = self._gated_cores_shared(x.dtype)
         else:
             gates = [g.to(x.dtype) for g in self.gates()]

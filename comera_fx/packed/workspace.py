@@ -22,6 +22,17 @@ _WORKSPACE = threading.local()
 MAX_BYTES: int | None = 5 << 18
 
 
+def reusable(x: Tensor) -> bool:
+    """Whether a packed layer's call on ``x`` may rebuild into the shared workspace: eager (not traced), a plain
+    tensor, and no gradient of x recorded (the next packed layer's call overwrites the buffer)."""
+    return (
+        REUSE_WORKSPACE
+        and not torch.compiler.is_compiling()
+        and type(x) is torch.Tensor
+        and not (torch.is_grad_enabled() and x.requires_grad)
+    )
+
+
 def chunk_rows(rows: int, row_bytes: int) -> int:
     """Rows of a weight of ``rows`` rows of ``row_bytes`` to rebuild at once: the fewest equal blocks under
     ``MAX_BYTES`` (each block is a GEMM call of its own)."""

@@ -274,9 +274,9 @@ def _autocast_dtype(t) -> torch.dtype | None:
 
 
 def _mm(a, b, dtype: torch.dtype | None = None):
-    """torch.mm in ``dtype`` (the forward's autocast dtype), else in the wider of the two dtypes: under autocast
-    the forward's GEMMs ran in bf16 on fp32 cores, so backward meets a bf16 gradient and fp32 operands (autograd
-    casts each gradient back to its input's dtype)."""
+    """torch.mm in ``dtype`` (the forward's autocast dtype: its GEMMs ran in bf16 on fp32 cores, so backward meets
+    a bf16 gradient and fp32 operands; autograd casts each gradient back to its input's dtype), else in the wider of
+    the two dtypes."""
     if dtype is not None:
         return torch.mm(a.to(dtype), b.to(dtype))
     if a.dtype != b.dtype:
