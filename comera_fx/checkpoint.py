@@ -107,14 +107,25 @@ def manifest_of(model: nn.Module) -> dict:
     }
 
 
+def non_persistent_buffers(model: nn.Module) -> dict[str, Tensor]:
+    """The buffers registered with ``persistent=False`` (not in the state_dict), by name. Not those a module's own
+    ``_save_to_state_dict`` writes in another form (packed codes: their portable form is in the state_dict, their
+    in-memory layout is the module's business)."""
+    found = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        for name in module._non_persistent_buffers_set:
+            buffer = module._buffers.get(name)
+            if buffer is not None:
+                found[f"{prefix}.{name}" if prefix else name] = buffer
+    return found
+
+
 def save_tensorized(model: nn.Module, path: str | Path) -> dict:
     """Write the model's state and TT manifest to ``path`` (one file); returns the manifest."""
     manifest = manifest_of(model)
     state = model.state_dict()
-    persistent = set(state)
-    for name, buffer in model.named_buffers(remove_duplicate=False):
-        if name not in persistent and buffer is not None:
-            state[_BUFFER_PREFIX + name] = buffer.detach()
+    for name, buffer in non_persistent_buffers(model).items():
+        state[_BUFFER_PREFIX + name] = buffer.detach()
     tensors: dict[str, Tensor] = {}
     aliases: dict[str, str] = {}
     seen: dict[tuple, str] = {}
@@ -252,12 +263,13 @@ def load_tensorized(
     for key, target in manifest.get("aliases", {}).items():
         if target in specs:
             set_spec(model, key, specs[target])
-    named = dict(model.named_buffers(remove_duplicate=False))
+    named, loose = dict(model.named_buffers(remove_duplicate=False)), non_persistent_buffers(model)
     with torch.no_grad():
         for name, value in buffers.items():
             if name not in named:
                 raise ValueError(f"{path}: the saved buffer {name!r} is not in the model build_fn builds")
-            named[name].copy_(value)
+            if name in loose:  # files of older versions also hold buffers the state_dict carries in its own form
+                loose[name].copy_(value)
     prepare_plans_under(model)  # ready to compile: traced code reads the plans, it does not make them
     return model
 
