@@ -34,7 +34,7 @@ common.use_this_checkout()
 cp = common.load_example("compress_pretrained")
 
 import comera_fx  # noqa: E402
-from comera_fx.packed import packed_modules, set_compute_dtype_, workspace_bytes  # noqa: E402
+from comera_fx.packed import cpu_kernel, packed_modules, set_compute_dtype_, workspace_bytes  # noqa: E402
 
 
 def data(args):
@@ -159,6 +159,26 @@ def autocast_bf16(model):
     return run
 
 
+def without_kernel(path, builder):
+    """The student of ``path`` loaded and called with ``comera_fx.packed.cpu_kernel`` off: codes held row by row,
+    weights rebuilt each call (the path before the kernel, and the one on CPUs without AVX-512), for a comparison
+    in the same run."""
+    cpu_kernel.USE_KERNEL = False
+    try:
+        model = comera_fx.load_tensorized(path, builder, pack=True).eval()
+    finally:
+        cpu_kernel.USE_KERNEL = True
+
+    def run(**inputs):
+        cpu_kernel.USE_KERNEL = False
+        try:
+            return model(**inputs)
+        finally:
+            cpu_kernel.USE_KERNEL = True
+
+    return run
+
+
 def measure_serving(
     teacher, student, builder, batch, encoded, repeats: int, *, path=None, variants=("eager",), ao=None
 ) -> dict:
@@ -166,9 +186,9 @@ def measure_serving(
     (``load_tensorized(pack=True)``), and compare with the fp32 ``teacher``: bytes of the encoder linears stored /
     held, the process RSS the load added, latency at batch 1 and 64. ``variants``: "eager", "compiled"
     (``torch.compile`` of each whole model, timed after a warm-up call per shape), "layers" (the student with each
-    packed layer compiled on its own, the rest eager) and "bf16" (the student's packed layers multiplying in bf16,
-    ``set_compute_dtype_``; the teacher under bf16 autocast); ``ao``: a torchao install to add its
-    int8 weight-only teacher (eager, and compiled with "compiled")."""
+    packed layer compiled on its own, the rest eager), "rebuild" (the student without ``cpu_kernel``) and "bf16"
+    (the student's packed layers multiplying in bf16, ``set_compute_dtype_``; the teacher under bf16 autocast);
+    ``ao``: a torchao install to add its int8 weight-only teacher (eager, and compiled with "compiled")."""
     path = path or Path(os.environ.get("TMPDIR", "/tmp")) / "i46_student.safetensors"
     if student is not None:
         comera_fx.save_tensorized(student, path)
@@ -209,6 +229,8 @@ def measure_serving(
                 runs["bf16"] = copy.deepcopy(model) if name == "student" else autocast_bf16(model)
                 if name == "student":
                     set_compute_dtype_(runs["bf16"], torch.bfloat16)
+            if "rebuild" in variants and name == "student":  # without cpu_kernel: the weights rebuilt each call
+                runs["rebuild"] = without_kernel(path, builder)
             if "layers" in variants and name == "student":
                 runs["layers"] = copy.deepcopy(model)
                 for module in packed_modules(runs["layers"]).values():
@@ -406,7 +428,9 @@ def main() -> None:
         default=None,
         help="serve: the student's file (built and saved if absent); breakdown: the saved student",
     )
-    parser.add_argument("--variants", default="eager", help="serve: eager, compiled, layers, bf16 (comma-separated)")
+    parser.add_argument(
+        "--variants", default="eager", help="serve: eager, compiled, layers, rebuild, bf16 (comma-separated)"
+    )
     parser.add_argument("--torchao", default=None, help="serve: a torchao --target install to compare with")
     args = parser.parse_args()
     args.variants = tuple(args.variants.split(","))

@@ -9,10 +9,20 @@ import torch
 from torch import nn
 
 import comera_fx
-from comera_fx.packed import PackedLinear, kernel_group, pack_linears_
+from comera_fx.packed import PackedLinear, cpu_kernel, kernel_group, pack_linears_
 from comera_fx.quantize import QuantSpec, dequantize, fake_quant, quantize_groups
 
 CASES = [(8, 32), (8, 64), (8, None), (8, 384), (4, 32), (4, 64), (4, 128), (4, None), (4, 384)]
+
+
+@pytest.fixture(params=["kernel", "rebuild"])
+def packed_path(request, monkeypatch):
+    """Each eager product both ways: ``cpu_kernel`` (where this CPU builds it) and the weight rebuilt."""
+    if request.param == "rebuild":
+        monkeypatch.setattr(cpu_kernel, "USE_KERNEL", False)
+    elif cpu_kernel.library() is None:
+        pytest.skip("no packed CPU kernel on this machine (it needs AVX-512 and a C++ compiler)")
+    return request.param
 
 
 def reference(linear: nn.Linear, spec: QuantSpec, x: torch.Tensor) -> torch.Tensor:
@@ -22,7 +32,7 @@ def reference(linear: nn.Linear, spec: QuantSpec, x: torch.Tensor) -> torch.Tens
 
 
 @pytest.mark.parametrize("bits,group", CASES)
-def test_packed_output_is_the_dequantized_weights_matmul(bits, group):
+def test_packed_output_is_the_dequantized_weights_matmul(bits, group, packed_path):
     torch.manual_seed(bits + (group or 0))
     linear = nn.Linear(128, 48)
     spec = QuantSpec(bits, group)
@@ -52,21 +62,31 @@ def test_state_dict_round_trip_and_portable_form(bits, group):
         PackedLinear(64, 32, QuantSpec(bits, group)).load_state_dict({"weight": state["weight"], "bias": state["bias"]})
 
 
+@pytest.mark.parametrize("old_format", [None, 2])
 @pytest.mark.parametrize("bits,group", [(8, 64), (4, 32)])
-def test_a_module_pickled_whole_by_older_code_loads_its_int4_codes_right(bits, group, tmp_path):
-    """Before ``code_format`` an int4 nibble held code + 8; such a pickle, rebuilt here from the codes' definition
-    (nibble = code + 8, low nibble input j, high nibble input j + in/2), must load to the weight it stood for."""
+def test_a_module_pickled_whole_by_older_code_loads_its_codes_right(bits, group, old_format, tmp_path):
+    """Older pickles, rebuilt here from the codes' definition: before ``code_format`` an int4 nibble held code + 8;
+    up to format 2 codes and scales were held row by row (nibbles: low = input j, high = input j + in/2). Each must
+    load to the weight it stood for."""
     torch.manual_seed(2)
     linear = nn.Linear(64, 32)
     spec = QuantSpec(bits, group)
     packed = PackedLinear.from_linear(linear, spec)
     codes = quantize_groups(linear.weight.detach().float(), spec)[0].reshape(32, 64)  # signed codes, out x in
     if bits == 4:
-        offset = (codes.to(torch.int16) + 8).to(torch.uint8)
-        packed.codes = offset[:, :32] | (offset[:, 32:] << 4)
-    del packed.code_format
+        nibbles = (codes.to(torch.int16) + (8 if old_format is None else 0)).to(torch.uint8) & 0xF
+        packed.codes = nibbles[:, :32] | (nibbles[:, 32:] << 4)
+    else:
+        packed.codes = codes.to(torch.int8).contiguous()
+    packed.scales = packed.row_scales()
+    del packed.row_block
+    if old_format is None:
+        del packed.code_format
+    else:
+        packed.code_format = old_format
     torch.save(packed, tmp_path / "old.pt")
     loaded = torch.load(tmp_path / "old.pt", weights_only=False)
+    assert loaded.codes.shape == (2, 64 if bits == 8 else 32, 16)
     assert torch.equal(loaded.dequantized(), fake_quant(linear.weight.detach(), bits, group))
     x = torch.randn(5, 64)
     with torch.no_grad():
@@ -107,6 +127,39 @@ def test_pack_linears_and_save_load_keep_the_layers_packed(tmp_path):
     path = tmp_path / "whole.pt"
     torch.save(packed, path)
     assert torch.equal(torch.load(path, weights_only=False)(x), packed(x))
+
+
+def test_saved_packed_files_hold_the_portable_codes_once(tmp_path, monkeypatch):
+    """A packed model's file holds its codes in the state_dict's portable form only (not also its in-memory
+    layout, which older versions wrote beside it), keeps a real non-persistent buffer, and a file of such an older
+    version (its raw buffers in another layout) still loads right."""
+    from comera_fx import checkpoint
+    from comera_fx.checkpoint import _read
+
+    torch.manual_seed(4)
+    model = build()
+    comera_fx.quantize_(model, 4, 32, dense_linears=True, include="^0$")
+    packed = copy.deepcopy(model)
+    pack_linears_(packed)
+    packed.register_buffer("seen", torch.arange(3.0), persistent=False)
+    x = torch.randn(6, 128)
+    comera_fx.save_tensorized(packed, tmp_path / "packed.st")
+    _, tensors = _read(tmp_path / "packed.st")
+    assert "__comera_fx_nonpersistent__.seen" in tensors
+    assert not any(key.endswith((".codes", ".scales")) for key in tensors)
+
+    def build_seen():
+        model = build()
+        model.register_buffer("seen", torch.zeros(3), persistent=False)
+        return model
+
+    again = comera_fx.load_tensorized(tmp_path / "packed.st", build_seen)
+    assert torch.equal(again(x), packed(x)) and torch.equal(again.seen, torch.arange(3.0))
+    older = {"0.codes": torch.zeros(64, 64, dtype=torch.uint8), "0.scales": torch.zeros(64, 4)}  # row by row
+    monkeypatch.setattr(checkpoint, "non_persistent_buffers", lambda model: older)
+    comera_fx.save_tensorized(packed, tmp_path / "older.st")
+    monkeypatch.undo()
+    assert torch.equal(comera_fx.load_tensorized(tmp_path / "older.st", build)(x), packed(x))
 
 
 def test_export_carries_the_codes_not_fp32_weights():
@@ -162,7 +215,7 @@ def tt_reference(layer, x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("bits,group", [(8, 64), (8, None), (8, 16), (4, 32), (4, 7), (4, None), (4, 16)])
-def test_packed_tt_forward_is_the_fake_quantized_tt_forward(bits, group):
+def test_packed_tt_forward_is_the_fake_quantized_tt_forward(bits, group, packed_path):
     from comera_fx.packed import PackedTTLinear
     from comera_fx.tt.layers import TTLinear
 
@@ -265,11 +318,14 @@ def test_export_carries_packed_tt_codes():
         torch.testing.assert_close(program.module()(x), model(x), rtol=0, atol=1e-5)
 
 
-def test_shared_workspace_gives_the_same_outputs_in_every_mode():
-    """Eager no-grad calls rebuild weights in one shared buffer; outputs of earlier layers stay valid, inference
-    mode and no_grad both work after each other, and a call recording a gradient builds its own weight."""
+def test_shared_workspace_gives_the_same_outputs_in_every_mode(monkeypatch):
+    """Eager no-grad calls rebuild weights in one shared buffer (without ``cpu_kernel``); outputs of earlier layers
+    stay valid, inference mode and no_grad both work after each other, and a call recording a gradient builds its
+    own weight."""
     import comera_fx.packed as packed_mod
     from comera_fx.packed import workspace
+
+    monkeypatch.setattr(cpu_kernel, "USE_KERNEL", False)
 
     torch.manual_seed(5)
     layers = [
@@ -315,7 +371,7 @@ def packed_tt_reference(packed, x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-def test_packed_tt_shared_path_folds_gates_and_follows_their_changes(bits):
+def test_packed_tt_shared_path_folds_gates_and_follows_their_changes(bits, packed_path):
     """Eager no-grad calls dequantize the cores into the shared workspace with the gates folded into the next
     core's scales where its groups allow (here: every bond but the last); the result is the float64 product, and
     a gate or scale written in place afterwards is seen by the next call."""
@@ -353,31 +409,44 @@ def test_packed_tt_shared_path_folds_gates_and_follows_their_changes(bits):
 
 @pytest.mark.parametrize("bits,group", [(4, 32), (4, 16), (4, None), (8, 48), (4, 96)])
 @pytest.mark.parametrize("cap_rows", [23, 101])
-def test_packed_linear_rebuilt_in_blocks_under_the_workspace_cap(bits, group, cap_rows, monkeypatch):
+@pytest.mark.parametrize("rows", [101, 112])
+@pytest.mark.parametrize("held", ["rows", "blocks", "unpack"])
+def test_packed_linear_rebuilt_in_blocks_under_the_workspace_cap(bits, group, cap_rows, rows, held, monkeypatch):
     """With ``workspace.MAX_BYTES`` below the weight's fp32 size, eager no-grad calls rebuild it in blocks: of
-    output rows (unequal here), or, for int4 when half the weight fits and its groups allow, the low and the high
-    codes (two halves of the inputs). Either way the float64 product at few tokens (scales on the output or per
-    group) and at many (weight finished, bias fused), with and without a bias, and a workspace under the cap."""
+    output rows (unequal here; whole blocks of 16 rows where the layer holds its codes so), or, for int4 when half
+    the weight fits and its groups allow, the low and the high codes (two halves of the inputs). Either way the
+    float64 product at few tokens (scales on the output or per group) and at many (weight finished, bias fused),
+    with and without a bias, and a workspace under the cap. ``cpu_kernel``'s product off (it rebuilds nothing).
+    ``held``: "rows", built without the kernel (codes row by row); "blocks", built with it (the layers of 112 rows
+    in blocks of 16), then called without (ATen's ops); "unpack", the kernel's unpacking of those blocks."""
     import threading
 
     from comera_fx.packed import workspace
 
-    cap = 96 * 4 * cap_rows // 2 if cap_rows == 101 else 96 * 4 * cap_rows  # 101: half of the weight
+    if held != "rows" and cpu_kernel.library() is None:
+        pytest.skip("no packed CPU kernel on this machine (it needs AVX-512 and a C++ compiler)")
+    monkeypatch.setattr(PackedLinear, "_kernel_for", lambda self, x: None)
+    cap = 96 * 4 * rows // 2 if cap_rows == 101 else 96 * 4 * cap_rows  # 101: half of the weight
     monkeypatch.setattr(workspace, "_WORKSPACE", threading.local())
     monkeypatch.setattr(workspace, "MAX_BYTES", cap)
     if cap_rows == 23:
         assert workspace.chunk_rows(101, 96 * 4) == 21  # five blocks: four of 21 rows, one of 17
     torch.manual_seed(3)
     for bias in (True, False):
-        linear = nn.Linear(96, 101, bias=bias)
+        linear = nn.Linear(96, rows, bias=bias)
         if not bias:
             linear.bias = None
         spec = QuantSpec(bits, group)
+        monkeypatch.setattr(cpu_kernel, "USE_KERNEL", held != "rows")
         layer = PackedLinear.from_linear(linear, spec)
+        assert layer.row_block == (16 if rows == 112 and held != "rows" else 1)
+        monkeypatch.setattr(cpu_kernel, "USE_KERNEL", held == "unpack")
+        if layer.row_block == 16 and cap_rows == 23:
+            assert layer._chunk_rows(96 * 4) == 16  # seven blocks of one row block each
         halves = bits == 4 and cap_rows == 101 and group != 32  # 32 does not divide the 48 inputs of a half
         assert layer._in_halves(4) == halves
         codes, scales = quantize_groups(linear.weight.detach(), spec)
-        weight = dequantize(codes, scales, spec, (101, 96), torch.float64)
+        weight = dequantize(codes, scales, spec, (rows, 96), torch.float64)
         for tokens in (3, 90):
             x = torch.randn(2, tokens, 96)
             expected = x.double() @ weight.t() + (linear.bias.detach().double() if bias else 0)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..quantize import SPEC_ATTR, QuantSpec, dequantize, pack, quantize_groups, unpack
-from . import workspace
+from . import cpu_kernel, workspace
 
 SCALES_SUFFIX = "weight_scales"
 
@@ -22,9 +22,11 @@ CODE_UNIT = {4: 16}
 #: student at 13 tokens 13.9 against 11.3 ms; benchmarks/history/2026-12-06-issue-46-session9.md).
 LOW_PRECISION_MIN_ROWS = 64
 
-#: How ``PackedLinear`` holds int4 codes in memory: 2 = 4-bit two's complement. Objects pickled whole
-#: (``torch.save(module)``) before the attribute existed held them offset by 8; ``__setstate__`` converts them.
-CODE_FORMAT = 2
+#: How ``PackedLinear`` holds its codes in memory: 3 = output rows in blocks of ``row_block`` rows (16 for
+#: ``cpu_kernel`` where it runs, else 1), int4 as 4-bit two's complement. Objects pickled whole
+#: (``torch.save(module)``) by older code held them row by row (format 2) or int4 offset by 8 (no format);
+#: ``__setstate__`` converts them.
+CODE_FORMAT = 3
 
 
 def low_precision(compute_dtype: torch.dtype | None, x: Tensor, in_features: int, min_rows: int) -> bool:
@@ -65,12 +67,17 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features, self.spec = in_features, out_features, spec
         self.kgroup = kernel_group(spec, out_features, in_features)
-        width = in_features if spec.bits == 8 else in_features // 2
+        self.row_block = row_block(out_features, device)
+        blocks, width = out_features // self.row_block, in_features if spec.bits == 8 else in_features // 2
+        # (row blocks, codes a row, rows a block): the 16 rows' codes of one input feature next to each other
         self.register_buffer(
             "codes",
-            torch.empty(out_features, width, device=device, dtype=torch.int8 if spec.bits == 8 else torch.uint8),
+            torch.empty(
+                blocks, width, self.row_block, device=device, dtype=torch.int8 if spec.bits == 8 else torch.uint8
+            ),
         )
-        self.register_buffer("scales", torch.empty(out_features, in_features // self.kgroup, device=device))
+        groups = in_features // self.kgroup
+        self.register_buffer("scales", torch.empty(blocks, groups, self.row_block, device=device))
         self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
         self.code_format = CODE_FORMAT
 
@@ -78,13 +85,17 @@ class PackedLinear(nn.Module):
     compute_dtype: torch.dtype | None = None
 
     def __setstate__(self, state):
-        """A module pickled whole by older code held int4 codes offset by 8 (nibble = code + 8); in two's complement
-        the nibble is code & 15 = (code + 8) ^ 8, so one XOR per byte converts both nibbles. Without it such a
-        file would load silently wrong weights."""
-        if "code_format" not in state:
-            if state["spec"].bits == 4:
-                state["_buffers"]["codes"] = state["_buffers"]["codes"] ^ 0x88
-            state["code_format"] = CODE_FORMAT
+        """A module pickled whole by older code: int4 codes offset by 8 (no ``code_format``; in two's complement the
+        nibble is code & 15 = (code + 8) ^ 8, one XOR per byte converts both nibbles), codes and scales row by row
+        (format 2; put into row blocks here). Without it such a file would load silently wrong weights."""
+        buffers = state["_buffers"]
+        if "code_format" not in state and state["spec"].bits == 4:
+            buffers["codes"] = buffers["codes"] ^ 0x88
+        if state.get("code_format", 2) < 3:
+            block = state["row_block"] = row_block(state["out_features"], buffers["codes"].device)
+            buffers["codes"] = to_row_blocks(buffers["codes"], block)
+            buffers["scales"] = to_row_blocks(buffers["scales"], block)
+        state["code_format"] = CODE_FORMAT
         super().__setstate__(state)
 
     @classmethod
@@ -108,14 +119,15 @@ class PackedLinear(nn.Module):
         if codes.dtype == torch.uint8 or codes.numel() != rows * cols:  # pack's stored form
             codes = unpack(codes, spec.bits, rows * cols)
         grid = codes.reshape(rows, cols)
-        device = self.codes.device
-        self.scales = _row_scales(scales.reshape(-1).cpu(), spec, rows, cols, self.kgroup).to(device)
+        device, block = self.codes.device, self.row_block
+        self.scales = to_row_blocks(_row_scales(scales.reshape(-1).cpu(), spec, rows, cols, self.kgroup), block)
+        self.scales = self.scales.to(device)
         if spec.bits == 8:
-            self.codes = grid.contiguous().to(device)
-        else:  # in memory, byte j of a row holds input features j (low nibble) and j + in/2 (high nibble), each
-            # as a 4-bit two's complement code (see ``_code_grid``)
+            self.codes = to_row_blocks(grid, block).to(device)
+        else:  # byte j of a row holds input features j (low nibble) and j + in/2 (high nibble), each as a 4-bit
+            # two's complement code (see ``_code_grid``)
             nibbles, half = (grid.to(torch.int16) & 0xF).to(torch.uint8), cols // 2
-            self.codes = (nibbles[:, :half] | (nibbles[:, half:] << 4)).contiguous().to(device)
+            self.codes = to_row_blocks(nibbles[:, :half] | (nibbles[:, half:] << 4), block).to(device)
 
     def stored(self) -> tuple[Tensor, Tensor]:
         """(``pack``'s stored codes, fp32 scales per group of ``spec``): the portable form."""
@@ -128,19 +140,46 @@ class PackedLinear(nn.Module):
         An int4 byte holds two 4-bit two's complement codes; as int8, the byte shifted left by 4 is 16 x its low
         code and the byte with its low bits cleared is 16 x its high code: two byte-wide ops, no offset to take
         off afterwards; ``_unit_scales`` divides the 16 back out of the scales (a power of two: exact)."""
-        codes = self.codes[start:end]
+        block, end = self.row_block, self.out_features if end is None else end
+        if start % block or end % block:
+            raise ValueError(f"rows {start}:{end} are not whole blocks of {block}")
         if out is None:
-            out = codes.new_empty((codes.shape[0], self.in_features), dtype=dtype)
+            out = self.codes.new_empty((end - start, self.in_features), dtype=dtype)
+        lib = self._unpacker(dtype)
+        if lib is not None:
+            return cpu_kernel.unpack(
+                lib, self.spec.bits, self.codes, self.in_features, out, start // block, end // block
+            )
+        codes = self.codes[start // block : end // block].transpose(1, 2)  # (blocks, rows a block, codes a row)
+        grid = out.view(codes.shape[0], block, self.in_features)
         if self.spec.bits == 8:
-            return out.copy_(codes)
+            grid.copy_(codes)
+            return out
         half = self.in_features // 2
-        out[:, :half] = (codes << 4).view(torch.int8)
-        out[:, half:] = (codes & 0xF0).view(torch.int8)
+        grid[..., :half] = (codes << 4).view(torch.int8)
+        grid[..., half:] = (codes & 0xF0).view(torch.int8)
         return out
+
+    def _unpacker(self, dtype: torch.dtype):
+        """``cpu_kernel``'s library where it unpacks this layer's blocked codes in an eager call (it transposes
+        them out of their blocks 2-4x faster than ATen's strided copies), else None."""
+        if (
+            self.row_block != cpu_kernel.ROW_BLOCK
+            or self.codes.device.type != "cpu"
+            or torch.compiler.is_compiling()
+            or not cpu_kernel.can_unpack(self.spec.bits, self.in_features, dtype)
+        ):
+            return None
+        return cpu_kernel.library()
+
+    def row_scales(self) -> Tensor:
+        """The scales as (rows, groups a row): ``scales`` out of its row blocks."""
+        blocks, groups, block = self.scales.shape
+        return self.scales.transpose(1, 2).reshape(blocks * block, groups)
 
     def _unit_scales(self, dtype: torch.dtype) -> Tensor:
         """The scales per (row, group) for ``_code_grid``'s floats."""
-        scales = self.scales.to(dtype)
+        scales = self.row_scales().to(dtype)
         return scales / CODE_UNIT[self.spec.bits] if self.spec.bits in CODE_UNIT else scales
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> Tensor:
@@ -157,6 +196,9 @@ class PackedLinear(nn.Module):
         (``_forward_in_blocks``)."""
         if low_precision(self.compute_dtype, x, self.in_features, LOW_PRECISION_MIN_ROWS):
             return self._forward_low_precision(x, self.compute_dtype)
+        lib = self._kernel_for(x)
+        if lib is not None:
+            return self._forward_kernel(lib, x)
         rows, cols, scales = self.out_features, self.in_features, self._unit_scales(x.dtype)
         bias = None if self.bias is None else self.bias.to(x.dtype)
         if workspace.reusable(x):
@@ -168,6 +210,31 @@ class PackedLinear(nn.Module):
             return F.linear(x, grid, bias)
         out = F.linear(x, grid) * scales[:, 0]
         return out if bias is None else out + bias
+
+    def _kernel_for(self, x: Tensor):
+        """``cpu_kernel``'s library where it runs this call: eager (not traced), a plain fp32 CPU tensor whose
+        gradient is not recorded, codes in row blocks, and the kernel built (``cpu_kernel.library``)."""
+        if (
+            self.row_block != cpu_kernel.ROW_BLOCK
+            or type(x) is not torch.Tensor
+            or x.dtype != torch.float32
+            or x.device.type != "cpu"
+            or torch.compiler.is_compiling()
+            or (torch.is_grad_enabled() and x.requires_grad)
+        ):
+            return None
+        return cpu_kernel.library()
+
+    def _forward_kernel(self, lib, x: Tensor) -> Tensor:
+        """``forward`` by ``cpu_kernel``: the codes widened inside the product, no weight rebuilt. The bias goes
+        in the kernel unless autograd records it (then it is added after)."""
+        x2 = x.reshape(-1, self.in_features).contiguous()
+        bias = self.bias
+        tracked = bias is not None and torch.is_grad_enabled() and bias.requires_grad
+        inside = None if bias is None or tracked else bias.detach().float().contiguous()
+        out = cpu_kernel.product(lib, self.spec.bits, x2, self.codes, self.scales, self.kgroup, inside)
+        out = out.view(x.shape[:-1] + (self.out_features,))
+        return out + bias if tracked else out
 
     def _forward_low_precision(self, x: Tensor, dtype: torch.dtype) -> Tensor:
         """``forward`` with the GEMM in ``dtype`` (bf16 / fp16) and the result in x's dtype: x is rounded to
@@ -181,7 +248,7 @@ class PackedLinear(nn.Module):
         low_scales = scales.to(dtype) if kgroup != cols else None
         x2 = x.reshape(-1, cols).to(dtype)
         shared = workspace.reusable(x)
-        step = workspace.chunk_rows(rows, cols * x2.element_size()) if shared else rows
+        step = self._chunk_rows(cols * x2.element_size()) if shared else rows
         blocks = []
         for start in range(0, rows, step):
             end = min(rows, start + step)
@@ -212,7 +279,7 @@ class PackedLinear(nn.Module):
         if self._in_halves(x.element_size()):
             self._halves_into(out, x2, scales, fused_bias, scale_output)
             return self._finish_blocks(out, x, scales, bias, fused_bias, scale_output)
-        step = workspace.chunk_rows(rows, cols * x.element_size())
+        step = self._chunk_rows(cols * x.element_size())
         for start in range(0, rows, step):
             end = min(rows, start + step)
             grid = workspace.shared((end - start) * cols, x.dtype, x.device).view(end - start, cols)
@@ -224,6 +291,11 @@ class PackedLinear(nn.Module):
             else:
                 torch.addmm(fused_bias[start:end], x2, grid.t(), out=out[:, start:end])
         return self._finish_blocks(out, x, scales, bias, fused_bias, scale_output)
+
+    def _chunk_rows(self, row_bytes: int) -> int:
+        """``workspace.chunk_rows`` in whole row blocks."""
+        block = self.row_block
+        return workspace.chunk_rows(self.out_features // block, row_bytes * block) * block
 
     @staticmethod
     def _finish_blocks(out, x, scales, bias, fused_bias, scale_output: bool) -> Tensor:
@@ -251,8 +323,13 @@ class PackedLinear(nn.Module):
         rows, cols, half = self.out_features, self.in_features, self.in_features // 2
         grid = workspace.shared(rows * half, x2.dtype, x2.device).view(rows, half)
         group = min(self.kgroup, half)
-        for k, codes in enumerate(((self.codes << 4), (self.codes & 0xF0))):
-            grid.copy_(codes.view(torch.int8))
+        lib = self._unpacker(x2.dtype)
+        for k in range(2):
+            if lib is not None:
+                cpu_kernel.unpack(lib, 4, self.codes, cols, grid, 0, self.codes.shape[0], halves=k + 1)
+            else:
+                codes = (self.codes & 0xF0) if k else (self.codes << 4)
+                grid.view(-1, self.row_block, half).copy_(codes.view(torch.int8).transpose(1, 2))
             if not scale_output:
                 per_half = scales.shape[1] // 2
                 block = scales if self.kgroup == cols else scales[:, k * per_half : (k + 1) * per_half]
@@ -302,6 +379,21 @@ class PackedLinear(nn.Module):
             f"group {self.spec.group_size}, bias={self.bias is not None}"
             + ("" if self.compute_dtype is None else f", compute_dtype={self.compute_dtype}")
         )
+
+
+def row_block(rows: int, device=None) -> int:
+    """Rows a block of ``PackedLinear``'s in-memory layout: ``cpu_kernel.ROW_BLOCK`` where it divides ``rows``, the
+    layer is for the CPU (or not placed yet: meta) and this machine has the kernel; else 1 (row by row). Why not
+    always: without the kernel, ATen's strided byte copies out of the blocks made the rebuild 2-4x slower."""
+    if rows % cpu_kernel.ROW_BLOCK or torch.device(device or "cpu").type not in ("cpu", "meta"):
+        return 1
+    return cpu_kernel.ROW_BLOCK if cpu_kernel.library() is not None else 1
+
+
+def to_row_blocks(rows: Tensor, block: int) -> Tensor:
+    """A (rows, columns) tensor as (rows / block, columns, block), contiguous: each column's ``block`` rows next to
+    each other."""
+    return rows.reshape(-1, block, rows.shape[-1]).transpose(1, 2).contiguous()
 
 
 def packable(module: nn.Module) -> QuantSpec | None:

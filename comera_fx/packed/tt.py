@@ -14,7 +14,7 @@ from ..tt import plan as planner
 from ..tt.layers import TTLinear, TTMatrix
 from ..tt.plan_cache import choose_plan, planned_envelope
 from ..tt.layout import TTLayout
-from . import workspace
+from . import cpu_kernel, workspace
 from .linear import low_precision
 
 
@@ -229,6 +229,14 @@ class PackedTTLinear(nn.Module):
             self.__dict__["_folded_scales"] = kept
         return kept[1], kept[2]
 
+    def _dequantizer(self, dtype: torch.dtype, total: int):
+        """``cpu_kernel``'s library where it dequantizes all cores in one pass (fp32 on the CPU, groups and the
+        cores' total a multiple of 16), else None."""
+        group = self.specs[0].group_size
+        if dtype != torch.float32 or self.codes.device.type != "cpu" or group % 16 or total % 16:
+            return None
+        return cpu_kernel.library()
+
     def _gated_cores_shared(self, dtype: torch.dtype) -> list[Tensor]:
         """The gated cores, dequantized in a few whole-buffer passes into the thread's shared workspace (valid
         until the next packed layer's call): the codes' nibbles, the offset and the gate-folded scales per group,
@@ -236,14 +244,18 @@ class PackedTTLinear(nn.Module):
         scales, left = self._folded()
         spec, total = self.specs[0], self._spans[-1][4] + math.prod(self._spans[-1][5])
         flat = workspace.shared(total, dtype, self.codes.device)
-        if spec.bits == 8:
+        lib = self._dequantizer(dtype, total)
+        if lib is not None:
+            cpu_kernel.dequantize(lib, spec.bits, self.codes, scales.contiguous(), spec.group_size, flat)
+        elif spec.bits == 8:
             flat.copy_(self.codes.view(torch.int8))
         else:
             pairs = flat.view(-1, 2)
             pairs[:, 0] = self.codes & 0xF
             pairs[:, 1] = self.codes >> 4
             flat.sub_(8)
-        flat.view(-1, spec.group_size).mul_(scales.to(dtype)[:, None])
+        if lib is None:
+            flat.view(-1, spec.group_size).mul_(scales.to(dtype)[:, None])
         cores = [flat[at : at + math.prod(shape)].view(shape) for *_, at, shape, _ in self._spans]
         for k in left:
             cores[k].mul_(getattr(self, f"gates_{k}").to(dtype))

@@ -1,0 +1,166 @@
+"""``comera_fx.packed.cpu_kernel``: the int4 / int8 product that reads codes inside the GEMM, against float64."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from comera_fx.packed import PackedLinear, cpu_kernel
+from comera_fx.packed.linear import to_row_blocks
+from comera_fx.quantize import QuantSpec, dequantize, quantize_groups
+
+needs_kernel = pytest.mark.skipif(
+    not cpu_kernel.enabled(), reason="the packed CPU kernel needs AVX-512 (this CPU has none)"
+)
+
+
+def weight64(linear: nn.Linear, spec: QuantSpec) -> torch.Tensor:
+    codes, scales = quantize_groups(linear.weight.detach(), spec)
+    return dequantize(codes, scales, spec, tuple(linear.weight.shape), torch.float64)
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """How often packed layers called the kernel."""
+    count = []
+    real = cpu_kernel.product
+
+    def counted(*args, **kwargs):
+        count.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cpu_kernel, "product", counted)
+    return count
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits,group", [(4, None), (4, 16), (4, 32), (8, None), (8, 16), (8, 96)])
+@pytest.mark.parametrize("rows", [16, 48, 80, 128])  # one row block; tails after tiles of four blocks
+@pytest.mark.parametrize("bias", [True, False])
+def test_kernel_product_is_the_float64_product(bits, group, rows, bias):
+    """Every tile shape: 0-13 tokens (tiles of six and each tail count) and 64; the product of the codes'
+    float64 weight (``quantize_groups`` + ``dequantize``, independent of the kernel's layout) within fp32 error."""
+    lib = cpu_kernel.library()
+    torch.manual_seed(rows + bits + (group or 0))
+    linear = nn.Linear(96, rows, bias=bias)
+    spec = QuantSpec(bits, group)
+    layer = PackedLinear.from_linear(linear, spec)
+    weight = weight64(linear, spec)
+    for tokens in (0, 1, 2, 3, 4, 5, 6, 7, 12, 13, 64):
+        x = torch.randn(tokens, 96)
+        out = cpu_kernel.product(
+            lib, bits, x, layer.codes, layer.scales, layer.kgroup, linear.bias.detach() if bias else None
+        )
+        expected = x.double() @ weight.t() + (linear.bias.detach().double() if bias else 0)
+        torch.testing.assert_close(out.double(), expected, rtol=0, atol=2e-5)
+
+
+@needs_kernel
+def test_packed_layers_take_the_kernel_only_where_it_is_right(calls):
+    """Eager calls without a recorded gradient of x go to the kernel (any leading shape, non-contiguous x); calls
+    recording x's gradient, other dtypes, layers whose rows do not fill blocks of 16, and traced calls do not. A
+    bias that records its gradient gets it."""
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 32)
+    spec = QuantSpec(4, 32)
+    layer = PackedLinear.from_linear(linear, spec)
+    weight = weight64(linear, spec)
+    x = torch.randn(8, 3, 64).transpose(0, 1)  # not contiguous
+    expected = x.double() @ weight.t() + linear.bias.detach().double()
+    for mode in (torch.no_grad, torch.inference_mode):
+        with mode():
+            torch.testing.assert_close(layer(x).double(), expected, rtol=0, atol=2e-5)
+    assert len(calls) == 2
+    out = layer(x)  # grad mode, x without grad, the bias a parameter: the kernel, the bias added after
+    assert len(calls) == 3 and out.grad_fn is not None
+    out.sum().backward()
+    torch.testing.assert_close(layer.bias.grad, torch.full((32,), 24.0))
+    xg = x.clone().requires_grad_()
+    layer(xg).sum().backward()
+    assert len(calls) == 3 and xg.grad is not None
+    with torch.no_grad():
+        layer.double()(x.double())
+        PackedLinear.from_linear(nn.Linear(64, 24), spec)(x)  # 24 rows: held row by row
+        compiled = torch.compile(layer.float(), backend="aot_eager", fullgraph=True)
+        torch.testing.assert_close(compiled(x).double(), expected, rtol=0, atol=2e-5)
+    assert len(calls) == 3
+
+
+@needs_kernel
+@pytest.mark.parametrize("threads", [1, 2])
+def test_calls_large_enough_split_over_threads_give_the_same_product(threads, calls):
+    """Below and above ``PARALLEL_MIN_MACS`` (tiles split over OpenMP threads, and the row blocks after the last
+    whole tile), on one thread and on two: the kernel, and the float64 product."""
+    torch.manual_seed(1)
+    linear = nn.Linear(64, 80 + 16 * 4 * 3)  # 3 + 1 tiles of four row blocks and one block more
+    spec = QuantSpec(4, 32)
+    layer = PackedLinear.from_linear(linear, spec)
+    weight = weight64(linear, spec)
+    before = torch.get_num_threads()
+    big = cpu_kernel.PARALLEL_MIN_MACS // (64 * linear.out_features) + 7
+    try:
+        torch.set_num_threads(threads)
+        for tokens in (5, big):
+            x = torch.randn(tokens, 64)
+            with torch.no_grad():
+                out = layer(x)
+            torch.testing.assert_close(
+                out.double(), x.double() @ weight.t() + linear.bias.detach().double(), rtol=0, atol=2e-5
+            )
+    finally:
+        torch.set_num_threads(before)
+    assert len(calls) == 2
+
+
+def test_a_failed_build_warns_once_and_the_layers_rebuild(monkeypatch, tmp_path):
+    """No compiler (or one that fails): one warning naming the switch (when the first layer is built), codes held
+    row by row, and the rebuild path's right outputs."""
+    monkeypatch.setattr(cpu_kernel, "enabled", lambda: True)
+    monkeypatch.setattr(cpu_kernel, "_state", {})
+    monkeypatch.setenv("COMERA_FX_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu_kernel, "_compiler", lambda: str(tmp_path / "no-such-compiler"))
+    torch.manual_seed(2)
+    linear = nn.Linear(32, 16)
+    with pytest.warns(RuntimeWarning, match="COMERA_FX_CPU_KERNEL=0"):
+        layer = PackedLinear.from_linear(linear, QuantSpec(4, None))
+    assert layer.row_block == 1
+    x = torch.randn(3, 32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.no_grad():
+            out = layer(x)
+            PackedLinear.from_linear(linear, QuantSpec(4, None))(x)
+    expected = x.double() @ weight64(linear, QuantSpec(4, None)).t() + linear.bias.detach().double()
+    torch.testing.assert_close(out.double(), expected, rtol=0, atol=2e-5)
+
+
+def test_the_switches_turn_the_kernel_off(monkeypatch):
+    monkeypatch.setenv("COMERA_FX_CPU_KERNEL", "0")
+    assert not cpu_kernel.enabled() and cpu_kernel.library() is None
+    monkeypatch.delenv("COMERA_FX_CPU_KERNEL")
+    monkeypatch.setattr(cpu_kernel, "USE_KERNEL", False)
+    assert not cpu_kernel.enabled() and cpu_kernel.library() is None
+
+
+@needs_kernel
+def test_the_build_is_cached_by_source_and_compiler(monkeypatch, tmp_path):
+    """A second build finds the first's library (not compiled again); another source gets another file."""
+    monkeypatch.setenv("COMERA_FX_KERNEL_CACHE", str(tmp_path))
+    compiler = cpu_kernel._compiler()
+    first = cpu_kernel._build(compiler)
+    stamp = first.stat().st_mtime_ns
+    assert cpu_kernel._build(compiler) == first and first.stat().st_mtime_ns == stamp
+    changed = tmp_path / "cpu_kernel.cpp"
+    changed.write_text(cpu_kernel.SOURCE.read_text() + "\n// another version\n")
+    monkeypatch.setattr(cpu_kernel, "SOURCE", changed)
+    assert cpu_kernel._build(compiler) != first
+
+
+def test_row_blocks_put_each_columns_rows_together():
+    rows = torch.arange(32 * 3).reshape(32, 3)
+    blocked = to_row_blocks(rows, 16)
+    assert blocked.shape == (2, 3, 16) and blocked.is_contiguous()
+    assert torch.equal(blocked[1, 2], rows[16:32, 2])
