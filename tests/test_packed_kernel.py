@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -82,9 +83,11 @@ def test_packed_layers_take_the_kernel_only_where_it_is_right(calls):
     layer(xg).sum().backward()
     assert len(calls) == 3 and xg.grad is not None
     with torch.no_grad():
-        layer.double()(x.double())
+        wide = copy.deepcopy(layer).double()
+        wide(x.double())
+        torch.testing.assert_close(wide(x).double(), expected, rtol=0, atol=2e-5)  # float64 scales: not the kernel
         PackedLinear.from_linear(nn.Linear(64, 24), spec)(x)  # 24 rows: held row by row
-        compiled = torch.compile(layer.float(), backend="aot_eager", fullgraph=True)
+        compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
         torch.testing.assert_close(compiled(x).double(), expected, rtol=0, atol=2e-5)
     assert len(calls) == 3
 

@@ -166,6 +166,7 @@ class PackedLinear(nn.Module):
         if (
             self.row_block != cpu_kernel.ROW_BLOCK
             or self.codes.device.type != "cpu"
+            or not self.codes.is_contiguous()
             or torch.compiler.is_compiling()
             or not cpu_kernel.can_unpack(self.spec.bits, self.in_features, dtype)
         ):
@@ -213,12 +214,15 @@ class PackedLinear(nn.Module):
 
     def _kernel_for(self, x: Tensor):
         """``cpu_kernel``'s library where it runs this call: eager (not traced), a plain fp32 CPU tensor whose
-        gradient is not recorded, codes in row blocks, and the kernel built (``cpu_kernel.library``)."""
+        gradient is not recorded, contiguous codes in row blocks with fp32 scales, and the kernel built
+        (``cpu_kernel.library``)."""
         if (
             self.row_block != cpu_kernel.ROW_BLOCK
             or type(x) is not torch.Tensor
             or x.dtype != torch.float32
             or x.device.type != "cpu"
+            or self.scales.dtype != torch.float32  # e.g. after .double(): the kernel reads fp32 scales
+            or not (self.codes.is_contiguous() and self.scales.is_contiguous())
             or torch.compiler.is_compiling()
             or (torch.is_grad_enabled() and x.requires_grad)
         ):

@@ -235,6 +235,8 @@ class PackedTTLinear(nn.Module):
         group = self.specs[0].group_size
         if dtype != torch.float32 or self.codes.device.type != "cpu" or group % 16 or total % 16:
             return None
+        if not self.codes.is_contiguous():
+            return None
         return cpu_kernel.library()
 
     def _gated_cores_shared(self, dtype: torch.dtype) -> list[Tensor]:
@@ -246,7 +248,7 @@ class PackedTTLinear(nn.Module):
         flat = workspace.shared(total, dtype, self.codes.device)
         lib = self._dequantizer(dtype, total)
         if lib is not None:
-            cpu_kernel.dequantize(lib, spec.bits, self.codes, scales.contiguous(), spec.group_size, flat)
+            cpu_kernel.dequantize(lib, spec.bits, self.codes, scales.float().contiguous(), spec.group_size, flat)
         elif spec.bits == 8:
             flat.copy_(self.codes.view(torch.int8))
         else:
