@@ -167,3 +167,41 @@ def test_row_blocks_put_each_columns_rows_together():
     blocked = to_row_blocks(rows, 16)
     assert blocked.shape == (2, 3, 16) and blocked.is_contiguous()
     assert torch.equal(blocked[1, 2], rows[16:32, 2])
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits,group", [(4, 64), (4, 16), (8, 32)])
+def test_low_rank_packed_tt_layers_run_as_two_kernel_products(bits, group, monkeypatch):
+    """A low-rank ``PackedTTLinear`` (cores (1, in, r), (r, out, 1)) in eager calls without a recorded gradient of
+    x: two ``dense_product`` calls on the cores the kernel dequantized, gates folded; the float64 product of the
+    held codes, scales and gates (``packed_tt_reference``) at 1-64 tokens, the bias tracked in grad mode. A
+    transposed (tied head) one keeps the planner's path."""
+    import comera_fx
+    from comera_fx.packed import PackedTTLinear
+    from comera_fx.tt.layers import TTLinear
+    from test_packed import packed_tt_reference
+
+    count = []
+    real = cpu_kernel.dense_product
+    monkeypatch.setattr(cpu_kernel, "dense_product", lambda *a, **k: count.append(1) or real(*a, **k))
+    torch.manual_seed(bits + group)
+    layer = TTLinear.from_dense(nn.Linear(96, 48), max_rank=32, num_modes=1)
+    assert layer.tt.layout.core_shapes == [(1, 96, 32), (32, 48, 1)]
+    with torch.no_grad():
+        layer.tt.gates[0].uniform_(0.5, 1.5)
+    comera_fx.quantize_(layer, bits, group)
+    packed = PackedTTLinear.from_tt_linear(layer)
+    for tokens in (1, 7, 64):
+        x = torch.randn(2, tokens, 96)
+        with torch.inference_mode():
+            out = packed(x)
+        torch.testing.assert_close(out.double(), packed_tt_reference(packed, x), rtol=0, atol=2e-5)
+    assert len(count) == 6
+    out = packed(x)  # grad mode: the bias added after, with its gradient
+    assert len(count) == 8
+    out.sum().backward()
+    torch.testing.assert_close(packed.bias.grad, torch.full((48,), 2.0 * 64))
+    head = PackedTTLinear.from_tt_linear(TTLinear(layer.tt, torch.zeros(96), transposed=True))
+    with torch.inference_mode():
+        head(torch.randn(3, 48))
+    assert len(count) == 8

@@ -130,6 +130,18 @@ def _load() -> ctypes.CDLL | None:
         ctypes.c_int64,
         ctypes.c_int,
     ]
+    lib.comera_dense_product.restype = None
+    lib.comera_dense_product.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_int64,
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_int,
+    ]
     lib.comera_packed_dequantize.restype = None
     lib.comera_packed_dequantize.argtypes = [
         ctypes.c_int,
@@ -213,4 +225,27 @@ def dequantize(lib: ctypes.CDLL, bits: int, codes: Tensor, scales: Tensor, group
     if out.numel() % 16 or group % 16 or not out.is_contiguous() or out.dtype != torch.float32:
         raise ValueError("dequantize writes a contiguous fp32 tensor of whole groups of a multiple of 16")
     lib.comera_packed_dequantize(bits, codes.data_ptr(), out.numel(), scales.data_ptr(), group, out.data_ptr())
+    return out
+
+
+def dense_product(lib: ctypes.CDLL, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``x`` (tokens × K) times ``weight`` (K × N, row-major; N a multiple of 16), plus ``bias``, all contiguous
+    fp32 on the CPU: the kernel's tiles over a dense operand (``PackedTTLinear``'s low-rank products)."""
+    tokens, features = x.shape
+    columns = weight.shape[1]
+    if weight.shape[0] != features or columns % ROW_BLOCK:
+        raise ValueError(f"dense_product: {tuple(x.shape)} times {tuple(weight.shape)}")
+    out = x.new_empty(tokens, columns)
+    threads = torch.get_num_threads() if tokens * columns * features >= PARALLEL_MIN_MACS else 1
+    lib.comera_dense_product(
+        x.data_ptr(),
+        tokens,
+        features,
+        weight.data_ptr(),
+        columns,
+        None if bias is None else bias.data_ptr(),
+        out.data_ptr(),
+        columns,
+        threads,
+    )
     return out

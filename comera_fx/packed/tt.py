@@ -239,6 +239,40 @@ class PackedTTLinear(nn.Module):
             return None
         return cpu_kernel.library()
 
+    def _low_rank_kernel(self, x: Tensor):
+        """``cpu_kernel``'s library where this eager call runs as two of its dense products: a low-rank layer (two
+        cores, (1, in, r) and (r, out, 1), not transposed, r(in + out) <= in out so the chain is the cheap order
+        at every batch), r and out multiples of 16, fp32 on the CPU, the cores dequantized by the kernel. Why: at
+        13 tokens the planner's path (two MKL GEMMs and its reshapes) took 100 us for a rank-96 384 x 384 layer,
+        whose dense product takes 63 (benchmarks/history/2026-12-07-issue-46-session10.md)."""
+        shapes = self.layout.core_shapes
+        if len(shapes) != 2 or any(len(shape) != 3 for shape in shapes) or self.transposed:
+            return None
+        if x.dtype != torch.float32 or x.device.type != "cpu":
+            return None
+        (one, inputs, rank), (rank_again, outputs, last) = shapes
+        if one != 1 or last != 1 or (inputs, outputs) != (self.in_features, self.out_features):  # no padded modes
+            return None
+        if rank % 16 or outputs % 16 or rank * (inputs + outputs) > inputs * outputs:
+            return None
+        if type(x) is not torch.Tensor or self._dequantizer(x.dtype, inputs * rank + rank * outputs) is None:
+            return None
+        return cpu_kernel.library()
+
+    def _forward_low_rank(self, lib, x: Tensor) -> Tensor:
+        """``forward`` of a low-rank layer as x A B (+ bias) by ``cpu_kernel.dense_product`` on the gated cores in
+        the shared workspace (``_gated_cores_shared``); the bias in the kernel unless autograd records it."""
+        (_, inputs, rank), (_, outputs, _) = self.layout.core_shapes
+        first, second = self._gated_cores_shared(torch.float32)
+        bias = self.bias
+        tracked = bias is not None and torch.is_grad_enabled() and bias.requires_grad
+        inside = None if bias is None or tracked else bias.detach().float().contiguous()
+        x2 = x.reshape(-1, inputs).contiguous()
+        hidden = cpu_kernel.dense_product(lib, x2, first.view(inputs, rank))
+        out = cpu_kernel.dense_product(lib, hidden, second.view(rank, outputs), inside)
+        out = out.view(x.shape[:-1] + (outputs,))
+        return out + bias if tracked else out
+
     def _gated_cores_shared(self, dtype: torch.dtype) -> list[Tensor]:
         """The gated cores, dequantized in a few whole-buffer passes into the thread's shared workspace (valid
         until the next packed layer's call): the codes' nibbles, the offset and the gate-folded scales per group,
@@ -275,6 +309,9 @@ class PackedTTLinear(nn.Module):
             out = x[..., :0] @ x.new_zeros(0, self.out_features)
             return out if bias is None else out + bias
         if self._aligned and workspace.reusable(x):
+            lib = None if low else self._low_rank_kernel(x)
+            if lib is not None:
+                return self._forward_low_rank(lib, x)
             cores = self._gated_cores_shared(x.dtype)
         else:
             gates = [g.to(x.dtype) for g in self.gates()]
