@@ -313,7 +313,9 @@ def one_call(args) -> dict:
 @torch.no_grad()
 def kernels(args) -> dict:
     """One 384 -> 1536 linear (MiniLM's FFN-in): fp32 GEMM against torch's CPU int kernels (fp32 activations) and
-    against PackedLinear (codes unpacked per call, then the fp32 GEMM), at --rows token counts; median ms."""
+    against PackedLinear, with ``cpu_kernel`` where this CPU runs it (codes read inside the product) and without
+    it ("rebuild": codes unpacked per call, then the fp32 GEMM), at --rows token counts, in inference mode;
+    median ms."""
     from comera_fx.packed import PackedLinear
     from comera_fx.quantize import QuantSpec, quantize_groups
 
@@ -334,10 +336,30 @@ def kernels(args) -> dict:
         columns["aten int4 g128"] = lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x, tiled, 128, scale_zeros)
         for bits, group in ((8, None), (4, 128)):
             packed = PackedLinear.from_linear(linear, QuantSpec(bits, group))
+            cpu_kernel.USE_KERNEL = False
+            rebuilt = PackedLinear.from_linear(linear, QuantSpec(bits, group))  # held row by row, no kernel
+            cpu_kernel.USE_KERNEL = True
             columns[f"PackedLinear int{bits} g{group}"] = lambda packed=packed: packed(x)
-        times = common.time_rotated(columns, repeats=args.repeats, inner=1)
+            columns[f"PackedLinear int{bits} g{group} rebuild"] = lambda rebuilt=rebuilt: without_kernel_call(
+                rebuilt, x
+            )
+        with torch.inference_mode():
+            times = common.time_rotated(columns, repeats=args.repeats, inner=1)
         result[rows] = {k: round(v * 1e3, 3) for k, v in times.items()}
-    return {"ms": result, "threads": torch.get_num_threads(), "loadavg": common.loadavg()}
+    return {
+        "ms": result,
+        "kernel": cpu_kernel.library() is not None,
+        "threads": torch.get_num_threads(),
+        "loadavg": common.loadavg(),
+    }
+
+
+def without_kernel_call(module, x):
+    cpu_kernel.USE_KERNEL = False
+    try:
+        return module(x)
+    finally:
+        cpu_kernel.USE_KERNEL = True
 
 
 def layer_kind(module) -> str | None:
