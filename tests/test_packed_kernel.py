@@ -14,8 +14,18 @@ from comera_fx.packed.linear import to_row_blocks
 from comera_fx.quantize import QuantSpec, dequantize, quantize_groups
 
 needs_kernel = pytest.mark.skipif(
-    not cpu_kernel.enabled(), reason="the packed CPU kernel needs AVX-512 (this CPU has none)"
+    not cpu_kernel.enabled(), reason="the packed CPU kernel needs AVX-512 or AVX2 (this CPU has neither)"
 )
+
+
+@pytest.fixture(params=["native", "avx2"])
+def build(request, monkeypatch):
+    """Each test on this CPU's build of the kernel and on the AVX2 build (which an AVX-512 CPU also runs)."""
+    if request.param == "avx2":
+        monkeypatch.setenv("COMERA_FX_CPU_KERNEL", "avx2")
+    if cpu_kernel.library() is None:
+        pytest.skip("no packed CPU kernel on this machine (it needs AVX2 or AVX-512 and a C++ compiler)")
+    return cpu_kernel.isa()
 
 
 def weight64(linear: nn.Linear, spec: QuantSpec) -> torch.Tensor:
@@ -41,7 +51,7 @@ def calls(monkeypatch):
 @pytest.mark.parametrize("bits,group", [(4, None), (4, 16), (4, 32), (8, None), (8, 16), (8, 96)])
 @pytest.mark.parametrize("rows", [16, 48, 80, 128])  # one row block; tails after tiles of four blocks
 @pytest.mark.parametrize("bias", [True, False])
-def test_kernel_product_is_the_float64_product(bits, group, rows, bias):
+def test_kernel_product_is_the_float64_product(bits, group, rows, bias, build):
     """Every tile shape: 0-13 tokens (tiles of six and each tail count) and 64; the product of the codes'
     float64 weight (``quantize_groups`` + ``dequantize``, independent of the kernel's layout) within fp32 error."""
     lib = cpu_kernel.library()
@@ -94,7 +104,7 @@ def test_packed_layers_take_the_kernel_only_where_it_is_right(calls):
 
 @needs_kernel
 @pytest.mark.parametrize("threads", [1, 2])
-def test_calls_large_enough_split_over_threads_give_the_same_product(threads, calls):
+def test_calls_large_enough_split_over_threads_give_the_same_product(threads, calls, build):
     """Below and above ``PARALLEL_MIN_MACS`` (tiles split over OpenMP threads, and the row blocks after the last
     whole tile), on one thread and on two: the kernel, and the float64 product."""
     torch.manual_seed(1)
@@ -162,6 +172,28 @@ def test_the_build_is_cached_by_source_and_compiler(monkeypatch, tmp_path):
     assert cpu_kernel._build(compiler) != first
 
 
+@needs_kernel
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_unpack_gives_the_codes_row_by_row(bits, dtype, build):
+    """``unpack`` of blocked codes: each row's codes (int4 times 16, low codes then high codes; or one half) in
+    fp32 or bf16, against the signed codes ``quantize_groups`` gives."""
+    torch.manual_seed(bits)
+    linear = nn.Linear(64, 48)
+    spec = QuantSpec(bits, None)
+    layer = PackedLinear.from_linear(linear, spec)
+    codes = quantize_groups(linear.weight.detach(), spec)[0].reshape(48, 64).float() * (16 if bits == 4 else 1)
+    lib = cpu_kernel.library()
+    out = torch.full((48, 64), float("nan"), dtype=dtype)
+    cpu_kernel.unpack(lib, bits, layer.codes, 64, out, 0, 3)
+    assert torch.equal(out.float(), codes)
+    if bits == 4:
+        for half in (1, 2):
+            part = torch.empty(48, 32, dtype=dtype)
+            cpu_kernel.unpack(lib, bits, layer.codes, 64, part, 0, 3, halves=half)
+            assert torch.equal(part.float(), codes[:, (half - 1) * 32 : half * 32])
+
+
 def test_row_blocks_put_each_columns_rows_together():
     rows = torch.arange(32 * 3).reshape(32, 3)
     blocked = to_row_blocks(rows, 16)
@@ -171,7 +203,7 @@ def test_row_blocks_put_each_columns_rows_together():
 
 @needs_kernel
 @pytest.mark.parametrize("bits,group", [(4, 64), (4, 16), (8, 32)])
-def test_low_rank_packed_tt_layers_run_as_two_kernel_products(bits, group, monkeypatch):
+def test_low_rank_packed_tt_layers_run_as_two_kernel_products(bits, group, monkeypatch, build):
     """A low-rank ``PackedTTLinear`` (cores (1, in, r), (r, out, 1)) in eager calls without a recorded gradient of
     x: two ``dense_product`` calls on the cores the kernel dequantized, gates folded; the float64 product of the
     held codes, scales and gates (``packed_tt_reference``) at 1-64 tokens, the bias tracked in grad mode. A

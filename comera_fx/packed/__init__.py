@@ -2,10 +2,10 @@
 
 ``quantize_`` / ``apply_formats_`` round a weight onto a grid but keep it in fp32 (4 bytes a weight in RAM for a
 weight stored in 1 or ½). ``PackedLinear`` holds only the codes (int8; int4 two to a byte) and one fp32 scale per
-group. On a CPU with AVX-512 its eager fp32 calls that record no gradient go to ``cpu_kernel``, a C++ kernel
-(compiled on first use) that widens the codes inside the product, so no weight is built; for that the layer holds
-codes and scales in blocks of 16 output rows. Otherwise (no AVX-512 or compiler, traced calls, gradients, bf16
-compute) it rebuilds the weight of one layer at a time inside its forward, in eager inference into one buffer per
+group. On a CPU with AVX-512 or AVX2 its eager fp32 calls that record no gradient go to ``cpu_kernel``, a C++
+kernel (compiled on first use) that widens the codes inside the product, so no weight is built; for that the layer
+holds codes and scales in blocks of 16 output rows. Otherwise (no such CPU or no compiler, traced calls, gradients,
+bf16 compute) it rebuilds the weight of one layer at a time inside its forward, in eager inference into one buffer per
 thread that every layer shares (``REUSE_WORKSPACE``; its size is the largest layer's weight, capped).
 
 Why not torch's int kernels: ``aten._weight_int4pack_mm_for_cpu`` and ``aten._weight_int8pack_mm`` exist in the

@@ -3,18 +3,76 @@
 // Layout (PackedLinear, code_format 3): output rows in blocks of 16. Codes: [N/16][width][16] bytes, byte (b, j, i)
 // is row 16 b + i; for int4 its low nibble is input feature j and its high nibble feature j + K/2 (each a 4-bit
 // two's complement code), width = K/2; for int8 it is feature j, width = K. Scales: [N/16][G][16] floats, one per
-// row and group of kgroup input features. For each input feature the 16 rows' codes of a block are one 512-bit
-// vector after widening, so the kernel is an outer product: every token's x value broadcast times that vector,
+// row and group of kgroup input features. For each input feature the 16 rows' codes of a block are one vector of
+// 16 floats after widening, so the kernel is an outer product: every token's x value broadcast times that vector,
 // accumulated in registers over all K features (no horizontal sums), the codes widened once per token tile.
 //
-// AVX-512F (+BW for the byte widening); built with -mavx512f -mavx512bw -mfma and only called on a CPU that has it.
+// Two builds of this file (cpu_kernel.py picks the one the CPU runs): AVX-512 (-mavx512f -mavx512bw: a vector of
+// 16 floats is one register, 32 registers) and AVX2 (-mavx2 -mfma: two registers, 16 of them; fewer rows a tile).
 #include <immintrin.h>
 #include <stdint.h>
 
 #include <vector>
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+struct V16 { // 16 floats
+    __m512 v;
+};
+struct I16 { // 16 int32
+    __m512i v;
+};
+static inline V16 vzero() { return {_mm512_setzero_ps()}; }
+static inline V16 vload(const float *p) { return {_mm512_loadu_ps(p)}; }
+static inline void vstore(float *p, V16 a) { _mm512_storeu_ps(p, a.v); }
+static inline V16 vset1(float x) { return {_mm512_set1_ps(x)}; }
+static inline V16 vadd(V16 a, V16 b) { return {_mm512_add_ps(a.v, b.v)}; }
+static inline V16 vmul(V16 a, V16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
+static inline V16 vfmadd(V16 a, V16 b, V16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+static inline I16 ifrom_bytes(__m128i b) { return {_mm512_cvtepi8_epi32(b)}; }                   // sign-extended
+static inline I16 ifrom_words(__m128i lo8, __m128i hi8) { return {_mm512_cvtepi16_epi32(_mm256_set_m128i(hi8, lo8))}; }
+static inline I16 ilow_nibbles(I16 a) { return {_mm512_srai_epi32(_mm512_slli_epi32(a.v, 28), 28)}; }
+static inline I16 ihigh_nibbles(I16 a) { return {_mm512_srai_epi32(a.v, 4)}; }
+static inline V16 vfrom(I16 a) { return {_mm512_cvtepi32_ps(a.v)}; }
+static inline void vstore_bf16(void *p, V16 a) { // the fp32 value's top half: exact for small integers
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(a.v), 16)));
+}
 #define ROW_BLOCKS 4 // 64 output rows a tile: 4 x TOKENS accumulators + 8 weight vectors fit 32 registers
 #define TOKENS 6
+#elif defined(__AVX2__) && defined(__FMA__)
+struct V16 {
+    __m256 a, b;
+};
+struct I16 {
+    __m256i a, b;
+};
+static inline V16 vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+static inline V16 vload(const float *p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+static inline void vstore(float *p, V16 x) {
+    _mm256_storeu_ps(p, x.a);
+    _mm256_storeu_ps(p + 8, x.b);
+}
+static inline V16 vset1(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+static inline V16 vadd(V16 x, V16 y) { return {_mm256_add_ps(x.a, y.a), _mm256_add_ps(x.b, y.b)}; }
+static inline V16 vmul(V16 x, V16 y) { return {_mm256_mul_ps(x.a, y.a), _mm256_mul_ps(x.b, y.b)}; }
+static inline V16 vfmadd(V16 x, V16 y, V16 z) { return {_mm256_fmadd_ps(x.a, y.a, z.a), _mm256_fmadd_ps(x.b, y.b, z.b)}; }
+static inline I16 ifrom_bytes(__m128i b) { return {_mm256_cvtepi8_epi32(b), _mm256_cvtepi8_epi32(_mm_srli_si128(b, 8))}; }
+static inline I16 ifrom_words(__m128i lo8, __m128i hi8) { return {_mm256_cvtepi16_epi32(lo8), _mm256_cvtepi16_epi32(hi8)}; }
+static inline I16 ilow_nibbles(I16 x) {
+    return {_mm256_srai_epi32(_mm256_slli_epi32(x.a, 28), 28), _mm256_srai_epi32(_mm256_slli_epi32(x.b, 28), 28)};
+}
+static inline I16 ihigh_nibbles(I16 x) { return {_mm256_srai_epi32(x.a, 4), _mm256_srai_epi32(x.b, 4)}; }
+static inline V16 vfrom(I16 x) { return {_mm256_cvtepi32_ps(x.a), _mm256_cvtepi32_ps(x.b)}; }
+static inline void vstore_bf16(void *p, V16 x) {
+    __m256i words = _mm256_packus_epi32(_mm256_srli_epi32(_mm256_castps_si256(x.a), 16),
+                                        _mm256_srli_epi32(_mm256_castps_si256(x.b), 16));
+    _mm256_storeu_si256((__m256i *)p, _mm256_permute4x64_epi64(words, 0xD8)); // packus interleaves the lanes
+}
+#define ROW_BLOCKS 1 // 16 output rows a tile: 2 x TOKENS accumulators + 4 weight vectors + 2 broadcasts
+#define TOKENS 4
+#else
+#error "cpu_kernel.cpp needs AVX-512 (F, BW) or AVX2 with FMA"
+#endif
+
 #define SCRATCH_MIN_TOKENS 24 // from this many tokens, widen a tile's weights once into scratch (see product)
 
 // The weight vectors of input feature j for the tile's row blocks r (lo: feature j, hi: int4's feature j + K/2),
@@ -23,17 +81,15 @@ template <int BITS> struct FromCodes {
     const uint8_t *codes;
     const float *scales;
     int64_t width, G, kgroup, b0;
-    inline void load(int64_t j, int r, __m512 &lo, __m512 &hi) const {
+    inline void load(int64_t j, int r, V16 &lo, V16 &hi) const {
         const uint8_t *c = codes + ((b0 + r) * width + j) * 16;
         const float *s = scales + (b0 + r) * G * 16;
-        __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)c));
+        I16 v = ifrom_bytes(_mm_loadu_si128((const __m128i *)c));
         if (BITS == 4) {
-            __m512i low = _mm512_srai_epi32(_mm512_slli_epi32(v, 28), 28);
-            lo = _mm512_mul_ps(_mm512_cvtepi32_ps(low), _mm512_loadu_ps(s + (j / kgroup) * 16));
-            hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srai_epi32(v, 4)),
-                               _mm512_loadu_ps(s + ((j + width) / kgroup) * 16));
+            lo = vmul(vfrom(ilow_nibbles(v)), vload(s + (j / kgroup) * 16));
+            hi = vmul(vfrom(ihigh_nibbles(v)), vload(s + ((j + width) / kgroup) * 16));
         } else {
-            lo = _mm512_mul_ps(_mm512_cvtepi32_ps(v), _mm512_loadu_ps(s + (j / kgroup) * 16));
+            lo = vmul(vfrom(v), vload(s + (j / kgroup) * 16));
         }
     }
 };
@@ -41,11 +97,11 @@ template <int BITS> struct FromCodes {
 // The same vectors, widened before into scratch: [width][RB][BITS == 4 ? 2 : 1][16] floats.
 template <int BITS, int RB> struct FromScratch {
     const float *w;
-    inline void load(int64_t j, int r, __m512 &lo, __m512 &hi) const {
+    inline void load(int64_t j, int r, V16 &lo, V16 &hi) const {
         const float *at = w + ((j * RB + r) * (BITS == 4 ? 2 : 1)) * 16;
-        lo = _mm512_loadu_ps(at);
+        lo = vload(at);
         if (BITS == 4)
-            hi = _mm512_loadu_ps(at + 16);
+            hi = vload(at + 16);
     }
 };
 
@@ -53,39 +109,37 @@ template <int BITS, int RB> struct FromScratch {
 struct FromDense {
     const float *w;
     int64_t N, b0;
-    inline void load(int64_t j, int r, __m512 &lo, __m512 &) const {
-        lo = _mm512_loadu_ps(w + j * N + (b0 + r) * 16);
-    }
+    inline void load(int64_t j, int r, V16 &lo, V16 &) const { lo = vload(w + j * N + (b0 + r) * 16); }
 };
 
 template <int BITS, int RB, int TB, class Source>
 static inline void tile(const float *x, int64_t K, const Source &weights, const float *bias, float *y, int64_t ldy,
                         int64_t b0) {
     const int64_t width = BITS == 4 ? K / 2 : K;
-    __m512 acc[RB][TB];
+    V16 acc[RB][TB];
     for (int r = 0; r < RB; ++r)
         for (int t = 0; t < TB; ++t)
-            acc[r][t] = _mm512_setzero_ps();
+            acc[r][t] = vzero();
     for (int64_t j = 0; j < width; ++j) {
-        __m512 lo[RB], hi[RB];
+        V16 lo[RB], hi[RB];
         for (int r = 0; r < RB; ++r)
             weights.load(j, r, lo[r], hi[r]);
         for (int t = 0; t < TB; ++t) {
-            __m512 a = _mm512_set1_ps(x[t * K + j]);
+            V16 a = vset1(x[t * K + j]);
             if (BITS == 4) {
-                __m512 b = _mm512_set1_ps(x[t * K + width + j]);
+                V16 b = vset1(x[t * K + width + j]);
                 for (int r = 0; r < RB; ++r)
-                    acc[r][t] = _mm512_fmadd_ps(b, hi[r], _mm512_fmadd_ps(a, lo[r], acc[r][t]));
+                    acc[r][t] = vfmadd(b, hi[r], vfmadd(a, lo[r], acc[r][t]));
             } else {
                 for (int r = 0; r < RB; ++r)
-                    acc[r][t] = _mm512_fmadd_ps(a, lo[r], acc[r][t]);
+                    acc[r][t] = vfmadd(a, lo[r], acc[r][t]);
             }
         }
     }
     for (int r = 0; r < RB; ++r) {
-        __m512 b = bias ? _mm512_loadu_ps(bias + (b0 + r) * 16) : _mm512_setzero_ps();
+        V16 b = bias ? vload(bias + (b0 + r) * 16) : vzero();
         for (int t = 0; t < TB; ++t)
-            _mm512_storeu_ps(y + t * ldy + (b0 + r) * 16, _mm512_add_ps(acc[r][t], b));
+            vstore(y + t * ldy + (b0 + r) * 16, vadd(acc[r][t], b));
     }
 }
 
@@ -125,12 +179,12 @@ static void row_blocks(const float *x, int64_t T, int64_t K, const uint8_t *code
     float *w = scratch.data();
     for (int64_t j = 0; j < width; ++j)
         for (int r = 0; r < RB; ++r) {
-            __m512 lo, hi;
+            V16 lo, hi;
             from_codes.load(j, r, lo, hi);
             float *at = w + ((j * RB + r) * (BITS == 4 ? 2 : 1)) * 16;
-            _mm512_storeu_ps(at, lo);
+            vstore(at, lo);
             if (BITS == 4)
-                _mm512_storeu_ps(at + 16, hi);
+                vstore(at + 16, hi);
         }
     token_tiles<BITS, RB>(x, T, K, FromScratch<BITS, RB>{w}, bias, y, ldy, b0);
 }
@@ -187,11 +241,11 @@ static inline void transpose16(__m128i x[16]) {
 }
 
 static inline void store16(void *to, __m128i bytes, int bf16) {
-    __m512 values = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
-    if (bf16) // small integers are exact in bf16: the fp32 value's top half
-        _mm256_storeu_si256((__m256i *)to, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(values), 16)));
+    V16 values = vfrom(ifrom_bytes(bytes));
+    if (bf16)
+        vstore_bf16(to, values);
     else
-        _mm512_storeu_ps((float *)to, values);
+        vstore((float *)to, values);
 }
 
 // Row blocks first..last of the codes as floats in rows (fp32, or bf16 when bf16 != 0) of out (row stride ldo
@@ -232,16 +286,16 @@ extern "C" void comera_packed_dequantize(int bits, const uint8_t *codes, int64_t
                                          int64_t group, float *out) {
     const __m128i low_bits = _mm_set1_epi16(0xF), eight = _mm_set1_epi16(8);
     for (int64_t i = 0; i < count; i += 16) {
-        __m512i v;
+        I16 v;
         if (bits == 4) { // codes i .. i+15: bytes i/2 .. i/2+7, each its low code then its high code
             __m128i bytes = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(codes + i / 2)));
             __m128i lo = _mm_sub_epi16(_mm_and_si128(bytes, low_bits), eight);
             __m128i hi = _mm_sub_epi16(_mm_srli_epi16(bytes, 4), eight);
-            v = _mm512_cvtepi16_epi32(_mm256_set_m128i(_mm_unpackhi_epi16(lo, hi), _mm_unpacklo_epi16(lo, hi)));
+            v = ifrom_words(_mm_unpacklo_epi16(lo, hi), _mm_unpackhi_epi16(lo, hi));
         } else {
-            v = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(codes + i)));
+            v = ifrom_bytes(_mm_loadu_si128((const __m128i *)(codes + i)));
         }
-        _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_cvtepi32_ps(v), _mm512_set1_ps(scales[i / group])));
+        vstore(out + i, vmul(vfrom(v), vset1(scales[i / group])));
     }
 }
 

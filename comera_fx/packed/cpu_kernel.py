@@ -2,13 +2,15 @@
 
 Why: at few tokens a packed layer's weight rebuild costs as much as its GEMM (MiniLM's 8x student ran 1.09-1.16x
 the fp32 teacher at batch 1, benchmarks/history/2026-12-06-issue-46-session9.md). The kernel widens each block of
-16 rows' codes once per tile of tokens and multiplies in registers; on an AVX-512 CPU at 13 tokens it ran
-0.64-0.85x the dense fp32 ``F.linear`` of the same weight (benchmarks/history/2026-12-07-issue-46-session10.md).
+16 rows' codes once per tile of tokens and multiplies in registers: on an AVX-512 CPU (Zen 4, 1 thread) it ran
+0.66-0.97x the dense fp32 ``F.linear`` of the same weight at 13-640 tokens, and the 8x student encoded in 0.63-0.65x
+the teacher's time at batch 1 (benchmarks/history/2026-12-07-issue-46-session10.md).
 
-Built on first use with the system C++ compiler (the one Inductor uses; ``$CXX`` or ``c++``) into a cache
-directory (``$COMERA_FX_KERNEL_CACHE``, else ``~/.cache/comera_fx``), keyed by the source, flags and compiler, and
-called through ``ctypes``. Where the CPU lacks AVX-512 or the build fails, ``library()`` is None (one warning
-names why) and the packed layers keep their rebuild path. ``COMERA_FX_CPU_KERNEL=0`` turns it off.
+Built on first use with the system C++ compiler (the one Inductor uses; ``$CXX`` or ``c++``; about a second) into a
+cache directory (``$COMERA_FX_KERNEL_CACHE``, else ``~/.cache/comera_fx``), keyed by the source, flags and compiler,
+and called through ``ctypes``: an AVX-512 build, or an AVX2 one (``isa()``). Where the CPU has neither or the build
+fails, ``library()`` is None (one warning names why) and the packed layers keep their rebuild path.
+``COMERA_FX_CPU_KERNEL=0`` turns it off, ``=avx2`` picks the AVX2 build on an AVX-512 CPU.
 """
 
 from __future__ import annotations
@@ -29,22 +31,32 @@ from torch import Tensor
 SOURCE = Path(__file__).with_name("cpu_kernel.cpp")
 #: -fopenmp: the library's parallel loops bind to libgomp.so.1, which torch has already loaded (its pool, its
 #: thread count).
-FLAGS = ("-O3", "-shared", "-fPIC", "-std=c++17", "-fopenmp", "-mavx512f", "-mavx512bw", "-mfma")
+FLAGS = ("-O3", "-shared", "-fPIC", "-std=c++17", "-fopenmp")
+#: The two builds of the source, by the instruction set the CPU has (``torch.backends.cpu.get_cpu_capability``).
+ISA_FLAGS = {"avx512": ("-mavx512f", "-mavx512bw", "-mfma"), "avx2": ("-mavx2", "-mfma")}
 #: Output rows a block of the kernel's layout holds (``PackedLinear`` holds codes and scales in such blocks).
 ROW_BLOCK = 16
-#: Whether packed layers call the kernel where it runs (False: their rebuild path, as on a CPU without AVX-512).
+#: Whether packed layers call the kernel where it runs (False: their rebuild path, as on a CPU without AVX2).
 USE_KERNEL = True
 
 _lock = threading.Lock()
 _state: dict = {}
 
 
+def isa() -> str | None:
+    """The build this process uses: "avx512" or "avx2" by the CPU, "avx2" on either where
+    ``COMERA_FX_CPU_KERNEL=avx2``; None where ``USE_KERNEL`` is off, ``COMERA_FX_CPU_KERNEL=0``, or the CPU has
+    neither (``torch.backends.cpu.get_cpu_capability()``, which ``ATEN_CPU_CAPABILITY`` can lower)."""
+    setting = os.environ.get("COMERA_FX_CPU_KERNEL", "1")
+    if not USE_KERNEL or setting == "0":
+        return None
+    found = {"AVX512": "avx512", "AVX2": "avx2"}.get(torch.backends.cpu.get_cpu_capability())
+    return "avx2" if setting == "avx2" and found else found
+
+
 def enabled() -> bool:
-    """Whether the kernel may be used at all: ``USE_KERNEL``, not ``COMERA_FX_CPU_KERNEL=0``, and a CPU with
-    AVX-512."""
-    if not USE_KERNEL or os.environ.get("COMERA_FX_CPU_KERNEL", "1") == "0":
-        return False
-    return torch.backends.cpu.get_cpu_capability() in ("AVX512",)
+    """Whether the kernel may be used at all (``isa()``)."""
+    return isa() is not None
 
 
 def _cache_dir() -> Path:
@@ -56,43 +68,45 @@ def _compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
 
 
-def _build(compiler: str) -> Path:
-    """The shared library for this source, flags and compiler: from the cache, else compiled into it (written to
-    a temporary name and renamed, so processes building at once never load a half-written file)."""
+def _build(compiler: str, target: str = "avx512") -> Path:
+    """The shared library for this source, ``target``'s flags and compiler: from the cache, else compiled into it
+    (written to a temporary name and renamed, so processes building at once never load a half-written file)."""
+    flags = FLAGS + ISA_FLAGS[target]
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, compiler, version]).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"packed_{key}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        built = Path(tmp) / target.name
-        run = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built)], capture_output=True, text=True)
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), *flags, compiler, version]).encode()).hexdigest()[:16]
+    path = _cache_dir() / f"packed_{target}_{key}.so"
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        built = Path(tmp) / path.name
+        run = subprocess.run([compiler, *flags, str(SOURCE), "-o", str(built)], capture_output=True, text=True)
         if run.returncode:
             raise RuntimeError(f"{compiler} failed: {run.stderr.strip()[-500:]}")
-        os.replace(built, target)
-    return target
+        os.replace(built, path)
+    return path
 
 
 def library() -> ctypes.CDLL | None:
-    """The loaded kernel, built on first call; None where ``enabled()`` is false or the build failed (warned
-    once, with the reason)."""
-    if not enabled():
+    """The loaded kernel for ``isa()``, built on first call; None where ``isa()`` is None or the build failed
+    (warned once, with the reason)."""
+    target = isa()
+    if target is None:
         return None
-    if "lib" in _state:
-        return _state["lib"]
+    if target in _state:
+        return _state[target]
     with _lock:
-        if "lib" not in _state:
-            _state["lib"] = _load()
-    return _state["lib"]
+        if target not in _state:
+            _state[target] = _load(target)
+    return _state[target]
 
 
-def _load() -> ctypes.CDLL | None:
+def _load(target: str) -> ctypes.CDLL | None:
     compiler = _compiler()
     try:
         if compiler is None:
             raise RuntimeError("no C++ compiler found (set $CXX)")
-        lib = ctypes.CDLL(str(_build(compiler)))
+        lib = ctypes.CDLL(str(_build(compiler, target)))
     except (OSError, RuntimeError, subprocess.SubprocessError) as error:
         warnings.warn(
             f"comera_fx: the packed layers' CPU kernel is unavailable ({error}); they rebuild their weights "
