@@ -101,6 +101,16 @@ def library() -> ctypes.CDLL | None:
     return _state[target]
 
 
+#: The library's functions and their arguments (cpu_kernel.cpp), a letter each: i int, q int64, p pointer.
+SIGNATURES = {
+    "comera_packed_product": "ipqqppqqppqqqi",
+    "comera_packed_unpack": "ipqpqiqqi",
+    "comera_dense_product": "pqqpqppqi",
+    "comera_packed_dequantize": "ipqpqp",
+}
+_C_TYPES = {"i": ctypes.c_int, "q": ctypes.c_int64, "p": ctypes.c_void_p}
+
+
 def _load(target: str) -> ctypes.CDLL | None:
     compiler = _compiler()
     try:
@@ -115,56 +125,10 @@ def _load(target: str) -> ctypes.CDLL | None:
             stacklevel=3,
         )
         return None
-    lib.comera_packed_product.restype = None
-    lib.comera_packed_product.argtypes = [
-        ctypes.c_int,
-        ctypes.c_void_p,
-        ctypes.c_int64,
-        ctypes.c_int64,
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        ctypes.c_int64,
-        ctypes.c_int64,
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        ctypes.c_int64,
-        ctypes.c_int64,
-        ctypes.c_int64,
-        ctypes.c_int,
-    ]
-    lib.comera_packed_unpack.restype = None
-    lib.comera_packed_unpack.argtypes = [
-        ctypes.c_int,
-        ctypes.c_void_p,
-        ctypes.c_int64,
-        ctypes.c_void_p,
-        ctypes.c_int64,
-        ctypes.c_int,
-        ctypes.c_int64,
-        ctypes.c_int64,
-        ctypes.c_int,
-    ]
-    lib.comera_dense_product.restype = None
-    lib.comera_dense_product.argtypes = [
-        ctypes.c_void_p,
-        ctypes.c_int64,
-        ctypes.c_int64,
-        ctypes.c_void_p,
-        ctypes.c_int64,
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        ctypes.c_int64,
-        ctypes.c_int,
-    ]
-    lib.comera_packed_dequantize.restype = None
-    lib.comera_packed_dequantize.argtypes = [
-        ctypes.c_int,
-        ctypes.c_void_p,
-        ctypes.c_int64,
-        ctypes.c_void_p,
-        ctypes.c_int64,
-        ctypes.c_void_p,
-    ]
+    for name, letters in SIGNATURES.items():
+        function = getattr(lib, name)
+        function.restype = None
+        function.argtypes = [_C_TYPES[letter] for letter in letters]
     return lib
 
 
