@@ -163,13 +163,13 @@ def test_the_build_is_cached_by_source_and_compiler(monkeypatch, tmp_path):
     """A second build finds the first's library (not compiled again); another source gets another file."""
     monkeypatch.setenv("COMERA_FX_KERNEL_CACHE", str(tmp_path))
     compiler = cpu_kernel._compiler()
-    first = cpu_kernel._build(compiler)
+    first = cpu_kernel._build(compiler, cpu_kernel.isa())
     stamp = first.stat().st_mtime_ns
-    assert cpu_kernel._build(compiler) == first and first.stat().st_mtime_ns == stamp
+    assert cpu_kernel._build(compiler, cpu_kernel.isa()) == first and first.stat().st_mtime_ns == stamp
     changed = tmp_path / "cpu_kernel.cpp"
     changed.write_text(cpu_kernel.SOURCE.read_text() + "\n// another version\n")
     monkeypatch.setattr(cpu_kernel, "SOURCE", changed)
-    assert cpu_kernel._build(compiler) != first
+    assert cpu_kernel._build(compiler, cpu_kernel.isa()) != first
 
 
 @needs_kernel

@@ -68,7 +68,7 @@ def _compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
 
 
-def _build(compiler: str, target: str = "avx512") -> Path:
+def _build(compiler: str, target: str) -> Path:
     """The shared library for this source, ``target``'s flags and compiler: from the cache, else compiled into it
     (written to a temporary name and renamed, so processes building at once never load a half-written file)."""
     flags = FLAGS + ISA_FLAGS[target]

@@ -168,8 +168,8 @@ def compress_(
             notes.append(
                 "this CPU multiplies bf16 natively: comera_fx.packed.set_compute_dtype_(student, 'auto') runs the "
                 "packed layers' GEMMs in bf16 for calls of 64 tokens or more (about 3e-3 relative error), and "
-                "DistillConfig(autocast=torch.bfloat16) trains ~1.6x the steps in the same budget (on MiniLM: +0.010 "
-                "at 16x, no gain at 8x; docs/pretrained.md)"
+                "DistillConfig(autocast=torch.bfloat16) trains 1.4-1.6x the steps in the same budget (on MiniLM: "
+                "+0.010 to +0.015 at 16x, no gain at 8x; docs/pretrained.md)"
             )
     if not config.pack and any(c.format in CORE_BITS for c in plan.choices.values()):
         notes.append("TT cores are held in fp32 in memory (on their int grid); only the saved file stores codes")
