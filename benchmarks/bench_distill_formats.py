@@ -17,6 +17,7 @@ on all six takes about 9 minutes on 2 cores). Each run prints one JSON line.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import gc
 import json
@@ -161,22 +162,26 @@ def autocast_bf16(model):
 
 def without_kernel(path, builder):
     """The student of ``path`` loaded and called with ``comera_fx.packed.cpu_kernel`` off: codes held row by row,
-    weights rebuilt each call (the path before the kernel, and the one on CPUs without AVX-512), for a comparison
+    weights rebuilt each call (the path before the kernel, and the one on CPUs without AVX2), for a comparison
     in the same run."""
-    cpu_kernel.USE_KERNEL = False
-    try:
+    with kernel_off():
         model = comera_fx.load_tensorized(path, builder, pack=True).eval()
-    finally:
-        cpu_kernel.USE_KERNEL = True
 
     def run(**inputs):
-        cpu_kernel.USE_KERNEL = False
-        try:
+        with kernel_off():
             return model(**inputs)
-        finally:
-            cpu_kernel.USE_KERNEL = True
 
     return run
+
+
+@contextlib.contextmanager
+def kernel_off():
+    """``comera_fx.packed.cpu_kernel`` off inside: layers built here hold their codes row by row, calls rebuild."""
+    cpu_kernel.USE_KERNEL = False
+    try:
+        yield
+    finally:
+        cpu_kernel.USE_KERNEL = True
 
 
 def measure_serving(
@@ -336,13 +341,10 @@ def kernels(args) -> dict:
         columns["aten int4 g128"] = lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x, tiled, 128, scale_zeros)
         for bits, group in ((8, None), (4, 128)):
             packed = PackedLinear.from_linear(linear, QuantSpec(bits, group))
-            cpu_kernel.USE_KERNEL = False
-            rebuilt = PackedLinear.from_linear(linear, QuantSpec(bits, group))  # held row by row, no kernel
-            cpu_kernel.USE_KERNEL = True
+            with kernel_off():
+                rebuilt = PackedLinear.from_linear(linear, QuantSpec(bits, group))  # held row by row, no kernel
             columns[f"PackedLinear int{bits} g{group}"] = lambda packed=packed: packed(x)
-            columns[f"PackedLinear int{bits} g{group} rebuild"] = lambda rebuilt=rebuilt: without_kernel_call(
-                rebuilt, x
-            )
+            columns[f"PackedLinear int{bits} g{group} rebuild"] = lambda rebuilt=rebuilt: rebuilt_call(rebuilt, x)
         with torch.inference_mode():
             times = common.time_rotated(columns, repeats=args.repeats, inner=1)
         result[rows] = {k: round(v * 1e3, 3) for k, v in times.items()}
@@ -354,12 +356,9 @@ def kernels(args) -> dict:
     }
 
 
-def without_kernel_call(module, x):
-    cpu_kernel.USE_KERNEL = False
-    try:
+def rebuilt_call(module, x):
+    with kernel_off():
         return module(x)
-    finally:
-        cpu_kernel.USE_KERNEL = True
 
 
 def layer_kind(module) -> str | None:

@@ -138,6 +138,21 @@ def _load(target: str) -> ctypes.CDLL | None:
 PARALLEL_MIN_MACS = 500_000
 
 
+def _threads(macs: int) -> int:
+    """Threads for a call of ``macs`` multiply-adds (``PARALLEL_MIN_MACS``)."""
+    return torch.get_num_threads() if macs >= PARALLEL_MIN_MACS else 1
+
+
+def split_bias(bias: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
+    """(the bias for the kernel to add, the bias for the caller to add after): after, where autograd records the
+    bias's gradient (the kernel is invisible to autograd), else inside as contiguous fp32."""
+    if bias is None:
+        return None, None
+    if torch.is_grad_enabled() and bias.requires_grad:
+        return None, bias
+    return bias.detach().float().contiguous(), None
+
+
 def product(
     lib: ctypes.CDLL, bits: int, x: Tensor, codes: Tensor, scales: Tensor, kgroup: int, bias: Tensor | None
 ) -> Tensor:
@@ -147,7 +162,6 @@ def product(
     tokens, features = x.shape
     blocks = codes.shape[0]
     out = x.new_empty(tokens, blocks * ROW_BLOCK)
-    threads = torch.get_num_threads() if tokens * out.shape[1] * features >= PARALLEL_MIN_MACS else 1
     lib.comera_packed_product(
         bits,
         x.data_ptr(),
@@ -162,7 +176,7 @@ def product(
         out.shape[1],
         0,
         blocks,
-        threads,
+        _threads(tokens * out.shape[1] * features),
     )
     return out
 
@@ -214,7 +228,6 @@ def dense_product(lib: ctypes.CDLL, x: Tensor, weight: Tensor, bias: Tensor | No
     if weight.shape[0] != features or columns % ROW_BLOCK:
         raise ValueError(f"dense_product: {tuple(x.shape)} times {tuple(weight.shape)}")
     out = x.new_empty(tokens, columns)
-    threads = torch.get_num_threads() if tokens * columns * features >= PARALLEL_MIN_MACS else 1
     lib.comera_dense_product(
         x.data_ptr(),
         tokens,
@@ -224,6 +237,6 @@ def dense_product(lib: ctypes.CDLL, x: Tensor, weight: Tensor, bias: Tensor | No
         None if bias is None else bias.data_ptr(),
         out.data_ptr(),
         columns,
-        threads,
+        _threads(tokens * columns * features),
     )
     return out

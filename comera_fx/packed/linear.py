@@ -218,13 +218,11 @@ class PackedLinear(nn.Module):
         (``cpu_kernel.library``)."""
         if (
             self.row_block != cpu_kernel.ROW_BLOCK
-            or type(x) is not torch.Tensor
             or x.dtype != torch.float32
             or x.device.type != "cpu"
             or self.scales.dtype != torch.float32  # e.g. after .double(): the kernel reads fp32 scales
             or not (self.codes.is_contiguous() and self.scales.is_contiguous())
-            or torch.compiler.is_compiling()
-            or (torch.is_grad_enabled() and x.requires_grad)
+            or not workspace.eager_inference(x)
         ):
             return None
         return cpu_kernel.library()
@@ -233,12 +231,10 @@ class PackedLinear(nn.Module):
         """``forward`` by ``cpu_kernel``: the codes widened inside the product, no weight rebuilt. The bias goes
         in the kernel unless autograd records it (then it is added after)."""
         x2 = x.reshape(-1, self.in_features).contiguous()
-        bias = self.bias
-        tracked = bias is not None and torch.is_grad_enabled() and bias.requires_grad
-        inside = None if bias is None or tracked else bias.detach().float().contiguous()
+        inside, after = cpu_kernel.split_bias(self.bias)
         out = cpu_kernel.product(lib, self.spec.bits, x2, self.codes, self.scales, self.kgroup, inside)
         out = out.view(x.shape[:-1] + (self.out_features,))
-        return out + bias if tracked else out
+        return out if after is None else out + after
 
     def _forward_low_precision(self, x: Tensor, dtype: torch.dtype) -> Tensor:
         """``forward`` with the GEMM in ``dtype`` (bf16 / fp16) and the result in x's dtype: x is rounded to

@@ -250,47 +250,43 @@ class PackedTTLinear(nn.Module):
             return None
         if x.dtype != torch.float32 or x.device.type != "cpu":
             return None
-        (one, inputs, rank), (rank_again, outputs, last) = shapes
+        (one, inputs, rank), (_, outputs, last) = shapes
         if one != 1 or last != 1 or (inputs, outputs) != (self.in_features, self.out_features):  # no padded modes
             return None
         if rank % 16 or outputs % 16 or rank * (inputs + outputs) > inputs * outputs:
             return None
-        if type(x) is not torch.Tensor or self._dequantizer(x.dtype, inputs * rank + rank * outputs) is None:
-            return None
-        return cpu_kernel.library()
+        return self._dequantizer(x.dtype, inputs * rank + rank * outputs)
 
     def _forward_low_rank(self, lib, x: Tensor) -> Tensor:
         """``forward`` of a low-rank layer as x A B (+ bias) by ``cpu_kernel.dense_product`` on the gated cores in
         the shared workspace (``_gated_cores_shared``); the bias in the kernel unless autograd records it."""
         (_, inputs, rank), (_, outputs, _) = self.layout.core_shapes
         first, second = self._gated_cores_shared(torch.float32)
-        bias = self.bias
-        tracked = bias is not None and torch.is_grad_enabled() and bias.requires_grad
-        inside = None if bias is None or tracked else bias.detach().float().contiguous()
+        inside, after = cpu_kernel.split_bias(self.bias)
         x2 = x.reshape(-1, inputs).contiguous()
         hidden = cpu_kernel.dense_product(lib, x2, first.view(inputs, rank))
         out = cpu_kernel.dense_product(lib, hidden, second.view(rank, outputs), inside)
         out = out.view(x.shape[:-1] + (outputs,))
-        return out + bias if tracked else out
+        return out if after is None else out + after
 
     def _gated_cores_shared(self, dtype: torch.dtype) -> list[Tensor]:
-        """The gated cores, dequantized in a few whole-buffer passes into the thread's shared workspace (valid
-        until the next packed layer's call): the codes' nibbles, the offset and the gate-folded scales per group,
-        then the gates that could not be folded."""
+        """The gated cores, dequantized into the thread's shared workspace (valid until the next packed layer's
+        call): the codes' nibbles, the offset and the gate-folded scales per group (one ``cpu_kernel`` pass where it
+        runs, else a few whole-buffer ATen passes), then the gates that could not be folded."""
         scales, left = self._folded()
         spec, total = self.specs[0], self._spans[-1][4] + math.prod(self._spans[-1][5])
         flat = workspace.shared(total, dtype, self.codes.device)
         lib = self._dequantizer(dtype, total)
         if lib is not None:
             cpu_kernel.dequantize(lib, spec.bits, self.codes, scales.float().contiguous(), spec.group_size, flat)
-        elif spec.bits == 8:
-            flat.copy_(self.codes.view(torch.int8))
         else:
-            pairs = flat.view(-1, 2)
-            pairs[:, 0] = self.codes & 0xF
-            pairs[:, 1] = self.codes >> 4
-            flat.sub_(8)
-        if lib is None:
+            if spec.bits == 8:
+                flat.copy_(self.codes.view(torch.int8))
+            else:
+                pairs = flat.view(-1, 2)
+                pairs[:, 0] = self.codes & 0xF
+                pairs[:, 1] = self.codes >> 4
+                flat.sub_(8)
             flat.view(-1, spec.group_size).mul_(scales.to(dtype)[:, None])
         cores = [flat[at : at + math.prod(shape)].view(shape) for *_, at, shape, _ in self._spans]
         for k in left:

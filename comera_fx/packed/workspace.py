@@ -22,15 +22,20 @@ _WORKSPACE = threading.local()
 MAX_BYTES: int | None = 5 << 18
 
 
-def reusable(x: Tensor) -> bool:
-    """Whether a packed layer's call on ``x`` may rebuild into the shared workspace: eager (not traced), a plain
-    tensor, and no gradient of x recorded (the next packed layer's call overwrites the buffer)."""
+def eager_inference(x: Tensor) -> bool:
+    """Whether a packed layer's call on ``x`` is eager (not traced), on a plain tensor, recording no gradient of x:
+    where it may reuse shared buffers or call ``cpu_kernel``."""
     return (
-        REUSE_WORKSPACE
-        and not torch.compiler.is_compiling()
+        not torch.compiler.is_compiling()
         and type(x) is torch.Tensor
         and not (torch.is_grad_enabled() and x.requires_grad)
     )
+
+
+def reusable(x: Tensor) -> bool:
+    """Whether a packed layer's call on ``x`` may rebuild into the shared workspace: ``REUSE_WORKSPACE`` and
+    ``eager_inference`` (the next packed layer's call overwrites the buffer)."""
+    return REUSE_WORKSPACE and eager_inference(x)
 
 
 def chunk_rows(rows: int, row_bytes: int) -> int:

@@ -108,11 +108,12 @@ class DistillConfig:
     ``autocast``: both models' forward passes under ``torch.autocast`` in this dtype, so their GEMMs (and the TT
     layers' backward GEMMs) run in it, attention (``scaled_dot_product_attention``) kept in fp32; the weights, the
     optimizer and the loss stay fp32. Pays where the CPU multiplies bf16 natively (``comera_fx.packed.bf16_native()``:
-    AMX); elsewhere bf16 GEMMs are slower than fp32. None (default): fp32 throughout.
+    AMX or AVX-512 BF16); elsewhere bf16 GEMMs are slower than fp32. None (default): fp32 throughout.
 
     ``compress_`` only: ``output_batches`` of the calibration batches (at most all of them) score the format
     candidates at the output; ``pack`` swaps the int8 / int4 layers for ``PackedLinear`` and the TT layers with
-    quantized cores for ``PackedTTLinear`` at the end (codes in memory, rebuilt to fp32 per call);
+    quantized cores for ``PackedTTLinear`` at the end (codes in memory; multiplied by ``comera_fx.packed.cpu_kernel``
+    where it runs, else rebuilt to fp32 per call);
     ``validation_batches`` of the user's batches (the last ones of a list or tuple longer than 4 times as many; else
     drawn after the calibration batches) are not trained on: their loss is checked every 5 % of the run and the
     weights at its lowest are the ones returned (``match_teacher(validation=)``; 0: the last step's weights)."""
