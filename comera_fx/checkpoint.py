@@ -7,8 +7,8 @@ manifest lists every TT matrix (its layout: format, sizes, modes, live ranks —
 ranks) and every module that holds one (a ``TTLinear``, a ``TTEmbedding``, or a module reading a reconstructing
 property), the aliases of tensors shared between state-dict keys (tied weights, a shared TT matrix), and the
 model's non-persistent buffers (``to_empty`` would leave them uninitialised), and the weights ``quantize_`` put on
-an int8 / int4 grid: those are stored as their integer codes (int4 two to a byte) plus one fp32 scale per group, and
-come back as the same float values, bit for bit.
+an int8 / int4 / int3 grid: those are stored as their integer codes (int4 two to a byte, int3 eight to three bytes)
+plus one fp32 scale per group, and come back as the same float values, bit for bit.
 
 Loading calls ``build_fn()`` under ``torch.device("meta")`` (no memory), swaps the TT holders in with TT matrices
 of the recorded layouts (meta too), then ``to_empty`` allocates only what the tensorized model holds, and the state

@@ -1,5 +1,5 @@
-"""Weight quantization that composes with tensorization: TT cores (and dense linears, if asked) stored as int8 or
-int4 with one fp32 scale per group of consecutive weights.
+"""Weight quantization that composes with tensorization: TT cores (and dense linears, if asked) stored as int8,
+int4 or int3 with one fp32 scale per group of consecutive weights.
 
 TT cores and low-rank factors are small dense matrices, so structure and precision multiply: a TT student at a
 quarter of the parameters with int8 cores takes about 1/16 of the fp32 dense bytes. ``quantize_`` rounds the
@@ -35,17 +35,21 @@ from .tt.layers import TTMatrix
 SPEC_ATTR = "_comera_fx_quantized"
 
 
+#: The int grids' widths: codes in [-qmax, qmax], qmax = 2^(bits-1) - 1 (int3: seven levels, -3..3).
+GRID_BITS = (8, 4, 3)
+
+
 @dataclass(frozen=True)
 class QuantSpec:
-    """How a weight is stored: ``bits`` (8 or 4) per weight, one fp32 scale per ``group_size`` consecutive
+    """How a weight is stored: ``bits`` (8, 4 or 3) per weight, one fp32 scale per ``group_size`` consecutive
     row-major weights (``None``: one scale for the tensor)."""
 
     bits: int = 8
     group_size: int | None = 64
 
     def __post_init__(self) -> None:
-        if self.bits not in (4, 8):
-            raise ValueError(f"bits must be 8 or 4, got {self.bits!r}")
+        if self.bits not in GRID_BITS:
+            raise ValueError(f"bits must be one of {GRID_BITS}, got {self.bits!r}")
         if self.group_size is not None and (
             isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size < 1
         ):
@@ -168,9 +172,18 @@ def fake_quant(weight: Tensor, bits: int, group_size: int | None = None, importa
 
 
 def pack(codes: Tensor, bits: int) -> Tensor:
-    """Codes as stored: int8 as they are; int4 two to a byte (code + 8 in each nibble, low nibble first)."""
+    """Codes as stored: int8 as they are; int4 two to a byte (code + 8 in each nibble, low nibble first); int3 eight
+    to three bytes (code + 4 in each 3-bit field, the first code in the lowest bits of a little-endian 24-bit word;
+    ceil(3 n / 8) bytes in all)."""
     if bits == 8:
         return codes.to(torch.int8)
+    if bits == 3:
+        fields = (codes.to(torch.int32) + 4).reshape(-1)
+        numel = fields.numel()
+        fields = torch.cat([fields, fields.new_full(((-numel) % 8,), 4)]).reshape(-1, 8)
+        words = (fields << torch.arange(0, 24, 3, dtype=torch.int32)).sum(1, dtype=torch.int32)
+        stored = torch.stack([(words >> shift) & 0xFF for shift in (0, 8, 16)], 1).reshape(-1).to(torch.uint8)
+        return stored[: math.ceil(numel * 3 / 8)]  # the last word's bytes that hold no code are not stored
     nibbles = (codes.to(torch.int16) + 8).to(torch.uint8)
     if nibbles.numel() % 2:
         nibbles = torch.cat([nibbles, nibbles.new_full((1,), 8)])
@@ -181,6 +194,12 @@ def unpack(stored: Tensor, bits: int, numel: int) -> Tensor:
     """The int8 codes ``pack`` stored."""
     if bits == 8:
         return stored.to(torch.int8)
+    if bits == 3:
+        triples = stored.to(torch.int32)
+        triples = torch.cat([triples, triples.new_zeros((-triples.numel()) % 3)]).reshape(-1, 3)
+        words = triples[:, 0] | (triples[:, 1] << 8) | (triples[:, 2] << 16)
+        fields = (words[:, None] >> torch.arange(0, 24, 3, dtype=torch.int32)) & 7
+        return (fields.reshape(-1)[:numel] - 4).to(torch.int8)
     low, high = stored & 0xF, stored >> 4
     return (torch.stack([low, high], 1).reshape(-1)[:numel].to(torch.int16) - 8).to(torch.int8)
 

@@ -119,7 +119,7 @@ def test_plan_fits_the_budget_and_its_errors_are_the_built_models():
     assert plan.total_bytes <= plan.budget_bytes == int(0.15 * plan.dense_bytes)
     # rank 2: the low-rank product is exact at rank 2, in fewer bytes than any int grid or many-mode TT
     assert plan.choices["low.weight"].format in ("lr", "lr4")
-    assert plan.choices["flat.weight"].format in ("int8", "int4")
+    assert plan.choices["flat.weight"].format in ("int8", "int4", "int3")
     comera_fx.apply_formats_(model, plan, cal)
     assert isinstance(model.low, TTLinear) and isinstance(model.flat, nn.Linear)
     for name, w in original.items():
@@ -139,6 +139,29 @@ def test_plan_fits_the_budget_and_its_errors_are_the_built_models():
         len(list(getattr(model, n).tt.cores)) if isinstance(getattr(model, n), TTLinear) else 1
         for n in ("low", "flat", "mid")
     )
+
+
+def test_int3_choices_build_seven_level_grids_of_the_planned_bytes():
+    """Only int3 allowed: every layer on a 7-level grid of its group size, the bytes and error as planned (the error
+    against the float64 product over the recorded inputs), and the int3 grid between int4 and low-rank in bytes."""
+    model, batches, cal = calibrated()
+    original = {n: getattr(model, n).weight.detach().double().clone() for n in ("low", "flat", "mid")}
+    inputs = layer_inputs(model, batches)
+    plan = comera_fx.choose_formats(model, cal, 0.12, formats=("int3",), config=CONFIG)
+    assert {c.format for c in plan.choices.values()} == {"int3"}
+    comera_fx.apply_formats_(model, plan, cal)
+    for name, w in original.items():
+        choice, weight = plan.choices[f"{name}.weight"], getattr(model, name).weight.detach()
+        group, flat = choice.group_size or weight.numel(), weight.reshape(-1)
+        for start in range(0, flat.numel(), group):  # one scale per group: at most seven values in it
+            assert len(torch.unique(flat[start : start + group])) <= 7
+        assert choice.bytes == QuantSpec(3, choice.group_size).nbytes(weight.numel())
+        x = inputs[name]
+        want = float((x @ (w - weight.double()).T).square().sum() / (x @ w.T).square().sum())
+        assert choice.error == pytest.approx(want, rel=1e-6, abs=1e-12), name
+    assert stored_bytes(model) == plan.total_bytes
+    with pytest.raises(ValueError, match="smallest formats"):
+        comera_fx.choose_formats(model, cal, 0.05, formats=("int3",), config=CONFIG)
 
 
 def test_a_larger_budget_never_has_a_larger_error():

@@ -1,5 +1,6 @@
-"""PackedLinear: int8 / int4 codes in memory (the fp32 weight rebuilt per call), checked against a float64 matmul on the
-dequantized weights (``comera_fx.quantize.dequantize``), and kept packed through state_dict and save/load."""
+"""PackedLinear: int8 / int4 (and int3, held as int4) codes in memory (the fp32 weight rebuilt per call), checked
+against a float64 matmul on the dequantized weights (``comera_fx.quantize.dequantize``), and kept packed through
+state_dict and save/load."""
 
 import copy
 import math
@@ -12,7 +13,7 @@ import comera_fx
 from comera_fx.packed import PackedLinear, cpu_kernel, kernel_group, pack_linears_
 from comera_fx.quantize import QuantSpec, dequantize, fake_quant, quantize_groups
 
-CASES = [(8, 32), (8, 64), (8, None), (8, 384), (4, 32), (4, 64), (4, 128), (4, None), (4, 384)]
+CASES = [(8, 32), (8, 64), (8, None), (8, 384), (4, 32), (4, 64), (4, 128), (4, None), (4, 384), (3, 32), (3, None)]
 
 
 @pytest.fixture(params=["kernel", "rebuild"])
@@ -44,16 +45,19 @@ def test_packed_output_is_the_dequantized_weights_matmul(bits, group, packed_pat
         assert out.shape == (*shape[:-1], 48)
         torch.testing.assert_close(out.double(), reference(linear, spec, x), rtol=0, atol=2e-5)
     assert torch.equal(packed.dequantized(), fake_quant(linear.weight.detach(), bits, group))
-    assert packed.nbytes() <= 1.3 * spec.nbytes(linear.weight.numel())  # held as codes, not fp32
+    held = QuantSpec(packed.held_bits, group).nbytes(linear.weight.numel())  # int3 held as int4
+    assert packed.nbytes() <= 1.3 * held  # held as codes, not fp32
 
 
-@pytest.mark.parametrize("bits,group", [(8, 64), (4, 32)])
+@pytest.mark.parametrize("bits,group", [(8, 64), (4, 32), (3, 64)])
 def test_state_dict_round_trip_and_portable_form(bits, group):
     torch.manual_seed(1)
     linear = nn.Linear(64, 32)
     packed = PackedLinear.from_linear(linear, QuantSpec(bits, group))
     state = packed.state_dict()
     assert set(state) == {"weight", "weight_scales", "bias"}
+    assert state["weight"].numel() == 64 * 32 * bits // 8  # the portable form: bits a code (int3 held as int4)
+    assert packed.codes.numel() == 64 * 32 * (8 if bits == 8 else 4) // 8
     fresh = PackedLinear(64, 32, QuantSpec(bits, group))
     fresh.load_state_dict(state)
     x = torch.randn(4, 64)
@@ -115,6 +119,7 @@ def test_pack_linears_and_save_load_keep_the_layers_packed(tmp_path):
     comera_fx.save_tensorized(model, tmp_path / "fake.st")
     loaded = comera_fx.load_tensorized(tmp_path / "fake.st", build, pack=True)
     assert [type(m).__name__ for m in loaded] == ["PackedLinear", "ReLU", "PackedLinear", "ReLU", "Linear"]
+    assert loaded[0].spec.bits == 4 and loaded[2].spec.bits == 8
     torch.testing.assert_close(loaded(x), expected, rtol=0, atol=1e-5)
     packed = copy.deepcopy(model)
     left = pack_linears_(packed)
@@ -286,6 +291,35 @@ def test_load_tensorized_pack_holds_tt_cores_packed(tmp_path):
 
 def build_tt():
     return nn.Sequential(nn.Linear(128, 96), nn.ReLU(), nn.Linear(96, 48), nn.ReLU(), nn.Linear(48, 40))
+
+
+def test_int3_layers_pack_save_and_load_as_three_bits(tmp_path):
+    """An int3 dense layer: packed (held as int4 nibbles), saved at 3 bits a code, loaded packed, the same outputs;
+    TT cores on an int3 grid have no packed layout: pack_linears_ leaves the layer and says why."""
+    from comera_fx.packed import PackedTTLinear
+
+    torch.manual_seed(3)
+    model = build()
+    comera_fx.quantize_(model, 3, 32, dense_linears=True, include="^0$")
+    x = torch.randn(6, 128)
+    expected = model(x).detach()
+    weight = model[0].weight.detach().reshape(-1, 32)
+    assert all(len(torch.unique(g)) <= 7 for g in weight)  # seven levels a group
+    packed = copy.deepcopy(model)
+    assert pack_linears_(packed) == {}
+    assert isinstance(packed[0], PackedLinear) and packed[0].held_bits == 4
+    torch.testing.assert_close(packed(x), expected, rtol=0, atol=1e-5)
+    comera_fx.save_tensorized(packed, tmp_path / "int3.st")
+    again = comera_fx.load_tensorized(tmp_path / "int3.st", build)
+    assert isinstance(again[0], PackedLinear) and again[0].spec == QuantSpec(3, 32)
+    assert torch.equal(again(x), packed(x))
+    assert comera_fx.quantize.stored_bytes(again[0]) == 128 * 64 * 3 // 8 + 128 * 64 // 32 * 4
+    tt = tt_model()
+    comera_fx.quantize_(tt, 3, 32)
+    left = pack_linears_(tt)
+    assert set(left) == {"0", "2"} and "int3" in left["0"]
+    with pytest.raises(ValueError, match="int8 / int4 cores"):
+        PackedTTLinear.from_tt_linear(tt[0])
 
 
 def test_pack_linears_packs_tt_layers_and_leaves_shared_ones():

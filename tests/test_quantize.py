@@ -43,15 +43,15 @@ def reference_grid(weight: torch.Tensor, bits: int, group_size: int | None):
 @settings(max_examples=40, deadline=None)
 @given(
     numel=st.integers(1, 300),
-    bits=st.sampled_from([4, 8]),
+    bits=st.sampled_from([3, 4, 8]),
     group=st.sampled_from([None, 1, 7, 64]),
     magnitude=st.floats(-6, 3),
     seed=st.integers(0, 2**16),
 )
 def test_grid_error_bound_codes_and_exact_requantization(numel, bits, group, magnitude, seed):
     """Every value moves by at most half its group's scale (float64 reference), codes lie in [-qmax, qmax], int4
-    codes survive packing, and quantizing a quantized tensor again (what a save after ``quantize_`` does) gives
-    back exactly the same values."""
+    and int3 codes survive packing (int3: 3 bits a code), and quantizing a quantized tensor again (what a save after
+    ``quantize_`` does) gives back exactly the same values."""
     gen = torch.Generator().manual_seed(seed)
     w = torch.randn(numel, generator=gen) * 10.0**magnitude
     spec = QuantSpec(bits, group)
@@ -65,6 +65,7 @@ def test_grid_error_bound_codes_and_exact_requantization(numel, bits, group, mag
     ).abs()
     assert bool((err <= scale / 2 * (1 + 1e-5) + 1e-30).all())
     assert torch.equal(unpack(pack(codes, bits), bits, numel), codes)
+    assert pack(codes, bits).numel() == math.ceil(numel * bits / 8)  # what QuantSpec.nbytes counts
     again, again_scales = quantize_groups(q, spec)
     assert torch.equal(dequantize(again, again_scales, spec, q.shape, q.dtype), q)
 
@@ -74,6 +75,19 @@ def test_int4_packs_two_codes_per_byte():
     stored = pack(codes, 4)
     assert stored.dtype == torch.uint8 and stored.numel() == 3
     assert stored.tolist() == [(1) | (15 << 4), (8) | (7 << 4), 11 | (8 << 4)]
+
+
+def test_int3_packs_eight_codes_in_three_bytes():
+    """code + 4 in 3-bit fields of a little-endian 24-bit word, the first code lowest; a partial last word is
+    filled with code 0 (field 4) and cut after the last byte holding a code."""
+    codes = torch.tensor([-3, 3, 0, -1, 1, 2, -2, 0, 3], dtype=torch.int8)
+    stored = pack(codes, 3)
+    fields = [c + 4 for c in codes.tolist()] + [4] * 7
+    words = [sum(f << (3 * i) for i, f in enumerate(fields[k : k + 8])) for k in (0, 8)]
+    expected = [(w >> shift) & 0xFF for w in words for shift in (0, 8, 16)][:4]  # 27 bits: 4 bytes
+    assert stored.dtype == torch.uint8 and stored.tolist() == expected
+    assert torch.equal(unpack(stored, 3, 9), codes)
+    assert QuantSpec(3, 64).nbytes(128) == 48 + 2 * 4
 
 
 def tensorized_mlp():
@@ -124,7 +138,7 @@ def test_stored_bytes_by_hand():
 
 
 @pytest.mark.parametrize("model_cls", [Big, TiedLM, Mixed])
-@pytest.mark.parametrize("bits,group", [(8, 64), (4, 32)])
+@pytest.mark.parametrize("bits,group", [(8, 64), (4, 32), (3, 64)])
 def test_save_load_keeps_quantized_weights_bit_for_bit_in_a_smaller_file(tmp_path, model_cls, bits, group):
     torch.manual_seed(0)
     model = model_cls()
@@ -177,8 +191,8 @@ def test_a_weight_trained_off_its_grid_is_quantized_again_when_saved(tmp_path):
 def test_refusals_name_the_fix():
     with pytest.raises(ValueError, match="tensorize_ the model first"):
         comera_fx.quantize_(nn.Sequential(nn.Linear(8, 8)))
-    with pytest.raises(ValueError, match="bits must be 8 or 4"):
-        comera_fx.quantize_(tensorized_mlp(), bits=3)
+    with pytest.raises(ValueError, match=r"bits must be one of \(8, 4, 3\)"):
+        comera_fx.quantize_(tensorized_mlp(), bits=2)
     with pytest.raises(ValueError, match="group_size"):
         comera_fx.quantize_(tensorized_mlp(), group_size=0)
     with pytest.raises(ValueError, match="matching 'nothing'"):
@@ -319,7 +333,7 @@ def reference_clipped_scales(weight: torch.Tensor, importance: torch.Tensor, bit
 
 
 @settings(max_examples=25, deadline=None)
-@given(bits=st.sampled_from([4, 8]), group=st.sampled_from([8, 16, 32]), seed=st.integers(0, 2**16))
+@given(bits=st.sampled_from([3, 4, 8]), group=st.sampled_from([8, 16, 32]), seed=st.integers(0, 2**16))
 def test_importance_searches_each_groups_scale_and_the_result_stays_on_a_max_grid(bits, group, seed):
     """With per-input importance, each group's scale is the float64 brute-force search's (same ratios), its
     weighted error is never above max|w| scaling's, and rounding the result again by max|w| (a save, a pack,

@@ -10,6 +10,9 @@ from ..tt.layers import TTLinear, TTMatrix
 from .linear import SCALES_SUFFIX, PackedLinear, kernel_group
 from .tt import PackedTTLinear, tt_core_specs
 
+#: The core grids ``PackedTTLinear`` lays out (their stored form, two int4 codes a byte, is its buffer).
+PACKED_CORE_BITS = (8, 4)
+
 
 @torch.no_grad()
 def pack_linears_(model: nn.Module, *, tt: bool = True) -> dict[str, str]:
@@ -34,6 +37,8 @@ def pack_linears_(model: nn.Module, *, tt: bool = True) -> dict[str, str]:
                 continue
             if None in specs:
                 left[path] = "some of its TT cores are not quantized"
+            elif any(s.bits not in PACKED_CORE_BITS for s in specs):
+                left[path] = f"PackedTTLinear holds int8 / int4 cores, not int{min(s.bits for s in specs)}"
             elif counts[id(module.tt)] > 1:
                 left[path] = "its TT matrix is shared with another module"
             else:

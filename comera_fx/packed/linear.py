@@ -1,4 +1,5 @@
-"""``PackedLinear``: an ``nn.Linear`` held as int8 / int4 codes and fp32 scales per group."""
+"""``PackedLinear``: an ``nn.Linear`` held as int8 / int4 codes and fp32 scales per group (int3 codes held as int4:
+the kernel's nibble layout serves both)."""
 
 from __future__ import annotations
 
@@ -44,9 +45,15 @@ def kernel_group(spec: QuantSpec, rows: int, cols: int) -> int:
             f"a group of {group} weights neither divides nor spans whole rows of {cols} input "
             f"features: no packed layout; use a group size that divides {cols}"
         )
-    if spec.bits == 4 and cols % 2:
-        raise ValueError(f"int4 codes go two to a byte along a row: {cols} input features is odd")
+    if held_bits(spec) == 4 and cols % 2:
+        raise ValueError(f"int{spec.bits} codes go two to a byte along a row: {cols} input features is odd")
     return min(group, cols)
+
+
+def held_bits(spec: QuantSpec) -> int:
+    """The code width ``PackedLinear`` holds in memory for ``spec``: int8 as int8, int4 and int3 as 4-bit nibbles
+    (an int3 code, -3..3, is a valid int4 code; the stored file keeps 3 bits: ``stored``)."""
+    return 8 if spec.bits == 8 else 4
 
 
 def _row_scales(scales: Tensor, spec: QuantSpec, rows: int, cols: int, kgroup: int) -> Tensor:
@@ -68,18 +75,23 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features, self.spec = in_features, out_features, spec
         self.kgroup = kernel_group(spec, out_features, in_features)
         self.row_block = row_block(out_features, device)
-        blocks, width = out_features // self.row_block, in_features if spec.bits == 8 else in_features // 2
+        blocks, width = out_features // self.row_block, in_features if held_bits(spec) == 8 else in_features // 2
         # (row blocks, codes a row, rows a block): the 16 rows' codes of one input feature next to each other
         self.register_buffer(
             "codes",
             torch.empty(
-                blocks, width, self.row_block, device=device, dtype=torch.int8 if spec.bits == 8 else torch.uint8
+                blocks, width, self.row_block, device=device, dtype=torch.int8 if held_bits(spec) == 8 else torch.uint8
             ),
         )
         groups = in_features // self.kgroup
         self.register_buffer("scales", torch.empty(blocks, groups, self.row_block, device=device))
         self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
         self.code_format = CODE_FORMAT
+
+    @property
+    def held_bits(self) -> int:
+        """The width of the codes in memory (``held_bits``)."""
+        return held_bits(self.spec)
 
     #: The dtype the GEMM runs in (``set_compute_dtype_``); None: the input's. A runtime choice, not saved.
     compute_dtype: torch.dtype | None = None
@@ -122,7 +134,7 @@ class PackedLinear(nn.Module):
         device, block = self.codes.device, self.row_block
         self.scales = to_row_blocks(_row_scales(scales.reshape(-1).cpu(), spec, rows, cols, self.kgroup), block)
         self.scales = self.scales.to(device)
-        if spec.bits == 8:
+        if self.held_bits == 8:
             self.codes = to_row_blocks(grid, block).to(device)
         else:  # byte j of a row holds input features j (low nibble) and j + in/2 (high nibble), each as a 4-bit
             # two's complement code (see ``_code_grid``)
@@ -148,11 +160,11 @@ class PackedLinear(nn.Module):
         lib = self._unpacker(dtype)
         if lib is not None:
             return cpu_kernel.unpack(
-                lib, self.spec.bits, self.codes, self.in_features, out, start // block, end // block
+                lib, self.held_bits, self.codes, self.in_features, out, start // block, end // block
             )
         codes = self.codes[start // block : end // block].transpose(1, 2)  # (blocks, rows a block, codes a row)
         grid = out.view(codes.shape[0], block, self.in_features)
-        if self.spec.bits == 8:
+        if self.held_bits == 8:
             grid.copy_(codes)
             return out
         half = self.in_features // 2
@@ -168,7 +180,7 @@ class PackedLinear(nn.Module):
             or self.codes.device.type != "cpu"
             or not self.codes.is_contiguous()
             or torch.compiler.is_compiling()
-            or not cpu_kernel.can_unpack(self.spec.bits, self.in_features, dtype)
+            or not cpu_kernel.can_unpack(self.held_bits, self.in_features, dtype)
         ):
             return None
         return cpu_kernel.library()
@@ -181,7 +193,7 @@ class PackedLinear(nn.Module):
     def _unit_scales(self, dtype: torch.dtype) -> Tensor:
         """The scales per (row, group) for ``_code_grid``'s floats."""
         scales = self.row_scales().to(dtype)
-        return scales / CODE_UNIT[self.spec.bits] if self.spec.bits in CODE_UNIT else scales
+        return scales / CODE_UNIT[self.held_bits] if self.held_bits in CODE_UNIT else scales
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> Tensor:
         """The weight these codes stand for (out × in): ``forward``'s product is ``x`` times its transpose."""
@@ -232,7 +244,7 @@ class PackedLinear(nn.Module):
         in the kernel unless autograd records it (then it is added after)."""
         x2 = x.reshape(-1, self.in_features).contiguous()
         inside, after = cpu_kernel.split_bias(self.bias)
-        out = cpu_kernel.product(lib, self.spec.bits, x2, self.codes, self.scales, self.kgroup, inside)
+        out = cpu_kernel.product(lib, self.held_bits, x2, self.codes, self.scales, self.kgroup, inside)
         out = out.view(x.shape[:-1] + (self.out_features,))
         return out if after is None else out + after
 
@@ -311,7 +323,7 @@ class PackedLinear(nn.Module):
         slower (benchmarks/history/2026-12-05-issue-46-latency.md)."""
         rows, cols, half = self.out_features, self.in_features, self.in_features // 2
         return (
-            self.spec.bits == 4
+            self.held_bits == 4
             and workspace.chunk_rows(rows, cols * itemsize) < rows
             and workspace.chunk_rows(rows, half * itemsize) == rows
             and (self.kgroup == cols or half % self.kgroup == 0)

@@ -96,6 +96,11 @@ class PackedTTLinear(nn.Module):
         specs = tuple(specs)
         if len(specs) != len(layout.core_shapes):
             raise ValueError(f"{len(specs)} grids for {len(layout.core_shapes)} cores")
+        if any(spec.bits not in (8, 4) for spec in specs):
+            raise ValueError(
+                f"PackedTTLinear holds int8 / int4 cores, got int{min(s.bits for s in specs)}: keep the TTLinear "
+                "(its cores stay on their grid in fp32) or quantize_ the cores to 4 or 8 bits"
+            )
         self.layout, self.specs, self.transposed, self.dtype = layout, specs, transposed, dtype
         # All cores' stored codes end to end in one byte buffer (int8 codes viewed as bytes), their scales in one
         # fp32 buffer: one unpack per call for all cores when their groups line up (``_aligned``).

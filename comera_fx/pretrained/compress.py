@@ -92,7 +92,7 @@ def compress_(
     ``byte_budget`` (bytes, or a float fraction of their fp32 bytes), trained to reproduce ``teacher``.
 
     Calibrates on the first ``config.calibration_batches`` batches (padding left out), chooses a format per layer
-    (int8 / int4 / TT with int8 or int4 cores, ``choose_formats`` scored at the output), builds it, distills for
+    (int8 / int4 / int3 / TT with int8 or int4 cores, ``choose_formats`` scored at the output), builds it, distills for
     ``budget_seconds`` and/or ``steps`` (``config.quant_aware``: by default all at the rounded weights), keeps the
     weights at the lowest loss on ``config.validation_batches`` held-out batches (checked every 5 % of the run: a
     near-lossless start that training would only blur comes back unchanged), rounds the weights onto their grids

@@ -111,7 +111,7 @@ class DistillConfig:
     AMX or AVX-512 BF16); elsewhere bf16 GEMMs are slower than fp32. None (default): fp32 throughout.
 
     ``compress_`` only: ``output_batches`` of the calibration batches (at most all of them) score the format
-    candidates at the output; ``pack`` swaps the int8 / int4 layers for ``PackedLinear`` and the TT layers with
+    candidates at the output; ``pack`` swaps the int layers for ``PackedLinear`` and the TT layers with
     quantized cores for ``PackedTTLinear`` at the end (codes in memory; multiplied by ``comera_fx.packed.cpu_kernel``
     where it runs, else rebuilt to fp32 per call);
     ``validation_batches`` of the user's batches (the last ones of a list or tuple longer than 4 times as many; else

@@ -4,8 +4,12 @@ calibration data and picks the mix with the least total error that fits; ``apply
 Layers are not equally compressible: a layer whose whitened spectrum is flat loses much to a TT of small rank but
 little to int8, and one with a steep spectrum is the reverse. The candidates per large linear layer are
 
-    int8 / int4   the dense weight on a grid (``comera_fx.quantize``), one fp32 scale per group of consecutive
-                  weights, for each group size in ``group_sizes`` (a larger group: fewer bytes, a coarser grid)
+    int8 / int4 / int3   the dense weight on a grid (``comera_fx.quantize``), one fp32 scale per group of
+                  consecutive weights, for each group size in ``group_sizes`` (a larger group: fewer bytes, a
+                  coarser grid). int3 (seven levels) fills the gap between int4 (8x) and low-rank: at 3 bits a
+                  weight it had less calibrated error than the low-rank candidate of the same bytes on 34 of
+                  all-MiniLM-L6-v2's 36 linears (grids of 2 bits lost to it on 34; benchmarks/bench_grid_scales.py
+                  --below-int4)
     tt / tt4      activation-aware TT-SVD at each rank in ``ranks`` (what ``tensorize_`` builds with the
                   calibration), its cores on the int8 / int4 grid: structure and precision multiply
     lr / lr4      the same with one mode per side: the activation-aware rank-r product (in × r)(r × out). At
@@ -34,13 +38,13 @@ from ..tt.layers import choose_layout_modes
 from ..tt.layout import TTFormat
 from ..tt.shapes import capped_ranks
 from ..passes.tensorize import tensorize_
-from ..quantize import QuantSpec, fake_quant, quantize_, stored_bytes
+from ..quantize import GRID_BITS, QuantSpec, fake_quant, quantize_, stored_bytes
 from .calibrate import Calibration, InputStats, _linear_holders
 from .calling import eval_modes, preserved_rng
 from .format_output import OutputError
 from .format_select import CORE_BITS, FIXED_MODES, FormatChoice, modes_of, select
 
-FORMATS = ("int8", "int4", "tt", "tt4", "lr", "lr4")
+FORMATS = ("int8", "int4", "int3", "tt", "tt4", "lr", "lr4")
 DEFAULT_RANKS = (4, 8, 16, 32, 64, 96)
 DEFAULT_GROUPS = (32, 64, 128, 384)
 
@@ -196,7 +200,7 @@ def _smallest_bytes(holders, formats, ranks, group_sizes, core_group_size, num_m
     for _, module, _, _ in holders:
         sizes = [
             QuantSpec(bits, g).nbytes(module.weight.numel())
-            for bits in (8, 4)
+            for bits in GRID_BITS
             if f"int{bits}" in formats
             for g in group_sizes
         ]
@@ -328,7 +332,7 @@ def _estimate(holders, calibration, formats, ranks, group_sizes, core_group_size
             estimators[fqn, modes] = LayerEstimator(module, calibration[fqn], modes)
         est = estimators[fqn, modes_of(tt_names[0], num_modes) if tt_names else num_modes]
         found = []
-        for bits in (8, 4):
+        for bits in GRID_BITS:
             for group in group_sizes if f"int{bits}" in formats else ():
                 nbytes, error = est.int_candidate(bits, group)
                 found.append(FormatChoice(fqn, f"int{bits}", None, nbytes, error, group))
@@ -436,7 +440,7 @@ def _measure(model, holders, calibration, formats, ranks, group_sizes, core_grou
             return relative_error(weight.t(), approx_in_out, stats.second_moment)
 
         found = []
-        for bits in (8, 4):
+        for bits in GRID_BITS:
             for group in group_sizes if f"int{bits}" in formats else ():
                 approx = fake_quant(weight, bits, group, input_importance(stats))
                 found.append(
