@@ -20,8 +20,10 @@ recipe's 0.5; ``short`` 0, ``mix`` 0.5, ``long`` 1, or a number), ``ref`` (the s
 reference topics, ``examples/compress_pretrained.py --reference-fraction``; taken from the single texts' share),
 ``clip`` (0: int grids at max|w| scales, for the format choice and the build, as before 2026-12-06; 1, the default:
 scales searched with the calibrated input importance, ``comera_fx.quantize.CLIP_RATIOS``; each its own cached start),
-``bs`` (rows a training batch; the recipe's 32; the calibration batches stay the recipe's), ``amp`` (``bf16``:
-``DistillConfig(autocast=torch.bfloat16)``).
+``hm`` (``sub``: the attention sublayer's and the intermediate (GELU) output of every block matched too,
+``all``: and the attention's context; ``block``: the blocks only, the default), ``bs`` (rows a training batch; the
+recipe's 32; the calibration batches stay the recipe's), ``pack`` (0: ``DistillConfig(pack=False)``), ``amp``
+(``bf16``: ``DistillConfig(autocast=torch.bfloat16)``).
 ``baselines`` as a variant: int8 and int4 per output channel and int4 in groups of 64, rounded, no training, with
 max|w| scales and with searched ones.
 ``--save DIR`` keeps each variant's student (``save_tensorized``), e.g. for ``bench_distill_formats.py serve
@@ -160,6 +162,20 @@ def schedule(warmup: float, floor: float):
     return factor
 
 
+#: ``hm=`` variants: which outputs of each encoder block are matched besides the block's own
+SUBLAYERS = {
+    "block": (),
+    "sub": ("attention.output", "intermediate"),
+    "all": ("attention.self", "attention.output", "intermediate"),
+}
+
+
+def matched_modules(model, kind: str) -> tuple[str, ...]:
+    """The block outputs (compress_'s default) and, per block, the outputs of the sublayers ``SUBLAYERS[kind]``."""
+    blocks = cp.hidden_layers(model)
+    return tuple(f"{b}.{s}" for b in blocks for s in SUBLAYERS[kind]) + tuple(blocks)
+
+
 def run_variant(name, teacher, data, start, args) -> dict:
     spec = parse_variant(name)
     student = copy.deepcopy(teacher)
@@ -173,6 +189,10 @@ def run_variant(name, teacher, data, start, args) -> dict:
         config = config.replace(hidden_weight=float(spec["hw"]))
     if "val" in spec:
         config = config.replace(validation_batches=int(spec["val"]))
+    if "pack" in spec:  # pack=0: the int layers stay fake-quantized fp32 (the same values, no packed kernels)
+        config = config.replace(pack=bool(int(spec["pack"])))
+    if "hm" in spec:  # hm=sub: every sublayer's output matched too, not only each block's
+        config = config.replace(hidden_modules=matched_modules(teacher, spec["hm"]))
     if "amp" in spec:  # amp=bf16: DistillConfig.autocast
         config = config.replace(autocast={"bf16": torch.bfloat16, "fp16": torch.float16}[spec["amp"]])
     original = match_module.lr_factor
