@@ -1,8 +1,8 @@
 """Small where it runs: linear layers held as int8 / int4 codes in memory, not as fp32 weights on a grid.
 
 ``quantize_`` / ``apply_formats_`` round a weight onto a grid but keep it in fp32 (4 bytes a weight in RAM for a
-weight stored in 1 or ½). ``PackedLinear`` holds only the codes (int8; int4 two to a byte) and one fp32 scale per
-group. On a CPU with AVX-512 or AVX2 its eager fp32 calls that record no gradient go to ``cpu_kernel``, a C++
+weight stored in 1 or ½). ``PackedLinear`` holds only the codes (int8; int4 two to a byte; int3 as int4) and one fp32
+scale per group. On a CPU with AVX-512 or AVX2 its eager fp32 calls that record no gradient go to ``cpu_kernel``, a C++
 kernel (compiled on first use) that widens the codes inside the product, so no weight is built; for that the layer
 holds codes and scales in blocks of 16 output rows. Otherwise (no such CPU or no compiler, traced calls, gradients,
 bf16 compute) it rebuilds the weight of one layer at a time inside its forward, in eager inference into one buffer per

@@ -8,10 +8,7 @@ from torch import Tensor, nn
 from ..quantize import SPEC_ATTR, QuantSpec
 from ..tt.layers import TTLinear, TTMatrix
 from .linear import SCALES_SUFFIX, PackedLinear, kernel_group
-from .tt import PackedTTLinear, tt_core_specs
-
-#: The core grids ``PackedTTLinear`` lays out (their stored form, two int4 codes a byte, is its buffer).
-PACKED_CORE_BITS = (8, 4)
+from .tt import PACKED_CORE_BITS, PackedTTLinear, tt_core_specs
 
 
 @torch.no_grad()

@@ -24,6 +24,9 @@ from .linear import low_precision
 #: and two skinny GEMMs are not; benchmarks/history/2026-12-06-issue-46-session9.md).
 LOW_PRECISION_MIN_ROWS = 384
 
+#: The core grids ``PackedTTLinear`` lays out: their stored form (two int4 codes a byte) is its buffer.
+PACKED_CORE_BITS = (8, 4)
+
 
 def _versions(tensors) -> tuple | None:
     """Where each tensor's storage is and how often it was written in place; None for inference tensors (they keep
@@ -96,7 +99,7 @@ class PackedTTLinear(nn.Module):
         specs = tuple(specs)
         if len(specs) != len(layout.core_shapes):
             raise ValueError(f"{len(specs)} grids for {len(layout.core_shapes)} cores")
-        if any(spec.bits not in (8, 4) for spec in specs):
+        if any(spec.bits not in PACKED_CORE_BITS for spec in specs):
             raise ValueError(
                 f"PackedTTLinear holds int8 / int4 cores, got int{min(s.bits for s in specs)}: keep the TTLinear "
                 "(its cores stay on their grid in fp32) or quantize_ the cores to 4 or 8 bits"
