@@ -143,7 +143,7 @@ def test_plan_fits_the_budget_and_its_errors_are_the_built_models():
 
 def test_int3_choices_build_seven_level_grids_of_the_planned_bytes():
     """Only int3 allowed: every layer on a 7-level grid of its group size, the bytes and error as planned (the error
-    against the float64 product over the recorded inputs), and the int3 grid between int4 and low-rank in bytes."""
+    against the float64 product over the recorded inputs); a budget below int3's smallest grids is refused."""
     model, batches, cal = calibrated()
     original = {n: getattr(model, n).weight.detach().double().clone() for n in ("low", "flat", "mid")}
     inputs = layer_inputs(model, batches)
