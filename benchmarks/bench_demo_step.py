@@ -4,7 +4,10 @@ Builds examples/train_code_lm.py's comera_fx run at the small preset's shapes (4
 every block linear TT at max rank 16, AdamW with the demo's groups and its ``RankAdaptive`` hook), compiles the
 blocks as ``CompileProbe`` does, and times the demo's whole step and its parts with the blocks compiled and eager,
 interleaved and rotated in one process (``common.time_rotated``: drift falls on both). ``--profile``: the torch
-profiler's top ops of both paths' steps. Random bytes stand in for the stdlib text: only the shapes matter here.
+profiler's top ops of both paths' steps. After the timing it prints each path's minor page faults a step: glibc maps
+large freed blocks afresh depending on the process's history, and those first touches (~0.75 µs a page here, up to
+~11 k pages a step) fall mostly on the eager step (benchmarks/history/2026-12-07-session12.md). Random bytes stand
+in for the stdlib text: only the shapes matter here.
 
     flock /tmp/timing.lock .venv/bin/python benchmarks/bench_demo_step.py --profile [--kernel-profile]
 """
@@ -138,6 +141,19 @@ def main(argv=None):
         f"eager/compiled: step {seconds['eager step'] / seconds['compiled step']:.3f}x, fwd+bwd "
         f"{seconds['eager fwd+bwd'] / seconds['compiled fwd+bwd']:.3f}x; threads {torch.get_num_threads()}, "
         f"{WAIT_POLICY}, load {common.loadavg()}"
+    )
+    faults = {}
+    for path in ("compiled", "eager"):  # after the timing: the allocator's state as the timed steps left it
+        step = on_path(model, calls, path, fns["step"])
+        step()
+        before = common.minor_faults()
+        for _ in range(4):
+            step()
+        faults[path] = (common.minor_faults() - before) / 4
+    print(
+        f"page faults a step: compiled {faults['compiled']:.0f}, eager {faults['eager']:.0f} (glibc's thresholds move "
+        "with the run's history; MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=4294967296 "
+        "MALLOC_TOP_PAD_=268435456 in the environment hold them at none)"
     )
     if args.profile:
         for path in ("eager", "compiled"):

@@ -160,6 +160,12 @@ class OthersMeter:
         return max(others, 0.0) / max(wall, 1e-9)
 
 
+def minor_faults() -> int:
+    """Minor page faults of this process so far: each first touch of memory the allocator got fresh from the kernel
+    (glibc hands large freed blocks back and maps them again, ~0.75 µs a 4 KiB page here)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def proc_status(key: str) -> int | None:
     """A /proc/self/status memory field in bytes (VmHWM, VmRSS), or None off Linux."""
     try:
