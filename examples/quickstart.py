@@ -11,7 +11,7 @@ print(comera_fx.tensorize_(model, comera_fx.TensorizeConfig(max_rank=16)))  # bo
 compiled = torch.compile(model, backend=comera_fx.backend)                   # comera_fx's passes, then Inductor
 optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3)
 schedule = comera_fx.BudgetConfig(keep_fraction=0.5, total_steps=200, prunes=2)  # half the TT size by step 160
-hook = comera_fx.RankAdaptive(model, optimizer, schedule)    # compiled: prunes round in place, one recompile at the end
+hook = comera_fx.RankAdaptive(model, optimizer, schedule)    # compiled: prunes round in place, ≤ 1 recompile at the end
 teacher = comera_fx.TTLinear.from_dense(torch.nn.Linear(512, 512), max_rank=4, init="random")  # a task to learn
 for step in range(200):                                                      # your loop, unchanged
     x = torch.randn(256, 512)

@@ -393,12 +393,15 @@ def compile_once(args) -> dict:
 
 
 def expected_recompiles(hook: RankAdaptive | None, args) -> int:
-    """Physical shrinks to come in a run (each recompiles the compiled blocks), counted at the most: one under
-    ``compile_once``'s budget schedule (none when the last one would free too little to pay), none without rank
-    adaptation."""
+    """Physical shrinks to come in a run (each recompiles the compiled blocks), counted at the most: under
+    ``compile_once``'s budget schedule one at the last prune point, none where that compaction would leave the
+    GEMMs' widths as they are (``RankAdaptive.compaction_keeps_gemm_widths``: the CPU at max rank <= 16, the demo's
+    default) or would free too little to pay; none without rank adaptation."""
     if hook is None:
         return 0
-    return 1 if args.schedule == "budget" else compile_policy.UNBOUNDED  # comera: a shrink at every prune point
+    if args.schedule != "budget":
+        return compile_policy.UNBOUNDED  # comera: a shrink at every prune point
+    return 0 if hook.compaction_keeps_gemm_widths() else 1
 
 
 def prepare_tt_run(

@@ -55,3 +55,12 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def gemms_narrow_with_rank(monkeypatch):
+    """As on a device whose planned products run the two-factor bond at its own rank (no padding floor: CUDA's
+    case). There a compaction narrows the GEMMs, so a compiled run still compacts at the last prune point."""
+    from comera_fx.tt.plan import autograd
+
+    monkeypatch.setattr(autograd, "PAD_DEVICES", frozenset())

@@ -459,7 +459,7 @@ def compiled_budget_run(backend, slack, steps=30, prunes=5, keep_fraction=0.2):
     return hook, first_graphs, backend.stats.graphs, pruned_at
 
 
-def test_compiled_rank_adaptation_recompiles_within_the_slack_bound(monkeypatch):
+def test_compiled_rank_adaptation_recompiles_within_the_slack_bound(monkeypatch, gemms_narrow_with_rank):
     """Under comera_fx's backend (AOTAutograd graphs run eagerly: the retraces, not Inductor, are under test) with
     ``shrink_slack=2``: prunes inside the slack change no stored shape and recompile nothing, so the graphs compiled
     after the first step are at most the physical shrinks' bound 1 + ⌊log2(S_0 / S_T)⌋ and fewer than the prunes;
@@ -490,7 +490,7 @@ def test_compiled_rank_adaptation_recompiles_within_the_slack_bound(monkeypatch)
     torch.testing.assert_close(got, reference_mlp(model, x), rtol=1e-10, atol=1e-12)
 
 
-def test_by_default_a_compiled_run_recompiles_at_most_once():
+def test_by_default_a_compiled_run_recompiles_at_most_once(gemms_narrow_with_rank):
     """No flags: the backend saw the cores, so the hook rounds in place at every prune point but the last, which
     shrinks every matrix physically: at most one graph after the first step, compiled ≡ the float64 reference after
     every prune (``compiled_budget_run``), and the cores end stored at their live ranks."""
@@ -503,6 +503,34 @@ def test_by_default_a_compiled_run_recompiles_at_most_once():
     assert last - first == 1, (first, last, pruned_at)
     assert hook.live_tt_params() <= 0.2 * hook.initial_tt_params + 1
     assert hook.stored_tt_params() == hook.live_tt_params()
+
+
+def test_a_compiled_cpu_run_keeps_its_shapes_when_compacting_narrows_no_gemm():
+    """On the CPU a planned product runs its two-factor bond padded to at least 16, so cores stored at max rank 16
+    multiply the same GEMMs at any live rank: by default a compiled run then holds the stored widths at the last
+    prune point too (no recompile at all), compiled ≡ the float64 reference after every prune
+    (``compiled_budget_run``), and ``compact()`` still compacts on request. Cores stored wider than 16 would narrow
+    the GEMMs: there the last prune point compacts (the test above, as on a device without the floor)."""
+    from comera_fx.backend import make_backend
+
+    backend = make_backend(inductor=False)
+    hook, first, last, pruned_at = compiled_budget_run(backend, None)
+    torch._dynamo.reset()
+    assert hook.compiled_as == "whole" and hook.compaction_keeps_gemm_widths()
+    assert len(pruned_at) >= 4 and first == 1 and last == first, (first, last, pruned_at)
+    assert hook.live_tt_params() <= 0.2 * hook.initial_tt_params + 1
+    assert hook.stored_tt_params() == hook.initial_tt_params  # held at the stored widths throughout
+    hook.compact()
+    assert hook.stored_tt_params() == hook.live_tt_params()
+
+    wide = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64)).double()
+    comera_fx.tensorize_(wide, comera_fx.TensorizeConfig(max_rank=24, min_numel=1, min_dim=1))
+    schedule = BudgetConfig(keep_fraction=0.5, total_steps=10)
+    wide_hook = RankAdaptive(wide, torch.optim.AdamW(wide.parameters()), schedule)
+    assert max(max(m.tt.layout.internal_ranks) for m in wide_hook.matrices) > 16
+    assert not wide_hook.compaction_keeps_gemm_widths()
+    wide_hook.remove()
+    hook.remove()
 
 
 def test_an_eager_run_shrinks_at_every_prune():
@@ -743,7 +771,7 @@ def test_the_last_prune_point_compacts_only_when_that_frees_enough(monkeypatch, 
     torch.testing.assert_close(model(x), reference_stack(model, x), rtol=1e-10, atol=1e-12)
 
 
-def test_by_default_regional_blocks_recompile_at_most_one_graph():
+def test_by_default_regional_blocks_recompile_at_most_one_graph(gemms_narrow_with_rank):
     """No flags, blocks compiled regionally: the hook finds the regions, holds the shapes until the last prune point
     and then gives every role one shape across the blocks: at most one graph compiled after the first step, for the
     three blocks together, and the output equals the dense reference."""

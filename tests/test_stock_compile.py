@@ -108,7 +108,7 @@ def fresh_dynamo():
     [("wrapper", mlp, WHOLE), ("in_place", stack, WHOLE), ("in_place", mlp, REGIONAL)],
     ids=["torch.compile(model)", "model.compile()", "Sequential.compile()"],
 )
-def test_a_stock_whole_model_compile_is_found_and_recompiles_at_most_once(how, build, state):
+def test_a_stock_whole_model_compile_is_found_and_recompiles_at_most_once(how, build, state, gemms_narrow_with_rank):
     """``RankAdaptive(torch.compile(model), ...)``, or ``model.compile()`` with the hook given ``model``: the hook
     finds the compile and holds the stored shapes until the last prune point: one graph after the first step. An
     ``nn.Sequential`` compiled in place runs its children's forwards as frames of their own (Dynamo skips torch.nn's
@@ -128,7 +128,7 @@ def test_a_stock_whole_model_compile_is_found_and_recompiles_at_most_once(how, b
     torch.testing.assert_close(out, dense_reference(model, x), rtol=1e-10, atol=1e-12)
 
 
-def test_blocks_compiled_one_by_one_are_found_as_regional_and_recompile_at_most_once():
+def test_blocks_compiled_one_by_one_are_found_as_regional_and_recompile_at_most_once(gemms_narrow_with_rank):
     """Stock ``block.compile()`` per block: regional, one shape per role across the blocks, one graph after the first
     step for the three blocks together."""
     model = stack()

@@ -49,6 +49,7 @@ from .comera import (
     scale_grads_,
     tt_params_at_counts,
 )
+from ..tt.plan.autograd import kernel_rank
 from .compiled import ShapePolicy
 from .history import HistoryEntry, RankSummary, materialized
 from .importance import BondSensitivity
@@ -108,14 +109,15 @@ class RankAdaptive:
     (``runtime.compiled``: comera_fx's backend saw its parameters, ``compile`` / ``compile_regions`` marked it, or a
     stock ``torch.compile`` shows on the module tree it was handed; ``compiled_as`` says which), a prune writes the
     rounded cores into the stored ones in place, zero past the new ranks (the zero slices get zero gradients), so
-    the compiled graphs run on without a recompile; the schedule's
-    last prune point shrinks every matrix physically at once (one recompile) if that frees at least
-    ``MIN_FINAL_COMPACTION`` (10 %) of the stored size. Regionally compiled blocks also get one shape per matrix
-    role at that shrink (``same_shape_blocks``), so one graph serves them all. Eagerly every prune shrinks
-    physically. Sizes, ranks and the history count the live ranks throughout. Overrides: ``BudgetConfig.shrink_slack``
-    (a float >= 1: shrink physically whenever the stored size would exceed it × the live size; 1.0: at every
-    prune, compiled or not) and ``same_shape_blocks`` (True / False). ``shrink_eagerly()`` after training stores
-    every matrix at its own live ranks.
+    the compiled graphs run on without a recompile; the schedule's last prune point shrinks every matrix physically
+    at once (one recompile) if that frees at least ``MIN_FINAL_COMPACTION`` (10 %) of the stored size and narrows
+    some GEMM (``compaction_keeps_gemm_widths``: on the CPU, cores stored at ranks <= 16 run the same padded GEMMs
+    at any live rank, so no recompile there). Regionally compiled blocks also get one shape per matrix role at that
+    shrink (``same_shape_blocks``), so one graph serves them all. Eagerly every prune shrinks physically. Sizes,
+    ranks and the history count the live ranks throughout. Overrides: ``BudgetConfig.shrink_slack`` (a float >= 1:
+    shrink physically whenever the stored size would exceed it × the live size; 1.0: at every prune, compiled or
+    not) and ``same_shape_blocks`` (True / False). ``shrink_eagerly()`` after training stores every matrix at its
+    own live ranks.
 
     **Distributed** (docs/distributed.md): give it the ``DistributedDataParallel`` model. Every prune is decided on
     rank 0 and broadcast, the observed loss is averaged over the ranks, and after a prune the wrapper is rebuilt:
@@ -332,7 +334,9 @@ class RankAdaptive:
                 self._after_shrink(record, reasons.get(m.name, ""))
                 records.append(record)
         compact_now = not in_place or (
-            final and self._compaction_frees() >= MIN_FINAL_COMPACTION * self.stored_tt_params()
+            final
+            and self._compaction_frees() >= MIN_FINAL_COMPACTION * self.stored_tt_params()
+            and not (self.shapes.compiled_as is not None and self.compaction_keeps_gemm_widths())
         )
         compacted = self._compact_all() if compact_now else []
         if compact_now and (records or compacted):
@@ -357,6 +361,21 @@ class RankAdaptive:
         records = self._compact_all()
         self._after_prune(records)
         return records
+
+    def compaction_keeps_gemm_widths(self) -> bool:
+        """Would compacting leave every batch-dependent GEMM at its width? True where each shrinkable matrix's stored
+        internal ranks all pad to its device's smallest kernel width (``tt.plan.autograd.kernel_rank``: on the CPU a
+        planned product runs its two-factor bond at 16 or more, so cores stored at ranks <= 16 multiply the same
+        b × 16 GEMMs at any live rank). A compiled model then skips the last prune point's compaction: its
+        recompile would buy no faster step (the demo: 634–640 TT steps in 120 s without it, compiled; 587 with
+        it, back to eager; benchmarks/history/2026-12-07-session12.md). Eagerly nothing changes (no recompile)."""
+        for m in self.matrices:
+            if not m.shrinkable:
+                continue
+            device = m.tt.cores[0].device.type
+            if max(m.tt.layout.internal_ranks, default=1) > kernel_rank(1, device):
+                return False
+        return True
 
     def shrink_eagerly(self) -> list[ShrinkRecord]:
         """For a run that stops compiling (or never started): from now on every prune shrinks each matrix to its own
