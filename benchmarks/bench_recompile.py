@@ -4,7 +4,7 @@ A model trains for ``--steps`` steps while RankAdaptive's budget schedule prunes
 with comera_fx's backend from a fresh Inductor cache (a temporary ``TORCHINDUCTOR_CACHE_DIR`` unless ``--cache-dir``).
 
 * ``--model lm`` (default): a byte-level pre-LN causal LM (``--layers`` 2 blocks, d 128, 4 heads, ff 512, seq 64,
-  batch 8, tied 256-token head), every block linear tensorized at max rank 16 — the case of issue 30.
+  batch 8, tied 256-token head), every block linear tensorized at ``--max-rank`` (16) — the case of issue 30.
 * ``--model mlp``: two 512-wide TT linears (the first version of this benchmark).
 * ``--dense``: the LM left dense under stock ``torch.compile`` (Inductor), no pruning: its first step and Dynamo's
   compile-time table, the reference for where a TT model's cold compile time goes.
@@ -15,11 +15,16 @@ Inductor); embeddings, head and loss run eagerly.
 
 By default the hook runs with ``BudgetConfig``'s defaults: it finds the model compiled (comera_fx's backend saw its
 cores; ``compile_regions`` marked the blocks), rounds in place at every prune point but the last, which shrinks
-physically (one recompile in the run), and under ``--regional`` gives the blocks one shape at that shrink.
+physically (one recompile in the run), and gives the blocks one shape per matrix role at that shrink (regional: one
+graph for all blocks; whole model: one kernel code per role, compiled once by Inductor). On the
+CPU at ``--max-rank`` ≤ 16 (the default) that last shrink is skipped: the stored cores already run the padded
+16-wide GEMMs at any live rank (``RankAdaptive.compaction_keeps_gemm_widths``), so nothing recompiles; ``--max-rank
+32`` measures the one-recompile path.
 
 ``--same-shape-blocks`` / ``--own-shape-blocks``: ``BudgetConfig(same_shape_blocks=True / False)``: at a physical
 shrink the same matrix of every block is stored at one width (the widest live rank), so a regionally compiled model
-recompiles one graph, not one per block / each block at its own ranks (the default before issue 44).
+recompiles one graph, not one per block / each block at its own ranks (the default for regional blocks before issue
+44, for a whole-model compile before session 13).
 
 ``--slack S`` runs ``BudgetConfig(shrink_slack=S)``: a prune writes the rounded cores into the stored ones in place
 while the stored TT size stays within S × the live size, so no shape changes and nothing recompiles. ``--slack 1``
@@ -33,6 +38,7 @@ first prune and after the last one against their FLOPs (fwd + bwd, ``torch.utils
 at the same ranks, and Dynamo's compile-time table (``torch._dynamo.utils.compile_times``).
 
     flock /tmp/timing.lock .venv/bin/python benchmarks/bench_recompile.py                  # LM, the defaults
+    flock /tmp/timing.lock .venv/bin/python benchmarks/bench_recompile.py --max-rank 32    # one recompile at the end
     flock /tmp/timing.lock .venv/bin/python benchmarks/bench_recompile.py --slack 1        # one recompile per prune
     flock /tmp/timing.lock .venv/bin/python benchmarks/bench_recompile.py --layers 6 --regional   # one block's compile
     flock /tmp/timing.lock .venv/bin/python benchmarks/bench_recompile.py --layers 6 --regional --slack 1 \
@@ -91,7 +97,7 @@ def build(opts) -> tuple[nn.Module, tuple, callable]:
         if not opts.dense:
             comera_fx.tensorize_(
                 model,
-                comera_fx.TensorizeConfig(max_rank=16, min_numel=4096),
+                comera_fx.TensorizeConfig(max_rank=opts.max_rank, min_numel=4096),
                 filter_fn=lambda module, fqn: isinstance(module, nn.Linear),
             )
         data = torch.randint(0, VOCAB, (8, 65))
@@ -102,7 +108,7 @@ def build(opts) -> tuple[nn.Module, tuple, callable]:
     else:
         d = opts.width
         model = nn.Sequential(nn.Linear(d, d), nn.GELU(), nn.Linear(d, d))
-        comera_fx.tensorize_(model, comera_fx.TensorizeConfig(max_rank=16, min_numel=1, min_dim=1))
+        comera_fx.tensorize_(model, comera_fx.TensorizeConfig(max_rank=opts.max_rank, min_numel=1, min_dim=1))
         batch = (torch.randn(opts.batch, d), torch.randn(opts.batch, d))
 
         def loss_fn(m, x, y):
@@ -161,6 +167,7 @@ def main(argv=None) -> None:
     ap.add_argument("--layers", type=int, default=2, help="LM blocks")
     ap.add_argument("--width", type=int, default=512, help="MLP width")
     ap.add_argument("--batch", type=int, default=256, help="MLP batch")
+    ap.add_argument("--max-rank", type=int, default=16, help="TensorizeConfig.max_rank")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--prunes", type=int, default=5)
     ap.add_argument("--target-ratio", type=float, default=0.3)

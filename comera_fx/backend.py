@@ -549,10 +549,10 @@ def compile_regions(model: nn.Module, regions=None, *, backend: Callable | None 
 
     The regions' TT matrices are marked compiled (``runtime.compiled.mark_compiled``), so ``RankAdaptive`` holds
     their shapes until its last prune point and then gives the same matrix of every block one shape
-    (``same_shape_blocks``): one recompiled graph serves all blocks. Set ``BudgetConfig(same_shape_blocks=False)``
-    and each block compiles a graph of its own after a physical shrink; those graphs all belong to one code object,
-    so this raises Dynamo's ``recompile_limit`` to twice the number of regions plus one when it is lower; beyond the
-    limit Dynamo runs a block eagerly, correct but slow.
+    (``same_shape_blocks``, on by default for any compiled model): one recompiled graph serves all blocks. Set
+    ``BudgetConfig(same_shape_blocks=False)`` and each block compiles a graph of its own after a physical shrink;
+    those graphs all belong to one code object, so this raises Dynamo's ``recompile_limit`` to twice the number of
+    regions plus one when it is lower; beyond the limit Dynamo runs a block eagerly, correct but slow.
     """
     names = _region_names(model, regions)
     if not names:

@@ -422,11 +422,11 @@ def live_ranks_from_gates(tt: TTMatrix) -> list[int]:
     return ranks
 
 
-def compiled_budget_run(backend, slack, steps=30, prunes=5, keep_fraction=0.2):
+def compiled_budget_run(backend, slack, steps=30, prunes=5, keep_fraction=0.2, same_shape_blocks=None):
     """A two-layer TT MLP (max rank 16, float64) trained under ``torch.compile(backend=backend)`` with the budget
-    schedule and ``shrink_slack=slack``. After every step that pruned, the compiled output (grad on: the training
-    graph) is compared with the float64 reference and the live sizes with the gates. Returns (hook, graphs after
-    the first step, graphs at the end, the steps that pruned)."""
+    schedule, ``shrink_slack=slack`` and ``same_shape_blocks``. After every step that pruned, the compiled output
+    (grad on: the training graph) is compared with the float64 reference and the live sizes with the gates.
+    Returns (hook, graphs after the first step, graphs at the end, the steps that pruned)."""
     torch.manual_seed(0)
     d = 64
     model = nn.Sequential(nn.Linear(d, d), nn.GELU(), nn.Linear(d, d)).double()
@@ -435,7 +435,13 @@ def compiled_budget_run(backend, slack, steps=30, prunes=5, keep_fraction=0.2):
     hook = RankAdaptive(
         model,
         optimizer,
-        BudgetConfig(keep_fraction=keep_fraction, total_steps=steps, prunes=prunes, shrink_slack=slack),
+        BudgetConfig(
+            keep_fraction=keep_fraction,
+            total_steps=steps,
+            prunes=prunes,
+            shrink_slack=slack,
+            same_shape_blocks=same_shape_blocks,
+        ),
     )
     gen = torch.Generator().manual_seed(1)
     x, y = (torch.randn(128, d, generator=gen, dtype=torch.float64) for _ in range(2))
@@ -459,6 +465,16 @@ def compiled_budget_run(backend, slack, steps=30, prunes=5, keep_fraction=0.2):
     return hook, first_graphs, backend.stats.graphs, pruned_at
 
 
+def assert_stored_at_one_width(hook: RankAdaptive) -> None:
+    """The MLP's two TT matrices (same modes, so one group for ``same_shape_blocks``) are stored at one width per
+    bond, the wider live rank of the two (read from the gates), the narrower one zero past its live ranks."""
+    live = [live_ranks_from_gates(m.tt) for m in hook.matrices]
+    widest = tuple(max(bond) for bond in zip(*live))
+    assert len(set(map(tuple, live))) > 1, "the two matrices should have been pruned to different live ranks"
+    assert all(tuple(m.tt.layout.internal_ranks) == widest for m in hook.matrices)
+    assert hook.stored_tt_params() == len(hook.matrices) * hook.matrices[0].tt.layout.num_params > hook.live_tt_params()
+
+
 def test_compiled_rank_adaptation_recompiles_within_the_slack_bound(monkeypatch, gemms_narrow_with_rank):
     """Under comera_fx's backend (AOTAutograd graphs run eagerly: the retraces, not Inductor, are under test) with
     ``shrink_slack=2``: prunes inside the slack change no stored shape and recompile nothing, so the graphs compiled
@@ -474,8 +490,7 @@ def test_compiled_rank_adaptation_recompiles_within_the_slack_bound(monkeypatch,
     assert len(pruned_at) >= 4 and first == 1
     assert last - first <= shrink_bound and last - first < len(pruned_at), (last, pruned_at)
     assert hook.live_tt_params() <= 0.2 * hook.initial_tt_params + 1
-    assert hook.stored_tt_params() == hook.live_tt_params()  # compacted at the last prune point
-    assert all(m.tt.live_internal_ranks is None for m in hook.matrices)
+    assert_stored_at_one_width(hook)  # compacted at the last prune point, to one shape for both (compiled)
 
     def fallback(*args, **kwargs):
         raise AssertionError("the compiled graph ran the fixed fallback order")
@@ -490,19 +505,26 @@ def test_compiled_rank_adaptation_recompiles_within_the_slack_bound(monkeypatch,
     torch.testing.assert_close(got, reference_mlp(model, x), rtol=1e-10, atol=1e-12)
 
 
-def test_by_default_a_compiled_run_recompiles_at_most_once(gemms_narrow_with_rank):
+@pytest.mark.parametrize("same_shape_blocks", [None, False])
+def test_by_default_a_compiled_run_recompiles_at_most_once(gemms_narrow_with_rank, same_shape_blocks):
     """No flags: the backend saw the cores, so the hook rounds in place at every prune point but the last, which
     shrinks every matrix physically: at most one graph after the first step, compiled ≡ the float64 reference after
-    every prune (``compiled_budget_run``), and the cores end stored at their live ranks."""
+    every prune (``compiled_budget_run``). The cores end stored at one width per matrix role (the role's widest live
+    rank: Inductor compiles the kernels of equal shapes once), or at their own live ranks with
+    ``same_shape_blocks=False``."""
     from comera_fx.backend import make_backend
 
     backend = make_backend(inductor=False)
-    hook, first, last, pruned_at = compiled_budget_run(backend, None)
+    hook, first, last, pruned_at = compiled_budget_run(backend, None, same_shape_blocks=same_shape_blocks)
     torch._dynamo.reset()
     assert hook.compiled_as == "whole" and len(pruned_at) >= 4 and first == 1
     assert last - first == 1, (first, last, pruned_at)
     assert hook.live_tt_params() <= 0.2 * hook.initial_tt_params + 1
-    assert hook.stored_tt_params() == hook.live_tt_params()
+    if same_shape_blocks is None:
+        assert_stored_at_one_width(hook)
+    else:
+        assert hook.stored_tt_params() == hook.live_tt_params()
+        assert all(m.tt.live_internal_ranks is None for m in hook.matrices)
 
 
 def test_a_compiled_cpu_run_keeps_its_shapes_when_compacting_narrows_no_gemm():
@@ -521,7 +543,7 @@ def test_a_compiled_cpu_run_keeps_its_shapes_when_compacting_narrows_no_gemm():
     assert hook.live_tt_params() <= 0.2 * hook.initial_tt_params + 1
     assert hook.stored_tt_params() == hook.initial_tt_params  # held at the stored widths throughout
     hook.compact()
-    assert hook.stored_tt_params() == hook.live_tt_params()
+    assert_stored_at_one_width(hook)
 
     wide = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64)).double()
     comera_fx.tensorize_(wide, comera_fx.TensorizeConfig(max_rank=24, min_numel=1, min_dim=1))

@@ -110,7 +110,8 @@ def fresh_dynamo():
 )
 def test_a_stock_whole_model_compile_is_found_and_recompiles_at_most_once(how, build, state, gemms_narrow_with_rank):
     """``RankAdaptive(torch.compile(model), ...)``, or ``model.compile()`` with the hook given ``model``: the hook
-    finds the compile and holds the stored shapes until the last prune point: one graph after the first step. An
+    finds the compile and holds the stored shapes until the last prune point: one graph after the first step, the
+    blocks of a whole-model graph stored at one width per matrix role (their kernels then are one code). An
     ``nn.Sequential`` compiled in place runs its children's forwards as frames of their own (Dynamo skips torch.nn's
     code), shared by the two TT linears: regional, one shape for both."""
     model = build()
@@ -126,6 +127,12 @@ def test_a_stock_whole_model_compile_is_found_and_recompiles_at_most_once(how, b
     assert hook.stored_tt_params() < hook.initial_tt_params  # compacted at the last prune point
     x = torch.randn(16, 32, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     torch.testing.assert_close(out, dense_reference(model, x), rtol=1e-10, atol=1e-12)
+    if isinstance(model, Stack):  # whole-model graph: the blocks' matrices too get one stored shape per role
+        ups = [block.up.tt for block in model.blocks]
+        assert len({tt.ranks for tt in ups}) > 1, "the blocks should have been pruned to different live ranks"
+        for role in ("up", "down"):
+            assert len({getattr(block, role).tt.layout for block in model.blocks}) == 1
+        assert hook.stored_tt_params() > hook.live_tt_params()
 
 
 def test_blocks_compiled_one_by_one_are_found_as_regional_and_recompile_at_most_once(gemms_narrow_with_rank):

@@ -161,8 +161,10 @@ class ShapePolicy:
         return None if self.eager else self._found
 
     def same_shape_blocks(self, given: bool | None) -> bool:
-        """As given, else on for regionally compiled blocks only (one graph serves them all after a shrink)."""
-        return bool(given) if given is not None else self.compiled_as == REGIONAL
+        """As given, else on whenever the model runs compiled: regional blocks then share one recompiled graph, and
+        in a whole-model graph the blocks' kernels are the same code, which Inductor compiles once (a 2-block LM at
+        max rank 32: the recompile 0.82x the first compile against 1.21-1.24x with each block at its own widths)."""
+        return bool(given) if given is not None else self.compiled_as is not None
 
     def compacts(self, slack: float | None, stored: int, live_after: int) -> bool:
         """Does a prune shrink physically? With a slack, when the stored size would exceed it × the live size after

@@ -112,8 +112,9 @@ class RankAdaptive:
     the compiled graphs run on without a recompile; the schedule's last prune point shrinks every matrix physically
     at once (one recompile) if that frees at least ``MIN_FINAL_COMPACTION`` (10 %) of the stored size and narrows
     some GEMM (``compaction_keeps_gemm_widths``: on the CPU, cores stored at ranks <= 16 run the same padded GEMMs
-    at any live rank, so no recompile there). Regionally compiled blocks also get one shape per matrix role at that
-    shrink (``same_shape_blocks``), so one graph serves them all. Eagerly every prune shrinks physically. Sizes,
+    at any live rank, so no recompile there). Repeated blocks also get one shape per matrix role at that shrink
+    (``same_shape_blocks``): one graph serves regional blocks, and a whole-model graph's blocks share kernel code
+    that Inductor compiles once. Eagerly every prune shrinks physically. Sizes,
     ranks and the history count the live ranks throughout. Overrides: ``BudgetConfig.shrink_slack`` (a float >= 1:
     shrink physically whenever the stored size would exceed it × the live size; 1.0: at every prune, compiled or
     not) and ``same_shape_blocks`` (True / False). ``shrink_eagerly()`` after training stores every matrix at its

@@ -103,8 +103,9 @@ class BudgetConfig(_ScheduleConfig):
         same_shape_blocks: when the cores shrink physically, the same matrix of every repeated block (names equal up
             to the block index, same modes) is stored at one width per bond, the widest live rank among them, the
             narrower ones holding zero slices past their live ranks, so regionally compiled blocks keep one shape
-            and recompile one graph instead of one per block. None (default): on when the blocks are compiled
-            regionally (``compile_regions``), off otherwise; True / False: always / never.
+            and recompile one graph instead of one per block. None (default): on whenever the model runs compiled
+            (regionally, one graph for all blocks; whole, the blocks' kernels are one code that Inductor compiles
+            once), off eagerly; True / False: always / never.
         threshold: a gate entry with |g| <= threshold is dead.
     """
 
