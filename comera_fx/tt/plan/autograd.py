@@ -148,8 +148,13 @@ class PlanRunner:
         lefts, rights = [], []
         ones = self.bias_in_gemm(x2, bias)
         # Fold only where addmm sees the dtypes mm would (autocast casts all three alike; else bias must match).
+        # (``folds_bias`` read from the runner's own ``writes_y``: Dynamo would trace the plan walk again per layer.)
         foldable = (
-            not ones and bias is not None and folds_bias(self.plan) and (bias.dtype == x2.dtype or _autocasting(x2))
+            not ones
+            and bias is not None
+            and FOLD_BIAS
+            and self.writes_y
+            and (bias.dtype == x2.dtype or _autocasting(x2))
         )
         fold = bias if foldable else None
         first, last = self.two_factor if self.two_factor is not None else (-1, -1)
