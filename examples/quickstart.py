@@ -1,7 +1,8 @@
 """The README's first example, verbatim: tensorize a model, compile it with comera_fx's backend, train it with
-RankAdaptive. A few minutes on 2 CPU cores, most of it Inductor compiling: once at the start and once after the
-last prune point, where the cores shrink physically (the hook sees the model is compiled and rounds in place
-before that). Run: .venv/bin/python examples/quickstart.py"""
+RankAdaptive. About 15 s on 2 CPU cores, most of it Inductor compiling once: the hook sees the model is compiled
+and rounds the cores in place at each prune point; on the CPU, at max rank 16, it also skips the physical shrink
+at the last one, which would narrow no GEMM (on a GPU that shrink is the one recompile; ``hook.compact()`` stores
+the live ranks on request). Run: .venv/bin/python examples/quickstart.py"""
 
 # --- README example start
 import torch, comera_fx
