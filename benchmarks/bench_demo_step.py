@@ -15,8 +15,6 @@ in for the stdlib text: only the shapes matter here.
 from __future__ import annotations
 
 import argparse
-import os
-import tempfile
 
 import common
 
@@ -120,7 +118,6 @@ def main(argv=None):
         import torch._inductor.config as inductor_config
 
         inductor_config.cpp.enable_kernel_profile = True  # before the compile: a generated kernel records itself
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="bench_demo_step_"))
     model, optimizer, hook, batch = build(args)
     if args.inductor_option:
         options = dict(_option(text) for text in args.inductor_option)

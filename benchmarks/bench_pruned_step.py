@@ -27,7 +27,6 @@ import argparse
 import copy
 import math
 import os
-import tempfile
 import time
 
 import common  # benchmarks/common.py: this checkout first on sys.path
@@ -210,7 +209,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if args.device.startswith("cuda"):
         torch.set_float32_matmul_precision("high")
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="bench_pruned_step_inductor_")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = common.temporary_inductor_cache("bench_pruned_step_inductor_")
     torch.set_num_threads(args.threads)
     backend = make_backend(inductor=not args.no_inductor)
     layouts = [(f"TT r{r}", r) for r in args.ranks] + ([] if args.no_dense else [("dense", None)])

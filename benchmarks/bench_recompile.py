@@ -52,7 +52,6 @@ import argparse
 import copy
 import os
 import statistics
-import tempfile
 import time
 
 import common  # benchmarks/common.py: this checkout first on sys.path, the example loader
@@ -194,7 +193,8 @@ def main(argv=None) -> None:
     opts = ap.parse_args(argv)
     # A cold compile: Inductor's caches start empty. (Importing torch's Inductor sets TORCHINDUCTOR_CACHE_DIR to
     # its shared default, so the variable is always set by now: override it unless --cache-dir names one.)
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = opts.cache_dir or tempfile.mkdtemp(prefix="bench_recompile_inductor_")
+    fresh = opts.cache_dir or common.temporary_inductor_cache("bench_recompile_inductor_")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = fresh
     torch.set_num_threads(opts.threads)
     torch.manual_seed(0)
     model, batch, loss_fn = build(opts)

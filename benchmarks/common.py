@@ -9,13 +9,16 @@ before torch loads); ``use_this_checkout()`` is the one call that edits ``sys.pa
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import json
 import os
 import platform
 import resource
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 import types
 from collections import defaultdict
@@ -51,6 +54,14 @@ COMPRESS_RECIPE = dict(
     seed=0,
     train_embedding=False,
 )
+
+
+def temporary_inductor_cache(prefix: str) -> str:
+    """A fresh directory for ``TORCHINDUCTOR_CACHE_DIR`` (a cold compile), removed when the process exits: a
+    benchmark run leaves no compiled kernels behind in the temporary folder."""
+    path = tempfile.mkdtemp(prefix=prefix)
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
 
 
 def use_this_checkout() -> None:

@@ -279,8 +279,10 @@ def scenario_compile_prune(rank, world):
     model = DDP(make_net())
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     # shrink_slack=1.0: shrink physically at every prune point, as the uncompiled reference does (a compiled model's
-    # default rounds in place until the last point); this scenario checks the DDP rewrap and recompile after each.
-    hook = RankAdaptive(model, opt, PRUNE.replace(shrink_slack=1.0))
+    # default rounds in place until the last point), and same_shape_blocks=False: each matrix to its own live ranks,
+    # as the reference stores them (compiled, the default gives same-role matrices one width); this scenario checks
+    # the DDP rewrap and recompile after each prune.
+    hook = RankAdaptive(model, opt, PRUNE.replace(shrink_slack=1.0, same_shape_blocks=False))
     compiled = [torch.compile(hook.model, backend=backend)]
     stale = compiled[0]
     hook.distributed.on_prune(lambda new: compiled.__setitem__(0, torch.compile(new, backend=backend)))
