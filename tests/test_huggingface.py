@@ -89,6 +89,43 @@ def test_trainer_run_shrinks_ranks_and_saves_a_loadable_model(tmp_path):
         torch.testing.assert_close(fresh(input_ids=ids).logits, model(input_ids=ids).logits)
 
 
+def test_a_run_the_hook_sees_as_compiled_ends_stored_at_its_live_ranks(tmp_path):
+    """A compiled run rounds in place and may hold the cores wider than the live ranks to its end (on the CPU at
+    ranks <= 16 it keeps them through the last prune point). The callback stores the live ranks when training ends,
+    so the checkpoint the Trainer saves is the pruned size: counted from the tensors, against the gates' live
+    ranks."""
+    from comera_fx.runtime.compiled import mark_compiled
+
+    model = tensorized_gpt2(seed=0)
+    mark_compiled(model)  # as a compiled run: prunes round in place (the steps themselves run eagerly here)
+    callback = RankAdaptiveCallback(comera_fx.BudgetConfig(keep_fraction=0.4, prunes=3))
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=12,
+        per_device_train_batch_size=4,
+        learning_rate=1e-3,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    matrices = [m for m in model.modules() if isinstance(m, comera_fx.TTMatrix)]
+    held_wider = []
+    callback.on_step_end = lambda *a, **k: held_wider.append(any(m.live_internal_ranks for m in matrices))
+    transformers.Trainer(model=model, args=args, train_dataset=RandomTokens(), callbacks=[callback]).train()
+    hook = callback.rank_adaptive
+    assert any(held_wider)  # the run did hold the cores wider (as compiled; shrink_eagerly ended that)
+    assert all(m.live_internal_ranks is None for m in matrices)
+    stored = sum(p.numel() for m in set(matrices) for p in m.parameters())
+    live = 0
+    for m in set(matrices):
+        ranks = [int((g.detach() != 0).sum()) for g in m.gates]  # the live ranks, read from the gates
+        assert tuple(m.layout.internal_ranks) == tuple(ranks)
+        live += sum(c.numel() for c in m.cores) + sum(ranks)  # stored cores at the live ranks, one gate entry each
+    assert stored == live < hook.initial_tt_params
+
+
 def _load_state(path):
     if path.suffix == ".safetensors":
         from safetensors.torch import load_file

@@ -65,7 +65,8 @@ class RankAdaptiveCallback(TrainerCallback):
     too. A ``BudgetConfig`` without a horizon (neither ``total_steps`` nor ``budget_seconds``) runs to the Trainer's
     ``max_steps``, known only once training begins. ``self.rank_adaptive`` is the live object (``summary()``,
     ``history``) once training has begun. TT matrices shared by two modules are declared tied
-    (``declare_tt_ties_``) so that ``Trainer.save_model`` can write them.
+    (``declare_tt_ties_``) so that ``Trainer.save_model`` can write them. At the end of training every matrix is
+    stored at its live ranks (``RankAdaptive.shrink_eagerly``: a compiled run holds them wider while it trains).
 
     Not supported: several processes (``RankAdaptive`` would have to rebuild the Trainer's DDP wrapper), schedules
     that read the loss (``target_loss``, ``plateau_patience``: the Trainer does not hand the loss to callbacks),
@@ -108,4 +109,8 @@ class RankAdaptiveCallback(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.rank_adaptive is not None:
+            # A compiled run holds its cores at stored widths wider than the live ranks (zero slices past them,
+            # fewer recompiles); training is over, so store the live ranks: what save_model writes is the
+            # pruned size. (A no-op for an eager run, which shrank at every prune.)
+            self.rank_adaptive.shrink_eagerly()
             self.rank_adaptive.remove()  # the hooks go; the object stays readable
