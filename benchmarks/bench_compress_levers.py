@@ -23,7 +23,8 @@ scales searched with the calibrated input importance, ``comera_fx.quantize.CLIP_
 ``hm`` (``sub``: the attention sublayer's and the intermediate (GELU) output of every block matched too,
 ``all``: and the attention's context; ``block``: the blocks only, the default), ``bs`` (rows a training batch; the
 recipe's 32; the calibration batches stay the recipe's), ``pack`` (0: ``DistillConfig(pack=False)``), ``amp``
-(``bf16``: ``DistillConfig(autocast=torch.bfloat16)``).
+(``bf16``: ``DistillConfig(autocast=torch.bfloat16)``), ``flr`` / ``ilr`` (learning-rate multipliers for the TT
+cores, low-rank factors among them, and for the weights of the int-grid layers; the schedule scales them alike).
 ``baselines`` as a variant: int8 and int4 per output channel and int4 in groups of 64, rounded, no training, with
 max|w| scales and with searched ones.
 ``--save DIR`` keeps each variant's student (``save_tensorized``), e.g. for ``bench_distill_formats.py serve
@@ -176,6 +177,42 @@ def matched_modules(model, kind: str) -> tuple[str, ...]:
     return tuple(f"{b}.{s}" for b in blocks for s in SUBLAYERS[kind]) + tuple(blocks)
 
 
+def scaled_adamw(student, factored: float, grid: float):
+    """An ``AdamW`` factory for ``match_teacher``: its parameters in three groups, the TT cores (``*.tt.cores.*``)
+    at ``factored`` × the learning rate, the int-grid layers' weights (modules with a recorded grid) at ``grid`` ×,
+    the rest at 1 ×. ``match_teacher`` sets every group's lr each step; the optimizer applies the factor inside
+    ``step``."""
+    adamw = torch.optim.AdamW
+
+    class ScaledAdamW(adamw):
+        def step(self, closure=None):
+            rates = [group["lr"] for group in self.param_groups]
+            for group in self.param_groups:
+                group["lr"] *= group["scale"]
+            try:
+                return super().step(closure)
+            finally:
+                for group, lr in zip(self.param_groups, rates):
+                    group["lr"] = lr
+
+    def make(params, **kwargs):
+        params = list(params)
+        scale = {}
+        for name, module in student.named_modules():
+            for pname, p in module.named_parameters(recurse=False):
+                if name.endswith(".cores"):  # a TTMatrix's ParameterList (low-rank factors are two-core chains)
+                    scale[id(p)] = factored
+                elif pname in getattr(module, quantize_module.SPEC_ATTR, {}):
+                    scale[id(p)] = grid
+        groups = {}
+        for p in params:
+            groups.setdefault(scale.get(id(p), 1.0), []).append(p)
+        print(json.dumps({"lr_groups": {str(k): sum(p.numel() for p in v) for k, v in groups.items()}}), flush=True)
+        return ScaledAdamW([{"params": v, "scale": k} for k, v in groups.items()], **kwargs)
+
+    return make
+
+
 def run_variant(name, teacher, data, start, args) -> dict:
     spec = parse_variant(name)
     student = copy.deepcopy(teacher)
@@ -198,6 +235,9 @@ def run_variant(name, teacher, data, start, args) -> dict:
     original = match_module.lr_factor
     match_module.lr_factor = schedule(float(spec.get("warmup", 0.05)), float(spec.get("floor", 0.1)))
     original_match = compress_module.match_teacher
+    original_adamw = torch.optim.AdamW
+    if "flr" in spec or "ilr" in spec:
+        torch.optim.AdamW = scaled_adamw(student, float(spec.get("flr", 1.0)), float(spec.get("ilr", 1.0)))
     if int(spec.get("bal", 0)):
 
         def balanced_match(trained, *a, **k):
@@ -223,6 +263,7 @@ def run_variant(name, teacher, data, start, args) -> dict:
     finally:
         match_module.lr_factor = original
         compress_module.match_teacher = original_match
+        torch.optim.AdamW = original_adamw
     if args.save:
         Path(args.save).mkdir(parents=True, exist_ok=True)
         comera_fx.save_tensorized(student, Path(args.save) / f"{args.budget}_{name.replace('=', '-')}.st")
