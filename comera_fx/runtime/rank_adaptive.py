@@ -373,8 +373,7 @@ class RankAdaptive:
         for m in self.matrices:
             if not m.shrinkable:
                 continue
-            device = m.tt.cores[0].device.type
-            if max(m.tt.layout.internal_ranks, default=1) > kernel_rank(1, device):
+            if max(m.tt.layout.internal_ranks, default=1) > kernel_rank(1, m.tt.device.type):
                 return False
         return True
 

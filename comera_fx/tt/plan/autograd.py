@@ -121,6 +121,12 @@ class PlanRunner:
         """The width the bond between the two factors runs at for input ``x``; 0 for a plan without two factors."""
         return kernel_rank(self.bond_rank, x.device.type) if self.two_factor is not None else 0
 
+    @property
+    def folds_bias(self) -> bool:
+        """Does the last GEMM write y itself, so a bias can ride in addmm (``FOLD_BIAS`` on)? Read from
+        ``writes_y``, found once per plan: Dynamo would otherwise trace the plan walk again for every layer."""
+        return FOLD_BIAS and self.writes_y
+
     def bias_in_gemm(self, x, bias) -> bool:
         """Does ``forward`` carry ``bias`` in the padded bond's spare slice (``BIAS_IN_GEMM``)? Only where y is the
         last GEMM's output itself and the dtypes agree without autocast (which would cast the bias row)."""
@@ -148,14 +154,7 @@ class PlanRunner:
         lefts, rights = [], []
         ones = self.bias_in_gemm(x2, bias)
         # Fold only where addmm sees the dtypes mm would (autocast casts all three alike; else bias must match).
-        # (``folds_bias`` read from the runner's own ``writes_y``: Dynamo would trace the plan walk again per layer.)
-        foldable = (
-            not ones
-            and bias is not None
-            and FOLD_BIAS
-            and self.writes_y
-            and (bias.dtype == x2.dtype or _autocasting(x2))
-        )
+        foldable = not ones and bias is not None and self.folds_bias and (bias.dtype == x2.dtype or _autocasting(x2))
         fold = bias if foldable else None
         first, last = self.two_factor if self.two_factor is not None else (-1, -1)
         n_last = len(self.steps) - 1
@@ -253,7 +252,7 @@ FOLD_BIAS = True
 
 def folds_bias(chosen: Plan) -> bool:
     """Does the plan's last GEMM write y itself, so a bias can ride in addmm (``FOLD_BIAS`` on)?"""
-    return FOLD_BIAS and _writes_y(chosen)
+    return plan_runner(chosen).folds_bias
 
 
 def _writes_y(chosen: Plan) -> bool:
