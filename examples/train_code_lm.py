@@ -23,15 +23,16 @@ training time, outside the budget clock.
 
 Compiled or eager (``--compile auto``, the default; ``comera_fx.compile_policy``): each run takes a few eager
 steps, then, if the budget left could repay a compile, compiles its blocks in place (``comera_fx.compile_regions`` for
-the TT run, with ``BudgetConfig(shrink_slack=4, same_shape_blocks=True)`` so its prunes recompile at most once; stock
-``torch.compile`` per block for the dense run), then alternates compiled and eager steps in neighbouring pairs until a
-sign test says whether the compiled step repays the recompiles to come, and keeps the compiled path only then. The
-compile is inside the run's training clock; the report says which path each run took and why. A TT run that may compile
-shrinks its cores to their live ranks after training. On this model the compiled TT step is within about ±20 % of the
-eager one (the planner's eager contractions are already most of the cost), so the choice goes either way
-(benchmarks/RESULTS.md, "Issue 30 item 4"). Run as a script it chooses OpenMP's wait policy from the machine's load
-unless the environment sets one (``openmp_policy.py``: libgomp's spin-then-sleep when idle, ``OMP_WAIT_POLICY=PASSIVE``
-when busy; the report says which); ``--threads 1`` can still be faster on a machine that other jobs keep busy.
+the TT run, whose ``RankAdaptive`` hook, with ``BudgetConfig``'s defaults, finds its blocks compiled and keeps one
+shape through the prunes: one recompile at most; stock ``torch.compile`` per block for the dense run), then alternates
+compiled and eager steps in neighbouring pairs until a sign test says whether the compiled step repays the recompiles
+to come, and keeps the compiled path only then. The compile is inside the run's training clock; the report says which
+path each run took and why. A TT run shrinks its cores to their live ranks after training. On this model the compiled
+TT step reads 1.06-1.14x the eager one on a 2-core CPU (GEMMs and attention, the same kernels on both paths, are ~70 %
+of the step; benchmarks/history/2026-12-07-session12.md), so the choice can go either way. Run as a script it chooses
+OpenMP's wait policy from the machine's load unless the environment sets one (``openmp_policy.py``: libgomp's
+spin-then-sleep when idle, ``OMP_WAIT_POLICY=PASSIVE`` when busy; the report says which); ``--threads 1`` can still be
+faster on a machine that other jobs keep busy.
 
 Output (``runs/<timestamp>/`` or ``--out DIR``): ``report.md`` (configuration, per-run table, per-layer TT report),
 ``val_loss.png``, ``compression.png``, ``ranks.png``, ``rank_history.json``, ``metrics.json``.
@@ -369,9 +370,7 @@ def make_hook(
         else:
             horizon = {"budget_seconds": args.budget_seconds}
         clock = None if "total_steps" in horizon else (lambda: result.train_seconds)
-        config = BudgetConfig(
-            keep_fraction=args.keep_fraction, final_fraction=1 - args.prune_by, **horizon, **compile_once(args)
-        )
+        config = BudgetConfig(keep_fraction=args.keep_fraction, final_fraction=1 - args.prune_by, **horizon)
         return RankAdaptive(model, optimizer, config, clock=clock, history_every=1)
     config = CoMERAConfig(
         l1_weight=args.l1_weight,
@@ -383,18 +382,9 @@ def make_hook(
     return RankAdaptive(model, optimizer, config, history_every=1)
 
 
-def compile_once(args) -> dict:
-    """BudgetConfig settings of a run that may compile (``--compile`` auto or yes): prunes keep the stored widths
-    while the stored TT size is within 4x the live size, and a physical shrink gives every block one width, so the
-    regionally compiled blocks recompile at most once in the run instead of once per prune (benchmarks/RESULTS.md,
-    issue 30). The price: until that shrink the stored cores stay wider than the live ranks, so a run that settles on
-    eager drops these settings (``RankAdaptive.shrink_eagerly``)."""
-    return {} if args.compile == "no" else {"shrink_slack": 4.0, "same_shape_blocks": True}
-
-
 def expected_recompiles(hook: RankAdaptive | None, args) -> int:
     """Physical shrinks to come in a run (each recompiles the compiled blocks), counted at the most: under
-    ``compile_once``'s budget schedule one at the last prune point, none where that compaction would leave the
+    the budget schedule of a compiled model one at the last prune point, none where that compaction would leave the
     GEMMs' widths as they are (``RankAdaptive.compaction_keeps_gemm_widths``: the CPU at max rank <= 16, the demo's
     default) or would free too little to pay; none without rank adaptation."""
     if hook is None:
@@ -524,7 +514,8 @@ def training_steps(
     result.eval_seconds += time.perf_counter() - t_eval
     next_eval = eval_every
     smooth = None
-    settles_eager = hook.shrink_eagerly if hook is not None and compile_once(args) else None
+    # a run that settles on eager stores every matrix at its own live ranks from then on
+    settles_eager = hook.shrink_eagerly if hook is not None else None
     probe = compile_policy.CompileProbe(
         mode=args.compile, budget_s=budget, on_eager=settles_eager, expected_recompiles=expected_recompiles(hook, args)
     )
@@ -573,9 +564,9 @@ def training_steps(
     bar.close()
     result.compile = probe.summary()
     print(f"{name}: {compile_line(result.compile)}", flush=True)
-    if hook is not None and compile_once(args):
-        # compile_once held the stored cores wider than the live ranks to save recompiles; training is over (the
-        # compiled blocks run no more), so the model keeps each matrix at its own live ranks
+    if hook is not None:
+        # compiled, the hook held the stored cores wider than the live ranks to save recompiles (one width per
+        # matrix role, zero slices past the live ranks); training is over, so each matrix keeps its own live ranks
         stored = hook.stored_tt_params()
         hook.shrink_eagerly()
         result.shrunk_after_training = (stored, hook.stored_tt_params())
@@ -772,10 +763,10 @@ COMPILE_NOTE = (
     "keeps the compiled path only then; otherwise the blocks go back to eager. Steps gained are "
     "estimated at the probe's speed-up. The compile is inside the run's training clock. Embeddings, "
     "head, loss, clipping and the optimizer step stay eager, and validation runs eagerly "
-    "(`torch.compiler.set_stance('force_eager')`). The TT run's rank schedule keeps one width per matrix "
-    "role across blocks and shrinks physically once (`BudgetConfig(shrink_slack=4, "
-    "same_shape_blocks=True)`), so the compiled blocks recompile at most once, not once per prune; after "
-    "training its cores shrink to their live ranks."
+    "(`torch.compiler.set_stance('force_eager')`). The TT run's rank schedule (`BudgetConfig`'s defaults) finds "
+    "its blocks compiled, keeps one width per matrix role across blocks and rounds prunes in place, so the "
+    "compiled blocks recompile at most once, not once per prune; after training its cores shrink to their "
+    "live ranks."
 )
 
 
@@ -840,8 +831,8 @@ def write_report(
         (
             "RankAdaptive",
             f"budget schedule: keep_fraction={args.keep_fraction:g}, reached at {args.prune_by:.0%} of "
-            f"the training clock (warm-up 10%, cubic decay, 10 prunes"
-            f"{'; shrink_slack 4 and same_shape_blocks while compiled' if compile_once(args) else ''})"
+            f"the training clock (warm-up 10%, cubic decay, 10 prunes; compiled: rounded in place, at most one "
+            f"recompile)"
             if args.schedule == "budget"
             else f"CoMERAConfig: l1_weight={args.l1_weight:g}, prune_every={args.prune_every}, "
             f"keep_fraction={args.keep_fraction:g}, late_size_weight={args.late_size_weight:g}, "

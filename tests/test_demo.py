@@ -7,6 +7,7 @@ prunes that meet the budget schedule's size, and the three plots.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 
@@ -180,20 +181,33 @@ def test_interleaved_runs_train_exactly_as_run_alone():
 
 
 class _NoCompile:
-    """Stands in for compile_policy.compile_blocks: the probe's paths run, the blocks stay eager (no Inductor)."""
+    """Stands in for compile_policy.compile_blocks: the probe's paths run, the blocks stay eager (no Inductor), and
+    the blocks are marked compiled as ``compile_regions`` marks them, so the rank hook acts as under a compile."""
+
+    def __init__(self, model=None):
+        from comera_fx.runtime.compiled import mark_compiled
+
+        if model is not None:
+            mark_compiled(model.blocks, regional=True)
 
     def graphs(self):
         return 1
 
 
 def test_a_run_that_may_compile_ends_stored_at_its_live_ranks(monkeypatch):
-    """A run that may compile (``--compile yes``) holds its stored cores wider than the live ranks while it trains
-    (``compile_once``: fewer recompiles). After training the demo shrinks them to the live ranks, which changes the
-    stored size and not the model's function: the validation loss after the shrink is the run's last one."""
+    """A run that compiles (``--compile yes``) holds its stored cores wider than the live ranks while it trains
+    (``BudgetConfig``'s defaults for a compiled model: fewer recompiles). After training the demo shrinks them to the
+    live ranks, which changes the stored size and not the model's function: the validation loss after the shrink is
+    the run's last one."""
     import torch
 
     demo = load_demo()
-    monkeypatch.setattr(demo.compile_policy, "compile_blocks", lambda model: _NoCompile())
+    monkeypatch.setattr(demo.compile_policy, "compile_blocks", _NoCompile)
+    # the probe "compiles" after one eager step, before the schedule's first prune point (step 2 of 12), as in the
+    # demo's 120 s run (8 eager steps, first prune after 10 % of the clock)
+    monkeypatch.setattr(
+        demo.compile_policy, "CompileProbe", functools.partial(demo.compile_policy.CompileProbe, eager_steps=1)
+    )
     args, p = demo.parse_args(
         [
             "--preset",
