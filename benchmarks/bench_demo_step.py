@@ -7,7 +7,8 @@ interleaved and rotated in one process (``common.time_rotated``: drift falls on 
 profiler's top ops of both paths' steps. After the timing it prints each path's minor page faults a step: glibc maps
 large freed blocks afresh depending on the process's history, and those first touches (~0.75 µs a page here, up to
 ~11 k pages a step) fall mostly on the eager step (benchmarks/history/2026-12-07-session12.md). Random bytes stand
-in for the stdlib text: only the shapes matter here.
+in for the stdlib text: only the shapes matter here. ``--autocast bf16``: the forward under CPU autocast (on an AMD
+Zen 4 slower than fp32 on both paths: 201 / 203 ms against 158 / 177 ms, 2026-12-07).
 
     flock /tmp/timing.lock .venv/bin/python benchmarks/bench_demo_step.py --profile [--kernel-profile]
 """
@@ -43,13 +44,15 @@ def build(args):
     return model, optimizer, hook, batch
 
 
-def parts(model, optimizer, hook, batch) -> dict:
-    """The demo's step (training_steps' body) and its parts."""
+def parts(model, optimizer, hook, batch, autocast=None) -> dict:
+    """The demo's step (training_steps' body) and its parts; ``autocast``: the forward under CPU autocast to
+    that dtype."""
     x, y = batch
 
     def fwd_bwd():
         optimizer.zero_grad(set_to_none=True)
-        loss = demo.lm_loss(model, x, y)
+        with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+            loss = demo.lm_loss(model, x, y)
         loss.backward()
         return loss
 
@@ -113,6 +116,7 @@ def main(argv=None):
         metavar="KEY=VALUE",
         help="an Inductor config patch for the blocks' backend (BackendConfig.inductor_options); repeatable",
     )
+    ap.add_argument("--autocast", choices=("bf16",), default=None, help="the forward under CPU autocast")
     args = ap.parse_args(argv)
     if args.kernel_profile:
         import torch._inductor.config as inductor_config
@@ -125,7 +129,7 @@ def main(argv=None):
         print(f"inductor options {options}")
     else:
         compile_policy.compile_blocks(model)
-    fns = parts(model, optimizer, hook, batch)
+    fns = parts(model, optimizer, hook, batch, torch.bfloat16 if args.autocast else None)
     fns["step"]()  # compiles
     calls = [b._compiled_call_impl for b in model.blocks]
     columns = {

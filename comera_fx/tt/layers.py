@@ -354,7 +354,8 @@ def _specialize_ranks(cores: Sequence[Tensor]) -> None:
     False``, or ``torch.compiler.config.dynamic_sources``); Dynamo then makes the cores' sizes symbols after a rank
     change. Plans are made for concrete ranks (the contraction order and every view depend on them), so the TT
     products specialize the ranks instead: a rank change recompiles, as with static shapes, where it would
-    otherwise crash inside Dynamo. ``BudgetConfig(shrink_slack=...)`` is how rank changes avoid recompiles."""
+    otherwise crash inside Dynamo. Rank changes avoid recompiles by keeping the stored shapes: ``RankAdaptive`` rounds
+    in place under a compile (``BudgetConfig``'s defaults; ``shrink_slack`` overrides)."""
     for core in cores:
         torch._dynamo.mark_static(core)
 
