@@ -24,7 +24,11 @@ scales searched with the calibrated input importance, ``comera_fx.quantize.CLIP_
 ``all``: and the attention's context; ``block``: the blocks only, the default), ``bs`` (rows a training batch; the
 recipe's 32; the calibration batches stay the recipe's), ``pack`` (0: ``DistillConfig(pack=False)``), ``amp``
 (``bf16``: ``DistillConfig(autocast=torch.bfloat16)``), ``flr`` / ``ilr`` (learning-rate multipliers for the TT
-cores, low-rank factors among them, and for the weights of the int-grid layers; the schedule scales them alike).
+cores, low-rank factors among them, and for the weights of the int-grid layers; the schedule scales them alike),
+``pkg`` (the installed packages whose docstrings join the stdlib's as training prose, single texts and joined long
+rows alike, joined by ``+``, in place of the recipe's ``extra_packages`` (torch); ``pkg=none``: the stdlib's alone;
+never numpy or sympy, whose docstrings are the other-source text). The recipe's start is cached per
+``extra_packages`` (its calibration batches are drawn from the training prose).
 ``baselines`` as a variant: int8 and int4 per output channel and int4 in groups of 64, rounded, no training, with
 max|w| scales and with searched ones.
 ``--save DIR`` keeps each variant's student (``save_tensorized``), e.g. for ``bench_distill_formats.py serve
@@ -91,6 +95,24 @@ def sampler(data: dict, kind: str, seed: int, reference: float = 0.0, batch_size
     return cp.training_sampler(data, ns, seed=seed)
 
 
+def with_package_prose(data: dict, packages: str, tokenizer) -> dict:
+    """``data`` with the training prose of ``examples/compress_pretrained.py --extra-packages`` ``packages`` (joined
+    by ``+``; ``none``: the stdlib's alone) instead of the recipe's, single texts and joined long rows; the start
+    (calibration and format choice) stays the cached one."""
+    mined = cp.mine_stdlib()
+    stdlib = mined["train"]
+    held_out = set(cp.mine_other_source(set(stdlib), limit=RECIPE["other_texts"])) | set(mined["test_texts"])
+    names = () if packages == "none" else tuple(packages.split("+"))
+    extra = cp.mine_package_prose(names, set(stdlib) | held_out) if names else []
+    rows = cp.joined_texts(stdlib, RECIPE["long_chars"]) + cp.joined_texts(extra, RECIPE["long_chars"])
+    print(json.dumps({"pkg": packages, "extra_texts": len(extra), "train_texts": len(stdlib) + len(extra)}), flush=True)
+    return {
+        **data,
+        "train_enc": cp.tokenize_all(tokenizer, stdlib + extra, max_length=RECIPE["train_len"]),
+        "train_long_enc": cp.tokenize_all(tokenizer, rows, max_length=RECIPE["long_len"]),
+    }
+
+
 def cosines(model, data, reference) -> dict:
     """Mean cosine on held-out stdlib and other-source texts, and on the latter by token-length bucket."""
     stdlib = (cp.embed(model, data["test_texts_enc"]) * reference["texts"]).sum(-1)
@@ -124,6 +146,8 @@ def start_of(teacher, data, budget: float, cache: Path | None, choose_options: d
     )
     if RECIPE["long_fraction"]:  # the calibration batches are the recipe's, long rows among them
         suffix += f"_long{RECIPE['long_fraction']}"
+    if RECIPE["extra_packages"]:  # and drawn from its training prose
+        suffix += "_pkg-" + "-".join(RECIPE["extra_packages"])
     if quantize_module.CLIP_RATIOS != (1.0,):  # int candidates measured on searched scales
         suffix += f"_clip{len(quantize_module.CLIP_RATIOS)}"
     path = cache / f"start_{budget}{suffix}.pt" if cache else None
@@ -245,6 +269,8 @@ def run_variant(name, teacher, data, start, args) -> dict:
             return original_match(trained, *a, **k)
 
         compress_module.match_teacher = balanced_match
+    if "pkg" in spec:
+        data = with_package_prose(data, spec["pkg"], tokenizer_box[0])
     calibration, plan = copy.deepcopy(start)
     load_before = common.loadavg()
     try:
@@ -315,6 +341,7 @@ def baselines(teacher, data) -> list[dict]:
 
 
 reference_box: list = []
+tokenizer_box: list = []
 
 
 def main() -> None:
@@ -342,6 +369,8 @@ def main() -> None:
     ns = argparse.Namespace(**{**RECIPE, "reference_fraction": 1.0 if uses_reference else 0.0})
     teacher, _, _, data, reference = cp.prepare(ns)
     reference_box.append(reference)
+    if any("pkg" in parse_variant(name) for name in args.variants):
+        tokenizer_box.append(cp.load_teacher(cp.minilm_dir() is None)[1])
     print(json.dumps({"prepared_seconds": round(time.perf_counter() - begin, 1), "load": common.loadavg()}), flush=True)
     starts = {}  # one per grid rounding (``clip``): the format choice measures the grids it would build
     for name in args.variants:

@@ -48,6 +48,7 @@ COMPRESS_RECIPE = dict(
     long_chars=600,
     long_len=128,
     reference_fraction=0.0,
+    extra_packages=("torch",),
     other_texts=500,
     batch_size=32,
     by_length=True,

@@ -109,6 +109,21 @@ def test_other_source_text_deterministic_and_disjoint():
     assert not train & set(cp.mine_other_source(train, limit=50, packages=("numpy",), max_files=40))
 
 
+def test_package_prose_leaves_out_the_evaluation_text():
+    """``--extra-packages`` training prose: docstrings of the named package (torch here), none of the excluded texts
+    (the stdlib training texts and the other-source evaluation texts); numpy and sympy, whose docstrings are the
+    evaluation text, are refused, and so is a package that is not installed."""
+    cp = load_example()
+    prose = cp.mine_package_prose(("torch",), set(), max_files=40)
+    assert len(prose) > 20 and len(set(prose)) == len(prose)
+    excluded = set(prose[::3])
+    again = cp.mine_package_prose(("torch",), excluded, max_files=40)
+    assert not excluded & set(again) and set(again) == set(prose) - excluded
+    for refused in (("numpy",), ("torch", "sympy"), ("no_such_package_here",)):
+        with pytest.raises(SystemExit, match="--extra-packages"):
+            cp.mine_package_prose(refused, set(), max_files=2)
+
+
 def test_reference_text_rows_and_sampler_share():
     """The Python reference topics as training rows: every row at most ``chars`` long, none a heading underline or
     a grammar block, none a numpy docstring (the evaluation text); a sampler with reference share 1 draws only
