@@ -100,15 +100,13 @@ def with_package_prose(data: dict, packages: str, tokenizer) -> dict:
     by ``+``; ``none``: the stdlib's alone) instead of the recipe's, single texts and joined long rows; the start
     (calibration and format choice) stays the cached one."""
     mined = cp.mine_stdlib()
-    stdlib = mined["train"]
-    held_out = set(cp.mine_other_source(set(stdlib), limit=RECIPE["other_texts"])) | set(mined["test_texts"])
+    other = cp.mine_other_source(set(mined["train"]), limit=RECIPE["other_texts"])
     names = () if packages == "none" else tuple(packages.split("+"))
-    extra = cp.mine_package_prose(names, set(stdlib) | held_out) if names else []
-    rows = cp.joined_texts(stdlib, RECIPE["long_chars"]) + cp.joined_texts(extra, RECIPE["long_chars"])
-    print(json.dumps({"pkg": packages, "extra_texts": len(extra), "train_texts": len(stdlib) + len(extra)}), flush=True)
+    prose, rows, n_extra = cp.training_prose(mined, other, names, RECIPE["long_chars"])
+    print(json.dumps({"pkg": packages, "extra_texts": n_extra, "train_texts": len(prose)}), flush=True)
     return {
         **data,
-        "train_enc": cp.tokenize_all(tokenizer, stdlib + extra, max_length=RECIPE["train_len"]),
+        "train_enc": cp.tokenize_all(tokenizer, prose, max_length=RECIPE["train_len"]),
         "train_long_enc": cp.tokenize_all(tokenizer, rows, max_length=RECIPE["long_len"]),
     }
 

@@ -296,6 +296,19 @@ def joined_texts(texts: list[str], chars: int) -> list[str]:
     return rows + ([row] if row else [])
 
 
+def training_prose(
+    mined: dict, other: list[str], packages: tuple[str, ...], long_chars: int, max_files: int | None = None
+) -> tuple[list[str], list[str], int]:
+    """The distillation's prose and its joined long rows: the stdlib's training texts (``mine_stdlib``) and, with
+    ``packages`` (``--extra-packages``), their docstrings minus every stdlib text and every evaluation text
+    (``other``); rows are joined within each source (a row is consecutive text of one file's neighbourhood).
+    Returns (texts, long rows, how many texts the packages gave)."""
+    seen = set(mined["train"]) | set(mined["test_texts"]) | set(other)
+    extra = mine_package_prose(packages, seen, max_files) if packages else []
+    rows = joined_texts(mined["train"], long_chars) + joined_texts(extra, long_chars)
+    return mined["train"] + extra, rows, len(extra)
+
+
 def training_sampler(data: dict, args, seed: int):
     """The distillation's batches: prose (docstrings and comments); with ``--long-fraction`` that share of the
     batches from rows of consecutive prose joined to ``--long-chars`` (the single texts average 17 tokens, the text
@@ -409,11 +422,7 @@ def prepare(args) -> tuple:
     test_texts = test_texts[: args.eval_texts]
     other = mine_other_source(set(mined["train"]), limit=args.other_texts) if args.other_texts else []
     packages = tuple(getattr(args, "extra_packages", None) or ())
-    seen = set(mined["train"]) | set(mined["test_texts"]) | set(other)  # training text and every evaluation text
-    extra = mine_package_prose(packages, seen, args.max_files) if packages else []
-    prose, long_rows = mined["train"] + extra, joined_texts(mined["train"], args.long_chars)
-    if extra:  # joined within each source: a row is consecutive text of one file's neighbourhood
-        long_rows += joined_texts(extra, args.long_chars)
+    prose, long_rows, n_extra = training_prose(mined, other, packages, args.long_chars, args.max_files)
     data = {
         "train_enc": tokenize_all(tokenizer, prose, max_length=args.train_len),
         "train_code_enc": tokenize_all(tokenizer, mined["train_code"], max_length=args.code_len)
@@ -430,7 +439,7 @@ def prepare(args) -> tuple:
         "codes_enc": tokenize_all(tokenizer, [c for _, c in pairs], max_length=256 if not tiny else MAX_LEN),
         "counts": {
             "train_texts": len(prose),
-            "extra_package_texts": len(extra),
+            "extra_package_texts": n_extra,
             "train_code": len(mined["train_code"]),
             "test_texts": len(test_texts),
             "pairs": len(pairs),

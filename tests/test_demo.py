@@ -184,11 +184,10 @@ class _NoCompile:
     """Stands in for compile_policy.compile_blocks: the probe's paths run, the blocks stay eager (no Inductor), and
     the blocks are marked compiled as ``compile_regions`` marks them, so the rank hook acts as under a compile."""
 
-    def __init__(self, model=None):
+    def __init__(self, model):
         from comera_fx.runtime.compiled import mark_compiled
 
-        if model is not None:
-            mark_compiled(model.blocks, regional=True)
+        mark_compiled(model.blocks, regional=True)
 
     def graphs(self):
         return 1

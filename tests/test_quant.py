@@ -122,6 +122,14 @@ def test_package_prose_leaves_out_the_evaluation_text():
     for refused in (("numpy",), ("torch", "sympy"), ("no_such_package_here",)):
         with pytest.raises(SystemExit, match="--extra-packages"):
             cp.mine_package_prose(refused, set(), max_files=2)
+    # the recipe's prose: the stdlib's training texts first, then torch's minus every stdlib and evaluation text
+    mined = cp.mine_stdlib(max_files=20)
+    other = prose[:5]  # stands in for the evaluation texts
+    texts, rows, n_extra = cp.training_prose(mined, other, ("torch",), 200, max_files=40)
+    assert texts[: len(mined["train"])] == mined["train"] and n_extra == len(texts) - len(mined["train"]) > 0
+    assert not set(texts[len(mined["train"]) :]) & (set(other) | set(mined["test_texts"]) | set(mined["train"]))
+    assert rows == cp.joined_texts(mined["train"], 200) + cp.joined_texts(texts[len(mined["train"]) :], 200)
+    assert cp.training_prose(mined, other, (), 200) == (mined["train"], cp.joined_texts(mined["train"], 200), 0)
 
 
 def test_reference_text_rows_and_sampler_share():
