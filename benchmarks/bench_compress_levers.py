@@ -25,6 +25,8 @@ scales searched with the calibrated input importance, ``comera_fx.quantize.CLIP_
 recipe's 32; the calibration batches stay the recipe's), ``pack`` (0: ``DistillConfig(pack=False)``), ``amp``
 (``bf16``: ``DistillConfig(autocast=torch.bfloat16)``), ``flr`` / ``ilr`` (learning-rate multipliers for the TT
 cores, low-rank factors among them, and for the weights of the int-grid layers; the schedule scales them alike),
+``ft`` (``DistillConfig.format_trials``: that many calibrations and format choices, the one with the lowest
+validation loss at the start trained; the cached start is not used, its first trial is the same choice made again),
 ``pkg`` (the installed packages whose docstrings join the stdlib's as training prose, single texts and joined long
 rows alike, joined by ``+``, in place of the recipe's ``extra_packages`` (torch); ``pkg=none``: the stdlib's alone;
 never numpy or sympy, whose docstrings are the other-source text). The recipe's start is cached per
@@ -32,7 +34,8 @@ never numpy or sympy, whose docstrings are the other-source text). The recipe's 
 ``baselines`` as a variant: int8 and int4 per output channel and int4 in groups of 64, rounded, no training, with
 max|w| scales and with searched ones.
 ``--save DIR`` keeps each variant's student (``save_tensorized``), e.g. for ``bench_distill_formats.py serve
---student``.
+--student``. ``--start FILE``: train from another start, ``torch.save((calibration, plan), FILE)`` made on this
+teacher (e.g. the format choice on other calibration batches), instead of the cached recipe start.
 """
 
 from __future__ import annotations
@@ -270,6 +273,9 @@ def run_variant(name, teacher, data, start, args) -> dict:
     if "pkg" in spec:
         data = with_package_prose(data, spec["pkg"], tokenizer_box[0])
     calibration, plan = copy.deepcopy(start)
+    if "ft" in spec:  # ft=N: DistillConfig.format_trials; compress_ calibrates and chooses each trial itself
+        config = config.replace(format_trials=int(spec["ft"]))
+        calibration = plan = None
     load_before = common.loadavg()
     try:
         summary = compress_(
@@ -296,6 +302,7 @@ def run_variant(name, teacher, data, start, args) -> dict:
         "budget": args.budget,
         "steps": summary.steps,
         "distill_seconds": round(summary.seconds["distill"], 1),
+        "setup_seconds": {k: round(v, 1) for k, v in summary.seconds.items() if k != "distill"},
         "stored_over_dense": round(summary.stored_bytes / summary.dense_bytes, 4),
         "loss_last10": round(sum(summary.losses[-10:]) / len(summary.losses[-10:]), 4),
         "validation": [(step, round(loss, 5)) for step, loss in summary.validation],
@@ -352,6 +359,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--save", default=None, help="a folder: save_tensorized each variant's student there")
+    parser.add_argument(
+        "--start",
+        default=None,
+        help="a file of (calibration, plan) made on this teacher (torch.save) to train from, not the cached start",
+    )
     parser.add_argument("--num-modes", default=None, help="choose_formats' num_modes (e.g. 1: low-rank TT)")
     parser.add_argument("--ranks", default=None, help="choose_formats' ranks, comma-separated")
     parser.add_argument(
@@ -386,7 +398,10 @@ def main() -> None:
                 if args.ranks is not None:
                     options["ranks"] = tuple(int(r) for r in args.ranks.split(","))
                 cache = Path(args.cache) if args.cache else None
-                starts[clip] = start_of(teacher, data, args.budget, cache, options)
+                if args.start:
+                    starts[clip] = torch.load(args.start, weights_only=False)
+                else:
+                    starts[clip] = start_of(teacher, data, args.budget, cache, options)
                 print(json.dumps({"start_seconds": round(time.perf_counter() - t0, 1), "clip": clip}), flush=True)
             print(json.dumps(run_variant(name, teacher, data, starts[clip], args)), flush=True)
 

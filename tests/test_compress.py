@@ -193,3 +193,70 @@ def test_autocast_distills_in_bf16_with_attention_in_fp32():
     assert losses[torch.bfloat16][0] != losses[None][0]  # it did run in bf16
     with pytest.raises(ValueError, match="autocast must be torch.bfloat16"):
         DistillConfig(autocast=torch.float64)
+
+
+def hand_loss(student: nn.Module, teacher: nn.Module, data: list[dict]) -> float:
+    """The default distillation loss written out: relative MSE of the last hidden state plus 1/2 × that of each of
+    the two blocks' outputs (BERT's hidden_states[1:]), in float64, averaged over the batches."""
+
+    def rel(s, t):
+        return float((s.double() - t.double()).pow(2).mean() / t.double().pow(2).mean())
+
+    total = 0.0
+    with torch.no_grad():
+        for b in data:
+            s = student(**b, output_hidden_states=True)
+            t = teacher(**b, output_hidden_states=True)
+            total += rel(s.last_hidden_state, t.last_hidden_state)
+            total += 0.5 * sum(rel(s.hidden_states[i], t.hidden_states[i]) for i in (1, 2))
+    return total / len(data)
+
+
+def test_format_trials_train_the_plan_with_the_lowest_validation_loss():
+    """``format_trials=3``: three calibrations on consecutive batches, three plans built on copies, and the one with
+    the lowest start loss on the held-out batches is trained. The losses are checked against the expert path run by
+    hand (calibrate → choose_formats → apply_formats_ → the loss written out), and the run's own step-0 validation
+    loss against the lowest of them."""
+    teacher = tiny_bert()
+    data = batches(30, 0)  # a list longer than 4 × 2: its last two batches are held out for validation
+    student = copy.deepcopy(teacher)
+    config = QUICK.replace(format_trials=3)
+    summary = compress_(
+        student, teacher, data, byte_budget=0.2, budget_seconds=None, steps=1, config=config, tensorize_config=SMALL
+    )
+    training, validation = data[:-2], data[-2:]
+    by_hand = []
+    for trial in (training[0:4], training[4:8], training[8:12]):
+        copy_ = copy.deepcopy(teacher)
+        calibration = comera_fx.calibrate(copy_, trial, config=SMALL, token_mask=lambda b: b["attention_mask"])
+        plan = comera_fx.choose_formats(copy_, calibration, 0.2, config=SMALL, batches=trial[:2], fast=True)
+        comera_fx.apply_formats_(copy_, plan, calibration)
+        by_hand.append(hand_loss(copy_, teacher, validation))
+    note = next(n for n in summary.notes if n.startswith("format_trials"))
+    reported = [float(x) for x in note.split("start ")[1].split(";")[0].split(", ")]
+    assert reported == pytest.approx(by_hand, rel=1e-3)
+    assert len(set(round(x, 6) for x in by_hand)) == 3  # three different starts to choose from
+    assert summary.validation[0][0] == 0 and summary.validation[0][1] == pytest.approx(min(by_hand), rel=1e-3)
+    assert "format_trials" in summary.seconds
+
+
+def test_format_trials_refuse_what_they_cannot_use():
+    teacher = tiny_bert()
+    with pytest.raises(ValueError, match="validation_batches >= 1"):
+        DistillConfig(format_trials=2, validation_batches=0)
+    with pytest.raises(ValueError, match="format_trials must be an int >= 1"):
+        DistillConfig(format_trials=0)
+    calibration = comera_fx.calibrate(copy.deepcopy(teacher), batches(2, 0), config=SMALL)
+    student = copy.deepcopy(teacher)
+    with pytest.raises(ValueError, match="format_trials=1, or neither"):
+        compress_(
+            student,
+            teacher,
+            batches(30, 0),
+            byte_budget=0.2,
+            steps=1,
+            config=QUICK.replace(format_trials=2),
+            tensorize_config=SMALL,
+            calibration=calibration,
+        )
+    assert not any(isinstance(m, (TTLinear, PackedLinear, PackedTTLinear)) for m in student.modules())
