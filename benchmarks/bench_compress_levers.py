@@ -25,8 +25,6 @@ scales searched with the calibrated input importance, ``comera_fx.quantize.CLIP_
 recipe's 32; the calibration batches stay the recipe's), ``pack`` (0: ``DistillConfig(pack=False)``), ``amp``
 (``bf16``: ``DistillConfig(autocast=torch.bfloat16)``), ``flr`` / ``ilr`` (learning-rate multipliers for the TT
 cores, low-rank factors among them, and for the weights of the int-grid layers; the schedule scales them alike),
-``ft`` (``DistillConfig.format_trials``: that many calibrations and format choices, the one with the lowest
-validation loss at the start trained; the cached start is not used, its first trial is the same choice made again),
 ``pkg`` (the installed packages whose docstrings join the stdlib's as training prose, single texts and joined long
 rows alike, joined by ``+``, in place of the recipe's ``extra_packages`` (torch); ``pkg=none``: the stdlib's alone;
 never numpy or sympy, whose docstrings are the other-source text). The recipe's start is cached per
@@ -273,9 +271,6 @@ def run_variant(name, teacher, data, start, args) -> dict:
     if "pkg" in spec:
         data = with_package_prose(data, spec["pkg"], tokenizer_box[0])
     calibration, plan = copy.deepcopy(start)
-    if "ft" in spec:  # ft=N: DistillConfig.format_trials; compress_ calibrates and chooses each trial itself
-        config = config.replace(format_trials=int(spec["ft"]))
-        calibration = plan = None
     load_before = common.loadavg()
     try:
         summary = compress_(

@@ -12,7 +12,6 @@ Distillation settings are data (``DistillConfig``); the budget and the byte targ
 
 from __future__ import annotations
 
-import copy
 import time
 from dataclasses import dataclass, field
 
@@ -26,10 +25,8 @@ from .calibrate import Calibration, calibrate
 from .distill_config import DistillConfig, check_distill_config, resolved
 from .format_select import CORE_BITS
 from .formats import FormatPlan, apply_formats_, choose_formats
-from .calling import default_output, eval_modes
-from .keep_best import BestWeights, split_validation
+from .keep_best import split_validation
 from .match import match_teacher
-from .match_hooks import HiddenCapture
 from .student_checks import check_batches_run, check_budget, check_same_weights, check_student_copy
 
 
@@ -101,9 +98,7 @@ def compress_(
     near-lossless start that training would only blur comes back unchanged), rounds the weights onto their grids
     and, with ``config.pack``, holds the layers packed (``PackedLinear``, ``PackedTTLinear``).
     The student is ready for ``save_tensorized``. ``tensorize_config``: which layers count (``min_numel`` / ``skip``);
-    ``calibration`` / ``plan``: reuse ones made on this model. ``config.format_trials`` > 1: that many
-    calibrations and format choices, each on its own batches, are built on copies and the plan with the lowest
-    validation loss is the one trained (a note lists them). Nothing changes in the student before every check
+    ``calibration`` / ``plan``: reuse ones made on this model. Nothing changes in the student before every check
     has passed (a copy of the teacher, batches that run on it, a budget the smallest formats fit). Returns a
     ``CompressSummary``."""
     config = check_distill_config("compress_", config)
@@ -134,57 +129,25 @@ def compress_(
             f"{4 * config.validation_batches} batches to hold them out"
         )
     seconds: dict[str, float] = {}
-    trials = config.format_trials
-    if trials > 1:
-        if calibration is not None or plan is not None:
-            raise ValueError(
-                "DistillConfig(format_trials > 1) calibrates and chooses the formats itself, once per trial; pass "
-                "calibration= / plan= with format_trials=1, or neither"
-            )
-        if not validation:
-            raise ValueError(
-                "DistillConfig(format_trials > 1) keeps the plan with the lowest validation loss, and no batch was "
-                "left for validation: give more batches"
-            )
-    # the first trial's batches are the ones a single choice uses; the others are drawn after the validation batches
-    draws = [drawn] + [stream.take(config.calibration_batches) for _ in range(trials - 1)]
-    scored: list[tuple[float, Calibration, FormatPlan]] = []
-    seconds["calibrate"] = seconds["choose_formats"] = 0.0
-    for trial in draws:
-        trial_calibration, trial_plan = calibration, plan
-        if trial_calibration is None:
-            trial_calibration = calibrate(student, trial, config=tensorize_config, token_mask=config.token_mask)
-        seconds["calibrate"] += time.perf_counter() - start
-        if trial_plan is None:
-            start = time.perf_counter()
-            trial_plan = choose_formats(
-                student,
-                trial_calibration,
-                byte_budget,
-                config=tensorize_config,
-                batches=trial[: config.output_batches] or None,
-                output_fn=config.output_fn,
-                fast=True,
-            )
-            seconds["choose_formats"] += time.perf_counter() - start
+    if calibration is None:
+        calibration = calibrate(student, drawn, config=tensorize_config, token_mask=config.token_mask)
+    seconds["calibrate"] = time.perf_counter() - start
+    if plan is None:
         start = time.perf_counter()
-        loss = built_loss(student, teacher, trial_plan, trial_calibration, validation, config) if trials > 1 else 0.0
-        scored.append((loss, trial_calibration, trial_plan))
-        if trials > 1:
-            seconds["format_trials"] = seconds.get("format_trials", 0.0) + time.perf_counter() - start
-        start = time.perf_counter()
-    if plan is not None:
-        del seconds["choose_formats"]
-    _, calibration, plan = min(scored, key=lambda entry: entry[0] if entry[0] == entry[0] else float("inf"))
-    if trials > 1:
-        losses_seen = ", ".join(f"{loss:.4g}" for loss, _, _ in scored)
-        notes.append(
-            f"format_trials: {trials} plans built, validation loss at the start {losses_seen}; the lowest trained"
+        plan = choose_formats(
+            student,
+            calibration,
+            byte_budget,
+            config=tensorize_config,
+            batches=drawn[: config.output_batches] or None,
+            output_fn=config.output_fn,
+            fast=True,
         )
+        seconds["choose_formats"] = time.perf_counter() - start
     start = time.perf_counter()
     built = apply_formats_(student, plan, calibration)  # the first change to the student
     seconds["build"] = time.perf_counter() - start
-    stream.push_back([batch for trial in draws for batch in trial])
+    stream.push_back(drawn)
     curve: list[tuple[int, float]] = []
     losses, seconds["distill"], run_notes = match_teacher(
         student,
@@ -222,37 +185,6 @@ def compress_(
         notes,
         curve,
     )
-
-
-def built_loss(
-    student: nn.Module,
-    teacher: nn.Module,
-    plan: FormatPlan,
-    calibration: Calibration,
-    validation: list,
-    config: DistillConfig,
-) -> float:
-    """The validation loss ``match_teacher`` would measure at step 0 of ``student`` built to ``plan`` (weights
-    rounded onto their grids), on a copy: ``student`` is not changed."""
-    built = copy.deepcopy(student)
-    apply_formats_(built, plan, calibration)
-    settings = resolved(config, built, teacher)
-    hidden = settings.hidden_modules
-    captures = (HiddenCapture(teacher, hidden), HiddenCapture(built, hidden)) if hidden else None
-    try:
-        with eval_modes(teacher), eval_modes(built):
-            keeper = BestWeights(
-                built,
-                teacher,
-                validation,
-                config=settings,
-                output_fn=settings.output_fn or default_output,
-                hidden=captures,
-            )
-            return keeper.loss()
-    finally:
-        for capture in captures or ():
-            capture.remove()
 
 
 def resident_bytes(model: nn.Module, plan: FormatPlan) -> int:

@@ -116,10 +116,7 @@ class DistillConfig:
     where it runs, else rebuilt to fp32 per call);
     ``validation_batches`` of the user's batches (the last ones of a list or tuple longer than 4 times as many; else
     drawn after the calibration batches) are not trained on: their loss is checked every 5 % of the run and the
-    weights at its lowest are the ones returned (``match_teacher(validation=)``; 0: the last step's weights);
-    ``format_trials`` > 1: that many format choices, each calibrated on its own ``calibration_batches`` batches, are
-    built and the one with the lowest validation loss is trained (the choice moves with the calibration batches, and
-    at 16x some plans train to a better student than others: docs/pretrained.md)."""
+    weights at its lowest are the ones returned (``match_teacher(validation=)``; 0: the last step's weights)."""
 
     lr: float = 5e-4
     weight_decay: float = 0.0
@@ -135,7 +132,6 @@ class DistillConfig:
     output_batches: int = 2
     pack: bool = True
     validation_batches: int = 2
-    format_trials: int = 1
     progress: bool = True
     clock: Callable[[], float] | None = None
     autocast: torch.dtype | None = None
@@ -179,12 +175,6 @@ class DistillConfig:
             or self.validation_batches < 0
         ):
             raise ValueError(f"validation_batches must be an int >= 0; got {self.validation_batches!r}")
-        if isinstance(self.format_trials, bool) or not isinstance(self.format_trials, int) or self.format_trials < 1:
-            raise ValueError(f"format_trials must be an int >= 1; got {self.format_trials!r}")
-        if self.format_trials > 1 and not self.validation_batches:
-            raise ValueError(
-                "format_trials > 1 keeps the plan with the lowest validation loss: give validation_batches >= 1"
-            )
         if self.autocast is not None and self.autocast not in AUTOCAST_DTYPES:
             raise ValueError(
                 f"autocast must be torch.bfloat16, torch.float16 or None (fp32 throughout); got {self.autocast!r}"
