@@ -26,7 +26,7 @@ recipe's 32; the calibration batches stay the recipe's), ``pack`` (0: ``DistillC
 (``bf16``: ``DistillConfig(autocast=torch.bfloat16)``), ``flr`` / ``ilr`` (learning-rate multipliers for the TT
 cores, low-rank factors among them, and for the weights of the int-grid layers; the schedule scales them alike),
 ``cb`` (``calibration_batches``: with the cached start, only where the validation batches are drawn from; give a
-``--start`` calibrated on as many), ``ps`` (``plan_search`` rounds), ``pkg`` (the installed packages whose docstrings
+``--start`` calibrated on as many), ``pkg`` (the installed packages whose docstrings
 join the stdlib's as training prose, single texts and joined long rows alike, joined by ``+``, in place of the
 recipe's ``extra_packages`` (torch); ``pkg=none``: the stdlib's alone; never numpy or sympy, whose docstrings are the
 other-source text). The recipe's start is cached per ``extra_packages`` (its calibration batches are drawn from the
@@ -253,8 +253,6 @@ def run_variant(name, teacher, data, start, args) -> dict:
         config = config.replace(validation_batches=int(spec["val"]))
     if "cb" in spec:  # cb=64: DistillConfig(calibration_batches=64); a cached start is made on the recipe's 32
         config = config.replace(calibration_batches=int(spec["cb"]))
-    if "ps" in spec:  # ps=2: DistillConfig(plan_search=2), the plan (cached or --start) refined before building
-        config = config.replace(plan_search=int(spec["ps"]))
     if "pack" in spec:  # pack=0: the int layers stay fake-quantized fp32 (the same values, no packed kernels)
         config = config.replace(pack=bool(int(spec["pack"])))
     if "hm" in spec:  # hm=sub: every sublayer's output matched too, not only each block's

@@ -27,7 +27,6 @@ from .format_select import CORE_BITS
 from .formats import FormatPlan, apply_formats_, choose_formats
 from .keep_best import split_validation
 from .match import match_teacher
-from .plan_search import PLAN_SEARCH_BATCHES, search_plan
 from .student_checks import check_batches_run, check_budget, check_same_weights, check_student_copy
 
 
@@ -99,8 +98,7 @@ def compress_(
     near-lossless start that training would only blur comes back unchanged), rounds the weights onto their grids
     and, with ``config.pack``, holds the layers packed (``PackedLinear``, ``PackedTTLinear``).
     The student is ready for ``save_tensorized``. ``tensorize_config``: which layers count (``min_numel`` / ``skip``);
-    ``calibration`` / ``plan``: reuse ones made on this model; ``config.plan_search`` rounds refine the plan (given
-    or chosen) by the loss of the whole plan built (``search_plan``). Nothing changes in the student before every check
+    ``calibration`` / ``plan``: reuse ones made on this model. Nothing changes in the student before every check
     has passed (a copy of the teacher, batches that run on it, a budget the smallest formats fit). Returns a
     ``CompressSummary``."""
     config = check_distill_config("compress_", config)
@@ -146,12 +144,6 @@ def compress_(
             fast=True,
         )
         seconds["choose_formats"] = time.perf_counter() - start
-    if config.plan_search:
-        plan, report = search_plan(
-            student, teacher, plan, calibration, drawn[:PLAN_SEARCH_BATCHES], config, rounds=config.plan_search
-        )
-        seconds["plan_search"] = report.seconds
-        notes.append(str(report))
     start = time.perf_counter()
     built = apply_formats_(student, plan, calibration)  # the first change to the student
     seconds["build"] = time.perf_counter() - start

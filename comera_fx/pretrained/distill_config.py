@@ -116,10 +116,7 @@ class DistillConfig:
     where it runs, else rebuilt to fp32 per call);
     ``validation_batches`` of the user's batches (the last ones of a list or tuple longer than 4 times as many; else
     drawn after the calibration batches) are not trained on: their loss is checked every 5 % of the run and the
-    weights at its lowest are the ones returned (``match_teacher(validation=)``; 0: the last step's weights);
-    ``plan_search`` rounds of ``comera_fx.pretrained.plan_search.search_plan`` refine the chosen plan by the loss of
-    the whole plan built, on the first 4 calibration batches (0, default: the plan as chosen; at 16x on MiniLM two
-    rounds took ~4 minutes, lowered the held-out start loss 1.083 -> 0.979 and trained to 0.8712, no gain)."""
+    weights at its lowest are the ones returned (``match_teacher(validation=)``; 0: the last step's weights)."""
 
     lr: float = 5e-4
     weight_decay: float = 0.0
@@ -135,7 +132,6 @@ class DistillConfig:
     output_batches: int = 2
     pack: bool = True
     validation_batches: int = 2
-    plan_search: int = 0
     progress: bool = True
     clock: Callable[[], float] | None = None
     autocast: torch.dtype | None = None
@@ -179,8 +175,6 @@ class DistillConfig:
             or self.validation_batches < 0
         ):
             raise ValueError(f"validation_batches must be an int >= 0; got {self.validation_batches!r}")
-        if isinstance(self.plan_search, bool) or not isinstance(self.plan_search, int) or self.plan_search < 0:
-            raise ValueError(f"plan_search must be an int >= 0 (rounds); got {self.plan_search!r}")
         if self.autocast is not None and self.autocast not in AUTOCAST_DTYPES:
             raise ValueError(
                 f"autocast must be torch.bfloat16, torch.float16 or None (fp32 throughout); got {self.autocast!r}"

@@ -38,19 +38,14 @@ class FormatChoice:
         return f"{self.format} g{self.group_size}"
 
 
-def pareto_front(candidates: list[FormatChoice]) -> list[FormatChoice]:
-    """The candidates no other beats on both bytes and error, bytes ascending (so errors descending)."""
-    front: list[FormatChoice] = []
-    for c in sorted(candidates, key=lambda c: (c.bytes, c.error)):
-        if not front or c.error < front[-1].error:
-            front.append(c)
-    return front
-
-
 def lower_hull(candidates: list[FormatChoice]) -> list[FormatChoice]:
     """The lower convex hull of (bytes, error), bytes ascending: the candidates a greedy upgrade should visit."""
+    pareto: list[FormatChoice] = []
+    for c in sorted(candidates, key=lambda c: (c.bytes, c.error)):
+        if not pareto or c.error < pareto[-1].error:
+            pareto.append(c)
     hull: list[FormatChoice] = []
-    for c in pareto_front(candidates):
+    for c in pareto:
         while len(hull) >= 2:
             a, b = hull[-2], hull[-1]  # drop b when it lies on or above the segment a -> c
             if (b.error - a.error) * (c.bytes - a.bytes) >= (c.error - a.error) * (b.bytes - a.bytes):
