@@ -25,12 +25,12 @@ scales searched with the calibrated input importance, ``comera_fx.quantize.CLIP_
 recipe's 32; the calibration batches stay the recipe's), ``pack`` (0: ``DistillConfig(pack=False)``), ``amp``
 (``bf16``: ``DistillConfig(autocast=torch.bfloat16)``), ``flr`` / ``ilr`` (learning-rate multipliers for the TT
 cores, low-rank factors among them, and for the weights of the int-grid layers; the schedule scales them alike),
-``cb`` (``calibration_batches``: with the cached start, only where the validation batches are drawn from; give a
-``--start`` calibrated on as many), ``pkg`` (the installed packages whose docstrings
-join the stdlib's as training prose, single texts and joined long rows alike, joined by ``+``, in place of the
-recipe's ``extra_packages`` (torch); ``pkg=none``: the stdlib's alone; never numpy or sympy, whose docstrings are the
-other-source text). The recipe's start is cached per ``extra_packages`` (its calibration batches are drawn from the
-training prose).
+``cb`` (``calibration_batches``; the cached start stays calibrated on the recipe's 32, so give a ``--start``
+calibrated on as many: ``cb`` then moves where the validation batches are drawn from), ``pkg`` (the installed packages
+whose docstrings join the stdlib's as training prose, single texts and joined long rows alike, joined by ``+``, in
+place of the recipe's ``extra_packages`` (torch); ``pkg=none``: the stdlib's alone; never numpy or sympy, whose
+docstrings are the other-source text). The recipe's start is cached per ``extra_packages`` (its calibration batches
+are drawn from the training prose).
 ``baselines`` as a variant: int8 and int4 per output channel and int4 in groups of 64, rounded, no training, with
 max|w| scales and with searched ones.
 ``--save DIR`` keeps each variant's student (``save_tensorized``), e.g. for ``bench_distill_formats.py serve
