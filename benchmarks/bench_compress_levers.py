@@ -35,7 +35,8 @@ are drawn from the training prose).
 max|w| scales and with searched ones.
 ``--save DIR`` keeps each variant's student (``save_tensorized``), e.g. for ``bench_distill_formats.py serve
 --student``. ``--start FILE``: train from another start, ``torch.save((calibration, plan), FILE)`` made on this
-teacher (e.g. the format choice on other calibration batches), instead of the cached recipe start.
+teacher (e.g. the format choice on other calibration batches), instead of the cached recipe start, for every
+variant (``clip=0`` too: the file's plan was measured with the grids it was made with).
 """
 
 from __future__ import annotations
